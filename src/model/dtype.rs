@@ -1,0 +1,147 @@
+//! Element types a tensor can be stored in, and their block geometry.
+
+use std::fmt;
+
+/// Storage type of a tensor as found in a GGUF or safetensors file.
+///
+/// Quantized types store `block_elems` values in `block_bytes` bytes; plain
+/// types are blocks of one element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q5_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl DType {
+    /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
+    pub fn from_ggml_id(id: u32) -> Option<DType> {
+        Some(match id {
+            0 => DType::F32,
+            1 => DType::F16,
+            2 => DType::Q4_0,
+            6 => DType::Q5_0,
+            8 => DType::Q8_0,
+            12 => DType::Q4K,
+            13 => DType::Q5K,
+            14 => DType::Q6K,
+            30 => DType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The GGML type id (inverse of [`DType::from_ggml_id`]).
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q5_0 => 6,
+            DType::Q8_0 => 8,
+            DType::Q4K => 12,
+            DType::Q5K => 13,
+            DType::Q6K => 14,
+            DType::BF16 => 30,
+        }
+    }
+
+    /// Name of a GGML type id we do not support, for error messages.
+    pub fn ggml_name(id: u32) -> &'static str {
+        match id {
+            3 => "Q4_1",
+            7 => "Q5_1",
+            9 => "Q8_1",
+            10 => "Q2_K",
+            11 => "Q3_K",
+            15 => "Q8_K",
+            16..=23 => "IQ*",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            _ => "unknown",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 32,
+            DType::Q4K | DType::Q5K | DType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => 2 + 32,
+            DType::Q4_0 => 2 + 16,
+            DType::Q5_0 => 2 + 4 + 16,
+            DType::Q4K => 2 + 2 + 12 + 128,
+            DType::Q5K => 2 + 2 + 12 + 32 + 128,
+            DType::Q6K => 128 + 64 + 16 + 2,
+        }
+    }
+
+    /// Bytes needed for a row of `elems` values, or `None` when `elems` is not
+    /// a whole number of blocks.
+    pub fn row_bytes(self, elems: usize) -> Option<usize> {
+        if elems % self.block_elems() != 0 {
+            return None;
+        }
+        (elems / self.block_elems()).checked_mul(self.block_bytes())
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_0 => "Q4_0",
+            DType::Q5_0 => "Q5_0",
+            DType::Q4K => "Q4_K",
+            DType::Q5K => "Q5_K",
+            DType::Q6K => "Q6_K",
+        };
+        f.write_str(name)
+    }
+}
+
+/// A borrowed tensor: its dtype, its shape (outermost dimension first, as in
+/// PyTorch; a weight matrix is `[out, in]`) and its raw bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+impl TensorView<'_> {
+    pub fn elems(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Rows and columns when seen as a matrix: the last dimension is the row
+    /// length, all others multiply into the row count.
+    pub fn matrix_dims(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        let rows = self.shape[..self.shape.len().saturating_sub(1)]
+            .iter()
+            .product();
+        (rows, cols)
+    }
+}

@@ -1,0 +1,5 @@
+//! Model files: readers for GGUF and Hugging Face folders, dequantization,
+//! and the one model description both produce.
+
+pub mod dtype;
+pub mod gguf;
