@@ -1,5 +1,10 @@
 //! Model files: readers for GGUF and Hugging Face folders, dequantization,
 //! and the one model description both produce.
 
+pub mod config;
+pub mod dequant;
 pub mod dtype;
 pub mod gguf;
+pub mod safetensors;
+pub mod source;
+pub mod weights;

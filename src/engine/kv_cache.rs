@@ -1,0 +1,67 @@
+//! Keys and values of every cached position, per layer.
+
+use crate::model::config::ModelConfig;
+
+/// Row-major `[position][kv_head][head_dim]` keys and values per layer. The
+/// reference engine keeps every position (sliding-window layers simply look
+/// at fewer of them); its memory grows with the sequence.
+pub struct KvCache {
+    head_dim: usize,
+    row: usize,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(c: &ModelConfig) -> KvCache {
+        KvCache {
+            head_dim: c.head_dim,
+            row: c.n_kv_heads * c.head_dim,
+            keys: vec![Vec::new(); c.n_layers()],
+            values: vec![Vec::new(); c.n_layers()],
+            len: 0,
+        }
+    }
+
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Writes the K and V rows of position `len()` for `layer`.
+    pub fn store(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let at = self.len * self.row;
+        for (cache, new) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
+            cache.truncate(at);
+            cache.extend_from_slice(new);
+        }
+    }
+
+    /// Marks the position whose rows every layer has stored as cached.
+    pub fn advance(&mut self) {
+        self.len += 1;
+    }
+
+    /// Forgets positions from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+        for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            cache.truncate(self.len * self.row);
+        }
+    }
+
+    pub fn key(&self, layer: usize, pos: usize, kv_head: usize) -> &[f32] {
+        let at = pos * self.row + kv_head * self.head_dim;
+        &self.keys[layer][at..at + self.head_dim]
+    }
+
+    pub fn value(&self, layer: usize, pos: usize, kv_head: usize) -> &[f32] {
+        let at = pos * self.row + kv_head * self.head_dim;
+        &self.values[layer][at..at + self.head_dim]
+    }
+}

@@ -1,0 +1,31 @@
+//! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
+
+pub mod kv_cache;
+pub mod ops;
+pub mod reference;
+
+use crate::model::config::ModelConfig;
+use anyhow::Result;
+
+/// Which positions of a forward call need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// Only the last position (generation).
+    Last,
+    /// Every position, row-major `[tokens, vocab]`.
+    All,
+}
+
+/// A transformer with a KV cache.
+pub trait Engine {
+    fn config(&self) -> &ModelConfig;
+
+    /// Tokens cached so far: the position the next token gets.
+    fn position(&self) -> usize;
+
+    /// Forgets cached tokens from `len` on.
+    fn truncate(&mut self, len: usize);
+
+    /// Feeds `tokens` after the cached ones and returns their logits.
+    fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
+}

@@ -1,0 +1,111 @@
+//! Plain-Rust f32 building blocks of the forward pass. They are the oracle
+//! the JIT kernels are tested against, so they favour clarity; the dot
+//! product keeps eight partial sums only so that LLVM can vectorize it.
+
+/// Σ a[i]·b[i] in f32.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let (a8, a_tail) = a.split_at(a.len() / 8 * 8);
+    let (b8, b_tail) = b.split_at(a8.len());
+    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut sum = acc.iter().sum::<f32>();
+    for (x, y) in a_tail.iter().zip(b_tail) {
+        sum += x * y;
+    }
+    sum
+}
+
+/// out[r] = W[r,:]·x for a row-major `[rows, x.len()]` matrix.
+pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
+    let cols = x.len();
+    debug_assert_eq!(w.len(), out.len() * cols);
+    for (o, row) in out.iter_mut().zip(w.chunks_exact(cols)) {
+        *o = dot(row, x);
+    }
+}
+
+/// RMSNorm with `weight` already the final multiplier:
+/// x / sqrt(mean(x²) + eps) · weight.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_sq = dot(x, x) / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * inv * w;
+    }
+}
+
+/// In-place RMSNorm.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let mean_sq = dot(x, x) / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = *v * inv * w;
+    }
+}
+
+/// GELU, tanh approximation (what Gemma was trained with, whatever its
+/// config calls it).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// cap · tanh(x / cap).
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    cap * (x / cap).tanh()
+}
+
+/// In-place softmax.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// RoPE angles for one position: cos and sin of `pos / scale · base^(-2i/d)`
+/// for i in 0..d/2, computed in f32 the way the HF reference does.
+pub fn rope_angles(pos: usize, head_dim: usize, base: f32, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(half);
+    let mut sin = Vec::with_capacity(half);
+    for i in 0..half {
+        let inv_freq = 1.0 / base.powf((2 * i) as f32 / head_dim as f32) / scale;
+        let angle = pos as f32 * inv_freq;
+        cos.push(angle.cos());
+        sin.push(angle.sin());
+    }
+    (cos, sin)
+}
+
+/// Split-half RoPE on one head: element i pairs with element i + d/2.
+pub fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = head.len() / 2;
+    let (lo, hi) = head.split_at_mut(half);
+    for i in 0..half {
+        let (a, b) = (lo[i], hi[i]);
+        lo[i] = a * cos[i] - b * sin[i];
+        hi[i] = b * cos[i] + a * sin[i];
+    }
+}
+
+/// Index of the largest value (the lowest index on ties).
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}

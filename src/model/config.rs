@@ -1,0 +1,387 @@
+//! The one model description both file formats produce.
+//!
+//! Gemma generations differ in a handful of switches (post-norms, q/k norm,
+//! softcaps, sliding windows, per-layer rope bases); this table of switches
+//! is all the forward pass looks at, in the spirit of gemma.cpp's per-model
+//! config tables.
+
+use anyhow::{Result, bail};
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Gemma 1 (gemma-2b, gemma-7b): pre-norms only.
+    Gemma1,
+    /// Gemma 2: pre- and post-norms, softcaps, alternating local/global.
+    Gemma2,
+    /// Gemma 3 text: pre- and post-norms, q/k norm, 5 local : 1 global.
+    Gemma3,
+}
+
+/// How one layer attends.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    /// `Some(w)`: a query at q sees keys k with q - w < k <= q.
+    pub window: Option<usize>,
+    /// RoPE base frequency for this layer.
+    pub rope_base: f32,
+    /// Linear RoPE scaling: positions are divided by this factor (1 = none).
+    pub rope_scale: f32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    /// Multiplier applied to queries before q·k: 1/sqrt(query_pre_attn_scalar).
+    pub query_scale: f32,
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
+    pub layers: Vec<LayerAttention>,
+    /// Added to every stored RMSNorm weight at load: HF stores w and means
+    /// (1 + w); GGUF already stores (1 + w).
+    pub norm_weight_offset: f32,
+    pub max_context: usize,
+    pub bos_id: u32,
+    pub eos_id: u32,
+}
+
+impl ModelConfig {
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Gemma 2 and 3 wrap attention and feed-forward in post-norms too.
+    pub fn has_post_norms(&self) -> bool {
+        matches!(self.family, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// Gemma 3 normalizes each query and key head before RoPE.
+    pub fn has_qk_norm(&self) -> bool {
+        self.family == Family::Gemma3
+    }
+
+    /// Checks the relations the forward pass relies on.
+    pub fn validate(&self, origin: &Path) -> Result<()> {
+        let o = origin.display();
+        for (name, v) in [
+            ("vocab size", self.vocab_size),
+            ("hidden size", self.hidden),
+            ("intermediate size", self.intermediate),
+            ("head count", self.n_heads),
+            ("KV head count", self.n_kv_heads),
+            ("head dim", self.head_dim),
+            ("layer count", self.layers.len()),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                bail!("{o}: {name} {v} is zero or absurd");
+            }
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            bail!(
+                "{o}: {} query heads cannot be grouped over {} KV heads",
+                self.n_heads,
+                self.n_kv_heads
+            );
+        }
+        if self.head_dim % 2 != 0 {
+            bail!("{o}: head dim {} must be even for RoPE", self.head_dim);
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            bail!("{o}: RMSNorm epsilon {} is invalid", self.rms_eps);
+        }
+        if !(self.query_scale.is_finite() && self.query_scale > 0.0) {
+            bail!("{o}: query scale {} is invalid", self.query_scale);
+        }
+        for l in &self.layers {
+            if !(l.rope_base.is_finite() && l.rope_base > 1.0) {
+                bail!("{o}: RoPE base {} is invalid", l.rope_base);
+            }
+            if l.window == Some(0) {
+                bail!("{o}: a sliding window of 0 tokens sees nothing");
+            }
+        }
+        for cap in [self.attn_softcap, self.final_softcap].into_iter().flatten() {
+            if !(cap.is_finite() && cap > 0.0) {
+                bail!("{o}: softcap {cap} must be positive");
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_hf_config(path: &Path) -> Result<ModelConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            anyhow::anyhow!("{}: cannot read config: {e}", path.display())
+        })?;
+        let root: Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
+        Self::from_hf_json(&root, path)
+    }
+
+    /// Builds the description from parsed `config.json` (both the
+    /// transformers 4 and 5 key styles).
+    pub fn from_hf_json(root: &Value, path: &Path) -> Result<ModelConfig> {
+        let p = path.display();
+        if !root.is_object() {
+            bail!("{p}: config must be a JSON object");
+        }
+        let model_type = str_key(root, "model_type", path)?;
+        // Multimodal Gemma 3 checkpoints nest the text model.
+        let cfg = if model_type == "gemma3" {
+            root.get("text_config")
+                .filter(|v| v.is_object())
+                .ok_or_else(|| anyhow::anyhow!("{p}: model_type gemma3 needs a text_config object"))?
+        } else {
+            root
+        };
+        let family = match model_type.as_str() {
+            "gemma" => Family::Gemma1,
+            "gemma2" => Family::Gemma2,
+            "gemma3" | "gemma3_text" => Family::Gemma3,
+            other => bail!(
+                "{p}: model_type {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3_text)"
+            ),
+        };
+        let r = Reader { v: cfg, path };
+        let hidden = r.usize("hidden_size")?;
+        let n_heads = r.usize("num_attention_heads")?;
+        let n_layers = r.usize("num_hidden_layers")?;
+        if n_layers == 0 || n_layers > 4096 {
+            bail!("{p}: num_hidden_layers {n_layers} is zero or absurd");
+        }
+        let head_dim = match r.opt_usize("head_dim")? {
+            Some(h) => h,
+            None if n_heads > 0 => hidden / n_heads,
+            None => bail!("{p}: num_attention_heads is 0"),
+        };
+        let activation = r
+            .opt_str("hidden_activation")?
+            .or(r.opt_str("hidden_act")?)
+            .unwrap_or_else(|| "gelu_pytorch_tanh".into());
+        // Gemma checkpoints say "gelu" but were trained with the tanh form.
+        if !matches!(
+            activation.as_str(),
+            "gelu" | "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast"
+        ) {
+            bail!("{p}: activation {activation:?} is not a GELU; Pulsar runs GeGLU models only");
+        }
+
+        let (global_base, local_base, global_scale) = rope_bases(cfg, family, path)?;
+        let window = r.opt_usize("sliding_window")?;
+        let is_global = layer_kinds(cfg, family, n_layers, path)?;
+        let layers = is_global
+            .iter()
+            .map(|&global| {
+                Ok(if global || window.is_none() {
+                    LayerAttention {
+                        window: None,
+                        rope_base: global_base,
+                        rope_scale: global_scale,
+                    }
+                } else {
+                    LayerAttention {
+                        window,
+                        rope_base: local_base,
+                        rope_scale: 1.0,
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        let query_pre_attn_scalar = match family {
+            Family::Gemma1 => head_dim as f64,
+            _ => r.opt_f64("query_pre_attn_scalar")?.unwrap_or(head_dim as f64),
+        };
+        // Gemma 3 configs carry null softcaps, Gemma 1 none at all.
+        let softcap = |key: &str| -> Result<Option<f32>> { Ok(r.opt_f64(key)?.map(|v| v as f32)) };
+        let config = ModelConfig {
+            family,
+            vocab_size: r.usize("vocab_size")?,
+            hidden,
+            intermediate: r.usize("intermediate_size")?,
+            n_heads,
+            n_kv_heads: r.opt_usize("num_key_value_heads")?.unwrap_or(n_heads),
+            head_dim,
+            rms_eps: r.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            query_scale: (1.0 / query_pre_attn_scalar.sqrt()) as f32,
+            attn_softcap: softcap("attn_logit_softcapping")?,
+            final_softcap: softcap("final_logit_softcapping")?,
+            layers,
+            norm_weight_offset: 1.0,
+            max_context: r.opt_usize("max_position_embeddings")?.unwrap_or(8192),
+            bos_id: r.opt_usize("bos_token_id")?.unwrap_or(2) as u32,
+            eos_id: first_id(cfg.get("eos_token_id")).unwrap_or(1),
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+}
+
+/// `eos_token_id` may be a number or a list of numbers.
+fn first_id(v: Option<&Value>) -> Option<u32> {
+    match v? {
+        Value::Number(n) => n.as_u64().map(|x| x as u32),
+        Value::Array(a) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
+        _ => None,
+    }
+}
+
+/// (global base, local base, global linear scale) from either key style:
+/// `rope_theta` + `rope_local_base_freq` + `rope_scaling` (transformers 4) or
+/// `rope_parameters`, flat or per layer type (transformers 5).
+fn rope_bases(cfg: &Value, family: Family, path: &Path) -> Result<(f32, f32, f32)> {
+    let r = Reader { v: cfg, path };
+    let mut global = r.opt_f64("rope_theta")?.unwrap_or(10_000.0);
+    let mut local = r
+        .opt_f64("rope_local_base_freq")?
+        .unwrap_or(if family == Family::Gemma3 { 10_000.0 } else { global });
+    let mut scale = linear_factor(cfg.get("rope_scaling"), path)?;
+    if let Some(params) = cfg.get("rope_parameters").filter(|v| v.is_object()) {
+        let pr = Reader { v: params, path };
+        if let Some(theta) = pr.opt_f64("rope_theta")? {
+            global = theta;
+            local = if family == Family::Gemma3 { local } else { theta };
+            scale = linear_factor(Some(params), path)?;
+        }
+        if let Some(full) = params.get("full_attention") {
+            if let Some(t) = (Reader { v: full, path }).opt_f64("rope_theta")? {
+                global = t;
+            }
+            scale = linear_factor(Some(full), path)?;
+        }
+        if let Some(sliding) = params.get("sliding_attention") {
+            if let Some(t) = (Reader { v: sliding, path }).opt_f64("rope_theta")? {
+                local = t;
+            }
+        }
+    }
+    Ok((global as f32, local as f32, scale))
+}
+
+/// The factor of a `{"rope_type": "linear", "factor": f}` block, else 1.
+fn linear_factor(v: Option<&Value>, path: &Path) -> Result<f32> {
+    let Some(v) = v.filter(|v| v.is_object()) else {
+        return Ok(1.0);
+    };
+    let kind = v
+        .get("rope_type")
+        .or(v.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(1.0),
+        "linear" => {
+            let f = (Reader { v, path }).opt_f64("factor")?.unwrap_or(1.0);
+            if !(f.is_finite() && f > 0.0) {
+                bail!("{}: rope scaling factor {f} is invalid", path.display());
+            }
+            Ok(f as f32)
+        }
+        other => bail!(
+            "{}: rope scaling type {other:?} is not supported (only linear)",
+            path.display()
+        ),
+    }
+}
+
+/// Which layers attend globally, from `layer_types` or the older
+/// `sliding_window_pattern`, else the family's fixed pattern.
+fn layer_kinds(cfg: &Value, family: Family, n_layers: usize, path: &Path) -> Result<Vec<bool>> {
+    let p = path.display();
+    if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+        let arr = types
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("{p}: layer_types must be a list"))?;
+        if arr.len() != n_layers {
+            bail!(
+                "{p}: layer_types lists {} layers but num_hidden_layers is {n_layers}",
+                arr.len()
+            );
+        }
+        return arr
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(true),
+                Some("sliding_attention") => Ok(false),
+                _ => bail!("{p}: layer_types entry {t} is not full_attention or sliding_attention"),
+            })
+            .collect();
+    }
+    Ok(match family {
+        Family::Gemma1 => vec![true; n_layers],
+        // Gemma 2 alternates, starting with a sliding layer.
+        Family::Gemma2 => (0..n_layers).map(|i| i % 2 == 1).collect(),
+        Family::Gemma3 => {
+            let r = Reader { v: cfg, path };
+            let pattern = r.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
+            (0..n_layers).map(|i| (i + 1) % pattern == 0).collect()
+        }
+    })
+}
+
+fn str_key(v: &Value, key: &str, path: &Path) -> Result<String> {
+    (Reader { v, path })
+        .opt_str(key)?
+        .ok_or_else(|| anyhow::anyhow!("{}: key {key:?} is missing", path.display()))
+}
+
+/// Typed access to JSON keys with errors naming the file and key.
+struct Reader<'a> {
+    v: &'a Value,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn opt(&self, key: &str) -> Option<&Value> {
+        self.v.get(key).filter(|v| !v.is_null())
+    }
+
+    fn wrong(&self, key: &str, want: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "{}: key {key:?} should be {want}, found {}",
+            self.path.display(),
+            self.v.get(key).map(|v| v.to_string()).unwrap_or_default()
+        )
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.opt(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, "a non-negative integer")),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| anyhow::anyhow!("{}: key {key:?} is missing", self.path.display()))
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.opt(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(key, "a number")),
+        }
+    }
+
+    fn opt_str(&self, key: &str) -> Result<Option<String>> {
+        match self.opt(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| self.wrong(key, "a string")),
+        }
+    }
+}

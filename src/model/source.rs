@@ -1,0 +1,345 @@
+//! Opening a model from either format: the config it describes and its
+//! tensors under format-neutral roles.
+
+use super::config::{Family, LayerAttention, ModelConfig};
+use super::dtype::TensorView;
+use super::gguf::GgufFile;
+use super::safetensors::SafetensorsFile;
+use anyhow::{Context, Result, bail};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// What a tensor is for, independent of how a format names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Embedding,
+    FinalNorm,
+    Layer(usize, LayerRole),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerRole {
+    AttnNorm,
+    AttnPostNorm,
+    FfnNorm,
+    FfnPostNorm,
+    QNorm,
+    KNorm,
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+enum Files {
+    Gguf(GgufFile),
+    /// Shards of an HF folder and which shard holds each tensor.
+    Hf {
+        shards: Vec<SafetensorsFile>,
+        index: HashMap<String, usize>,
+    },
+}
+
+/// An opened model: its description and access to its tensors.
+pub struct ModelSource {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    files: Files,
+}
+
+impl ModelSource {
+    /// Opens a `.gguf` file or a Hugging Face folder (config.json plus
+    /// model.safetensors or a sharded index).
+    pub fn open(path: &Path) -> Result<ModelSource> {
+        let meta = std::fs::metadata(path).with_context(|| {
+            format!(
+                "{}: cannot read the model path (pass a .gguf file or a Hugging Face folder with -m)",
+                path.display()
+            )
+        })?;
+        if meta.is_dir() {
+            Self::open_hf(path)
+        } else {
+            let gguf = GgufFile::open(path)?;
+            let config = config_from_gguf(&gguf)?;
+            Ok(ModelSource {
+                path: path.to_path_buf(),
+                config,
+                files: Files::Gguf(gguf),
+            })
+        }
+    }
+
+    fn open_hf(dir: &Path) -> Result<ModelSource> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            bail!(
+                "{}: no config.json in this folder (expected a Hugging Face model folder or a .gguf file)",
+                dir.display()
+            );
+        }
+        let config = ModelConfig::from_hf_config(&config_path)?;
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        if single.is_file() {
+            let file = SafetensorsFile::open(&single)?;
+            for name in file.names() {
+                index.insert(name.to_string(), 0);
+            }
+            shards.push(file);
+        } else if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("{}: cannot read", index_path.display()))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("{}: has no weight_map object", index_path.display())
+                })?;
+            let mut shard_of_file: HashMap<String, usize> = HashMap::new();
+            for (tensor, file) in map {
+                let file = file.as_str().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: weight_map entry {tensor:?} is not a file name",
+                        index_path.display()
+                    )
+                })?;
+                if file.contains('/') || file.contains("..") {
+                    bail!(
+                        "{}: shard name {file:?} must be a plain file name",
+                        index_path.display()
+                    );
+                }
+                let shard = match shard_of_file.get(file) {
+                    Some(&i) => i,
+                    None => {
+                        shards.push(SafetensorsFile::open(&dir.join(file))?);
+                        shard_of_file.insert(file.to_string(), shards.len() - 1);
+                        shards.len() - 1
+                    }
+                };
+                index.insert(tensor.clone(), shard);
+            }
+        } else {
+            bail!(
+                "{}: no model.safetensors or model.safetensors.index.json in this folder",
+                dir.display()
+            );
+        }
+        Ok(ModelSource {
+            path: dir.to_path_buf(),
+            config,
+            files: Files::Hf { shards, index },
+        })
+    }
+
+    /// The GGUF file, when the model is one (the tokenizer reads its vocab).
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        match &self.files {
+            Files::Gguf(g) => Some(g),
+            Files::Hf { .. } => None,
+        }
+    }
+
+    /// The file-format name of a role.
+    pub fn tensor_name(&self, role: Role) -> String {
+        match &self.files {
+            Files::Gguf(_) => gguf_name(role),
+            Files::Hf { .. } => hf_name(role, self.config.family),
+        }
+    }
+
+    /// The tensor playing `role`, with its shape checked against `expect`.
+    pub fn tensor(&self, role: Role, expect: &[usize]) -> Result<TensorView<'_>> {
+        let name = self.tensor_name(role);
+        let (view, file) = match &self.files {
+            Files::Gguf(g) => (g.tensor(&name), g.path()),
+            Files::Hf { shards, index } => match index.get(&name) {
+                Some(&i) => (shards[i].tensor(&name), shards[i].path()),
+                None => (None, self.path.as_path()),
+            },
+        };
+        let view = view.ok_or_else(|| {
+            anyhow::anyhow!("{}: tensor {name:?} is missing", file.display())
+        })?;
+        if view.shape != expect {
+            bail!(
+                "{}: tensor {name:?} has shape {:?}, but the config implies {expect:?}",
+                file.display(),
+                view.shape
+            );
+        }
+        Ok(view)
+    }
+
+    /// Whether a tensor for `role` exists (for optional tensors).
+    pub fn has(&self, role: Role) -> bool {
+        let name = self.tensor_name(role);
+        match &self.files {
+            Files::Gguf(g) => g.tensor_info(&name).is_some(),
+            Files::Hf { index, .. } => index.contains_key(&name),
+        }
+    }
+}
+
+fn gguf_name(role: Role) -> String {
+    match role {
+        Role::Embedding => "token_embd.weight".into(),
+        Role::FinalNorm => "output_norm.weight".into(),
+        Role::Layer(i, r) => {
+            let suffix = match r {
+                LayerRole::AttnNorm => "attn_norm",
+                LayerRole::AttnPostNorm => "post_attention_norm",
+                LayerRole::FfnNorm => "ffn_norm",
+                LayerRole::FfnPostNorm => "post_ffw_norm",
+                LayerRole::QNorm => "attn_q_norm",
+                LayerRole::KNorm => "attn_k_norm",
+                LayerRole::Q => "attn_q",
+                LayerRole::K => "attn_k",
+                LayerRole::V => "attn_v",
+                LayerRole::O => "attn_output",
+                LayerRole::Gate => "ffn_gate",
+                LayerRole::Up => "ffn_up",
+                LayerRole::Down => "ffn_down",
+            };
+            format!("blk.{i}.{suffix}.weight")
+        }
+    }
+}
+
+fn hf_name(role: Role, family: Family) -> String {
+    match role {
+        Role::Embedding => "model.embed_tokens.weight".into(),
+        Role::FinalNorm => "model.norm.weight".into(),
+        Role::Layer(i, r) => {
+            let suffix = match (r, family) {
+                (LayerRole::AttnNorm, _) => "input_layernorm",
+                // Gemma 1 calls its pre-FFN norm "post_attention_layernorm".
+                (LayerRole::FfnNorm, Family::Gemma1) => "post_attention_layernorm",
+                (LayerRole::FfnNorm, _) => "pre_feedforward_layernorm",
+                (LayerRole::AttnPostNorm, _) => "post_attention_layernorm",
+                (LayerRole::FfnPostNorm, _) => "post_feedforward_layernorm",
+                (LayerRole::QNorm, _) => "self_attn.q_norm",
+                (LayerRole::KNorm, _) => "self_attn.k_norm",
+                (LayerRole::Q, _) => "self_attn.q_proj",
+                (LayerRole::K, _) => "self_attn.k_proj",
+                (LayerRole::V, _) => "self_attn.v_proj",
+                (LayerRole::O, _) => "self_attn.o_proj",
+                (LayerRole::Gate, _) => "mlp.gate_proj",
+                (LayerRole::Up, _) => "mlp.up_proj",
+                (LayerRole::Down, _) => "mlp.down_proj",
+            };
+            format!("model.layers.{i}.{suffix}.weight")
+        }
+    }
+}
+
+/// The model description from GGUF metadata, with the defaults GGUF files
+/// do not carry (local RoPE base 1e4; query_pre_attn_scalar = head_dim).
+fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+    let p = g.path().display();
+    let arch = g
+        .get_str("general.architecture")?
+        .ok_or_else(|| anyhow::anyhow!("{p}: metadata key \"general.architecture\" is missing"))?
+        .to_string();
+    let family = match arch.as_str() {
+        "gemma" => Family::Gemma1,
+        "gemma2" => Family::Gemma2,
+        "gemma3" => Family::Gemma3,
+        other => bail!(
+            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3)"
+        ),
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let hidden = g.require_usize(&key("embedding_length"))?;
+    let n_heads = g.require_usize(&key("attention.head_count"))?;
+    let n_layers = g.require_usize(&key("block_count"))?;
+    if n_layers == 0 || n_layers > 4096 {
+        bail!("{p}: block_count {n_layers} is zero or absurd");
+    }
+    let head_dim = match g.get_usize(&key("attention.key_length"))? {
+        Some(h) => h,
+        None if n_heads > 0 => hidden / n_heads,
+        None => bail!("{p}: attention.head_count is 0"),
+    };
+    let embd = g
+        .tensor_info("token_embd.weight")
+        .ok_or_else(|| anyhow::anyhow!("{p}: tensor \"token_embd.weight\" is missing"))?;
+    let vocab_size = embd.shape[0];
+    let global_base = g.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
+    let global_scale = match g.get_str(&key("rope.scaling.type"))? {
+        None | Some("none") => 1.0,
+        Some("linear") => g.get_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0) as f32,
+        Some(other) => bail!("{p}: rope scaling type {other:?} is not supported (only linear)"),
+    };
+    let window = g.get_usize(&key("attention.sliding_window"))?;
+    let layers = (0..n_layers)
+        .map(|i| {
+            let global = match family {
+                Family::Gemma1 => true,
+                Family::Gemma2 => i % 2 == 1,
+                Family::Gemma3 => (i + 1) % 6 == 0,
+            };
+            match window {
+                Some(w) if !global => LayerAttention {
+                    window: Some(w),
+                    rope_base: if family == Family::Gemma3 { 10_000.0 } else { global_base },
+                    rope_scale: 1.0,
+                },
+                _ => LayerAttention {
+                    window: None,
+                    rope_base: global_base,
+                    rope_scale: global_scale,
+                },
+            }
+        })
+        .collect();
+    let softcap = |k: &str| -> Result<Option<f32>> {
+        Ok(g.get_f64(&key(k))?.filter(|&v| v > 0.0).map(|v| v as f32))
+    };
+    let config = ModelConfig {
+        family,
+        vocab_size,
+        hidden,
+        intermediate: g.require_usize(&key("feed_forward_length"))?,
+        n_heads,
+        n_kv_heads: g.get_usize(&key("attention.head_count_kv"))?.unwrap_or(n_heads),
+        head_dim,
+        rms_eps: g
+            .get_f64(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-6) as f32,
+        query_scale: 1.0 / (query_pre_attn_scalar(family, n_layers, hidden, n_heads, head_dim)).sqrt(),
+        attn_softcap: softcap("attn_logit_softcapping")?,
+        final_softcap: softcap("final_logit_softcapping")?,
+        layers,
+        norm_weight_offset: 0.0,
+        max_context: g.get_usize(&key("context_length"))?.unwrap_or(8192),
+        bos_id: g.get_usize("tokenizer.ggml.bos_token_id")?.unwrap_or(2) as u32,
+        eos_id: g.get_usize("tokenizer.ggml.eos_token_id")?.unwrap_or(1) as u32,
+    };
+    config.validate(g.path())?;
+    Ok(config)
+}
+
+/// GGUF files do not store query_pre_attn_scalar. Every Gemma uses head_dim
+/// except the 27B models of Gemma 2 (46 layers) and Gemma 3 (62 layers),
+/// which use hidden / heads; llama.cpp decides the same way.
+fn query_pre_attn_scalar(
+    family: Family,
+    n_layers: usize,
+    hidden: usize,
+    n_heads: usize,
+    head_dim: usize,
+) -> f32 {
+    match (family, n_layers) {
+        (Family::Gemma2, 46) | (Family::Gemma3, 62) => (hidden / n_heads) as f32,
+        _ => head_dim as f32,
+    }
+}
