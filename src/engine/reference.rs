@@ -40,12 +40,19 @@ impl ReferenceEngine {
     /// Runs `tokens` after the cached ones, recording the hidden states of
     /// every position into `trace` when given; returns the final-norm output
     /// of each position.
-    fn run(&mut self, tokens: &[u32], mut trace: Option<&mut HiddenTrace>) -> Result<Vec<Vec<f32>>> {
+    fn run(
+        &mut self,
+        tokens: &[u32],
+        mut trace: Option<&mut HiddenTrace>,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let mut finals = Vec::with_capacity(tokens.len());
         for &token in tokens {
             if token as usize >= c.vocab_size {
-                bail!("token id {token} is outside the vocabulary (size {})", c.vocab_size);
+                bail!(
+                    "token id {token} is outside the vocabulary (size {})",
+                    c.vocab_size
+                );
             }
             let pos = self.kv.len();
             let mut snapshots = Vec::new();

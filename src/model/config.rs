@@ -108,7 +108,10 @@ impl ModelConfig {
                 bail!("{o}: a sliding window of 0 tokens sees nothing");
             }
         }
-        for cap in [self.attn_softcap, self.final_softcap].into_iter().flatten() {
+        for cap in [self.attn_softcap, self.final_softcap]
+            .into_iter()
+            .flatten()
+        {
             if !(cap.is_finite() && cap > 0.0) {
                 bail!("{o}: softcap {cap} must be positive");
             }
@@ -118,9 +121,8 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_config(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            anyhow::anyhow!("{}: cannot read config: {e}", path.display())
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot read config: {e}", path.display()))?;
         let root: Value = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
         Self::from_hf_json(&root, path)
@@ -138,7 +140,9 @@ impl ModelConfig {
         let cfg = if model_type == "gemma3" {
             root.get("text_config")
                 .filter(|v| v.is_object())
-                .ok_or_else(|| anyhow::anyhow!("{p}: model_type gemma3 needs a text_config object"))?
+                .ok_or_else(|| {
+                    anyhow::anyhow!("{p}: model_type gemma3 needs a text_config object")
+                })?
         } else {
             root
         };
@@ -198,7 +202,9 @@ impl ModelConfig {
 
         let query_pre_attn_scalar = match family {
             Family::Gemma1 => head_dim as f64,
-            _ => r.opt_f64("query_pre_attn_scalar")?.unwrap_or(head_dim as f64),
+            _ => r
+                .opt_f64("query_pre_attn_scalar")?
+                .unwrap_or(head_dim as f64),
         };
         // Gemma 3 configs carry null softcaps, Gemma 1 none at all.
         let softcap = |key: &str| -> Result<Option<f32>> { Ok(r.opt_f64(key)?.map(|v| v as f32)) };
@@ -242,13 +248,21 @@ fn rope_bases(cfg: &Value, family: Family, path: &Path) -> Result<(f32, f32, f32
     let mut global = r.opt_f64("rope_theta")?.unwrap_or(10_000.0);
     let mut local = r
         .opt_f64("rope_local_base_freq")?
-        .unwrap_or(if family == Family::Gemma3 { 10_000.0 } else { global });
+        .unwrap_or(if family == Family::Gemma3 {
+            10_000.0
+        } else {
+            global
+        });
     let mut scale = linear_factor(cfg.get("rope_scaling"), path)?;
     if let Some(params) = cfg.get("rope_parameters").filter(|v| v.is_object()) {
         let pr = Reader { v: params, path };
         if let Some(theta) = pr.opt_f64("rope_theta")? {
             global = theta;
-            local = if family == Family::Gemma3 { local } else { theta };
+            local = if family == Family::Gemma3 {
+                local
+            } else {
+                theta
+            };
             scale = linear_factor(Some(params), path)?;
         }
         if let Some(full) = params.get("full_attention") {
@@ -371,7 +385,10 @@ impl Reader<'_> {
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.opt(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(key, "a number")),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, "a number")),
         }
     }
 

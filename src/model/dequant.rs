@@ -132,7 +132,11 @@ fn q6_k(block: &[u8], out: &mut [f32]) {
 pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     let be = dtype.block_elems();
     let bb = dtype.block_bytes();
-    assert_eq!(bytes.len() / bb * be, out.len(), "dequantize: length mismatch");
+    assert_eq!(
+        bytes.len() / bb * be,
+        out.len(),
+        "dequantize: length mismatch"
+    );
     assert_eq!(bytes.len() % bb, 0, "dequantize: partial block");
     match dtype {
         DType::F32 => {

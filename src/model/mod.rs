@@ -4,6 +4,7 @@
 pub mod config;
 pub mod dequant;
 pub mod dtype;
+pub mod fetch;
 pub mod gguf;
 pub mod safetensors;
 pub mod source;

@@ -35,7 +35,10 @@ impl SafetensorsFile {
         // SAFETY: read-only map; all accesses below are bounds-checked.
         let map = unsafe { Mmap::map(&file) }.with_context(|| format!("{p}: cannot memory-map"))?;
         if map.len() < 8 {
-            bail!("{p}: {} bytes is too short for a safetensors header (truncated?)", map.len());
+            bail!(
+                "{p}: {} bytes is too short for a safetensors header (truncated?)",
+                map.len()
+            );
         }
         let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
         if header_len > MAX_HEADER || header_len > map.len() as u64 - 8 {
@@ -116,7 +119,10 @@ fn parse_entry(info: &Value, data_start: usize, data_len: usize) -> Result<Entry
         })
         .collect::<Result<Vec<usize>, String>>()?;
     if shape.len() > 8 {
-        return Err(format!("{} dimensions is more than allowed (8)", shape.len()));
+        return Err(format!(
+            "{} dimensions is more than allowed (8)",
+            shape.len()
+        ));
     }
     let offsets = info
         .get("data_offsets")

@@ -166,9 +166,8 @@ impl ModelSource {
                 None => (None, self.path.as_path()),
             },
         };
-        let view = view.ok_or_else(|| {
-            anyhow::anyhow!("{}: tensor {name:?} is missing", file.display())
-        })?;
+        let view =
+            view.ok_or_else(|| anyhow::anyhow!("{}: tensor {name:?} is missing", file.display()))?;
         if view.shape != expect {
             bail!(
                 "{}: tensor {name:?} has shape {:?}, but the config implies {expect:?}",
@@ -290,7 +289,11 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             match window {
                 Some(w) if !global => LayerAttention {
                     window: Some(w),
-                    rope_base: if family == Family::Gemma3 { 10_000.0 } else { global_base },
+                    rope_base: if family == Family::Gemma3 {
+                        10_000.0
+                    } else {
+                        global_base
+                    },
                     rope_scale: 1.0,
                 },
                 _ => LayerAttention {
@@ -310,12 +313,15 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         hidden,
         intermediate: g.require_usize(&key("feed_forward_length"))?,
         n_heads,
-        n_kv_heads: g.get_usize(&key("attention.head_count_kv"))?.unwrap_or(n_heads),
+        n_kv_heads: g
+            .get_usize(&key("attention.head_count_kv"))?
+            .unwrap_or(n_heads),
         head_dim,
         rms_eps: g
             .get_f64(&key("attention.layer_norm_rms_epsilon"))?
             .unwrap_or(1e-6) as f32,
-        query_scale: 1.0 / (query_pre_attn_scalar(family, n_layers, hidden, n_heads, head_dim)).sqrt(),
+        query_scale: 1.0
+            / (query_pre_attn_scalar(family, n_layers, hidden, n_heads, head_dim)).sqrt(),
         attn_softcap: softcap("attn_logit_softcapping")?,
         final_softcap: softcap("final_logit_softcapping")?,
         layers,

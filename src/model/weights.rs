@@ -50,7 +50,11 @@ impl<M> ModelWeights<M> {
                 .collect())
         };
         let optional_norm = |role: Role, len: usize, wanted: bool| -> Result<Option<NormWeights>> {
-            if wanted { norm(role, len).map(Some) } else { Ok(None) }
+            if wanted {
+                norm(role, len).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let q_rows = c.n_heads * c.head_dim;
         let kv_rows = c.n_kv_heads * c.head_dim;
