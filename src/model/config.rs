@@ -84,14 +84,14 @@ impl ModelConfig {
                 bail!("{o}: {name} {v} is zero or absurd");
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             bail!(
                 "{o}: {} query heads cannot be grouped over {} KV heads",
                 self.n_heads,
                 self.n_kv_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("{o}: head dim {} must be even for RoPE", self.head_dim);
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
@@ -271,10 +271,10 @@ fn rope_bases(cfg: &Value, family: Family, path: &Path) -> Result<(f32, f32, f32
             }
             scale = linear_factor(Some(full), path)?;
         }
-        if let Some(sliding) = params.get("sliding_attention") {
-            if let Some(t) = (Reader { v: sliding, path }).opt_f64("rope_theta")? {
-                local = t;
-            }
+        if let Some(sliding) = params.get("sliding_attention")
+            && let Some(t) = (Reader { v: sliding, path }).opt_f64("rope_theta")?
+        {
+            local = t;
         }
     }
     Ok((global as f32, local as f32, scale))
