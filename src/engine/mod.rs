@@ -2,6 +2,7 @@
 
 pub mod kv_cache;
 pub mod ops;
+pub mod pool;
 pub mod reference;
 
 use crate::model::config::ModelConfig;
