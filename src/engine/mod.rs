@@ -1,7 +1,10 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
+pub mod fast;
+pub mod kernels;
 pub mod kv_cache;
 pub mod ops;
+pub mod packed;
 pub mod pool;
 pub mod reference;
 

@@ -1,0 +1,383 @@
+//! The fast forward pass: 16-bit weights in the kernels' layout, matrix
+//! products on the matrix kernels split across the thread pool, prefill as
+//! batched GEMMs over chunks of tokens, and logits only where wanted.
+//!
+//! The math is the reference pass's (same ops, same order of the per-token
+//! steps); only the matrix products and their summation order differ.
+
+use super::kernels::{MatKernels, SharedOut};
+use super::ops::{self, dot, rms_norm, rms_norm_in_place};
+use super::packed::{PackedMatrix, WeightFormat};
+use super::pool::{ThreadPool, split_range};
+use super::{Engine, LogitsWanted};
+use crate::model::config::ModelConfig;
+use crate::model::source::ModelSource;
+use crate::model::weights::{LayerWeights, ModelWeights};
+use anyhow::{Result, bail};
+
+/// Default tokens per prefill chunk: large enough to reuse each weight row
+/// across many tokens, small enough that the chunk's activations stay in
+/// cache.
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+/// Rows per unit of work handed to a thread (the kernels' row block).
+const ROW_GRANULE: usize = 4;
+
+pub struct FastEngine {
+    config: ModelConfig,
+    weights: ModelWeights<PackedMatrix>,
+    kernels: Box<dyn MatKernels>,
+    pool: ThreadPool,
+    kv: FlatKv,
+    prefill_chunk: usize,
+}
+
+/// Preallocated f32 keys and values: `[layer][position][kv_dim]`.
+struct FlatKv {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+/// Options for building the fast engine.
+pub struct FastOptions {
+    pub threads: usize,
+    pub context: usize,
+    /// Packed weight format; `None` keeps BF16 checkpoints in BF16 and
+    /// stores everything else as FP16.
+    pub format: Option<WeightFormat>,
+    /// Tokens per prefill GEMM.
+    pub prefill_chunk: usize,
+}
+
+impl FastEngine {
+    pub fn load(
+        src: &ModelSource,
+        kernels: Box<dyn MatKernels>,
+        opts: &FastOptions,
+    ) -> Result<Self> {
+        let weights = ModelWeights::load(src, |_, t| {
+            let format = opts.format.unwrap_or(WeightFormat::default_for(t.dtype));
+            Ok(PackedMatrix::convert(&t, format))
+        })?;
+        Self::new(src.config.clone(), weights, kernels, opts)
+    }
+
+    pub fn new(
+        config: ModelConfig,
+        weights: ModelWeights<PackedMatrix>,
+        kernels: Box<dyn MatKernels>,
+        opts: &FastOptions,
+    ) -> Result<Self> {
+        if opts.context == 0 {
+            bail!("the context size must be at least 1 token");
+        }
+        let kv_dim = config.n_kv_heads * config.head_dim;
+        let per_layer = opts
+            .context
+            .checked_mul(kv_dim)
+            .filter(|&n| n <= 1 << 34)
+            .ok_or_else(|| anyhow::anyhow!("context {} is too large for memory", opts.context))?;
+        let kv = FlatKv {
+            keys: (0..config.n_layers())
+                .map(|_| vec![0.0; per_layer])
+                .collect(),
+            values: (0..config.n_layers())
+                .map(|_| vec![0.0; per_layer])
+                .collect(),
+            kv_dim,
+            capacity: opts.context,
+            len: 0,
+        };
+        Ok(FastEngine {
+            config,
+            weights,
+            kernels,
+            pool: ThreadPool::new(opts.threads),
+            kv,
+            prefill_chunk: opts.prefill_chunk.max(1),
+        })
+    }
+
+    pub fn kernels_name(&self) -> String {
+        self.kernels.name()
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    /// Weight bytes one decode step streams: every layer matrix and the LM
+    /// head (the embedding lookup touches one row).
+    pub fn bytes_per_token(&self) -> usize {
+        let layers: usize = self
+            .weights
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|m| m.bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.weights.embedding.bytes()
+    }
+
+    /// `y[t] = W · x[t]` for every token, rows split across the pool.
+    fn matmul(&self, w: &PackedMatrix, x: &[f32], y: &mut [f32]) {
+        self.matmuls(vec![(w, x, y)]);
+    }
+
+    /// Several independent products in one parallel section (one wake-up).
+    fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>) {
+        let mut work = Vec::with_capacity(jobs.len());
+        for (w, x, y) in jobs {
+            assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
+            assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
+            work.push((w, x, SharedOut::new(y, w.rows)));
+        }
+        let threads = self.pool.threads();
+        self.pool.run(|tid| {
+            for (w, x, out) in &work {
+                let (r0, r1) = split_range(w.rows, threads, tid, ROW_GRANULE);
+                if r0 < r1 {
+                    // SAFETY: split_range gives each thread disjoint rows.
+                    unsafe { self.kernels.gemm(w, x, r0..r1, *out) };
+                }
+            }
+        });
+    }
+
+    /// Runs one chunk of tokens starting at the cache's current length and
+    /// returns the final-norm output of each of its positions.
+    fn forward_chunk(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = self.config.clone();
+        let n = tokens.len();
+        let start = self.kv.len;
+        let hd = c.head_dim;
+        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+
+        let mut x = vec![0.0f32; n * c.hidden];
+        let scale = (c.hidden as f32).sqrt();
+        for (t, &token) in tokens.iter().enumerate() {
+            if token as usize >= c.vocab_size {
+                bail!(
+                    "token id {token} is outside the vocabulary (size {})",
+                    c.vocab_size
+                );
+            }
+            let row = &mut x[t * c.hidden..(t + 1) * c.hidden];
+            self.weights.embedding.row_f32(token as usize, row);
+            for v in row.iter_mut() {
+                *v *= scale;
+            }
+        }
+
+        let mut normed = vec![0.0f32; n * c.hidden];
+        let mut q = vec![0.0f32; n * q_dim];
+        let mut k = vec![0.0f32; n * kv_dim];
+        let mut v = vec![0.0f32; n * kv_dim];
+        let mut attn = vec![0.0f32; n * q_dim];
+        let mut proj = vec![0.0f32; n * c.hidden];
+        let mut gate = vec![0.0f32; n * c.intermediate];
+        let mut up = vec![0.0f32; n * c.intermediate];
+
+        for li in 0..c.n_layers() {
+            let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
+            norm_rows(&x, &w.attn_norm, c.rms_eps, &mut normed, c.hidden);
+            self.matmuls(vec![
+                (&w.q, &normed, &mut q[..]),
+                (&w.k, &normed, &mut k[..]),
+                (&w.v, &normed, &mut v[..]),
+            ]);
+
+            let layer = c.layers[li];
+            for t in 0..n {
+                let (cos, sin) = ops::rope_angles(start + t, hd, layer.rope_base, layer.rope_scale);
+                for head in q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
+                    if let Some(nw) = &w.q_norm {
+                        rms_norm_in_place(head, nw, c.rms_eps);
+                    }
+                    ops::rope(head, &cos, &sin);
+                    for e in head.iter_mut() {
+                        *e *= c.query_scale;
+                    }
+                }
+                for head in k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
+                    if let Some(nw) = &w.k_norm {
+                        rms_norm_in_place(head, nw, c.rms_eps);
+                    }
+                    ops::rope(head, &cos, &sin);
+                }
+            }
+            let at = start * kv_dim;
+            self.kv.keys[li][at..at + n * kv_dim].copy_from_slice(&k);
+            self.kv.values[li][at..at + n * kv_dim].copy_from_slice(&v);
+
+            self.attention(li, start, &q, &mut attn, n);
+            let w = &self.weights.layers[li];
+            self.matmul(&w.o, &attn, &mut proj);
+            residual_add(
+                &mut x,
+                &mut proj,
+                w.attn_post_norm.as_deref(),
+                c.rms_eps,
+                c.hidden,
+            );
+
+            norm_rows(&x, &w.ffn_norm, c.rms_eps, &mut normed, c.hidden);
+            self.matmuls(vec![
+                (&w.gate, &normed, &mut gate[..]),
+                (&w.up, &normed, &mut up[..]),
+            ]);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = ops::gelu_tanh(*g) * u;
+            }
+            self.matmul(&w.down, &gate, &mut proj);
+            residual_add(
+                &mut x,
+                &mut proj,
+                w.ffn_post_norm.as_deref(),
+                c.rms_eps,
+                c.hidden,
+            );
+        }
+        self.kv.len += n;
+        norm_rows(
+            &x.clone(),
+            &self.weights.final_norm,
+            c.rms_eps,
+            &mut x,
+            c.hidden,
+        );
+        Ok(x)
+    }
+
+    /// Causal (and windowed) attention of `n` new queries at positions
+    /// `start..start+n` over the cache, parallel over (token, head) pairs.
+    fn attention(&self, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let q_dim = c.n_heads * hd;
+        let kv_dim = self.kv.kv_dim;
+        let group = c.n_heads / c.n_kv_heads;
+        let window = c.layers[li].window;
+        let keys = &self.kv.keys[li];
+        let values = &self.kv.values[li];
+        let shared = SharedOut::new(out, q_dim);
+        let pairs = n * c.n_heads;
+        let threads = self.pool.threads();
+        self.pool.run(|tid| {
+            let (p0, p1) = split_range(pairs, threads, tid, 1);
+            let mut scores = Vec::new();
+            for pair in p0..p1 {
+                let (t, h) = (pair / c.n_heads, pair % c.n_heads);
+                let pos = start + t;
+                let first = window.map_or(0, |win| (pos + 1).saturating_sub(win));
+                let kvh = h / group;
+                let qh = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
+                scores.clear();
+                for kp in first..=pos {
+                    let key = &keys[kp * kv_dim + kvh * hd..kp * kv_dim + (kvh + 1) * hd];
+                    let s = dot(qh, key);
+                    scores.push(match c.attn_softcap {
+                        Some(cap) => ops::softcap(s, cap),
+                        None => s,
+                    });
+                }
+                ops::softmax(&mut scores);
+                // SAFETY: each (token, head) pair is owned by one thread.
+                let o = unsafe { shared.cells(t, h * hd..(h + 1) * hd) };
+                o.fill(0.0);
+                for (&p, kp) in scores.iter().zip(first..=pos) {
+                    let val = &values[kp * kv_dim + kvh * hd..kp * kv_dim + (kvh + 1) * hd];
+                    for (oe, &ve) in o.iter_mut().zip(val) {
+                        *oe += p * ve;
+                    }
+                }
+            }
+        });
+    }
+
+    fn logits_of(&self, normed_rows: &[f32]) -> Vec<f32> {
+        let c = &self.config;
+        let mut logits = vec![0.0f32; normed_rows.len() / c.hidden * c.vocab_size];
+        self.matmul(&self.weights.embedding, normed_rows, &mut logits);
+        if let Some(cap) = c.final_softcap {
+            for l in &mut logits {
+                *l = ops::softcap(*l, cap);
+            }
+        }
+        logits
+    }
+}
+
+/// RMSNorm of every `width`-long row of `x` into `out`.
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], width: usize) {
+    for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        rms_norm(xr, weight, eps, or);
+    }
+}
+
+/// x += post_norm(delta), row by row.
+fn residual_add(
+    x: &mut [f32],
+    delta: &mut [f32],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+    width: usize,
+) {
+    for (xr, dr) in x.chunks_exact_mut(width).zip(delta.chunks_exact_mut(width)) {
+        if let Some(nw) = post_norm {
+            rms_norm_in_place(dr, nw, eps);
+        }
+        for (a, b) in xr.iter_mut().zip(dr.iter()) {
+            *a += b;
+        }
+    }
+}
+
+impl Engine for FastEngine {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn position(&self) -> usize {
+        self.kv.len
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.kv.len = self.kv.len.min(len);
+    }
+
+    fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+        if self.kv.len + tokens.len() > self.kv.capacity {
+            bail!(
+                "context full: {} cached + {} new tokens exceed the context size {} (raise -c)",
+                self.kv.len,
+                tokens.len(),
+                self.kv.capacity
+            );
+        }
+        let hidden = self.config.hidden;
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let normed = self.forward_chunk(chunk)?;
+            match wanted {
+                LogitsWanted::All => logits.extend(self.logits_of(&normed)),
+                LogitsWanted::Last if i + 1 == chunks.len() => {
+                    logits = self.logits_of(&normed[normed.len() - hidden..]);
+                }
+                LogitsWanted::Last => {}
+            }
+        }
+        Ok(logits)
+    }
+}
