@@ -23,8 +23,38 @@ enum EngineKind {
     Reference,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum WeightDtype {
+    F16,
+    Bf16,
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Measure prefill and decode speed against the machine's read bandwidth.
+    Bench {
+        /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M).
+        #[arg(short, long, conflicts_with = "shape")]
+        model: Option<PathBuf>,
+        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m).
+        #[arg(long)]
+        shape: Option<String>,
+        /// Packed weight format (default: bf16 checkpoints stay bf16, the rest f16).
+        #[arg(long, value_enum)]
+        dtype: Option<WeightDtype>,
+        /// Worker threads, the caller included.
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+        /// Prompt tokens for the prefill measurement.
+        #[arg(long, default_value_t = 512)]
+        pp: usize,
+        /// Generated tokens for the decode measurement.
+        #[arg(long, default_value_t = 128)]
+        tg: usize,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write raw little-endian f32 logits of a token sequence to a file.
     Logits {
         /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
@@ -44,6 +74,10 @@ enum Command {
     },
 }
 
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -61,6 +95,28 @@ fn main() -> ExitCode {
                 output: &output,
             })
         }),
+        Command::Bench {
+            model,
+            shape,
+            dtype,
+            threads,
+            pp,
+            tg,
+            json,
+        } => commands::bench_command(
+            model.as_deref(),
+            shape.as_deref(),
+            dtype.map(|d| match d {
+                WeightDtype::F16 => pulsar::engine::packed::WeightFormat::F16,
+                WeightDtype::Bf16 => pulsar::engine::packed::WeightFormat::BF16,
+            }),
+            threads,
+            &commands::bench::BenchArgs {
+                prompt_tokens: pp,
+                generate_tokens: tg,
+                json,
+            },
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,15 @@
 //! What each CLI subcommand does; `main.rs` only parses arguments.
 
+pub mod bench;
 pub mod logits;
 
-use crate::model::fetch;
-use anyhow::Result;
+use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions};
+use crate::engine::kernels::{MatKernels, PortableKernels};
+use crate::engine::packed::WeightFormat;
+use crate::engine::synthetic;
+use crate::model::source::ModelSource;
+use crate::model::{fetch, presets};
+use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
 
 /// The model named with `-m`, else the default model.
@@ -12,4 +18,58 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
         Some(p) => Ok(p.to_path_buf()),
         None => fetch::default_model_path(),
     }
+}
+
+/// The matrix kernels for this CPU.
+pub fn kernels() -> Box<dyn MatKernels> {
+    Box::new(PortableKernels)
+}
+
+/// `pulsar bench`: a real model, or a known shape on random weights.
+pub fn bench_command(
+    model: Option<&Path>,
+    shape: Option<&str>,
+    format: Option<WeightFormat>,
+    threads: usize,
+    args: &bench::BenchArgs,
+) -> Result<()> {
+    let context = args.prompt_tokens + args.generate_tokens + 2;
+    let opts = FastOptions {
+        threads,
+        context,
+        format,
+        prefill_chunk: DEFAULT_PREFILL_CHUNK,
+    };
+    let (mut engine, name) = match shape {
+        Some(name) => {
+            let Some(config) = presets::shape(name) else {
+                bail!(
+                    "unknown shape {name:?}; known shapes: {}",
+                    presets::SHAPES.join(", ")
+                );
+            };
+            eprintln!("bench: making random {name} weights");
+            let weights =
+                synthetic::random_weights(&config, format.unwrap_or(WeightFormat::F16), 1);
+            (
+                FastEngine::new(config, weights, kernels(), &opts)?,
+                format!("{name} (random weights)"),
+            )
+        }
+        None => {
+            let path = resolve_model(model)?;
+            let src = ModelSource::open(&path)?;
+            (
+                FastEngine::load(&src, kernels(), &opts)?,
+                path.display().to_string(),
+            )
+        }
+    };
+    let dtype = engine_weights_name(&engine);
+    let report = bench::run(&mut engine, &name, &dtype, args)?;
+    bench::print(&report, args.json)
+}
+
+fn engine_weights_name(engine: &FastEngine) -> String {
+    engine.weight_format().name().to_string()
 }

@@ -100,6 +100,11 @@ impl FastEngine {
         })
     }
 
+    /// The packed format of the layer weights.
+    pub fn weight_format(&self) -> WeightFormat {
+        self.weights.embedding.format
+    }
+
     pub fn kernels_name(&self) -> String {
         self.kernels.name()
     }

@@ -3,10 +3,12 @@
 pub mod fast;
 pub mod kernels;
 pub mod kv_cache;
+pub mod membench;
 pub mod ops;
 pub mod packed;
 pub mod pool;
 pub mod reference;
+pub mod synthetic;
 
 use crate::model::config::ModelConfig;
 use anyhow::Result;

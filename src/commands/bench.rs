@@ -1,0 +1,123 @@
+//! `pulsar bench`: prefill and decode speed, with the machine's read
+//! bandwidth over the same number of bytes measured in the same run, so a
+//! decode rate is always stated against the ceiling it is chasing.
+
+use crate::engine::fast::FastEngine;
+use crate::engine::membench::read_bandwidth;
+use crate::engine::{Engine, LogitsWanted};
+use anyhow::Result;
+use serde::Serialize;
+use std::time::Instant;
+
+pub struct BenchArgs {
+    pub prompt_tokens: usize,
+    pub generate_tokens: usize,
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub weights_dtype: String,
+    pub kernels: String,
+    pub threads: usize,
+    pub bytes_per_token: usize,
+    pub read_bw_gbs: f64,
+    pub prefill_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tokens: usize,
+    pub decode_tok_s: f64,
+    pub decode_gbs: f64,
+    pub decode_bw_fraction: f64,
+    pub wake_latency_ns: f64,
+}
+
+/// Token ids spread over the vocabulary, avoiding the control ids below 4.
+fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (4 + (i * 7919 + 13) % (vocab - 4)) as u32)
+        .collect()
+}
+
+pub fn run(
+    engine: &mut FastEngine,
+    model: &str,
+    weights_dtype: &str,
+    args: &BenchArgs,
+) -> Result<BenchReport> {
+    let vocab = engine.config().vocab_size;
+    let bytes = engine.bytes_per_token();
+    let read_bw = read_bandwidth(engine.pool(), bytes, 5);
+    let wake = engine.pool().wake_latency(2000);
+
+    let prompt = bench_tokens(args.prompt_tokens.max(1), vocab);
+    engine.truncate(0);
+    // One short warm-up pass faults the weights in.
+    engine.forward(&prompt[..1], LogitsWanted::Last)?;
+    engine.truncate(0);
+    let start = Instant::now();
+    engine.forward(&prompt, LogitsWanted::Last)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+
+    engine.truncate(1);
+    let decode = bench_tokens(args.generate_tokens.max(1), vocab);
+    let start = Instant::now();
+    for &t in &decode {
+        engine.forward(&[t], LogitsWanted::Last)?;
+    }
+    let decode_s = start.elapsed().as_secs_f64();
+    let decode_tok_s = decode.len() as f64 / decode_s;
+    let decode_gbs = decode_tok_s * bytes as f64 / 1e9;
+    Ok(BenchReport {
+        model: model.to_string(),
+        weights_dtype: weights_dtype.to_string(),
+        kernels: engine.kernels_name(),
+        threads: engine.threads(),
+        bytes_per_token: bytes,
+        read_bw_gbs: read_bw,
+        prefill_tokens: prompt.len(),
+        prefill_tok_s: prompt.len() as f64 / prefill_s,
+        decode_tokens: decode.len(),
+        decode_tok_s,
+        decode_gbs,
+        decode_bw_fraction: decode_gbs / read_bw,
+        wake_latency_ns: wake.as_secs_f64() * 1e9,
+    })
+}
+
+pub fn print(report: &BenchReport, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    let r = report;
+    println!("model            {}", r.model);
+    println!(
+        "weights          {} ({} kernels, {} threads)",
+        r.weights_dtype, r.kernels, r.threads
+    );
+    println!("bytes per token  {:.1} MB", r.bytes_per_token as f64 / 1e6);
+    println!(
+        "read bandwidth   {:.1} GB/s over {:.1} MB (same run)",
+        r.read_bw_gbs,
+        r.bytes_per_token as f64 / 1e6
+    );
+    println!(
+        "prefill          {:.1} tok/s ({} tokens)",
+        r.prefill_tok_s, r.prefill_tokens
+    );
+    println!(
+        "decode           {:.2} tok/s ({} tokens)",
+        r.decode_tok_s, r.decode_tokens
+    );
+    println!(
+        "decode traffic   {:.1} GB/s = {:.0}% of the read bandwidth",
+        r.decode_gbs,
+        r.decode_bw_fraction * 100.0
+    );
+    println!(
+        "pool wake-up     {:.0} ns per parallel section",
+        r.wake_latency_ns
+    );
+    Ok(())
+}
