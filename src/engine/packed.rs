@@ -111,7 +111,7 @@ impl PackedMatrix {
             other => bail!("a {other} tensor cannot be used zero-copy"),
         };
         let offset = t.bytes.as_ptr() as usize - map.as_ptr() as usize;
-        if offset % 2 != 0 || offset + t.bytes.len() > map.len() {
+        if !offset.is_multiple_of(2) || offset + t.bytes.len() > map.len() {
             bail!("tensor data is misaligned or outside its file");
         }
         let (rows, cols) = t.matrix_dims();

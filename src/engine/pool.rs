@@ -104,7 +104,7 @@ impl ThreadPool {
         let mut spins = 0u32;
         while s.pending.0.load(Ordering::Acquire) != 0 {
             spins = spins.wrapping_add(1);
-            if spins % 4096 == 0 {
+            if spins.is_multiple_of(4096) {
                 thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -147,7 +147,7 @@ fn worker_loop(s: &Shared, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && started.elapsed() > SPIN_BEFORE_PARK {
+            if spins.is_multiple_of(1024) && started.elapsed() > SPIN_BEFORE_PARK {
                 s.sleeping[index].0.store(true, Ordering::SeqCst);
                 // Re-check after announcing sleep: a job published in between
                 // would otherwise find no sleeper to unpark.
