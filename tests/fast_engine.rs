@@ -11,7 +11,9 @@ use pulsar::engine::kernels::{MatKernels, PortableKernels};
 use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::model::source::ModelSource;
 
-fn kernel_sets() -> Vec<(&'static str, fn() -> Box<dyn MatKernels>)> {
+type MakeKernels = fn() -> Box<dyn MatKernels>;
+
+fn kernel_sets() -> Vec<(&'static str, MakeKernels)> {
     vec![("portable", || Box::new(PortableKernels))]
 }
 
