@@ -2,3 +2,5 @@
 //! are x86-64 machine code generated at launch.
 
 pub mod model;
+pub mod sample;
+pub mod tokenizer;
