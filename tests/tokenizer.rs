@@ -258,3 +258,29 @@ fn encode_2000_chars_is_fast() {
     // Generous bound for a shared 2-core machine; the real figure is far lower.
     assert!(per.as_millis() < 20, "encoding 2000 chars took {per:?}");
 }
+
+/// More than 31 spaces: user-defined space runs are matched whole, longest
+/// first, as llama.cpp and SentencePiece do (31 + 4 here). The tokenizer.json
+/// that transformers derives from the GGUF makes space runs BPE pieces
+/// instead and gives 16 + 19; the GGUF route follows the model's own
+/// SentencePiece semantics.
+#[test]
+fn long_space_runs_split_longest_first() {
+    let tok = tokenizer();
+    let text = format!("x{}y", " ".repeat(35));
+    let ids = tok.encode(&text, false);
+    assert_eq!(ids, vec![236781, 167, 140, 236762]);
+    assert_eq!(tok.token_text(167).map(str::len), Some(31));
+    assert_eq!(tok.decode(&ids), text);
+}
+
+/// A literal `▁` typed in the text is not a space: it stays `▁` pieces,
+/// and there is no `▁▁` piece in the GGUF vocabulary.
+#[test]
+fn literal_space_mark_is_kept_as_is() {
+    let tok = tokenizer();
+    assert_eq!(
+        tok.encode("a\u{2581}b \u{2581}", false),
+        vec![236746, 518, 236743, 236743]
+    );
+}
