@@ -4,3 +4,5 @@
 pub mod commands;
 pub mod engine;
 pub mod model;
+pub mod sample;
+pub mod tokenizer;

@@ -1,0 +1,1 @@
+//! Samplers (in progress).

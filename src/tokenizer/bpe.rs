@@ -1,0 +1,166 @@
+//! Merging the characters of one text segment into vocabulary pieces.
+//!
+//! Both SentencePiece's BPE (merge the adjacent pair whose joined text has the
+//! best score) and Hugging Face's BPE (merge the adjacent pair with the lowest
+//! rank in the merge list) are "repeatedly take the best adjacent pair", so
+//! one engine serves both; only the way a pair is judged differs. Symbols form
+//! a doubly linked list and candidate pairs sit in a max-heap, so a segment
+//! of n characters costs O(n log n), not O(n²) rescans. Stale heap entries
+//! (a side already merged into something else) are detected and skipped.
+//!
+//! Characters without a piece of their own are spelled as `<0xNN>` byte
+//! tokens at the end (byte fallback).
+
+use super::vocab::Vocab;
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+/// How adjacent pairs are judged.
+pub(crate) enum MergeRule {
+    /// SentencePiece: a pair may merge when its joined text is a mergeable
+    /// piece; higher piece score merges first.
+    Scores,
+    /// Hugging Face BPE: `(left id, right id) -> (rank, merged id)`; lower
+    /// rank merges first.
+    Ranks(HashMap<(u32, u32), (u32, u32)>),
+}
+
+#[derive(Clone, Copy)]
+struct Symbol {
+    start: usize,
+    len: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+    /// Vocabulary id of this span, when it has one.
+    id: Option<u32>,
+}
+
+struct Candidate {
+    /// Higher merges first.
+    priority: f32,
+    left: usize,
+    right: usize,
+    /// Joined length when pushed; a mismatch later means the entry is stale.
+    len: usize,
+    merged: u32,
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Candidate {}
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Equal priority: the leftmost pair goes first, as in both references.
+        self.priority
+            .total_cmp(&other.priority)
+            .then_with(|| other.left.cmp(&self.left))
+    }
+}
+
+impl MergeRule {
+    /// The verdict on merging `l` and `r` in `text`: (priority, merged id).
+    fn judge(&self, vocab: &Vocab, text: &str, l: &Symbol, r: &Symbol) -> Option<(f32, u32)> {
+        match self {
+            MergeRule::Scores => {
+                let id = vocab.mergeable_id(&text[l.start..r.start + r.len])?;
+                Some((vocab.score(id), id))
+            }
+            MergeRule::Ranks(table) => {
+                let &(rank, merged) = table.get(&(l.id?, r.id?))?;
+                // Ranks are below 2^24 in any real merge list, so exact in f32.
+                Some((-(rank as f32), merged))
+            }
+        }
+    }
+}
+
+/// Encodes one segment of already-normalized text (spaces written as `▁`),
+/// appending ids to `out`. `unk` is used for a byte with no byte token.
+pub(crate) fn encode_segment(
+    vocab: &Vocab,
+    rule: &MergeRule,
+    unk: Option<u32>,
+    text: &str,
+    out: &mut Vec<u32>,
+) {
+    let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
+    for (start, ch) in text.char_indices() {
+        let len = ch.len_utf8();
+        let n = symbols.len();
+        symbols.push(Symbol {
+            start,
+            len,
+            prev: n.checked_sub(1),
+            next: None,
+            id: vocab.mergeable_id(&text[start..start + len]),
+        });
+        if n > 0 {
+            symbols[n - 1].next = Some(n);
+        }
+    }
+
+    let mut heap = BinaryHeap::with_capacity(symbols.len());
+    let push = |heap: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: usize| {
+        let Some(right) = symbols[left].next else {
+            return;
+        };
+        let (l, r) = (&symbols[left], &symbols[right]);
+        if let Some((priority, merged)) = rule.judge(vocab, text, l, r) {
+            heap.push(Candidate {
+                priority,
+                left,
+                right,
+                len: l.len + r.len,
+                merged,
+            });
+        }
+    };
+    for left in 0..symbols.len() {
+        push(&mut heap, &symbols, left);
+    }
+
+    while let Some(c) = heap.pop() {
+        let (l, r) = (&symbols[c.left], &symbols[c.right]);
+        // Merged-away symbols have len 0; a changed neighbour shows in the length.
+        if l.len == 0 || r.len == 0 || l.next != Some(c.right) || l.len + r.len != c.len {
+            continue;
+        }
+        let right_next = r.next;
+        let left = &mut symbols[c.left];
+        left.len = c.len;
+        left.id = Some(c.merged);
+        left.next = right_next;
+        symbols[c.right].len = 0;
+        if let Some(n) = right_next {
+            symbols[n].prev = Some(c.left);
+        }
+        if let Some(p) = symbols[c.left].prev {
+            push(&mut heap, &symbols, p);
+        }
+        push(&mut heap, &symbols, c.left);
+    }
+
+    let mut cur = if symbols.is_empty() { None } else { Some(0) };
+    while let Some(i) = cur {
+        let s = symbols[i];
+        match s.id {
+            Some(id) => out.push(id),
+            None => {
+                for &b in &text.as_bytes()[s.start..s.start + s.len] {
+                    if let Some(id) = vocab.byte_id(b).or(unk) {
+                        out.push(id);
+                    }
+                }
+            }
+        }
+        cur = s.next;
+    }
+}

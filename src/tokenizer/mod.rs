@@ -1,0 +1,221 @@
+//! Gemma's tokenizer: SentencePiece-style BPE with byte fallback.
+//!
+//! Encoding first cuts verbatim pieces out of the text (control tokens such
+//! as `<start_of_turn>`, and user-defined pieces such as `\n`, runs of spaces
+//! or `<b>`), then writes spaces as `▁` and merges each remaining stretch of
+//! characters into vocabulary pieces, falling back to `<0xNN>` byte tokens
+//! for characters without a piece. No Unicode normalization is applied.
+//!
+//! Loaders: [`Tokenizer::from_gguf`] (GGUF metadata), [`Tokenizer::from_hf_folder`]
+//! (`tokenizer.json`, or a SentencePiece `tokenizer.model`).
+
+mod bpe;
+mod decode;
+mod from_gguf;
+mod from_hf;
+mod from_spm;
+mod protobuf;
+mod specials;
+mod vocab;
+
+pub use decode::StreamDecoder;
+pub use vocab::{SPACE_MARK, TokenKind};
+
+use bpe::MergeRule;
+use specials::{Segment, SpecialMatcher};
+use vocab::Vocab;
+
+/// Ids of the special tokens a tokenizer file names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecialIds {
+    pub bos: u32,
+    pub eos: u32,
+    pub unk: Option<u32>,
+    pub pad: Option<u32>,
+}
+
+/// A loaded tokenizer. Cheap to share by reference; encoding and decoding
+/// take `&self`.
+pub struct Tokenizer {
+    vocab: Vocab,
+    rule: MergeRule,
+    specials: SpecialMatcher,
+    ids: SpecialIds,
+    add_bos: bool,
+    add_space_prefix: bool,
+    chat_template: Option<String>,
+}
+
+/// Everything a loader gathers; [`Tokenizer::assemble`] checks and indexes it.
+pub(crate) struct Parts {
+    pub pieces: Vec<String>,
+    pub scores: Vec<f32>,
+    pub kinds: Vec<TokenKind>,
+    pub rule: MergeRule,
+    pub ids: SpecialIds,
+    pub add_bos: bool,
+    pub add_space_prefix: bool,
+    pub chat_template: Option<String>,
+    /// Names the file in error messages.
+    pub source: String,
+}
+
+impl Tokenizer {
+    pub(crate) fn assemble(parts: Parts) -> anyhow::Result<Tokenizer> {
+        let vocab = Vocab::new(parts.pieces, parts.scores, parts.kinds, &parts.source)?;
+        let n = vocab.len();
+        let check = |what: &str, id: u32| {
+            if (id as usize) < n {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "{}: {what} token id {id} is outside the vocabulary of {n} entries",
+                    parts.source
+                ))
+            }
+        };
+        check("BOS", parts.ids.bos)?;
+        check("EOS", parts.ids.eos)?;
+        if let Some(id) = parts.ids.unk {
+            check("unknown", id)?;
+        }
+        if let Some(id) = parts.ids.pad {
+            check("padding", id)?;
+        }
+        let mut specials = SpecialMatcher::new();
+        for (id, text, is_control) in vocab.verbatim_entries() {
+            specials.insert(text, id, is_control);
+            // Matching happens on raw text, where a user-defined piece stored
+            // with `▁` (SentencePiece files) appears with real spaces.
+            if text.contains(SPACE_MARK) {
+                specials.insert(&text.replace(SPACE_MARK, " "), id, is_control);
+            }
+        }
+        Ok(Tokenizer {
+            vocab,
+            rule: parts.rule,
+            specials,
+            ids: parts.ids,
+            add_bos: parts.add_bos,
+            add_space_prefix: parts.add_space_prefix,
+            chat_template: parts.chat_template,
+        })
+    }
+
+    /// Encodes `text`, optionally starting with BOS. Control tokens written
+    /// in the text (`<start_of_turn>`, `<bos>`…) become their single ids; use
+    /// [`Tokenizer::encode_untrusted`] for text that must not be able to
+    /// inject them.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Vec<u32> {
+        self.encode_inner(text, add_bos, true)
+    }
+
+    /// Like [`Tokenizer::encode`], but control-token text is spelled out as
+    /// ordinary characters (user-defined pieces such as `\n` still apply).
+    pub fn encode_untrusted(&self, text: &str, add_bos: bool) -> Vec<u32> {
+        self.encode_inner(text, add_bos, false)
+    }
+
+    fn encode_inner(&self, text: &str, add_bos: bool, with_control: bool) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if add_bos {
+            out.push(self.ids.bos);
+        }
+        let mut normalized = String::new();
+        for (i, seg) in self
+            .specials
+            .split(text, with_control)
+            .into_iter()
+            .enumerate()
+        {
+            match seg {
+                Segment::Token(id) => out.push(id),
+                Segment::Text(t) => {
+                    normalized.clear();
+                    // SentencePiece's dummy prefix goes before the text only once.
+                    if self.add_space_prefix && i == 0 {
+                        normalized.push(SPACE_MARK);
+                    }
+                    for ch in t.chars() {
+                        normalized.push(if ch == ' ' { SPACE_MARK } else { ch });
+                    }
+                    bpe::encode_segment(
+                        &self.vocab,
+                        &self.rule,
+                        self.ids.unk,
+                        &normalized,
+                        &mut out,
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// Decodes ids to text. Control tokens (BOS, `<end_of_turn>`…) produce no
+    /// text; see [`Tokenizer::decode_with_control`].
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.decode_all(ids, false)
+    }
+
+    /// Decodes ids to text, writing control tokens as their text
+    /// (`<start_of_turn>`), which makes encode → decode round-trip exactly.
+    pub fn decode_with_control(&self, ids: &[u32]) -> String {
+        self.decode_all(ids, true)
+    }
+
+    fn decode_all(&self, ids: &[u32], show_control: bool) -> String {
+        let mut d = StreamDecoder::new(self, show_control);
+        let mut out = String::new();
+        for &id in ids {
+            out.push_str(&d.push(id));
+        }
+        out.push_str(&d.finish());
+        out
+    }
+
+    /// A decoder for generated ids, one at a time; control tokens produce no text.
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder::new(self, false)
+    }
+
+    /// The raw piece of an id as stored in the vocabulary (`▁the`, `<0x0A>`).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.vocab.piece(id)
+    }
+
+    pub fn token_kind(&self, id: u32) -> Option<TokenKind> {
+        self.vocab.kind(id)
+    }
+
+    /// The id whose piece is exactly `piece` (written with `▁` for spaces).
+    pub fn id_of(&self, piece: &str) -> Option<u32> {
+        self.vocab.id_of(piece)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab.len()
+    }
+
+    pub fn bos_id(&self) -> u32 {
+        self.ids.bos
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.ids.eos
+    }
+
+    pub fn special_ids(&self) -> SpecialIds {
+        self.ids
+    }
+
+    /// Whether the model file asks for BOS at the start of a prompt.
+    pub fn add_bos_by_default(&self) -> bool {
+        self.add_bos
+    }
+
+    /// The Jinja chat template shipped with the model, if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+}

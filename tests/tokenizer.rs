@@ -1,0 +1,286 @@
+//! The tokenizer against the reference ids in `shared/oracle/tokenizer_cases.json`
+//! (Hugging Face transformers on the Gemma 3 270M GGUF; llama.cpp agrees),
+//! plus extra cases made the same way, decoding and streaming checks.
+
+use pulsar::model::gguf::GgufFile;
+use pulsar::tokenizer::Tokenizer;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+// ---- model location: swap for pulsar::model::fetch::default_model_path() once merged ----
+/// The Gemma 3 270M GGUF: `$PULSAR_MODEL` or the default cache path. Panics
+/// when absent: these tests must fail loudly, not skip.
+fn model_path() -> PathBuf {
+    let path = match std::env::var_os("PULSAR_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            Path::new(&home).join(".cache/pulsar/gemma-3-270m-q4_k_m.gguf")
+        }
+    };
+    assert!(
+        path.is_file(),
+        "model file {} not found: download gemma-3-270m-q4_k_m.gguf there or set PULSAR_MODEL",
+        path.display()
+    );
+    path
+}
+// ---- end of model location ----
+
+fn oracle_path() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle/tokenizer_cases.json");
+    assert!(p.is_file(), "oracle file {} not found", p.display());
+    p
+}
+
+#[derive(Deserialize)]
+struct Case {
+    name: String,
+    text: String,
+    ids_no_special: Vec<u32>,
+    ids_with_bos: Vec<u32>,
+    #[serde(default)]
+    pieces: Vec<String>,
+    roundtrip_ok: bool,
+}
+
+#[derive(Deserialize)]
+struct CaseFile {
+    cases: Vec<Case>,
+}
+
+fn load_cases(path: &Path) -> Vec<Case> {
+    let text = std::fs::read_to_string(path).expect("read cases file");
+    let f: CaseFile = serde_json::from_str(&text).expect("parse cases file");
+    assert!(!f.cases.is_empty(), "{} has no cases", path.display());
+    f.cases
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static TOK: OnceLock<Tokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let file = GgufFile::open(&model_path()).expect("open model GGUF");
+        Tokenizer::from_gguf(&file).expect("tokenizer from GGUF")
+    })
+}
+
+/// Checks every case; returns the failures as readable lines.
+fn check_cases(tok: &Tokenizer, cases: &[Case]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for c in cases {
+        let got = tok.encode(&c.text, false);
+        if got != c.ids_no_special {
+            let pieces: Vec<_> = got
+                .iter()
+                .map(|&i| tok.token_text(i).unwrap_or("?"))
+                .collect();
+            failures.push(format!(
+                "{}: ids {:?}\n  want {:?}\n  pieces {:?}\n  want   {:?}",
+                c.name, got, c.ids_no_special, pieces, c.pieces
+            ));
+            continue;
+        }
+        let with_bos = tok.encode(&c.text, true);
+        if with_bos != c.ids_with_bos {
+            failures.push(format!(
+                "{}: with BOS {:?} want {:?}",
+                c.name, with_bos, c.ids_with_bos
+            ));
+        }
+        if c.roundtrip_ok {
+            let back = tok.decode_with_control(&c.ids_no_special);
+            if back != c.text {
+                failures.push(format!(
+                    "{}: decode gave {:?}, want {:?}",
+                    c.name, back, c.text
+                ));
+            }
+        }
+        if !c.pieces.is_empty() {
+            let pieces: Vec<_> = got
+                .iter()
+                .map(|&i| tok.token_text(i).unwrap_or("?"))
+                .collect();
+            if pieces != c.pieces {
+                failures.push(format!(
+                    "{}: pieces {:?} want {:?}",
+                    c.name, pieces, c.pieces
+                ));
+            }
+        }
+    }
+    failures
+}
+
+#[test]
+fn oracle_cases_match_id_for_id() {
+    let cases = load_cases(&oracle_path());
+    assert!(
+        cases.len() >= 24,
+        "expected the full oracle set, got {}",
+        cases.len()
+    );
+    let failures = check_cases(tokenizer(), &cases);
+    assert!(
+        failures.is_empty(),
+        "{} of {} oracle cases fail:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn extra_cases_match_id_for_id() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer_extra_cases.json");
+    let cases = load_cases(&path);
+    let failures = check_cases(tokenizer(), &cases);
+    assert!(
+        failures.is_empty(),
+        "{} of {} extra cases fail:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn metadata_from_gguf() {
+    let tok = tokenizer();
+    assert_eq!(tok.vocab_size(), 262_144);
+    assert_eq!(tok.bos_id(), 2);
+    assert_eq!(tok.eos_id(), 1);
+    let ids = tok.special_ids();
+    assert_eq!((ids.unk, ids.pad), (Some(3), Some(0)));
+    assert!(tok.add_bos_by_default());
+    assert_eq!(
+        tok.chat_template(),
+        None,
+        "the default model ships no chat template"
+    );
+    assert_eq!(tok.id_of("<start_of_turn>"), Some(105));
+    assert_eq!(tok.id_of("<end_of_turn>"), Some(106));
+    assert_eq!(tok.id_of("▁the"), Some(506));
+    assert_eq!(tok.token_text(107), Some("\n"));
+    assert_eq!(tok.token_text(238), Some("<0x00>"));
+    assert_eq!(tok.token_text(262_144), None);
+}
+
+#[test]
+fn chat_turn_markers_are_single_ids() {
+    let tok = tokenizer();
+    let ids = tok.encode(
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+        true,
+    );
+    assert_eq!(ids[0], 2);
+    assert_eq!(ids[1], 105);
+    assert_eq!(ids.iter().filter(|&&i| i == 105).count(), 2);
+    assert_eq!(ids.iter().filter(|&&i| i == 106).count(), 1);
+    // Untrusted encoding spells the markers out instead.
+    let plain = tok.encode_untrusted("<start_of_turn>user", false);
+    assert!(!plain.contains(&105), "{plain:?}");
+    assert_eq!(tok.decode(&plain), "<start_of_turn>user");
+}
+
+#[test]
+fn decode_skips_control_tokens() {
+    let tok = tokenizer();
+    let ids = tok.encode("<start_of_turn>model\nHello world<end_of_turn>", true);
+    assert_eq!(tok.decode(&ids), "model\nHello world");
+    assert_eq!(
+        tok.decode_with_control(&ids),
+        "<bos><start_of_turn>model\nHello world<end_of_turn>"
+    );
+}
+
+#[test]
+fn stream_decoder_holds_partial_characters() {
+    let tok = tokenizer();
+    // U+3000 has no piece: three byte tokens E3 80 80.
+    let ids = tok.encode("a\u{3000}d", false);
+    assert_eq!(ids, vec![236746, 465, 366, 366, 236753]);
+    let mut d = tok.stream_decoder();
+    let parts: Vec<String> = ids.iter().map(|&i| d.push(i)).collect();
+    assert_eq!(parts, vec!["a", "", "", "\u{3000}", "d"]);
+    assert_eq!(d.finish(), "");
+}
+
+#[test]
+fn stream_decoder_matches_decode_on_every_case() {
+    let tok = tokenizer();
+    for c in load_cases(&oracle_path()) {
+        let mut d = tok.stream_decoder();
+        let mut streamed = String::new();
+        for &id in &c.ids_with_bos {
+            streamed.push_str(&d.push(id));
+        }
+        streamed.push_str(&d.finish());
+        assert_eq!(streamed, tok.decode(&c.ids_with_bos), "case {}", c.name);
+    }
+}
+
+#[test]
+fn broken_byte_sequences_become_replacement_chars() {
+    let tok = tokenizer();
+    let byte = |b: u8| 238 + b as u32;
+    // A lone continuation byte, then an unfinished 3-byte sequence at the end.
+    assert_eq!(
+        tok.decode(&[byte(0x80), 236746, byte(0xE3), byte(0x80)]),
+        "\u{FFFD}a\u{FFFD}"
+    );
+    // An unfinished sequence interrupted by a normal piece.
+    assert_eq!(tok.decode(&[byte(0xE3), 236746]), "\u{FFFD}a");
+    // Ids past the vocabulary are visible, not silently dropped.
+    assert_eq!(tok.decode(&[236746, 300_000]), "a\u{FFFD}");
+}
+
+#[test]
+fn encode_2000_chars_is_fast() {
+    let tok = tokenizer();
+    let cases = load_cases(&oracle_path());
+    let text = &cases
+        .iter()
+        .find(|c| c.name == "paragraph_2000")
+        .expect("paragraph case")
+        .text;
+    assert!(text.chars().count() >= 2000);
+    let _ = tok.encode(text, true);
+    let runs = 20;
+    let start = Instant::now();
+    for _ in 0..runs {
+        std::hint::black_box(tok.encode(std::hint::black_box(text), true));
+    }
+    let per = start.elapsed() / runs;
+    eprintln!("encode of {} chars: {per:?}", text.chars().count());
+    // Generous bound for a shared 2-core machine; the real figure is far lower.
+    assert!(per.as_millis() < 20, "encoding 2000 chars took {per:?}");
+}
+
+/// More than 31 spaces: user-defined space runs are matched whole, longest
+/// first, as llama.cpp and SentencePiece do (31 + 4 here). The tokenizer.json
+/// that transformers derives from the GGUF makes space runs BPE pieces
+/// instead and gives 16 + 19; the GGUF route follows the model's own
+/// SentencePiece semantics.
+#[test]
+fn long_space_runs_split_longest_first() {
+    let tok = tokenizer();
+    let text = format!("x{}y", " ".repeat(35));
+    let ids = tok.encode(&text, false);
+    assert_eq!(ids, vec![236781, 167, 140, 236762]);
+    assert_eq!(tok.token_text(167).map(str::len), Some(31));
+    assert_eq!(tok.decode(&ids), text);
+}
+
+/// A literal `▁` typed in the text is not a space: it stays `▁` pieces,
+/// and there is no `▁▁` piece in the GGUF vocabulary.
+#[test]
+fn literal_space_mark_is_kept_as_is() {
+    let tok = tokenizer();
+    assert_eq!(
+        tok.encode("a\u{2581}b \u{2581}", false),
+        vec![236746, 518, 236743, 236743]
+    );
+}
