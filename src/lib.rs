@@ -1,8 +1,10 @@
 //! Pulsar: a CPU inference engine for Google's Gemma models whose hot kernels
 //! are x86-64 machine code generated at launch.
 
+pub mod chat_template;
 pub mod commands;
 pub mod engine;
+pub mod generate;
 pub mod model;
 pub mod sample;
 pub mod tokenizer;

@@ -1,8 +1,10 @@
 //! The `pulsar` command line: argument parsing only; the work is done in
 //! `pulsar::commands`.
 
-use clap::{Parser, Subcommand, ValueEnum};
-use pulsar::commands;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pulsar::commands::{self, EngineKind};
+use pulsar::engine::packed::WeightFormat;
+use pulsar::sample::SamplerConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -10,7 +12,7 @@ use std::process::ExitCode;
 #[command(
     name = "pulsar",
     version,
-    about = "Gemma inference on CPU with JIT-generated x86-64 kernels"
+    about = "Gemma inference on CPU with JIT-generated, verified x86-64 kernels"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -18,22 +20,158 @@ struct Cli {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum EngineKind {
+enum EngineArg {
+    /// JIT kernels on the thread pool (fast).
+    Jit,
     /// Plain-Rust f32 forward pass (the correctness oracle).
     Reference,
 }
 
+impl From<EngineArg> for EngineKind {
+    fn from(e: EngineArg) -> EngineKind {
+        match e {
+            EngineArg::Jit => EngineKind::Jit,
+            EngineArg::Reference => EngineKind::Reference,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
-enum WeightDtype {
+enum DtypeArg {
     F16,
     Bf16,
 }
 
+impl From<DtypeArg> for WeightFormat {
+    fn from(d: DtypeArg) -> WeightFormat {
+        match d {
+            DtypeArg::F16 => WeightFormat::F16,
+            DtypeArg::Bf16 => WeightFormat::BF16,
+        }
+    }
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Sampling flags shared by `run` and `chat`.
+#[derive(Args)]
+struct SamplingArgs {
+    /// Temperature; 0 always picks the most likely token.
+    #[arg(short = 't', long = "temp", default_value_t = 0.7)]
+    temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(short = 'k', long, default_value_t = 40)]
+    top_k: usize,
+    /// Keep the most likely tokens up to this total probability (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Drop tokens below this fraction of the top token's probability (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Penalize tokens seen in the last --repeat-last-n (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Random seed (default: from the clock; printed so a run can be repeated).
+    #[arg(short, long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+        }
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        })
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text from one prompt; the text goes to stdout as it is made.
+    Run {
+        /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        /// The prompt (with -f: the question about the file).
+        #[arg(short, long)]
+        prompt: Option<String>,
+        /// A UTF-8 text file used as the prompt, or as context for -p.
+        #[arg(short, long)]
+        file: Option<PathBuf>,
+        /// Most tokens to generate.
+        #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+        max_new: usize,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        /// Context size in tokens.
+        #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+        context: usize,
+        /// Plain completion with BOS, no chat turn format.
+        #[arg(long)]
+        raw: bool,
+        /// Instructions placed before the prompt (Gemma has no system role).
+        #[arg(long)]
+        system: Option<String>,
+        /// A chat template file (JSON, see templates/gemma.json).
+        #[arg(long)]
+        chat_template: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "jit")]
+        engine: EngineArg,
+        /// Worker threads, the caller included.
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+    },
+    /// Print the token ids of a text, space-separated.
+    Tokenize {
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        #[arg(short, long)]
+        prompt: String,
+        /// Leave out the leading BOS token.
+        #[arg(long)]
+        no_bos: bool,
+    },
+    /// Write raw little-endian f32 logits of a token sequence to a file.
+    Logits {
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        /// Comma-separated token ids, e.g. 2,818,5279.
+        #[arg(long, value_delimiter = ',', required_unless_present = "prompt")]
+        tokens: Vec<u32>,
+        /// Text to tokenize (with BOS) instead of --tokens.
+        #[arg(short, long, conflicts_with = "tokens")]
+        prompt: Option<String>,
+        /// Logits of every position ([positions, vocab]) instead of the last ([vocab]).
+        #[arg(long)]
+        all: bool,
+        /// Output file.
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long, value_enum, default_value = "jit")]
+        engine: EngineArg,
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+    },
     /// Measure prefill and decode speed against the machine's read bandwidth.
     Bench {
-        /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M).
+        /// Model (default: Gemma 3 270M).
         #[arg(short, long, conflicts_with = "shape")]
         model: Option<PathBuf>,
         /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m).
@@ -41,8 +179,7 @@ enum Command {
         shape: Option<String>,
         /// Packed weight format (default: bf16 checkpoints stay bf16, the rest f16).
         #[arg(long, value_enum)]
-        dtype: Option<WeightDtype>,
-        /// Worker threads, the caller included.
+        dtype: Option<DtypeArg>,
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
         /// Prompt tokens for the prefill measurement.
@@ -55,45 +192,61 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write raw little-endian f32 logits of a token sequence to a file.
-    Logits {
-        /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
-        #[arg(short, long)]
-        model: Option<PathBuf>,
-        /// Comma-separated token ids, e.g. 2,818,5279.
-        #[arg(long, value_delimiter = ',', required = true)]
-        tokens: Vec<u32>,
-        /// Logits of every position ([positions, vocab]) instead of the last ([vocab]).
-        #[arg(long)]
-        all: bool,
-        /// Output file.
-        #[arg(short, long)]
-        output: PathBuf,
-        #[arg(long, value_enum, default_value = "reference")]
-        engine: EngineKind,
-    },
 }
 
-fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Run {
+            model,
+            prompt,
+            file,
+            max_new,
+            sampling,
+            context,
+            raw,
+            system,
+            chat_template,
+            engine,
+            threads,
+        } => commands::run::run(&commands::run::RunArgs {
+            model: commands::resolve_model(model.as_deref())?,
+            prompt,
+            file,
+            max_new,
+            sampling: sampling.config(),
+            seed: sampling.seed(),
+            context,
+            raw,
+            system,
+            chat_template,
+            engine: engine.into(),
+            threads,
+        }),
+        Command::Tokenize {
+            model,
+            prompt,
+            no_bos,
+        } => commands::tokenize::run(
+            &commands::resolve_model(model.as_deref())?,
+            &prompt,
+            !no_bos,
+        ),
         Command::Logits {
             model,
             tokens,
+            prompt,
             all,
             output,
-            engine: EngineKind::Reference,
-        } => commands::resolve_model(model.as_deref()).and_then(|model| {
-            commands::logits::run(&commands::logits::LogitsArgs {
-                model: &model,
-                tokens: &tokens,
-                all,
-                output: &output,
-            })
+            engine,
+            threads,
+        } => commands::logits::run(&commands::logits::LogitsArgs {
+            model: &commands::resolve_model(model.as_deref())?,
+            tokens: &tokens,
+            prompt: prompt.as_deref(),
+            all,
+            output: &output,
+            engine: engine.into(),
+            threads,
         }),
         Command::Bench {
             model,
@@ -106,10 +259,7 @@ fn main() -> ExitCode {
         } => commands::bench_command(
             model.as_deref(),
             shape.as_deref(),
-            dtype.map(|d| match d {
-                WeightDtype::F16 => pulsar::engine::packed::WeightFormat::F16,
-                WeightDtype::Bf16 => pulsar::engine::packed::WeightFormat::BF16,
-            }),
+            dtype.map(Into::into),
             threads,
             &commands::bench::BenchArgs {
                 prompt_tokens: pp,
@@ -117,8 +267,12 @@ fn main() -> ExitCode {
                 json,
             },
         ),
-    };
-    match result {
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pulsar: {e:#}");

@@ -1,44 +1,50 @@
 //! `pulsar logits`: raw logits of a token sequence, for comparing engines.
 
-use crate::engine::reference::ReferenceEngine;
-use crate::engine::{Engine, LogitsWanted};
+use super::run::load_tokenizer;
+use super::{EngineKind, open_engine};
+use crate::engine::LogitsWanted;
 use crate::model::source::ModelSource;
-use anyhow::{Context, Result};
-use std::io::Write;
+use anyhow::{Context, Result, bail};
 use std::path::Path;
 
 pub struct LogitsArgs<'a> {
     pub model: &'a Path,
     pub tokens: &'a [u32],
+    /// Text to tokenize with BOS instead of `tokens`.
+    pub prompt: Option<&'a str>,
     pub all: bool,
     pub output: &'a Path,
+    pub engine: EngineKind,
+    pub threads: usize,
 }
 
 pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
-    if args.tokens.is_empty() {
-        anyhow::bail!("--tokens is empty: give at least one token id");
-    }
     let src = ModelSource::open(args.model)?;
-    let mut engine = ReferenceEngine::load(&src)?;
+    let tokens = match args.prompt {
+        Some(text) => load_tokenizer(&src)?.encode(text, true),
+        None => args.tokens.to_vec(),
+    };
+    if tokens.is_empty() {
+        bail!("no tokens: give --tokens ID,ID,… or -p TEXT");
+    }
+    let vocab = src.config.vocab_size;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary (size {vocab})");
+    }
+    let mut engine = open_engine(&src, args.engine, args.threads, tokens.len())?;
     let wanted = if args.all {
         LogitsWanted::All
     } else {
         LogitsWanted::Last
     };
-    let logits = engine.forward(args.tokens, wanted)?;
-    let vocab = src.config.vocab_size;
-    let mut bytes = Vec::with_capacity(logits.len() * 4);
-    for v in &logits {
-        bytes.extend_from_slice(&v.to_le_bytes());
-    }
-    let mut file = std::fs::File::create(args.output)
-        .with_context(|| format!("{}: cannot create", args.output.display()))?;
-    file.write_all(&bytes)
+    let logits = engine.forward(&tokens, wanted)?;
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(args.output, bytes)
         .with_context(|| format!("{}: cannot write", args.output.display()))?;
     if args.all {
         eprintln!(
             "logits: f32 [{}, {vocab}] -> {}",
-            args.tokens.len(),
+            tokens.len(),
             args.output.display()
         );
     } else {

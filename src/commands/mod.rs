@@ -2,10 +2,14 @@
 
 pub mod bench;
 pub mod logits;
+pub mod run;
+pub mod tokenize;
 
+use crate::engine::Engine;
 use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions};
 use crate::engine::kernels::{MatKernels, PortableKernels};
 use crate::engine::packed::WeightFormat;
+use crate::engine::reference::ReferenceEngine;
 use crate::engine::synthetic;
 use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
@@ -18,6 +22,45 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
         Some(p) => Ok(p.to_path_buf()),
         None => fetch::default_model_path(),
     }
+}
+
+/// Which forward pass to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    /// JIT kernels on the thread pool (the fast path).
+    Jit,
+    /// The plain-Rust f32 oracle.
+    Reference,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Jit => "jit",
+            EngineKind::Reference => "reference",
+        }
+    }
+}
+
+/// Builds the chosen engine for an opened model.
+pub fn open_engine(
+    src: &ModelSource,
+    kind: EngineKind,
+    threads: usize,
+    context: usize,
+) -> Result<Box<dyn Engine>> {
+    Ok(match kind {
+        EngineKind::Reference => Box::new(ReferenceEngine::load(src)?),
+        EngineKind::Jit => {
+            let opts = FastOptions {
+                threads,
+                context,
+                format: None,
+                prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            };
+            Box::new(FastEngine::load(src, kernels(), &opts)?)
+        }
+    })
 }
 
 /// The matrix kernels for this CPU.

@@ -357,6 +357,10 @@ impl Engine for FastEngine {
         self.kv.len
     }
 
+    fn capacity(&self) -> usize {
+        self.kv.capacity
+    }
+
     fn truncate(&mut self, len: usize) {
         self.kv.len = self.kv.len.min(len);
     }

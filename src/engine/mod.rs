@@ -29,6 +29,9 @@ pub trait Engine {
     /// Tokens cached so far: the position the next token gets.
     fn position(&self) -> usize;
 
+    /// The most tokens the cache can hold.
+    fn capacity(&self) -> usize;
+
     /// Forgets cached tokens from `len` on.
     fn truncate(&mut self, len: usize);
 

@@ -111,6 +111,10 @@ impl Engine for ReferenceEngine {
         self.kv.len()
     }
 
+    fn capacity(&self) -> usize {
+        self.config.max_context
+    }
+
     fn truncate(&mut self, len: usize) {
         self.kv.truncate(len);
     }

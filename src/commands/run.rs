@@ -1,0 +1,136 @@
+//! `pulsar run`: one prompt in, generated text streamed to stdout; load
+//! time and speeds on stderr.
+
+use super::{EngineKind, open_engine};
+use crate::chat_template::ChatTemplate;
+use crate::generate::{self, Request};
+use crate::model::source::ModelSource;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result, bail};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub struct RunArgs {
+    pub model: PathBuf,
+    pub prompt: Option<String>,
+    pub file: Option<PathBuf>,
+    pub max_new: usize,
+    pub sampling: SamplerConfig,
+    pub seed: u64,
+    pub context: usize,
+    pub raw: bool,
+    pub system: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub engine: EngineKind,
+    pub threads: usize,
+}
+
+/// Loads the tokenizer that belongs to a model source.
+pub fn load_tokenizer(src: &ModelSource) -> Result<Tokenizer> {
+    match src.gguf() {
+        Some(g) => Tokenizer::from_gguf(g),
+        None => Tokenizer::from_hf_folder(&src.path),
+    }
+}
+
+/// A text file given with `-f`, which must be UTF-8.
+pub fn read_text_file(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8 first",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// The user's text: a file as context followed by the prompt, or either.
+pub fn user_text(prompt: Option<&str>, file: Option<&Path>) -> Result<String> {
+    let text = match (file, prompt) {
+        (Some(f), Some(p)) => format!("{}\n\n{p}", read_text_file(f)?),
+        (Some(f), None) => read_text_file(f)?,
+        (None, Some(p)) => p.to_string(),
+        (None, None) => bail!("give a prompt with -p TEXT or a file with -f FILE"),
+    };
+    if text.contains('\0') {
+        bail!("the prompt contains a NUL byte; remove it");
+    }
+    Ok(text)
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    args.sampling.validate()?;
+    let text = user_text(args.prompt.as_deref(), args.file.as_deref())?;
+    if text.trim().is_empty() {
+        bail!("the prompt is empty: give some text with -p or -f");
+    }
+    let load_start = Instant::now();
+    let src = ModelSource::open(&args.model)?;
+    let tok = load_tokenizer(&src)?;
+    let template = match &args.chat_template {
+        Some(path) => Some(ChatTemplate::from_file(path)?),
+        None if tok.chat_template().is_some() => Some(ChatTemplate::gemma()),
+        None => None,
+    };
+    let prompt = match template.as_ref().filter(|_| !args.raw) {
+        Some(t) => tok.encode(&t.user_then_model(&text, args.system.as_deref()), t.bos),
+        None => {
+            let text = match &args.system {
+                Some(s) => format!("{s}\n\n{text}"),
+                None => text,
+            };
+            tok.encode(&text, true)
+        }
+    };
+    if prompt.len() >= args.context {
+        bail!(
+            "the prompt has {} tokens but the context holds {} (-c); shorten the prompt or raise -c",
+            prompt.len(),
+            args.context
+        );
+    }
+    let mut engine = open_engine(&src, args.engine, args.threads, args.context)?;
+    eprintln!(
+        "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
+        args.model.display(),
+        load_start.elapsed().as_secs_f64(),
+        args.engine.name(),
+        args.seed
+    );
+
+    let mut sampler = Sampler::new(args.sampling, args.seed);
+    let stops = generate::stop_ids(&tok);
+    let mut stdout = std::io::stdout().lock();
+    let mut history = Vec::new();
+    let mut write_error = None;
+    let stats = generate::generate(
+        engine.as_mut(),
+        &tok,
+        &mut sampler,
+        &Request {
+            prompt: &prompt,
+            max_new: args.max_new,
+            stop_ids: &stops,
+            interrupted: &|| false,
+        },
+        &mut history,
+        &mut |piece| {
+            if write_error.is_none()
+                && let Err(e) = stdout
+                    .write_all(piece.as_bytes())
+                    .and_then(|_| stdout.flush())
+            {
+                write_error = Some(e);
+            }
+        },
+    )?;
+    if let Some(e) = write_error {
+        return Err(e).context("cannot write to stdout");
+    }
+    writeln!(stdout).ok();
+    eprintln!("pulsar: {}", stats.summary());
+    Ok(())
+}

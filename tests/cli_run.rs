@@ -1,0 +1,162 @@
+//! `pulsar run` and `pulsar tokenize` through the real binary on the
+//! default model.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+
+fn pulsar(args: &[&str]) -> std::process::Output {
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(args)
+        .arg("-m")
+        .arg(model)
+        .output()
+        .expect("binary runs")
+}
+
+#[test]
+fn greedy_run_reproduces_the_reference_chain() {
+    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
+    let want = meta["greedy_text"].as_str().unwrap();
+    let out = pulsar(&[
+        "run",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "32",
+        "-t",
+        "0",
+        "--raw",
+        "--engine",
+        "reference",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{want}\n"));
+    assert!(stderr.contains("generated 32 tok"), "{stderr}");
+    assert!(stderr.contains("tok/s"), "{stderr}");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_seeds_differ() {
+    let run = |seed: &str| {
+        let out = pulsar(&[
+            "run",
+            "-p",
+            "Once upon a time",
+            "-n",
+            "24",
+            "-t",
+            "1.0",
+            "-s",
+            seed,
+            "--raw",
+            "--engine",
+            "reference",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let a = run("7");
+    assert_eq!(a, run("7"), "same seed, same text");
+    assert_ne!(a, run("8"), "different seeds should differ");
+}
+
+#[test]
+fn tokenize_prints_ids() {
+    let out = pulsar(&["tokenize", "-p", "The capital of France is"]);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "2 818 5279 529 7001 563\n"
+    );
+    let out = pulsar(&["tokenize", "-p", "The capital", "--no-bos"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "818 5279\n");
+}
+
+#[test]
+fn logits_from_text_equal_logits_from_ids() {
+    let dir = std::env::temp_dir().join(format!("pulsar-cli-logits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let a = dir.join("a.bin");
+    let b = dir.join("b.bin");
+    let out = pulsar(&[
+        "logits",
+        "--engine",
+        "reference",
+        "-p",
+        "The capital of France is",
+        "-o",
+        a.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = pulsar(&[
+        "logits",
+        "--engine",
+        "reference",
+        "--tokens",
+        "2,818,5279,529,7001,563",
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[262144]"));
+    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let (diff, _) = max_abs_diff(&read_f32(&a), &expected);
+    assert!(diff <= 2e-3, "{diff}");
+    assert_eq!(read_f32(&a), read_f32(&b));
+}
+
+#[test]
+fn bad_prompts_are_refused_clearly() {
+    let dir = std::env::temp_dir().join(format!("pulsar-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let latin1 = dir.join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    // argv cannot carry NUL bytes; a file can.
+    let nul = dir.join("nul.txt");
+    std::fs::write(&nul, b"a\0b").unwrap();
+    for (args, needle) in [
+        (vec!["run", "-p", "", "--engine", "reference"], "empty"),
+        (
+            vec![
+                "run",
+                "-f",
+                latin1.to_str().unwrap(),
+                "--engine",
+                "reference",
+            ],
+            "UTF-8",
+        ),
+        (
+            vec!["run", "-f", nul.to_str().unwrap(), "--engine", "reference"],
+            "NUL",
+        ),
+        (
+            vec!["run", "-p", "hi", "--temp=-1", "--engine", "reference"],
+            "temperature",
+        ),
+        (
+            vec!["run", "-p", "hi", "-c", "2", "--engine", "reference"],
+            "context",
+        ),
+    ] {
+        let out = pulsar(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            stderr.to_lowercase().contains(&needle.to_lowercase()),
+            "{args:?}: {stderr}"
+        );
+    }
+}
