@@ -133,7 +133,8 @@ fn fixture_configs_parse_as_intended() {
 /// an engine that mishandled it would fail the oracle comparison above.
 #[test]
 fn fixtures_detect_missing_features() {
-    let cases: [(&str, &str, fn(&mut ModelConfig)); 5] = [
+    type Edit = fn(&mut ModelConfig);
+    let cases: [(&str, &str, Edit); 5] = [
         ("awkward-gemma2", "no final softcap", |c| {
             c.final_softcap = None
         }),

@@ -21,9 +21,8 @@ fn check(dtype: DType) {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    assert_eq!(
-        blocks.len() % dtype.block_bytes(),
-        0,
+    assert!(
+        blocks.len().is_multiple_of(dtype.block_bytes()),
         "{dtype}: partial block"
     );
     let n_blocks = blocks.len() / dtype.block_bytes();
