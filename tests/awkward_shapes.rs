@@ -165,7 +165,7 @@ fn fixtures_detect_missing_features() {
 }
 
 /// Input ids of every model the KV-cache checks run on: the awkward fixtures
-/// and the f32 HF tiny models.
+/// and every HF tiny model folder (f32, f16, bf16).
 fn kv_cases() -> Vec<(std::path::PathBuf, Vec<u32>)> {
     let mut cases = Vec::new();
     for name in ["awkward-gemma3", "awkward-gemma2", "awkward-gemma1"] {
@@ -173,13 +173,20 @@ fn kv_cases() -> Vec<(std::path::PathBuf, Vec<u32>)> {
         cases.push((fx.dir, fx.input));
     }
     let oracle = oracle_dir();
-    for fam in ["gemma1", "gemma2", "gemma3"] {
+    for (fam, dtypes) in [
+        ("gemma1", &["f32", "f16", "bf16"][..]),
+        ("gemma2", &["f32", "f16"][..]),
+        ("gemma3", &["f32", "f16"][..]),
+    ] {
         let meta = read_json(&oracle.join(format!("tiny-{fam}-ref/reference.json")));
-        cases.push((
-            oracle.join(format!("tiny-{fam}-f32")),
-            ids(&meta["input_ids"]),
-        ));
+        for dtype in dtypes {
+            cases.push((
+                oracle.join(format!("tiny-{fam}-{dtype}")),
+                ids(&meta["input_ids"]),
+            ));
+        }
     }
+    assert_eq!(cases.len(), 10);
     cases
 }
 
