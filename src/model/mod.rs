@@ -6,6 +6,7 @@ pub mod dequant;
 pub mod dtype;
 pub mod fetch;
 pub mod gguf;
+pub mod gguf_write;
 pub mod presets;
 pub mod safetensors;
 pub mod source;

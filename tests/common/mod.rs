@@ -49,3 +49,47 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> (f32, usize) {
     }
     worst
 }
+
+/// `tests/data/fixtures`: the awkward-shape models made by
+/// tools/make_fixtures.py, with their float64-oracle logits.
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fixtures")
+}
+
+/// One awkward fixture: its folder, input ids and expected logits
+/// `[tokens, vocab]` (row-major).
+pub struct Fixture {
+    pub dir: PathBuf,
+    pub input: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+}
+
+pub fn load_fixture(name: &str) -> Fixture {
+    let dir = fixtures_dir().join(name);
+    let meta = read_json(&dir.join("expected.json"));
+    let input = ids(&meta["input_ids"]);
+    let shape = ids(&meta["logits_shape"]);
+    assert_eq!(
+        shape.len(),
+        2,
+        "{name}: logits_shape must be [tokens, vocab]"
+    );
+    assert_eq!(
+        shape[0] as usize,
+        input.len(),
+        "{name}: one logits row per token"
+    );
+    let logits = read_f32(&dir.join("logits.bin"));
+    assert_eq!(
+        logits.len(),
+        input.len() * shape[1] as usize,
+        "{name}: logits.bin size"
+    );
+    Fixture {
+        dir,
+        input,
+        logits,
+        vocab: shape[1] as usize,
+    }
+}
