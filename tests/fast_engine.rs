@@ -26,7 +26,7 @@ fn check(fixture: &str, reference: &str, dtype: &str, tolerance: f32) {
             .join(reference)
             .join(format!("logits_{dtype}weights.bin")),
     );
-    let src = ModelSource::open(&oracle.join(fixture)).expect("fixture opens");
+    let src = std::sync::Arc::new(ModelSource::open(&oracle.join(fixture)).expect("fixture opens"));
     let vocab = src.config.vocab_size;
     for (name, make) in kernel_sets() {
         for threads in [1, 2, 3] {
@@ -85,7 +85,8 @@ fn tiny_gemma3_f16() {
 
 #[test]
 fn context_overflow_is_an_error() {
-    let src = ModelSource::open(&oracle_dir().join("tiny-gemma3-f16")).unwrap();
+    let src =
+        std::sync::Arc::new(ModelSource::open(&oracle_dir().join("tiny-gemma3-f16")).unwrap());
     let opts = FastOptions {
         threads: 1,
         context: 4,

@@ -15,6 +15,7 @@ use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The model named with `-m`, else the default model.
 pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
@@ -44,13 +45,13 @@ impl EngineKind {
 
 /// Builds the chosen engine for an opened model.
 pub fn open_engine(
-    src: &ModelSource,
+    src: ModelSource,
     kind: EngineKind,
     threads: usize,
     context: usize,
 ) -> Result<Box<dyn Engine>> {
     Ok(match kind {
-        EngineKind::Reference => Box::new(ReferenceEngine::load(src)?),
+        EngineKind::Reference => Box::new(ReferenceEngine::load(&src)?),
         EngineKind::Jit => {
             let opts = FastOptions {
                 threads,
@@ -58,7 +59,7 @@ pub fn open_engine(
                 format: None,
                 prefill_chunk: DEFAULT_PREFILL_CHUNK,
             };
-            Box::new(FastEngine::load(src, kernels(), &opts)?)
+            Box::new(FastEngine::load(&Arc::new(src), kernels(), &opts)?)
         }
     })
 }
@@ -101,7 +102,7 @@ pub fn bench_command(
         }
         None => {
             let path = resolve_model(model)?;
-            let src = ModelSource::open(&path)?;
+            let src = Arc::new(ModelSource::open(&path)?);
             (
                 FastEngine::load(&src, kernels(), &opts)?,
                 path.display().to_string(),

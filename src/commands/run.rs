@@ -92,7 +92,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             args.context
         );
     }
-    let mut engine = open_engine(&src, args.engine, args.threads, args.context)?;
+    let mut engine = open_engine(src, args.engine, args.threads, args.context)?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
         args.model.display(),

@@ -14,6 +14,7 @@ use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::weights::{LayerWeights, ModelWeights};
 use anyhow::{Result, bail};
+use std::sync::Arc;
 
 /// Default tokens per prefill chunk: large enough to reuse each weight row
 /// across many tokens, small enough that the chunk's activations stay in
@@ -52,14 +53,22 @@ pub struct FastOptions {
 }
 
 impl FastEngine {
+    /// Loads weights in the kernels' layout: tensors the file already
+    /// stores as FP16/BF16 are used in place (zero-copy from the mapping),
+    /// the rest are converted.
     pub fn load(
-        src: &ModelSource,
+        src: &Arc<ModelSource>,
         kernels: Box<dyn MatKernels>,
         opts: &FastOptions,
     ) -> Result<Self> {
+        let owner: Arc<dyn Send + Sync> = src.clone();
         let weights = ModelWeights::load(src, |_, t| {
             let format = opts.format.unwrap_or(WeightFormat::default_for(t.dtype));
-            Ok(PackedMatrix::convert(&t, format))
+            if t.dtype == format.dtype() {
+                PackedMatrix::borrowed(owner.clone(), &t)
+            } else {
+                Ok(PackedMatrix::convert(&t, format))
+            }
         })?;
         Self::new(src.config.clone(), weights, kernels, opts)
     }

@@ -6,7 +6,7 @@ use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
-use memmap2::Mmap;
+use memmap2::MmapMut;
 use std::sync::Arc;
 
 /// The 16-bit format of packed weights.
@@ -55,14 +55,24 @@ impl WeightFormat {
     }
 }
 
+/// Where a matrix's values live.
 enum Storage {
-    Owned(Vec<u16>),
-    /// `len` u16 values at byte `offset` of a mapped file (2-byte aligned).
-    Mapped {
-        map: Arc<Mmap>,
-        offset: usize,
+    /// Converted at load into anonymous memory advised for huge pages
+    /// (a decode step streams every page once; fewer TLB misses help).
+    Owned(MmapMut),
+    /// Zero-copy: values inside a mapped model file that already stores
+    /// them in this layout; `owner` keeps the mapping alive.
+    Borrowed {
+        /// Held only to keep the mapping alive.
+        _owner: Arc<dyn Send + Sync>,
+        ptr: *const u16,
     },
 }
+
+// SAFETY: the borrowed pointer targets read-only memory kept alive by
+// `owner`, which is itself Send + Sync.
+unsafe impl Send for Storage {}
+unsafe impl Sync for Storage {}
 
 pub struct PackedMatrix {
     pub format: WeightFormat,
@@ -71,14 +81,47 @@ pub struct PackedMatrix {
     storage: Storage,
 }
 
+/// Anonymous memory for `len` u16 values, advised for transparent huge
+/// pages where the kernel offers them.
+fn huge_page_buffer(len: usize) -> MmapMut {
+    let mut map = MmapMut::map_anon((len * 2).max(1)).expect("anonymous memory for weights");
+    #[cfg(target_os = "linux")]
+    {
+        // Advice only: a kernel without THP simply ignores it.
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
+    map.fill(0);
+    map
+}
+
 impl PackedMatrix {
     pub fn from_values(format: WeightFormat, rows: usize, cols: usize, data: Vec<u16>) -> Self {
         assert_eq!(data.len(), rows * cols);
+        let mut m = Self::zeroed(format, rows, cols);
+        m.values_mut().copy_from_slice(&data);
+        m
+    }
+
+    /// A matrix of zeros in huge-page-advised memory, to be filled with
+    /// [`PackedMatrix::values_mut`].
+    pub fn zeroed(format: WeightFormat, rows: usize, cols: usize) -> Self {
         PackedMatrix {
             format,
             rows,
             cols,
-            storage: Storage::Owned(data),
+            storage: Storage::Owned(huge_page_buffer(rows * cols)),
+        }
+    }
+
+    /// The values of an owned matrix, for filling it.
+    pub fn values_mut(&mut self) -> &mut [u16] {
+        let len = self.rows * self.cols;
+        match &mut self.storage {
+            // SAFETY: the map holds 2·len bytes, page-aligned.
+            Storage::Owned(map) => unsafe {
+                std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), len)
+            },
+            Storage::Borrowed { .. } => panic!("a borrowed matrix is read-only"),
         }
     }
 
@@ -86,54 +129,62 @@ impl PackedMatrix {
     /// format is copied bit for bit.
     pub fn convert(t: &TensorView<'_>, format: WeightFormat) -> PackedMatrix {
         let (rows, cols) = t.matrix_dims();
-        let data = if t.dtype == format.dtype() {
-            t.bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect()
+        let mut m = Self::zeroed(format, rows, cols);
+        let out = m.values_mut();
+        if t.dtype == format.dtype() {
+            for (o, c) in out.iter_mut().zip(t.bytes.chunks_exact(2)) {
+                *o = u16::from_le_bytes([c[0], c[1]]);
+            }
         } else {
             let mut row = vec![0.0f32; cols];
-            let mut out = Vec::with_capacity(rows * cols);
-            for r in 0..rows {
+            for (r, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
                 dequant::row_into(t, r, &mut row);
-                out.extend(row.iter().map(|&v| format.from_f32(v)));
+                for (d, &v) in dst.iter_mut().zip(&row) {
+                    *d = format.from_f32(v);
+                }
             }
-            out
-        };
-        Self::from_values(format, rows, cols, data)
+        }
+        m
     }
 
-    /// Borrows a tensor stored as FP16/BF16 inside `map` without copying.
-    pub fn mapped(map: Arc<Mmap>, t: &TensorView<'_>) -> Result<PackedMatrix> {
+    /// Uses a tensor stored as FP16/BF16 inside a mapped file in place.
+    /// `owner` must own the memory `t` points into.
+    pub fn borrowed(owner: Arc<dyn Send + Sync>, t: &TensorView<'_>) -> Result<PackedMatrix> {
         let format = match t.dtype {
             DType::F16 => WeightFormat::F16,
             DType::BF16 => WeightFormat::BF16,
-            other => bail!("a {other} tensor cannot be used zero-copy"),
+            other => bail!("a {other} tensor cannot be used in place"),
         };
-        let offset = t.bytes.as_ptr() as usize - map.as_ptr() as usize;
-        if !offset.is_multiple_of(2) || offset + t.bytes.len() > map.len() {
-            bail!("tensor data is misaligned or outside its file");
+        if !(t.bytes.as_ptr() as usize).is_multiple_of(2) {
+            bail!("tensor data is not 2-byte aligned");
         }
         let (rows, cols) = t.matrix_dims();
         Ok(PackedMatrix {
             format,
             rows,
             cols,
-            storage: Storage::Mapped { map, offset },
+            storage: Storage::Borrowed {
+                _owner: owner,
+                ptr: t.bytes.as_ptr().cast(),
+            },
         })
+    }
+
+    /// Whether the values are used in place from a mapped file.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.storage, Storage::Borrowed { .. })
     }
 
     /// All `rows * cols` values, row-major.
     pub fn data(&self) -> &[u16] {
-        match &self.storage {
-            Storage::Owned(v) => v,
-            Storage::Mapped { map, offset } => {
-                let bytes = &map[*offset..*offset + self.rows * self.cols * 2];
-                // SAFETY: 2-byte alignment and bounds checked in `mapped`;
-                // any bit pattern is a valid u16.
-                unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), self.rows * self.cols) }
-            }
-        }
+        let len = self.rows * self.cols;
+        let ptr: *const u16 = match &self.storage {
+            Storage::Owned(map) => map.as_ptr().cast(),
+            Storage::Borrowed { ptr, .. } => *ptr,
+        };
+        // SAFETY: both storages hold `len` aligned u16 values that live as
+        // long as `self` (the owner Arc keeps a borrowed mapping alive).
+        unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 
     pub fn row(&self, r: usize) -> &[u16] {

@@ -264,6 +264,17 @@ impl GgufWriter {
             );
         }
 
+        let mut out = self.header_bytes(&offsets);
+        out.extend_from_slice(&data);
+        out
+    }
+
+    /// The header alone (magic through the tensor infos, padded to the
+    /// alignment), with the tensors at `offsets` within the data section.
+    /// Lets a large file be written as header, then each tensor's data
+    /// streamed after it at those offsets.
+    pub fn header_bytes(&self, offsets: &[u64]) -> Vec<u8> {
+        let align = self.alignment.max(1);
         let mut out = Vec::new();
         out.extend_from_slice(&self.magic);
         out.extend_from_slice(&self.version.to_le_bytes());
@@ -278,7 +289,7 @@ impl GgufWriter {
             out.extend_from_slice(&kv.type_id.to_le_bytes());
             out.extend_from_slice(&kv.payload);
         }
-        for (t, offset) in self.tensors.iter().zip(&offsets) {
+        for (t, offset) in self.tensors.iter().zip(offsets) {
             put_str(&mut out, &t.name);
             out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
             for d in &t.dims {
@@ -289,7 +300,6 @@ impl GgufWriter {
         }
         let padded = (out.len() as u64).div_ceil(align) * align;
         out.resize(padded as usize, 0);
-        out.extend_from_slice(&data);
         out
     }
 
