@@ -169,6 +169,17 @@ enum Command {
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
     },
+    /// Write a model in the fast engine's layout (GGUF, FP16/BF16), loadable zero-copy.
+    Convert {
+        /// The model to convert: a .gguf file or a Hugging Face folder.
+        input: PathBuf,
+        /// The file to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Weight format (default: bf16 checkpoints stay bf16, the rest f16).
+        #[arg(long, value_enum)]
+        dtype: Option<DtypeArg>,
+    },
     /// Measure prefill and decode speed against the machine's read bandwidth.
     Bench {
         /// Model (default: Gemma 3 270M).
@@ -248,6 +259,11 @@ fn run(command: Command) -> anyhow::Result<()> {
             engine: engine.into(),
             threads,
         }),
+        Command::Convert {
+            input,
+            output,
+            dtype,
+        } => commands::convert::run(&input, &output, dtype.map(Into::into)),
         Command::Bench {
             model,
             shape,

@@ -109,6 +109,16 @@ impl FastEngine {
         })
     }
 
+    /// Whether every matrix is used in place from a mapped file.
+    pub fn all_weights_borrowed(&self) -> bool {
+        self.weights.embedding.is_borrowed()
+            && self.weights.layers.iter().all(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .all(|m| m.is_borrowed())
+            })
+    }
+
     /// The packed format of the layer weights.
     pub fn weight_format(&self) -> WeightFormat {
         self.weights.embedding.format

@@ -188,7 +188,8 @@ impl ModelSource {
     }
 }
 
-fn gguf_name(role: Role) -> String {
+/// The GGUF (llama.cpp) name of a role.
+pub fn gguf_name(role: Role) -> String {
     match role {
         Role::Embedding => "token_embd.weight".into(),
         Role::FinalNorm => "output_norm.weight".into(),
@@ -279,21 +280,33 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         Some(other) => bail!("{p}: rope scaling type {other:?} is not supported (only linear)"),
     };
     let window = g.get_usize(&key("attention.sliding_window"))?;
+    // Files written by `pulsar convert` say which layers are global and the
+    // local RoPE base; llama.cpp's files rely on the family's fixed pattern.
+    let global_layers = match g.get_num_array("pulsar.attention.global_layers")? {
+        Some(flags) if flags.len() == n_layers => Some(flags),
+        Some(flags) => bail!(
+            "{p}: pulsar.attention.global_layers has {} entries for {n_layers} layers",
+            flags.len()
+        ),
+        None => None,
+    };
+    let local_base = match g.get_f64("pulsar.rope.local_freq_base")? {
+        Some(b) => b as f32,
+        None if family == Family::Gemma3 => 10_000.0,
+        None => global_base,
+    };
     let layers = (0..n_layers)
         .map(|i| {
-            let global = match family {
-                Family::Gemma1 => true,
-                Family::Gemma2 => i % 2 == 1,
-                Family::Gemma3 => (i + 1) % 6 == 0,
+            let global = match (&global_layers, family) {
+                (Some(flags), _) => flags[i] != 0.0,
+                (None, Family::Gemma1) => true,
+                (None, Family::Gemma2) => i % 2 == 1,
+                (None, Family::Gemma3) => (i + 1) % 6 == 0,
             };
             match window {
                 Some(w) if !global => LayerAttention {
                     window: Some(w),
-                    rope_base: if family == Family::Gemma3 {
-                        10_000.0
-                    } else {
-                        global_base
-                    },
+                    rope_base: local_base,
                     rope_scale: 1.0,
                 },
                 _ => LayerAttention {
@@ -320,8 +333,10 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         rms_eps: g
             .get_f64(&key("attention.layer_norm_rms_epsilon"))?
             .unwrap_or(1e-6) as f32,
-        query_scale: 1.0
-            / (query_pre_attn_scalar(family, n_layers, hidden, n_heads, head_dim)).sqrt(),
+        query_scale: match g.get_f64("pulsar.attention.query_scale")? {
+            Some(s) => s as f32,
+            None => 1.0 / query_pre_attn_scalar(family, n_layers, hidden, n_heads, head_dim).sqrt(),
+        },
         attn_softcap: softcap("attn_logit_softcapping")?,
         final_softcap: softcap("final_logit_softcapping")?,
         layers,

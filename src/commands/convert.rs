@@ -1,0 +1,229 @@
+//! `pulsar convert`: writes a model in exactly the fast engine's layout —
+//! a GGUF v3 file whose matrices are row-major FP16 (or BF16) and whose
+//! norms are f32 final multipliers — so that it later loads zero-copy with
+//! mmap. Metadata GGUF has no key for (query_pre_attn_scalar, the local
+//! RoPE base, which layers are global) goes under `pulsar.*` keys.
+
+use crate::engine::packed::{PackedMatrix, WeightFormat};
+use crate::model::config::{Family, ModelConfig};
+use crate::model::dequant;
+use crate::model::dtype::DType;
+use crate::model::gguf::Value;
+use crate::model::gguf_write::{GgufWriter, RawTensor};
+use crate::model::source::{LayerRole, ModelSource, Role, gguf_name};
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::Path;
+
+/// Data alignment of converted files: a cache line, so kernels may assume
+/// every matrix starts on one.
+const ALIGNMENT: u32 = 64;
+
+/// One tensor to write: its role, shape and whether it is a norm (f32).
+struct Planned {
+    role: Role,
+    shape: Vec<usize>,
+    norm: bool,
+}
+
+fn plan(c: &ModelConfig) -> Vec<Planned> {
+    let mut out = vec![
+        Planned {
+            role: Role::Embedding,
+            shape: vec![c.vocab_size, c.hidden],
+            norm: false,
+        },
+        Planned {
+            role: Role::FinalNorm,
+            shape: vec![c.hidden],
+            norm: true,
+        },
+    ];
+    let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    for i in 0..c.n_layers() {
+        let mut add = |r: LayerRole, shape: Vec<usize>, norm: bool| {
+            out.push(Planned {
+                role: Role::Layer(i, r),
+                shape,
+                norm,
+            });
+        };
+        add(LayerRole::AttnNorm, vec![c.hidden], true);
+        add(LayerRole::FfnNorm, vec![c.hidden], true);
+        if c.has_post_norms() {
+            add(LayerRole::AttnPostNorm, vec![c.hidden], true);
+            add(LayerRole::FfnPostNorm, vec![c.hidden], true);
+        }
+        if c.has_qk_norm() {
+            add(LayerRole::QNorm, vec![c.head_dim], true);
+            add(LayerRole::KNorm, vec![c.head_dim], true);
+        }
+        add(LayerRole::Q, vec![q, c.hidden], false);
+        add(LayerRole::K, vec![kv, c.hidden], false);
+        add(LayerRole::V, vec![kv, c.hidden], false);
+        add(LayerRole::O, vec![c.hidden, q], false);
+        add(LayerRole::Gate, vec![c.intermediate, c.hidden], false);
+        add(LayerRole::Up, vec![c.intermediate, c.hidden], false);
+        add(LayerRole::Down, vec![c.hidden, c.intermediate], false);
+    }
+    out
+}
+
+/// The architecture metadata, in llama.cpp's keys plus Pulsar's own.
+fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
+    let arch = match c.family {
+        Family::Gemma1 => "gemma",
+        Family::Gemma2 => "gemma2",
+        Family::Gemma3 => "gemma3",
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    w.add_str("general.architecture", arch);
+    w.add_u32(
+        "general.file_type",
+        if format == WeightFormat::F16 { 1 } else { 32 },
+    );
+    w.add_u32(&key("context_length"), c.max_context as u32);
+    w.add_u32(&key("embedding_length"), c.hidden as u32);
+    w.add_u32(&key("block_count"), c.n_layers() as u32);
+    w.add_u32(&key("feed_forward_length"), c.intermediate as u32);
+    w.add_u32(&key("attention.head_count"), c.n_heads as u32);
+    w.add_u32(&key("attention.head_count_kv"), c.n_kv_heads as u32);
+    w.add_u32(&key("attention.key_length"), c.head_dim as u32);
+    w.add_u32(&key("attention.value_length"), c.head_dim as u32);
+    w.add_f32(&key("attention.layer_norm_rms_epsilon"), c.rms_eps);
+    if let Some(global) = c.layers.iter().find(|l| l.window.is_none()) {
+        w.add_f32(&key("rope.freq_base"), global.rope_base);
+        if global.rope_scale != 1.0 {
+            w.add_str(&key("rope.scaling.type"), "linear");
+            w.add_f32(&key("rope.scaling.factor"), global.rope_scale);
+        }
+    }
+    if let Some(local) = c.layers.iter().find(|l| l.window.is_some()) {
+        w.add_u32(
+            &key("attention.sliding_window"),
+            local.window.unwrap_or(0) as u32,
+        );
+        w.add_f32("pulsar.rope.local_freq_base", local.rope_base);
+    }
+    if let Some(cap) = c.attn_softcap {
+        w.add_f32(&key("attn_logit_softcapping"), cap);
+    }
+    if let Some(cap) = c.final_softcap {
+        w.add_f32(&key("final_logit_softcapping"), cap);
+    }
+    let global: Vec<i32> = c
+        .layers
+        .iter()
+        .map(|l| i32::from(l.window.is_none()))
+        .collect();
+    w.add_i32_array("pulsar.attention.global_layers", &global);
+    // The multiplier itself, so that no rounding separates the converted
+    // model from the original.
+    w.add_f32("pulsar.attention.query_scale", c.query_scale);
+}
+
+pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<()> {
+    let src = ModelSource::open(input)?;
+    let c = src.config.clone();
+    // A BF16 checkpoint stays BF16 unless asked otherwise; all else is FP16.
+    let format = format.unwrap_or_else(|| {
+        let q = src.tensor(
+            Role::Layer(0, LayerRole::Q),
+            &[c.n_heads * c.head_dim, c.hidden],
+        );
+        q.map(|t| WeightFormat::default_for(t.dtype))
+            .unwrap_or(WeightFormat::F16)
+    });
+
+    let mut w = GgufWriter::new();
+    w.set_alignment(ALIGNMENT);
+    write_config(&mut w, &c, format);
+    match src.gguf() {
+        Some(g) => {
+            // Keep the tokenizer and descriptive keys of a GGUF source.
+            let mut keys: Vec<(&String, &Value)> = g
+                .metadata()
+                .iter()
+                .filter(|(k, _)| k.starts_with("tokenizer.") || k.as_str() == "general.name")
+                .collect();
+            keys.sort_by(|a, b| a.0.cmp(b.0));
+            for (k, v) in keys {
+                w.add_value(k, v);
+            }
+        }
+        None => eprintln!(
+            "convert: note: the tokenizer of a Hugging Face folder is not copied; keep the folder to tokenize"
+        ),
+    }
+
+    let planned = plan(&c);
+    let mut offset = 0u64;
+    for p in &planned {
+        let (dtype, bytes) = if p.norm {
+            (DType::F32, p.shape.iter().product::<usize>() * 4)
+        } else {
+            (format.dtype(), p.shape.iter().product::<usize>() * 2)
+        };
+        offset = offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
+        w.add_raw_tensor(RawTensor {
+            name: gguf_name(p.role),
+            dims: p.shape.iter().rev().map(|&d| d as u64).collect(),
+            type_id: dtype.ggml_id(),
+            offset: Some(offset),
+            data: Vec::new(),
+        });
+        offset += bytes as u64;
+    }
+    let offsets: Vec<u64> = w.tensors.iter().map(|t| t.offset.unwrap_or(0)).collect();
+    let header = w.header_bytes(&offsets);
+
+    if output.exists() && output.canonicalize().ok() == input.canonicalize().ok() {
+        bail!("{}: the output would overwrite the input", output.display());
+    }
+    let file = std::fs::File::create(output)
+        .with_context(|| format!("{}: cannot create", output.display()))?;
+    let mut out = BufWriter::with_capacity(1 << 22, file);
+    out.write_all(&header)?;
+    let bar = ProgressBar::new(offset).with_style(
+        ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    for (p, &at) in planned.iter().zip(&offsets) {
+        let name = gguf_name(p.role);
+        bar.set_message(name.clone());
+        let t = src.tensor(p.role, &p.shape)?;
+        let bytes: Vec<u8> = if p.norm {
+            dequant::to_f32(&t)
+                .into_iter()
+                .flat_map(|v| (v + c.norm_weight_offset).to_le_bytes())
+                .collect()
+        } else {
+            PackedMatrix::convert(&t, format)
+                .data()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        };
+        let target = header.len() as u64 + at;
+        out.seek(SeekFrom::Start(target))
+            .with_context(|| format!("{}: cannot write", output.display()))?;
+        out.write_all(&bytes)
+            .with_context(|| format!("{}: cannot write {name}", output.display()))?;
+        bar.set_position(at + bytes.len() as u64);
+    }
+    let total = header.len() as u64 + offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
+    let file = out.into_inner().map_err(|e| e.into_error())?;
+    file.set_len(total)?;
+    file.sync_all()?;
+    bar.finish_and_clear();
+    eprintln!(
+        "convert: wrote {} ({:.1} MB, {} weights, {} tensors)",
+        output.display(),
+        total as f64 / 1e6,
+        format.name(),
+        planned.len()
+    );
+    Ok(())
+}
