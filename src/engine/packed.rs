@@ -125,24 +125,39 @@ impl PackedMatrix {
         }
     }
 
-    /// Converts any stored tensor to `format`. A tensor already in that
-    /// format is copied bit for bit.
+    /// Converts any stored tensor to `format` (a tensor already in that
+    /// format is copied bit for bit), releasing the source pages as it goes
+    /// so that peak memory stays near the size of the result.
     pub fn convert(t: &TensorView<'_>, format: WeightFormat) -> PackedMatrix {
         let (rows, cols) = t.matrix_dims();
         let mut m = Self::zeroed(format, rows, cols);
         let out = m.values_mut();
-        if t.dtype == format.dtype() {
-            for (o, c) in out.iter_mut().zip(t.bytes.chunks_exact(2)) {
-                *o = u16::from_le_bytes([c[0], c[1]]);
-            }
-        } else {
-            let mut row = vec![0.0f32; cols];
-            for (r, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
-                dequant::row_into(t, r, &mut row);
-                for (d, &v) in dst.iter_mut().zip(&row) {
-                    *d = format.from_f32(v);
+        let row_bytes = t.bytes.len() / rows.max(1);
+        // Rows per release: about 4 MB of source at a time.
+        let group = ((4 << 20) / row_bytes.max(1)).max(1);
+        let mut row = vec![0.0f32; cols];
+        for (g, dst_rows) in out.chunks_mut(group * cols.max(1)).enumerate() {
+            let first = g * group;
+            for (i, dst) in dst_rows.chunks_exact_mut(cols.max(1)).enumerate() {
+                let r = first + i;
+                if t.dtype == format.dtype() {
+                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = u16::from_le_bytes([c[0], c[1]]);
+                    }
+                } else {
+                    dequant::row_into(t, r, &mut row);
+                    for (d, &v) in dst.iter_mut().zip(&row) {
+                        *d = format.from_f32(v);
+                    }
                 }
             }
+            let done = first * row_bytes..(first + dst_rows.len() / cols.max(1)) * row_bytes;
+            TensorView {
+                bytes: &t.bytes[done],
+                ..*t
+            }
+            .release_pages();
         }
         m
     }

@@ -24,7 +24,11 @@ pub type HiddenTrace = Vec<Vec<Vec<f32>>>;
 
 impl ReferenceEngine {
     pub fn load(src: &ModelSource) -> Result<ReferenceEngine> {
-        let weights = ModelWeights::load(src, |_, t| Ok(F32Matrix::from_view(&t)))?;
+        let weights = ModelWeights::load(src, |_, t| {
+            let m = F32Matrix::from_view(&t);
+            t.release_pages();
+            Ok(m)
+        })?;
         Ok(Self::new(src.config.clone(), weights))
     }
 

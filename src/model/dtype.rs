@@ -135,6 +135,28 @@ impl TensorView<'_> {
         self.shape.iter().product()
     }
 
+    /// Tells the kernel this tensor's pages will not be read again soon, so
+    /// a model converted at load does not keep both copies resident. The
+    /// bytes stay valid: they come from a read-only file mapping, and a
+    /// later read faults them back in from the file.
+    pub fn release_pages(&self) {
+        #[cfg(target_os = "linux")]
+        {
+            let page = 4096usize;
+            let start = (self.bytes.as_ptr() as usize).div_ceil(page) * page;
+            let end = (self.bytes.as_ptr() as usize + self.bytes.len()) / page * page;
+            if end > start {
+                // SAFETY: whole pages inside this tensor's bytes. Every
+                // TensorView comes from a read-only file mapping (GGUF or
+                // safetensors), for which MADV_DONTNEED only drops resident
+                // copies; the advice's result does not matter.
+                unsafe {
+                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+                }
+            }
+        }
+    }
+
     /// Rows and columns when seen as a matrix: the last dimension is the row
     /// length, all others multiply into the row count.
     pub fn matrix_dims(&self) -> (usize, usize) {
