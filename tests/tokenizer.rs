@@ -3,7 +3,7 @@
 //! plus extra cases made the same way, decoding and streaming checks.
 
 use pulsar::model::gguf::GgufFile;
-use pulsar::tokenizer::Tokenizer;
+use pulsar::tokenizer::{TokenKind, Tokenizer};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -283,4 +283,155 @@ fn literal_space_mark_is_kept_as_is() {
         tok.encode("a\u{2581}b \u{2581}", false),
         vec![236746, 518, 236743, 236743]
     );
+}
+
+// ---- small fixtures with reference ids from sentencepiece / tokenizers (see
+// tests/data/make_tokenizer_fixtures.py) ----
+
+#[derive(Deserialize)]
+struct FixtureCase {
+    name: String,
+    text: String,
+    ids: Vec<u32>,
+    decoded: String,
+}
+
+fn data_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+fn fixture_cases(dir: &str) -> Vec<FixtureCase> {
+    #[derive(Deserialize)]
+    struct F {
+        cases: Vec<FixtureCase>,
+    }
+    let text =
+        std::fs::read_to_string(data_dir(dir).join("cases.json")).expect("read fixture cases");
+    let f: F = serde_json::from_str(&text).expect("parse fixture cases");
+    assert!(f.cases.len() >= 10);
+    f.cases
+}
+
+fn check_fixture(tok: &Tokenizer, dir: &str) {
+    let mut failures = Vec::new();
+    for c in fixture_cases(dir) {
+        let got = tok.encode(&c.text, false);
+        if got != c.ids {
+            failures.push(format!(
+                "{} {:?}: ids {:?} want {:?}",
+                c.name, c.text, got, c.ids
+            ));
+        }
+        let back = tok.decode_with_control(&c.ids);
+        if back != c.decoded {
+            failures.push(format!(
+                "{} {:?}: decoded {:?} want {:?}",
+                c.name, c.text, back, c.decoded
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{dir}:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn sentencepiece_model_matches_sentencepiece() {
+    let tok = Tokenizer::from_sentencepiece_model(&data_dir("tiny_spm/tokenizer.model")).unwrap();
+    assert_eq!((tok.bos_id(), tok.eos_id()), (2, 1));
+    assert_eq!(tok.special_ids().pad, Some(0));
+    // Four specials, two control and two user-defined pieces, then the bytes.
+    assert_eq!(tok.token_text(8), Some("<0x00>"));
+    assert_eq!(tok.token_kind(8), Some(TokenKind::Byte));
+    assert_eq!(tok.token_kind(4), Some(TokenKind::Control));
+    assert_eq!(tok.token_kind(6), Some(TokenKind::UserDefined));
+    check_fixture(&tok, "tiny_spm");
+}
+
+#[test]
+fn sentencepiece_dummy_prefix_matches_sentencepiece() {
+    let dir = data_dir("tiny_spm_prefix");
+    let tok = Tokenizer::from_sentencepiece_model(&dir.join("tokenizer.model")).unwrap();
+    check_fixture(&tok, "tiny_spm_prefix");
+    // Decoding drops the prefix the encoder added.
+    let ids = tok.encode("the fox", false);
+    assert_eq!(tok.decode(&ids), "the fox");
+}
+
+#[test]
+fn hf_folder_with_only_tokenizer_model_uses_it() {
+    let tok = Tokenizer::from_hf_folder(&data_dir("tiny_spm")).unwrap();
+    check_fixture(&tok, "tiny_spm");
+    assert_eq!(tok.chat_template(), None);
+}
+
+#[test]
+fn tokenizer_json_matches_hf_tokenizers() {
+    let tok = Tokenizer::from_hf_folder(&data_dir("tiny_hf")).unwrap();
+    check_fixture(&tok, "tiny_hf");
+    assert_eq!((tok.bos_id(), tok.eos_id()), (2, 1));
+    assert!(tok.add_bos_by_default());
+    assert!(tok.chat_template().is_some_and(|t| t.contains("messages")));
+    // Control tokens written in text are parsed as single ids here too.
+    let sot = tok.id_of("<start_of_turn>").unwrap();
+    assert_eq!(tok.encode("<start_of_turn>", true), vec![2, sot]);
+}
+
+/// A fresh scratch folder under the system temp dir.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pulsar-tok-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn loader_errors_name_the_problem() {
+    let empty = scratch("empty");
+    let e = Tokenizer::from_hf_folder(&empty)
+        .err()
+        .expect("empty folder must fail")
+        .to_string();
+    assert!(
+        e.contains("tokenizer.json") && e.contains("tokenizer.model"),
+        "{e}"
+    );
+
+    let bad = scratch("badjson");
+    std::fs::write(bad.join("tokenizer.json"), "{ not json").unwrap();
+    let e = format!(
+        "{:#}",
+        Tokenizer::from_hf_folder(&bad)
+            .err()
+            .expect("bad JSON must fail")
+    );
+    assert!(e.contains("tokenizer.json"), "{e}");
+
+    let unigram = scratch("unigram");
+    std::fs::write(
+        unigram.join("tokenizer.json"),
+        r#"{"model": {"type": "Unigram", "vocab": []}, "normalizer": null, "pre_tokenizer": null}"#,
+    )
+    .unwrap();
+    let e = Tokenizer::from_hf_folder(&unigram)
+        .err()
+        .expect("unigram must fail")
+        .to_string();
+    assert!(e.contains("Unigram"), "{e}");
+
+    let spm = scratch("spm");
+    let path = spm.join("tokenizer.model");
+    let good = std::fs::read(data_dir("tiny_spm/tokenizer.model")).unwrap();
+    std::fs::write(&path, &good[..good.len() / 2]).unwrap();
+    let e = format!(
+        "{:#}",
+        Tokenizer::from_sentencepiece_model(&path)
+            .err()
+            .expect("truncated must fail")
+    );
+    assert!(e.contains("tokenizer.model"), "{e}");
+
+    for d in [empty, bad, unigram, spm] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }

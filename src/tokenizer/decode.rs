@@ -17,7 +17,8 @@ pub struct StreamDecoder<'t> {
     pending: Vec<u8>,
     /// Write the text of control tokens instead of nothing.
     show_control: bool,
-    /// Nothing has been produced yet (for stripping the added space prefix).
+    /// No text token has been seen yet (the one place a dummy space prefix
+    /// added by the encoder can be).
     at_start: bool,
 }
 
@@ -54,6 +55,7 @@ impl<'t> StreamDecoder<'t> {
         };
         match kind {
             TokenKind::Byte => {
+                self.at_start = false;
                 // The vocabulary checked at load time that byte pieces parse.
                 if let Some(b) = parse_byte_piece(piece) {
                     self.pending.push(b);
@@ -67,9 +69,10 @@ impl<'t> StreamDecoder<'t> {
             TokenKind::Normal | TokenKind::UserDefined => {
                 let mut text = piece;
                 // The encoder prefixed a space that the writer never typed.
-                if self.at_start && self.tok.add_space_prefix && self.pending.is_empty() {
+                if self.at_start && self.tok.add_space_prefix {
                     text = text.strip_prefix(SPACE_MARK).unwrap_or(text);
                 }
+                self.at_start = false;
                 for ch in text.chars() {
                     let ch = if ch == SPACE_MARK { ' ' } else { ch };
                     let mut buf = [0u8; 4];
@@ -117,9 +120,6 @@ impl<'t> StreamDecoder<'t> {
         let keep = rest.len();
         let len = self.pending.len();
         self.pending.drain(..len - keep);
-        if !out.is_empty() {
-            self.at_start = false;
-        }
         out
     }
 }

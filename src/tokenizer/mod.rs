@@ -122,34 +122,34 @@ impl Tokenizer {
             out.push(self.ids.bos);
         }
         let mut normalized = String::new();
-        for (i, seg) in self
-            .specials
-            .split(text, with_control)
-            .into_iter()
-            .enumerate()
-        {
+        // SentencePiece's dummy prefix: one `▁` before the whole text, which
+        // stands alone when the text opens with a verbatim piece.
+        let mut prefix = self.add_space_prefix && !text.is_empty();
+        for seg in self.specials.split(text, with_control) {
+            if prefix {
+                normalized.push(SPACE_MARK);
+                prefix = false;
+                if let Segment::Token(_) = seg {
+                    self.merge_into(&mut normalized, &mut out);
+                }
+            }
             match seg {
                 Segment::Token(id) => out.push(id),
                 Segment::Text(t) => {
-                    normalized.clear();
-                    // SentencePiece's dummy prefix goes before the text only once.
-                    if self.add_space_prefix && i == 0 {
-                        normalized.push(SPACE_MARK);
-                    }
                     for ch in t.chars() {
                         normalized.push(if ch == ' ' { SPACE_MARK } else { ch });
                     }
-                    bpe::encode_segment(
-                        &self.vocab,
-                        &self.rule,
-                        self.ids.unk,
-                        &normalized,
-                        &mut out,
-                    );
+                    self.merge_into(&mut normalized, &mut out);
                 }
             }
         }
         out
+    }
+
+    /// Merges normalized text into ids and empties the buffer.
+    fn merge_into(&self, normalized: &mut String, out: &mut Vec<u32>) {
+        bpe::encode_segment(&self.vocab, &self.rule, self.ids.unk, normalized, out);
+        normalized.clear();
     }
 
     /// Decodes ids to text. Control tokens (BOS, `<end_of_turn>`…) produce no
