@@ -435,3 +435,197 @@ fn loader_errors_name_the_problem() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+// ---- GGUF loader on small hand-written files ----
+
+/// Metadata values for the tiny GGUF writer below.
+enum Meta<'a> {
+    U32(u32),
+    Bool(bool),
+    Str(&'a str),
+    Strs(&'a [&'a str]),
+    F32s(&'a [f32]),
+    I32s(&'a [i32]),
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Writes a GGUF v3 file with metadata only (no tensors).
+fn write_gguf(path: &Path, kvs: &[(&str, Meta)]) {
+    let mut out = b"GGUF".to_vec();
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&(kvs.len() as u64).to_le_bytes());
+    for (key, value) in kvs {
+        put_str(&mut out, key);
+        let array = |out: &mut Vec<u8>, ty: u32, n: usize| {
+            out.extend_from_slice(&9u32.to_le_bytes());
+            out.extend_from_slice(&ty.to_le_bytes());
+            out.extend_from_slice(&(n as u64).to_le_bytes());
+        };
+        match value {
+            Meta::U32(v) => {
+                out.extend_from_slice(&4u32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Meta::Bool(v) => {
+                out.extend_from_slice(&7u32.to_le_bytes());
+                out.push(*v as u8);
+            }
+            Meta::Str(s) => {
+                out.extend_from_slice(&8u32.to_le_bytes());
+                put_str(&mut out, s);
+            }
+            Meta::Strs(list) => {
+                array(&mut out, 8, list.len());
+                for s in *list {
+                    put_str(&mut out, s);
+                }
+            }
+            Meta::F32s(list) => {
+                array(&mut out, 6, list.len());
+                for v in *list {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            Meta::I32s(list) => {
+                array(&mut out, 5, list.len());
+                for v in *list {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+    while out.len() % 32 != 0 {
+        out.push(0);
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// A 12-entry vocabulary in Gemma's layout, with merge scores that make
+/// "ab" win over "bc" and "abc" reachable.
+const TINY_PIECES: &[&str] = &[
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "\n",
+    "<0x41>",
+    "a",
+    "b",
+    "c",
+    "ab",
+    "abc",
+];
+const TINY_SCORES: &[f32] = &[
+    0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -10.0, -11.0, -12.0, -1.0, -2.0,
+];
+const TINY_TYPES: &[i32] = &[3, 3, 3, 3, 3, 4, 6, 1, 1, 1, 1, 1];
+
+fn tiny_gguf(name: &str, extra: Vec<(&str, Meta)>, skip: &[&str]) -> anyhow::Result<Tokenizer> {
+    let dir = scratch(name);
+    let path = dir.join("tiny.gguf");
+    let mut kvs = vec![
+        ("tokenizer.ggml.model", Meta::Str("llama")),
+        ("tokenizer.ggml.tokens", Meta::Strs(TINY_PIECES)),
+        ("tokenizer.ggml.scores", Meta::F32s(TINY_SCORES)),
+        ("tokenizer.ggml.token_type", Meta::I32s(TINY_TYPES)),
+        ("tokenizer.ggml.bos_token_id", Meta::U32(2)),
+        ("tokenizer.ggml.eos_token_id", Meta::U32(1)),
+        ("tokenizer.ggml.add_space_prefix", Meta::Bool(false)),
+    ];
+    kvs.retain(|(k, _)| !skip.contains(k));
+    kvs.extend(extra);
+    write_gguf(&path, &kvs);
+    let result = GgufFile::open(&path).and_then(|f| Tokenizer::from_gguf(&f));
+    let _ = std::fs::remove_dir_all(dir);
+    result
+}
+
+#[test]
+fn gguf_loader_on_a_tiny_vocabulary() {
+    let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
+    let tok = tiny_gguf(
+        "ok",
+        vec![
+            ("tokenizer.chat_template", Meta::Str(template)),
+            ("tokenizer.ggml.add_bos_token", Meta::Bool(false)),
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(tok.vocab_size(), 12);
+    assert_eq!(tok.chat_template(), Some(template));
+    assert!(!tok.add_bos_by_default());
+    assert_eq!(tok.special_ids().unk, None);
+    // "ab" (score -1) merges before "bc" (absent) and then "abc" (score -2).
+    assert_eq!(tok.encode("abc", true), vec![2, 11]);
+    assert_eq!(tok.encode("abcb", false), vec![11, 8]);
+    // "bca": "bc" is no piece, so single characters stay.
+    assert_eq!(tok.encode("bca", false), vec![8, 9, 7]);
+    // "A" has no piece: byte fallback; "\n" and control tokens are verbatim.
+    assert_eq!(tok.encode("<start_of_turn>A\nab", false), vec![4, 6, 5, 10]);
+    assert_eq!(tok.decode(&[4, 6, 5, 10]), "A\nab");
+}
+
+#[test]
+fn gguf_loader_errors_name_the_key() {
+    let e = tiny_gguf("notokens", vec![], &["tokenizer.ggml.tokens"])
+        .err()
+        .expect("missing tokens must fail")
+        .to_string();
+    assert!(
+        e.contains("tokenizer.ggml.tokens") && e.contains("tiny.gguf"),
+        "{e}"
+    );
+
+    let e = tiny_gguf(
+        "gpt2",
+        vec![("tokenizer.ggml.model", Meta::Str("gpt2"))],
+        &["tokenizer.ggml.model"],
+    )
+    .err()
+    .expect("gpt2 model must fail")
+    .to_string();
+    assert!(e.contains("gpt2"), "{e}");
+
+    let e = tiny_gguf(
+        "bigbos",
+        vec![("tokenizer.ggml.bos_token_id", Meta::U32(99))],
+        &["tokenizer.ggml.bos_token_id"],
+    )
+    .err()
+    .expect("BOS outside the vocabulary must fail")
+    .to_string();
+    assert!(e.contains("BOS") && e.contains("99"), "{e}");
+
+    let e = tiny_gguf(
+        "short",
+        vec![("tokenizer.ggml.scores", Meta::F32s(&[0.0; 3]))],
+        &["tokenizer.ggml.scores"],
+    )
+    .err()
+    .expect("short score table must fail")
+    .to_string();
+    assert!(e.contains("3 scores"), "{e}");
+
+    let e = tiny_gguf(
+        "badtype",
+        vec![("tokenizer.ggml.token_type", Meta::I32s(&[9; 12]))],
+        &["tokenizer.ggml.token_type"],
+    )
+    .err()
+    .expect("unknown token type must fail")
+    .to_string();
+    assert!(e.contains("token_type"), "{e}");
+}
+
+#[test]
+fn gguf_without_bos_key_falls_back_to_the_piece() {
+    let tok = tiny_gguf("nobos", vec![], &["tokenizer.ggml.bos_token_id"]).unwrap();
+    assert_eq!(tok.bos_id(), 2);
+}
