@@ -172,7 +172,7 @@ mod tests {
 
     fn vocab(pieces: &[(&str, f32, TokenKind)]) -> Vocab {
         Vocab::new(
-            pieces.iter().map(|p| p.0.to_owned()).collect(),
+            &pieces.iter().map(|p| p.0).collect::<Vec<_>>(),
             pieces.iter().map(|p| p.1).collect(),
             pieces.iter().map(|p| p.2).collect(),
             "test",

@@ -14,6 +14,7 @@ mod decode;
 mod from_gguf;
 mod from_hf;
 mod from_spm;
+mod piece_table;
 mod protobuf;
 mod specials;
 mod vocab;
@@ -47,8 +48,8 @@ pub struct Tokenizer {
 }
 
 /// Everything a loader gathers; [`Tokenizer::assemble`] checks and indexes it.
-pub(crate) struct Parts {
-    pub pieces: Vec<String>,
+pub(crate) struct Parts<S> {
+    pub pieces: Vec<S>,
     pub scores: Vec<f32>,
     pub kinds: Vec<TokenKind>,
     pub rule: MergeRule,
@@ -61,8 +62,8 @@ pub(crate) struct Parts {
 }
 
 impl Tokenizer {
-    pub(crate) fn assemble(parts: Parts) -> anyhow::Result<Tokenizer> {
-        let vocab = Vocab::new(parts.pieces, parts.scores, parts.kinds, &parts.source)?;
+    pub(crate) fn assemble<S: AsRef<str>>(parts: Parts<S>) -> anyhow::Result<Tokenizer> {
+        let vocab = Vocab::new(&parts.pieces, parts.scores, parts.kinds, &parts.source)?;
         let n = vocab.len();
         let check = |what: &str, id: u32| {
             if (id as usize) < n {
