@@ -353,9 +353,19 @@ fn sentencepiece_dummy_prefix_matches_sentencepiece() {
     let dir = data_dir("tiny_spm_prefix");
     let tok = Tokenizer::from_sentencepiece_model(&dir.join("tokenizer.model")).unwrap();
     check_fixture(&tok, "tiny_spm_prefix");
-    // Decoding drops the prefix the encoder added.
+    // Decoding drops the prefix the encoder added…
     let ids = tok.encode("the fox", false);
+    assert_eq!(
+        ids.first()
+            .and_then(|&i| tok.token_text(i))
+            .map(|p| p.starts_with('▁')),
+        Some(true)
+    );
     assert_eq!(tok.decode(&ids), "the fox");
+    // …but a stream of generated ids continues a prompt and keeps its space.
+    let mut d = tok.stream_decoder();
+    let streamed: String = ids.iter().map(|&i| d.push(i)).collect::<String>() + &d.finish();
+    assert_eq!(streamed, " the fox");
 }
 
 #[test]

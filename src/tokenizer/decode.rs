@@ -17,17 +17,25 @@ pub struct StreamDecoder<'t> {
     pending: Vec<u8>,
     /// Write the text of control tokens instead of nothing.
     show_control: bool,
-    /// No text token has been seen yet (the one place a dummy space prefix
-    /// added by the encoder can be).
+    /// Drop the `▁` that a dummy-prefix encoder put before the first piece.
+    strip_prefix: bool,
+    /// No text token has been seen yet (the one place that prefix can be).
     at_start: bool,
 }
 
 impl<'t> StreamDecoder<'t> {
-    pub(crate) fn new(tok: &'t Tokenizer, show_control: bool) -> StreamDecoder<'t> {
+    /// `strip_prefix` is for decoding a whole encoded text; generated
+    /// continuations must keep their leading space.
+    pub(crate) fn new(
+        tok: &'t Tokenizer,
+        show_control: bool,
+        strip_prefix: bool,
+    ) -> StreamDecoder<'t> {
         StreamDecoder {
             tok,
             pending: Vec::new(),
             show_control,
+            strip_prefix: strip_prefix && tok.add_space_prefix,
             at_start: true,
         }
     }
@@ -69,7 +77,7 @@ impl<'t> StreamDecoder<'t> {
             TokenKind::Normal | TokenKind::UserDefined => {
                 let mut text = piece;
                 // The encoder prefixed a space that the writer never typed.
-                if self.at_start && self.tok.add_space_prefix {
+                if self.at_start && self.strip_prefix {
                     text = text.strip_prefix(SPACE_MARK).unwrap_or(text);
                 }
                 self.at_start = false;

@@ -160,13 +160,15 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text, writing control tokens as their text
-    /// (`<start_of_turn>`), which makes encode → decode round-trip exactly.
+    /// (`<start_of_turn>`), so that decoding what [`Tokenizer::encode`] made
+    /// gives the text back (unless it contained a literal `▁`, which decodes
+    /// as a space).
     pub fn decode_with_control(&self, ids: &[u32]) -> String {
         self.decode_all(ids, true)
     }
 
     fn decode_all(&self, ids: &[u32], show_control: bool) -> String {
-        let mut d = StreamDecoder::new(self, show_control);
+        let mut d = StreamDecoder::new(self, show_control, true);
         let mut out = String::new();
         for &id in ids {
             out.push_str(&d.push(id));
@@ -175,9 +177,10 @@ impl Tokenizer {
         out
     }
 
-    /// A decoder for generated ids, one at a time; control tokens produce no text.
+    /// A decoder for generated ids, one at a time; control tokens produce no
+    /// text and a leading space is kept (the ids continue a prompt).
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, false)
+        StreamDecoder::new(self, false, false)
     }
 
     /// The raw piece of an id as stored in the vocabulary (`▁the`, `<0x0A>`).
