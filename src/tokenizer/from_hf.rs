@@ -192,11 +192,11 @@ fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
         kinds.push(k);
     }
 
-    let index: HashMap<&str, u32> = pieces
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.as_str(), i as u32))
-        .collect();
+    // Lowest id wins on duplicate text, as in the vocabulary proper.
+    let mut index: HashMap<&str, u32> = HashMap::with_capacity(pieces.len());
+    for (i, p) in pieces.iter().enumerate() {
+        index.entry(p.as_str()).or_insert(i as u32);
+    }
     let mut ranks = HashMap::new();
     let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     for (rank, m) in merges.iter().enumerate() {
