@@ -741,3 +741,61 @@ fn tokenizer_json_route_matches_the_oracle_on_the_full_vocabulary() {
     let text = format!("x{}y", " ".repeat(35));
     assert_eq!(tok.encode(&text, false), vec![236781, 152, 155, 236762]);
 }
+
+/// Random text from many Unicode ranges (plus control-token text and space
+/// runs) always decodes back to itself, through both decoders.
+#[test]
+fn random_text_round_trips() {
+    let tok = tokenizer();
+    let mut rng = pulsar::sample::Rng::new(77);
+    let ranges: [(u32, u32); 9] = [
+        (0x0, 0x7f),
+        (0x80, 0x24f),
+        (0x370, 0x52f),
+        (0x2000, 0x2bff),
+        (0x3000, 0x9fff),
+        (0xac00, 0xd7a3),
+        (0xe000, 0xffff),
+        (0x1f000, 0x1faff),
+        (0x10000, 0x10ffff),
+    ];
+    let extras = [
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<bos>",
+        "   ",
+        "\n\n",
+        "\t\t",
+        "<0x41>",
+        "<b>",
+    ];
+    for round in 0..300 {
+        let mut text = String::new();
+        let len = 1 + (rng.next_u64() % 40) as usize;
+        for _ in 0..len {
+            if rng.next_u64() % 10 == 0 {
+                text.push_str(extras[(rng.next_u64() % extras.len() as u64) as usize]);
+                continue;
+            }
+            let (lo, hi) = ranges[(rng.next_u64() % ranges.len() as u64) as usize];
+            let cp = lo + (rng.next_u64() % u64::from(hi - lo + 1)) as u32;
+            // Surrogates are not characters; a literal ▁ decodes as a space by design.
+            match char::from_u32(cp) {
+                Some(c) if c != '\u{2581}' => text.push(c),
+                _ => text.push('x'),
+            }
+        }
+        let bos = round % 2 == 0;
+        let with_bos = format!("{}{text}", if bos { "<bos>" } else { "" });
+        for (ids, want) in [
+            (tok.encode(&text, bos), &with_bos),
+            (tok.encode_untrusted(&text, false), &text),
+        ] {
+            assert!(ids.iter().all(|&i| (i as usize) < tok.vocab_size()));
+            assert_eq!(&tok.decode_with_control(&ids), want, "round {round}");
+            let mut d = tok.stream_decoder();
+            let streamed: String = ids.iter().map(|&i| d.push(i)).collect::<String>() + &d.finish();
+            assert_eq!(streamed, tok.decode(&ids), "round {round}");
+        }
+    }
+}
