@@ -773,7 +773,7 @@ fn random_text_round_trips() {
         let mut text = String::new();
         let len = 1 + (rng.next_u64() % 40) as usize;
         for _ in 0..len {
-            if rng.next_u64() % 10 == 0 {
+            if rng.next_u64().is_multiple_of(10) {
                 text.push_str(extras[(rng.next_u64() % extras.len() as u64) as usize]);
                 continue;
             }
