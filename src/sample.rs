@@ -11,7 +11,8 @@
 //! unstable sort or selection happens to arrange equal elements.
 
 use anyhow::{Result, bail};
-use std::cmp::Ordering;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 
 /// Sampling settings. Each filter has a value that turns it off.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -144,13 +145,42 @@ fn better(a: &Candidate, b: &Candidate) -> Ordering {
     b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
+/// A candidate ordered so that "greater" means "more likely" (per [`better`]).
+#[derive(Clone, Copy)]
+struct Ranked(Candidate);
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Ranked {}
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        better(&other.0, &self.0)
+    }
+}
+
 /// Draws token ids from logits. Keeps its buffers between calls, so a
 /// generation loop does not allocate per token.
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,
+    /// Penalized logits, one per id.
+    work: Vec<f32>,
+    /// Survivors of the filters.
     cands: Vec<Candidate>,
+    /// Top-k selection: the worst kept candidate on top.
+    heap: BinaryHeap<Reverse<Ranked>>,
+    /// Distinct recent ids, for the penalty.
     recent: Vec<u32>,
+    /// Per-id probabilities while restoring id order.
+    scratch: Vec<f32>,
 }
 
 impl Sampler {
@@ -160,8 +190,11 @@ impl Sampler {
         Sampler {
             cfg,
             rng: Rng::new(seed),
+            work: Vec::new(),
             cands: Vec::new(),
+            heap: BinaryHeap::new(),
             recent: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -183,33 +216,39 @@ impl Sampler {
     /// Runs every filter, leaving the survivors (with probabilities) in
     /// `self.cands`. Returns the answer directly when no draw is needed.
     fn filter(&mut self, logits: &[f32], recent: &[u32]) -> Option<u32> {
-        self.cands.clear();
-        self.cands
-            .extend(logits.iter().enumerate().map(|(i, &l)| Candidate {
-                id: i as u32,
-                logit: if l.is_nan() { f32::NEG_INFINITY } else { l },
-                p: 0.0,
-            }));
+        // A penalized copy of the logits; NaN counts as impossible.
+        self.work.clear();
+        self.work.extend(
+            logits
+                .iter()
+                .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }),
+        );
         self.penalize(recent);
 
-        let max = self
-            .cands
-            .iter()
-            .map(|c| c.logit)
-            .fold(f32::NEG_INFINITY, f32::max);
+        // First maximum = lowest id among ties.
+        let (mut best, mut max) = (0, self.work[0]);
+        for (i, &l) in self.work.iter().enumerate().skip(1) {
+            if l > max {
+                (best, max) = (i, l);
+            }
+        }
         // Greedy, or a degenerate row (all -inf, or some +inf) where the
-        // softmax is undefined: the best logit wins, lowest id on ties.
+        // softmax is undefined: the best logit wins.
         if self.cfg.temperature == 0.0 || !max.is_finite() {
-            return self.cands.iter().min_by(|a, b| better(a, b)).map(|c| c.id);
+            return Some(best as u32);
         }
 
+        self.cands.clear();
         let k = self.cfg.top_k;
-        if k > 0 && k < self.cands.len() {
-            self.cands.select_nth_unstable_by(k - 1, better);
-            self.cands.truncate(k);
-            // Back to a canonical order so sums and the draw do not depend on
-            // how the selection arranged things.
-            self.cands.sort_unstable_by(better);
+        if k > 0 && k < self.work.len() {
+            self.collect_top_k(k);
+        } else {
+            let all = self.work.iter().enumerate();
+            self.cands.extend(all.map(|(i, &logit)| Candidate {
+                id: i as u32,
+                logit,
+                p: 0.0,
+            }));
         }
 
         self.softmax(max);
@@ -222,6 +261,39 @@ impl Sampler {
             self.cands.retain(|c| c.p >= threshold);
         }
         None
+    }
+
+    /// Puts the k best of `work` into `cands`, best first. One pass with a
+    /// bounded min-heap: after the first few thousand logits nearly every
+    /// one loses a single comparison against the current k-th best, so this
+    /// is much cheaper than building and selecting 262k candidates.
+    fn collect_top_k(&mut self, k: usize) {
+        self.heap.clear();
+        // The k-th best logit so far. Ids arrive in increasing order, so a
+        // newcomer that only ties it ranks below it and can be skipped with
+        // one float comparison.
+        let mut floor = f32::NEG_INFINITY;
+        for (i, &logit) in self.work.iter().enumerate() {
+            if self.heap.len() == k && logit <= floor {
+                continue;
+            }
+            let c = Ranked(Candidate {
+                id: i as u32,
+                logit,
+                p: 0.0,
+            });
+            if self.heap.len() < k {
+                self.heap.push(Reverse(c));
+            } else if let Some(mut worst) = self.heap.peek_mut() {
+                *worst = Reverse(c);
+            }
+            if self.heap.len() == k {
+                floor = self.heap.peek().map_or(floor, |w| w.0.0.logit);
+            }
+        }
+        self.cands.extend(self.heap.drain().map(|r| r.0.0));
+        // A canonical order, so sums and the draw do not depend on the heap's layout.
+        self.cands.sort_unstable_by(better);
     }
 
     /// llama.cpp's repetition penalty, once per distinct recent id: a
@@ -237,14 +309,10 @@ impl Sampler {
         self.recent.extend_from_slice(window);
         self.recent.sort_unstable();
         self.recent.dedup();
-        // Candidates are still in id order here, so an id indexes its entry.
         for &id in &self.recent {
-            if let Some(c) = self.cands.get_mut(id as usize) {
-                c.logit = if c.logit > 0.0 {
-                    c.logit / penalty
-                } else {
-                    c.logit * penalty
-                };
+            // Ids past the vocabulary (a caller's mistake) are ignored.
+            if let Some(l) = self.work.get_mut(id as usize) {
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
             }
         }
     }
@@ -262,31 +330,76 @@ impl Sampler {
         }
     }
 
-    /// Keeps the shortest most-likely prefix whose probability reaches top-p.
-    /// Rather than sorting the whole vocabulary, it selects the best m
-    /// (64, then 8× more) and sorts only those, until the prefix is found.
+    /// Keeps the shortest most-likely prefix (in the [`better`] order) whose
+    /// probability reaches top-p, in expected O(n) without sorting: a
+    /// quickselect that halves the range around its median and keeps the
+    /// side where the cut must lie, judged by the mass on the better side.
+    ///
+    /// Probabilities are summed as integers (units of 2^-32), so every sum is
+    /// exact and the cut cannot depend on the order in which selection
+    /// happened to leave the elements.
     fn top_p(&mut self) {
-        let target = f64::from(self.cfg.top_p);
-        let n = self.cands.len();
-        let mut m = n.min(64);
-        loop {
-            if m < n {
-                self.cands.select_nth_unstable_by(m - 1, better);
-            }
-            self.cands[..m].sort_unstable_by(better);
-            let mut sum = 0.0f64;
-            for i in 0..m {
-                sum += f64::from(self.cands[i].p);
-                if sum >= target {
-                    self.cands.truncate(i + 1);
-                    return;
+        // Adding 0.5 and truncating rounds like .round() for these
+        // non-negative values, without a libm call per element.
+        let weight = |c: &Candidate| (f64::from(c.p) * 4_294_967_296.0 + 0.5) as u64;
+        let total: u64 = self.cands.iter().map(weight).sum();
+        let target = (f64::from(self.cfg.top_p) * total as f64).ceil() as u64;
+        // Invariant: the cut lies in lo..=hi and cands[..lo] (all better than
+        // cands[lo..]) hold `target - need` of the mass.
+        let (mut lo, mut hi, mut need) = (0, self.cands.len(), target);
+        let cut = loop {
+            if hi - lo <= 32 {
+                self.cands[lo..hi].sort_unstable_by(better);
+                let mut acc = 0;
+                let mut end = hi;
+                for (i, c) in self.cands[lo..hi].iter().enumerate() {
+                    acc += weight(c);
+                    if acc >= need {
+                        end = lo + i + 1;
+                        break;
+                    }
                 }
+                break end;
             }
-            if m == n {
-                // Rounding kept the sum just under the target: keep everything.
-                return;
+            let mid = lo + (hi - lo) / 2;
+            self.cands[lo..hi].select_nth_unstable_by(mid - lo, better);
+            let left: u64 = self.cands[lo..mid].iter().map(weight).sum();
+            let pivot = weight(&self.cands[mid]);
+            if left >= need {
+                hi = mid;
+            } else if left + pivot >= need {
+                break mid + 1;
+            } else {
+                need -= left + pivot;
+                lo = mid + 1;
             }
-            m = (m * 8).min(n);
+        };
+        self.cands.truncate(cut);
+        self.canonical_order();
+    }
+
+    /// Puts the candidates in id order, which does not depend on how
+    /// selection left them: a sort for small sets, and for large ones a pass
+    /// over the vocabulary (O(n) instead of O(n log n)).
+    fn canonical_order(&mut self) {
+        if self.cands.len() <= 4096 {
+            self.cands.sort_unstable_by_key(|c| c.id);
+            return;
+        }
+        self.scratch.clear();
+        self.scratch.resize(self.work.len(), f32::NAN);
+        for c in &self.cands {
+            self.scratch[c.id as usize] = c.p;
+        }
+        self.cands.clear();
+        for (i, &p) in self.scratch.iter().enumerate() {
+            if !p.is_nan() {
+                self.cands.push(Candidate {
+                    id: i as u32,
+                    logit: self.work[i],
+                    p,
+                });
+            }
         }
     }
 
@@ -469,6 +582,27 @@ mod tests {
     }
 
     #[test]
+    fn top_k_on_a_large_vocabulary_matches_a_full_sort() {
+        // Coarsely quantized logits so that many ties straddle the cut.
+        let mut r = Rng::new(11);
+        let logits: Vec<f32> = (0..5000)
+            .map(|_| (r.next_f64() * 50.0).floor() as f32)
+            .collect();
+        for k in [1usize, 7, 100, 4999] {
+            let got = survivors(SamplerConfig { top_k: k, ..cfg() }, &logits, &[]);
+            let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+            order.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            let mut want = order[..k].to_vec();
+            want.sort_unstable();
+            assert_eq!(got, want, "k = {k}");
+        }
+    }
+
+    #[test]
     fn top_p_cuts_at_the_first_prefix_reaching_p() {
         let logits = logits_for(&[0.05, 0.5, 0.15, 0.3]);
         let keep = |p: f32| survivors(SamplerConfig { top_p: p, ..cfg() }, &logits, &[]);
@@ -481,29 +615,35 @@ mod tests {
 
     #[test]
     fn top_p_on_a_large_vocabulary_matches_a_full_sort() {
-        // 5000 logits from a fixed generator: exercises the grow-and-select path.
-        let mut r = Rng::new(5);
-        let logits: Vec<f32> = (0..5000).map(|_| (r.next_f64() * 8.0) as f32).collect();
-        for top_p in [0.1f32, 0.5, 0.9, 0.999] {
-            let got = survivors(SamplerConfig { top_p, ..cfg() }, &logits, &[]);
-            // Reference: sort everything, accumulate.
-            let max = logits.iter().cloned().fold(f32::MIN, f32::max);
-            let w: Vec<f64> = logits.iter().map(|&l| f64::from((l - max).exp())).collect();
-            let z: f64 = w.iter().sum();
-            let mut order: Vec<usize> = (0..logits.len()).collect();
-            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-            let mut sum = 0.0;
-            let mut want = Vec::new();
-            for &i in &order {
-                want.push(i as u32);
-                sum += w[i] / z;
-                if sum >= f64::from(top_p) {
-                    break;
+        // Logits from a fixed generator; 20000 flat ones make the kept set
+        // large enough for the O(vocab) reordering path.
+        for (n, spread) in [(5000usize, 8.0f64), (20_000, 1.0)] {
+            let mut r = Rng::new(5);
+            let logits: Vec<f32> = (0..n).map(|_| (r.next_f64() * spread) as f32).collect();
+            for top_p in [0.1f32, 0.5, 0.9, 0.999] {
+                let mut s = Sampler::new(SamplerConfig { top_p, ..cfg() }, 0);
+                assert_eq!(s.filter(&logits, &[]), None);
+                let got: Vec<u32> = s.cands.iter().map(|c| c.id).collect();
+                assert!(got.windows(2).all(|w| w[0] < w[1]), "survivors in id order");
+                // Reference: sort everything, accumulate in f64.
+                let max = logits.iter().cloned().fold(f32::MIN, f32::max);
+                let w: Vec<f64> = logits.iter().map(|&l| f64::from((l - max).exp())).collect();
+                let z: f64 = w.iter().sum();
+                let mut order: Vec<usize> = (0..logits.len()).collect();
+                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+                let mut sum = 0.0;
+                let mut want = Vec::new();
+                for &i in &order {
+                    want.push(i as u32);
+                    sum += w[i] / z;
+                    if sum >= f64::from(top_p) {
+                        break;
+                    }
                 }
+                want.sort_unstable();
+                // Random logits put no cumulative sum within rounding of the target.
+                assert_eq!(got, want, "n {n}, top_p {top_p}");
             }
-            want.sort_unstable();
-            // Random logits put no cumulative sum within rounding of the target.
-            assert_eq!(got, want, "top_p {top_p}");
         }
     }
 
@@ -652,11 +792,13 @@ mod tests {
         let logits = vec![0.0f32; 1000];
         let mut s = Sampler::new(SamplerConfig { top_k: 10, ..cfg() }, 0);
         s.sample(&logits, &[1, 2, 3]);
-        let cap = s.cands.capacity();
-        let ptr = s.cands.as_ptr();
+        let before = (s.cands.as_ptr(), s.work.as_ptr(), s.heap.capacity());
         for _ in 0..10 {
             s.sample(&logits, &[1, 2, 3]);
         }
-        assert_eq!((s.cands.capacity(), s.cands.as_ptr()), (cap, ptr));
+        assert_eq!(
+            (s.cands.as_ptr(), s.work.as_ptr(), s.heap.capacity()),
+            before
+        );
     }
 }

@@ -164,3 +164,95 @@ pub(crate) fn encode_segment(
         cur = s.next;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::vocab::TokenKind;
+
+    fn vocab(pieces: &[(&str, f32, TokenKind)]) -> Vocab {
+        Vocab::new(
+            &pieces.iter().map(|p| p.0).collect::<Vec<_>>(),
+            pieces.iter().map(|p| p.1).collect(),
+            pieces.iter().map(|p| p.2).collect(),
+            "test",
+        )
+        .unwrap()
+    }
+
+    fn run(v: &Vocab, rule: &MergeRule, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        encode_segment(v, rule, Some(0), text, &mut out);
+        out
+    }
+
+    use TokenKind::{Byte, Control, Normal};
+
+    #[test]
+    fn equal_scores_merge_leftmost_first() {
+        let v = vocab(&[
+            ("<unk>", 0.0, Control),
+            ("a", -5.0, Normal),
+            ("aa", -1.0, Normal),
+        ]);
+        assert_eq!(run(&v, &MergeRule::Scores, "aaa"), vec![2, 1]);
+        assert_eq!(run(&v, &MergeRule::Scores, "aaaa"), vec![2, 2]);
+    }
+
+    #[test]
+    fn higher_score_wins_over_position() {
+        // "bc" outranks "ab", so "abc" → a + bc even though "ab" is leftmost.
+        let v = vocab(&[
+            ("<unk>", 0.0, Control),
+            ("a", -9.0, Normal),
+            ("b", -9.0, Normal),
+            ("c", -9.0, Normal),
+            ("ab", -3.0, Normal),
+            ("bc", -2.0, Normal),
+        ]);
+        assert_eq!(run(&v, &MergeRule::Scores, "abc"), vec![1, 5]);
+    }
+
+    #[test]
+    fn only_text_pieces_are_merge_targets() {
+        // "ab" exists but is a control token: no merge.
+        let v = vocab(&[
+            ("<unk>", 0.0, Control),
+            ("a", -1.0, Normal),
+            ("b", -1.0, Normal),
+            ("ab", 0.0, Control),
+        ]);
+        assert_eq!(run(&v, &MergeRule::Scores, "ab"), vec![1, 2]);
+    }
+
+    #[test]
+    fn ranks_follow_the_merge_list_not_scores() {
+        let v = vocab(&[
+            ("<unk>", 0.0, Control),
+            ("a", 0.0, Normal),
+            ("b", 0.0, Normal),
+            ("c", 0.0, Normal),
+            ("ab", 0.0, Normal),
+            ("bc", 0.0, Normal),
+        ]);
+        let ranks = |ab: u32, bc: u32| {
+            MergeRule::Ranks(HashMap::from([((1, 2), (ab, 4)), ((2, 3), (bc, 5))]))
+        };
+        assert_eq!(run(&v, &ranks(0, 1), "abc"), vec![4, 3]);
+        assert_eq!(run(&v, &ranks(1, 0), "abc"), vec![1, 5]);
+    }
+
+    #[test]
+    fn unknown_characters_fall_back_to_bytes_or_unk() {
+        let v = vocab(&[
+            ("<unk>", 0.0, Control),
+            ("a", 0.0, Normal),
+            ("<0xC3>", 0.0, Byte),
+            ("<0xA9>", 0.0, Byte),
+        ]);
+        assert_eq!(run(&v, &MergeRule::Scores, "aéa"), vec![1, 2, 3, 1]);
+        // No byte token for 0xB6 (ö is C3 B6): that byte becomes unk.
+        assert_eq!(run(&v, &MergeRule::Scores, "ö"), vec![2, 0]);
+        assert_eq!(run(&v, &MergeRule::Scores, ""), Vec::<u32>::new());
+    }
+}

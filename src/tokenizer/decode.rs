@@ -17,16 +17,25 @@ pub struct StreamDecoder<'t> {
     pending: Vec<u8>,
     /// Write the text of control tokens instead of nothing.
     show_control: bool,
-    /// Nothing has been produced yet (for stripping the added space prefix).
+    /// Drop the `▁` that a dummy-prefix encoder put before the first piece.
+    strip_prefix: bool,
+    /// No text token has been seen yet (the one place that prefix can be).
     at_start: bool,
 }
 
 impl<'t> StreamDecoder<'t> {
-    pub(crate) fn new(tok: &'t Tokenizer, show_control: bool) -> StreamDecoder<'t> {
+    /// `strip_prefix` is for decoding a whole encoded text; generated
+    /// continuations must keep their leading space.
+    pub(crate) fn new(
+        tok: &'t Tokenizer,
+        show_control: bool,
+        strip_prefix: bool,
+    ) -> StreamDecoder<'t> {
         StreamDecoder {
             tok,
             pending: Vec::new(),
             show_control,
+            strip_prefix: strip_prefix && tok.add_space_prefix,
             at_start: true,
         }
     }
@@ -54,6 +63,7 @@ impl<'t> StreamDecoder<'t> {
         };
         match kind {
             TokenKind::Byte => {
+                self.at_start = false;
                 // The vocabulary checked at load time that byte pieces parse.
                 if let Some(b) = parse_byte_piece(piece) {
                     self.pending.push(b);
@@ -67,9 +77,10 @@ impl<'t> StreamDecoder<'t> {
             TokenKind::Normal | TokenKind::UserDefined => {
                 let mut text = piece;
                 // The encoder prefixed a space that the writer never typed.
-                if self.at_start && self.tok.add_space_prefix && self.pending.is_empty() {
+                if self.at_start && self.strip_prefix {
                     text = text.strip_prefix(SPACE_MARK).unwrap_or(text);
                 }
+                self.at_start = false;
                 for ch in text.chars() {
                     let ch = if ch == SPACE_MARK { ' ' } else { ch };
                     let mut buf = [0u8; 4];
@@ -117,9 +128,6 @@ impl<'t> StreamDecoder<'t> {
         let keep = rest.len();
         let len = self.pending.len();
         self.pending.drain(..len - keep);
-        if !out.is_empty() {
-            self.at_start = false;
-        }
         out
     }
 }

@@ -26,12 +26,7 @@ impl Tokenizer {
                 "{source}: metadata key {key:?} is missing; the file has no usable tokenizer"
             )
         };
-        let pieces: Vec<String> = file
-            .get_str_array(TOKENS)?
-            .ok_or_else(|| missing(TOKENS))?
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+        let pieces: Vec<&str> = file.get_str_array(TOKENS)?.ok_or_else(|| missing(TOKENS))?;
         let scores: Vec<f32> = file
             .get_num_array(SCORES)?
             .ok_or_else(|| missing(SCORES))?

@@ -61,9 +61,10 @@ fn read_config(dir: &Path) -> Result<Config> {
     Ok(cfg)
 }
 
-/// How the normalizer and pre-tokenizer treat spaces: whether spaces become
-/// `▁` and whether a `▁` is prepended. Anything else is refused.
-fn space_handling(root: &Value, source: &str) -> Result<(bool, bool)> {
+/// Checks that the normalizer and pre-tokenizer write spaces as `▁` (the
+/// only behaviour the encoder implements) and tells whether they also
+/// prepend a `▁`. Anything else is refused rather than silently mis-encoded.
+fn prepends_space(root: &Value, source: &str) -> Result<bool> {
     let mut replaces = false;
     let mut prepends = false;
     let mut stack: Vec<&Value> = vec![&root["normalizer"]];
@@ -110,7 +111,7 @@ fn space_handling(root: &Value, source: &str) -> Result<(bool, bool)> {
             "{source}: the tokenizer does not write spaces as \u{2581}; not a Gemma-style tokenizer"
         );
     }
-    Ok((replaces, prepends))
+    Ok(prepends)
 }
 
 /// Merges are `"a b"` strings in older files and `["a", "b"]` pairs in newer ones.
@@ -142,7 +143,7 @@ fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
         }
     }
     let byte_fallback = model["byte_fallback"].as_bool().unwrap_or(false);
-    let (_, add_space_prefix) = space_handling(&root, &source)?;
+    let add_space_prefix = prepends_space(&root, &source)?;
 
     // Collect (id, piece) from the vocabulary and the added tokens; ids must
     // cover 0..n without gaps.
@@ -191,11 +192,11 @@ fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
         kinds.push(k);
     }
 
-    let index: HashMap<&str, u32> = pieces
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.as_str(), i as u32))
-        .collect();
+    // Lowest id wins on duplicate text, as in the vocabulary proper.
+    let mut index: HashMap<&str, u32> = HashMap::with_capacity(pieces.len());
+    for (i, p) in pieces.iter().enumerate() {
+        index.entry(p.as_str()).or_insert(i as u32);
+    }
     let mut ranks = HashMap::new();
     let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     for (rank, m) in merges.iter().enumerate() {

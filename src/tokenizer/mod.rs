@@ -14,6 +14,7 @@ mod decode;
 mod from_gguf;
 mod from_hf;
 mod from_spm;
+mod piece_table;
 mod protobuf;
 mod specials;
 mod vocab;
@@ -47,8 +48,8 @@ pub struct Tokenizer {
 }
 
 /// Everything a loader gathers; [`Tokenizer::assemble`] checks and indexes it.
-pub(crate) struct Parts {
-    pub pieces: Vec<String>,
+pub(crate) struct Parts<S> {
+    pub pieces: Vec<S>,
     pub scores: Vec<f32>,
     pub kinds: Vec<TokenKind>,
     pub rule: MergeRule,
@@ -61,8 +62,8 @@ pub(crate) struct Parts {
 }
 
 impl Tokenizer {
-    pub(crate) fn assemble(parts: Parts) -> anyhow::Result<Tokenizer> {
-        let vocab = Vocab::new(parts.pieces, parts.scores, parts.kinds, &parts.source)?;
+    pub(crate) fn assemble<S: AsRef<str>>(parts: Parts<S>) -> anyhow::Result<Tokenizer> {
+        let vocab = Vocab::new(&parts.pieces, parts.scores, parts.kinds, &parts.source)?;
         let n = vocab.len();
         let check = |what: &str, id: u32| {
             if (id as usize) < n {
@@ -122,34 +123,34 @@ impl Tokenizer {
             out.push(self.ids.bos);
         }
         let mut normalized = String::new();
-        for (i, seg) in self
-            .specials
-            .split(text, with_control)
-            .into_iter()
-            .enumerate()
-        {
+        // SentencePiece's dummy prefix: one `▁` before the whole text, which
+        // stands alone when the text opens with a verbatim piece.
+        let mut prefix = self.add_space_prefix && !text.is_empty();
+        for seg in self.specials.split(text, with_control) {
+            if prefix {
+                normalized.push(SPACE_MARK);
+                prefix = false;
+                if let Segment::Token(_) = seg {
+                    self.merge_into(&mut normalized, &mut out);
+                }
+            }
             match seg {
                 Segment::Token(id) => out.push(id),
                 Segment::Text(t) => {
-                    normalized.clear();
-                    // SentencePiece's dummy prefix goes before the text only once.
-                    if self.add_space_prefix && i == 0 {
-                        normalized.push(SPACE_MARK);
-                    }
                     for ch in t.chars() {
                         normalized.push(if ch == ' ' { SPACE_MARK } else { ch });
                     }
-                    bpe::encode_segment(
-                        &self.vocab,
-                        &self.rule,
-                        self.ids.unk,
-                        &normalized,
-                        &mut out,
-                    );
+                    self.merge_into(&mut normalized, &mut out);
                 }
             }
         }
         out
+    }
+
+    /// Merges normalized text into ids and empties the buffer.
+    fn merge_into(&self, normalized: &mut String, out: &mut Vec<u32>) {
+        bpe::encode_segment(&self.vocab, &self.rule, self.ids.unk, normalized, out);
+        normalized.clear();
     }
 
     /// Decodes ids to text. Control tokens (BOS, `<end_of_turn>`…) produce no
@@ -159,13 +160,15 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text, writing control tokens as their text
-    /// (`<start_of_turn>`), which makes encode → decode round-trip exactly.
+    /// (`<start_of_turn>`), so that decoding what [`Tokenizer::encode`] made
+    /// gives the text back (unless it contained a literal `▁`, which decodes
+    /// as a space).
     pub fn decode_with_control(&self, ids: &[u32]) -> String {
         self.decode_all(ids, true)
     }
 
     fn decode_all(&self, ids: &[u32], show_control: bool) -> String {
-        let mut d = StreamDecoder::new(self, show_control);
+        let mut d = StreamDecoder::new(self, show_control, true);
         let mut out = String::new();
         for &id in ids {
             out.push_str(&d.push(id));
@@ -174,9 +177,10 @@ impl Tokenizer {
         out
     }
 
-    /// A decoder for generated ids, one at a time; control tokens produce no text.
+    /// A decoder for generated ids, one at a time; control tokens produce no
+    /// text and a leading space is kept (the ids continue a prompt).
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, false)
+        StreamDecoder::new(self, false, false)
     }
 
     /// The raw piece of an id as stored in the vocabulary (`▁the`, `<0x0A>`).

@@ -1,8 +1,8 @@
 //! The vocabulary: piece text, score and kind per id, plus the reverse index
 //! from text to id and the table of byte-fallback tokens.
 
+use super::piece_table::PieceTable;
 use anyhow::{Result, bail};
-use std::collections::HashMap;
 
 /// What a vocabulary entry is for. The numbering of [`TokenKind::from_code`]
 /// is the one shared by SentencePiece's `ModelProto` and GGUF's
@@ -49,10 +49,9 @@ impl TokenKind {
 pub const SPACE_MARK: char = '\u{2581}';
 
 pub(crate) struct Vocab {
-    pieces: Vec<Box<str>>,
+    pieces: PieceTable,
     scores: Vec<f32>,
     kinds: Vec<TokenKind>,
-    index: HashMap<Box<str>, u32>,
     byte_ids: [Option<u32>; 256],
 }
 
@@ -68,8 +67,8 @@ pub(crate) fn parse_byte_piece(piece: &str) -> Option<u8> {
 impl Vocab {
     /// Builds the vocabulary. `source` names the file for error messages.
     /// The three vectors must have one entry per id.
-    pub(crate) fn new(
-        pieces: Vec<String>,
+    pub(crate) fn new<S: AsRef<str>>(
+        pieces: &[S],
         scores: Vec<f32>,
         kinds: Vec<TokenKind>,
         source: &str,
@@ -86,19 +85,16 @@ impl Vocab {
                 kinds.len()
             );
         }
-        if u32::try_from(pieces.len()).is_err() {
+        let text_len: usize = pieces.iter().map(|p| p.as_ref().len()).sum();
+        if pieces.len() >= 1 << 31 || u32::try_from(text_len).is_err() {
             bail!(
                 "{source}: vocabulary of {} entries is too large",
                 pieces.len()
             );
         }
-        let mut index = HashMap::with_capacity(pieces.len());
         let mut byte_ids = [None; 256];
-        let pieces: Vec<Box<str>> = pieces.into_iter().map(String::into_boxed_str).collect();
         for (id, piece) in pieces.iter().enumerate() {
-            let id = id as u32;
-            // On duplicate text the lowest id wins, as in SentencePiece.
-            index.entry(piece.clone()).or_insert(id);
+            let (id, piece) = (id as u32, piece.as_ref());
             if kinds[id as usize] == TokenKind::Byte {
                 match parse_byte_piece(piece) {
                     Some(b) => {
@@ -112,10 +108,10 @@ impl Vocab {
             }
         }
         Ok(Vocab {
-            pieces,
+            // On duplicate text the lowest id wins, as in SentencePiece.
+            pieces: PieceTable::new(pieces),
             scores,
             kinds,
-            index,
             byte_ids,
         })
     }
@@ -125,7 +121,7 @@ impl Vocab {
     }
 
     pub(crate) fn piece(&self, id: u32) -> Option<&str> {
-        self.pieces.get(id as usize).map(|p| &**p)
+        self.pieces.piece(id)
     }
 
     pub(crate) fn score(&self, id: u32) -> f32 {
@@ -138,7 +134,7 @@ impl Vocab {
 
     /// Any entry with exactly this text.
     pub(crate) fn id_of(&self, piece: &str) -> Option<u32> {
-        self.index.get(piece).copied()
+        self.pieces.get(piece)
     }
 
     /// An entry with this text that merges may produce.
@@ -155,13 +151,13 @@ impl Vocab {
     /// merging, with a flag telling whether it is a control token (those are
     /// matched only when the caller asks for special-token parsing).
     pub(crate) fn verbatim_entries(&self) -> impl Iterator<Item = (u32, &str, bool)> {
-        self.pieces.iter().enumerate().filter_map(|(id, p)| {
-            let kind = self.kinds[id];
+        self.pieces.iter().filter_map(|(id, p)| {
+            let kind = self.kinds[id as usize];
             let wanted = matches!(
                 kind,
                 TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
             );
-            (wanted && !p.is_empty()).then_some((id as u32, &**p, kind != TokenKind::UserDefined))
+            (wanted && !p.is_empty()).then_some((id, p, kind != TokenKind::UserDefined))
         })
     }
 }
@@ -181,7 +177,7 @@ mod tests {
 
     #[test]
     fn rejects_mismatched_tables() {
-        let err = Vocab::new(vec!["a".into()], vec![], vec![TokenKind::Normal], "x.gguf")
+        let err = Vocab::new(&["a"], vec![], vec![TokenKind::Normal], "x.gguf")
             .err()
             .expect("length mismatch must fail");
         assert!(err.to_string().contains("x.gguf"), "{err}");
@@ -189,14 +185,14 @@ mod tests {
 
     #[test]
     fn rejects_malformed_byte_piece() {
-        let r = Vocab::new(vec!["<0xG1>".into()], vec![0.0], vec![TokenKind::Byte], "x");
+        let r = Vocab::new(&["<0xG1>"], vec![0.0], vec![TokenKind::Byte], "x");
         assert!(r.is_err());
     }
 
     #[test]
     fn duplicate_text_keeps_lowest_id() {
         let v = Vocab::new(
-            vec!["a".into(), "b".into(), "a".into()],
+            &["a", "b", "a"],
             vec![0.0; 3],
             vec![TokenKind::Normal; 3],
             "x",
