@@ -9,25 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-// ---- model location: swap for pulsar::model::fetch::default_model_path() once merged ----
-/// The Gemma 3 270M GGUF: `$PULSAR_MODEL` or the default cache path. Panics
-/// when absent: these tests must fail loudly, not skip.
+/// The default model (Gemma 3 270M GGUF), fetched when absent; the tests
+/// fail, never skip, when it cannot be had.
 fn model_path() -> PathBuf {
-    let path = match std::env::var_os("PULSAR_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-            Path::new(&home).join(".cache/pulsar/gemma-3-270m-q4_k_m.gguf")
-        }
-    };
-    assert!(
-        path.is_file(),
-        "model file {} not found: download gemma-3-270m-q4_k_m.gguf there or set PULSAR_MODEL",
-        path.display()
-    );
-    path
+    pulsar::model::fetch::default_model_path().expect("the default model must be obtainable")
 }
-// ---- end of model location ----
 
 fn oracle_path() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle/tokenizer_cases.json");
