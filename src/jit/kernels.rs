@@ -43,17 +43,22 @@ pub struct Emitted {
 
 /// Emits and verifies every kernel of `plan`; stops at the first failure.
 pub fn emit_and_verify(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<Emitted> {
+    emit_and_verify_specs(&plan.kernels, caps, max_isa)
+}
+
+/// Emits and verifies the given kernels; stops at the first failure.
+pub fn emit_and_verify_specs(specs: &[KernelSpec], caps: &CpuCaps, max_isa: Isa) -> Result<Emitted> {
     let policy = Policy::new(caps, max_isa);
     let t0 = Instant::now();
-    let mut codes = Vec::with_capacity(plan.kernels.len());
-    for spec in &plan.kernels {
+    let mut codes = Vec::with_capacity(specs.len());
+    for spec in specs {
         codes.push(spec.kind.emit()?);
     }
     let emit_time = t0.elapsed();
     let t1 = Instant::now();
     let mut kernels = Vec::with_capacity(codes.len());
     let mut offset = 0;
-    for (spec, code) in plan.kernels.iter().zip(codes) {
+    for (spec, code) in specs.iter().zip(codes) {
         let verified = verify::verify(&spec.name, &code, &policy)?;
         let len = code.len();
         kernels.push(Compiled { spec: spec.clone(), code, verified, offset });
@@ -84,6 +89,15 @@ impl KernelSet {
     /// Plans nothing: emits, verifies and maps `plan`.
     pub fn build(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
         KernelSet::map(emit_and_verify(plan, caps, max_isa)?)
+    }
+
+    /// Builds a set from explicit kernel kinds (tests, benchmarks).
+    pub fn from_kinds(kinds: &[KernelKind], caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
+        let specs: Vec<KernelSpec> = kinds
+            .iter()
+            .map(|k| KernelSpec { name: k.name(), kind: k.clone(), isa: Isa::Avx2, used_for: Vec::new() })
+            .collect();
+        KernelSet::map(emit_and_verify_specs(&specs, caps, max_isa)?)
     }
 
     pub fn kernels(&self) -> &[Compiled] {
