@@ -190,14 +190,6 @@ pub fn verify(kernel: &str, code: &[u8], policy: &Policy) -> Result<Verified, Ve
 }
 
 fn check_one(ins: &Instruction, policy: &Policy, len: u64, starts: &HashSet<u64>) -> Result<(), (Check, String)> {
-    for f in ins.cpuid_features() {
-        if !policy.features.contains(f) {
-            return Err((
-                Check::Cpuid,
-                format!("needs CPUID feature {f:?}, not allowed by the CPU and --max-isa {}", policy.isa.name()),
-            ));
-        }
-    }
     match ins.flow_control() {
         FlowControl::IndirectBranch | FlowControl::IndirectCall => {
             return Err((Check::IndirectBranch, "indirect control transfer".into()));
@@ -222,6 +214,14 @@ fn check_one(ins: &Instruction, policy: &Policy, len: u64, starts: &HashSet<u64>
     }
     if !ALLOWED.contains(&ins.mnemonic()) {
         return Err((Check::Mnemonic, format!("mnemonic {:?} is not on the allowlist", ins.mnemonic())));
+    }
+    for f in ins.cpuid_features() {
+        if !policy.features.contains(f) {
+            return Err((
+                Check::Cpuid,
+                format!("needs CPUID feature {f:?}, not allowed by the CPU and --max-isa {}", policy.isa.name()),
+            ));
+        }
     }
     check_operands(ins, policy)
 }
