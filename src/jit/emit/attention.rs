@@ -3,7 +3,7 @@
 //! V rows. The KV cache layout is `[pos][kv_head][head_dim]`; the stride
 //! between positions is baked in.
 
-use super::{Asm, ExpRegs, LANES, exp_ps, finish, hsum, new_asm, runtime_lane_mask};
+use super::{Asm, ExpRegs, LANES, count_mask, exp_ps, finish, hsum, lane_index, new_asm};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 /// `extern "sysv64" fn(x, n)`: x[..n] <- softmax(x[..n]) in place, n >= 1.
@@ -31,7 +31,8 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
         ; mov r9, rsi
         ; and r9, 7
     );
-    runtime_lane_mask(&mut ops, 5, 6, super::reg::R9);
+    lane_index(&mut ops, 6);
+    count_mask(&mut ops, 5, 6, super::reg::R9);
     // Pass 1: max. Masked-off tail lanes become -inf.
     dynasm!(ops
         ; .arch x64
@@ -42,10 +43,10 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
         ; xor rax, rax
         ; =>max_loop
         ; cmp rax, r8
-        ; jae =>max_tail
+        ; jae BYTE =>max_tail
         ; vmaxps ymm0, ymm0, [rdi + rax]
         ; add rax, 32
-        ; jmp =>max_loop
+        ; jmp BYTE =>max_loop
         ; =>max_tail
         ; vmaskmovps ymm1, ymm5, [rdi + rax]
         ; vblendvps ymm1, ymm6, ymm1, ymm5
@@ -70,7 +71,7 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
         ; xor rax, rax
         ; =>exp_loop
         ; cmp rax, r8
-        ; jae =>exp_tail
+        ; jae BYTE =>exp_tail
         ; vmovups ymm1, [rdi + rax]
     );
     exp_step(&mut ops);
@@ -79,10 +80,10 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
         ; vaddps ymm0, ymm0, ymm1
         ; vmovups [rdi + rax], ymm1
         ; add rax, 32
-        ; jmp =>exp_loop
+        ; jmp BYTE =>exp_loop
         ; =>exp_tail
         ; test r9, r9
-        ; jz =>finish_lbl
+        ; jz BYTE =>finish_lbl
         ; vmaskmovps ymm1, ymm5, [rdi + rax]
     );
     exp_step(&mut ops);
@@ -102,14 +103,14 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
         ; xor rax, rax
         ; =>norm_loop
         ; cmp rax, r8
-        ; jae =>norm_tail
+        ; jae BYTE =>norm_tail
         ; vmulps ymm1, ymm0, [rdi + rax]
         ; vmovups [rdi + rax], ymm1
         ; add rax, 32
-        ; jmp =>norm_loop
+        ; jmp BYTE =>norm_loop
         ; =>norm_tail
         ; test r9, r9
-        ; jz =>done
+        ; jz BYTE =>done
         ; vmaskmovps ymm1, ymm5, [rdi + rax]
         ; vmulps ymm1, ymm1, ymm0
         ; vmaskmovps [rdi + rax], ymm5, ymm1

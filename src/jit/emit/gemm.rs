@@ -11,7 +11,8 @@
 //! [rsp]=r1; rbx/r10/r11/r12 row pointers, r13/r14/r15 token pointers.
 
 use super::gemv::WeightType;
-use super::{Asm, LANES, finish, lane_mask, new_asm, reduce4, reg::*, store_lanes};
+use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*};
+use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -31,17 +32,20 @@ fn acc(row: usize, tok: usize) -> u8 {
 }
 
 fn load_w(ops: &mut Asm, wt: WeightType, p: u8, with_idx: bool, disp: i32) {
-    match (wt, with_idx) {
-        (WeightType::F16, true) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + rax]),
-        (WeightType::F16, false) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + disp]),
-        (WeightType::Bf16, true) => dynasm!(ops ; .arch x64
-            ; vpmovzxwd Ry(W), [Rq(p) + rax]
-            ; vpslld Ry(W), Ry(W), 16),
-        (WeightType::Bf16, false) => dynasm!(ops ; .arch x64
-            ; vpmovzxwd Ry(W), [Rq(p) + disp]
-            ; vpslld Ry(W), Ry(W), 16),
-        (WeightType::F32, true) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [Rq(p) + rax]),
-        (WeightType::F32, false) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [Rq(p) + disp]),
+    let d8 = i8::try_from(disp).ok();
+    match (wt, with_idx, d8) {
+        (WeightType::F16, true, _) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + rax + 0]),
+        (WeightType::F16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + d]),
+        (WeightType::F16, false, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + disp]),
+        (WeightType::Bf16, true, _) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + rax + 0]),
+        (WeightType::Bf16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + d]),
+        (WeightType::Bf16, false, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [Rq(p) + disp]),
+        (WeightType::F32, true, _) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + rax + 0]),
+        (WeightType::F32, false, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + d]),
+        (WeightType::F32, false, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [Rq(p) + disp]),
+    }
+    if wt == WeightType::Bf16 {
+        dynasm!(ops ; .arch x64 ; vpslld Ry(W), Ry(W), 16);
     }
 }
 
@@ -58,14 +62,11 @@ fn tile_step(ops: &mut Asm, wt: WeightType, with_idx: bool, wdisp: i32) {
 /// Emits `extern "sysv64" fn(w, x, y, r0, r1, t, ldy)`.
 pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(p.k >= LANES, "{name}: K = {} is below the vector width {LANES}", p.k);
-    anyhow::ensure!(p.wt != WeightType::F32 || p.k < 1 << 28, "{name}: K too large");
     let eb = p.wt.bytes();
     let kmain = p.k / LANES * LANES;
     let tail = p.k % LANES;
     let wstride = (p.k * eb) as i32;
     let xstride = (p.k * 4) as i32;
-    // With 16-bit weights rax indexes weights and x uses rax*2; with f32 both use rax.
-    let x_idx2 = eb == 2;
 
     let mut ops = new_asm();
     let done = ops.new_dynamic_label();
@@ -89,21 +90,27 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; jae =>done
         ; test r9, r9
         ; jz =>done
+    );
+    let row_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
         ; =>row_block
-        ; xor r8, r8
+        ; xor r8d, r8d
+    );
+    let tok_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
         ; =>tok_block
         ; mov rax, [rsp]
         ; sub rax, rcx
         ; imul rbx, rcx, wstride
         ; lea rbx, [rdi + rbx + (kmain * eb) as i32]
     );
+    // Missing rows and tokens alias the first of the tile: reads stay in bounds.
     for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
-        dynasm!(ops
-            ; .arch x64
-            ; lea Rq(pr), [rbx + wstride * i as i32]
-            ; cmp rax, (i + 1) as i32
-            ; cmovb Rq(pr), rbx
-        );
+        dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
+        cmp_imm8(&mut ops, RAX, (i + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
     }
     dynasm!(ops
         ; .arch x64
@@ -113,81 +120,73 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; lea r13, [rsi + r13 + (kmain * 4) as i32]
     );
     for (j, &tp) in TOK_PTRS.iter().enumerate().skip(1) {
-        dynasm!(ops
-            ; .arch x64
-            ; lea Rq(tp), [r13 + xstride * j as i32]
-            ; cmp rax, (j + 1) as i32
-            ; cmovb Rq(tp), r13
-        );
+        dynasm!(ops ; .arch x64 ; lea Rq(tp), [r13 + xstride * j as i32]);
+        cmp_imm8(&mut ops, RAX, (j + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(tp), r13);
     }
     for a in 0..(ROWS * TOKENS) as u8 {
         dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
     }
-    if kmain > 0 {
-        dynasm!(ops
-            ; .arch x64
-            ; mov rax, -((kmain * eb) as i32)
-            ; =>kloop
-        );
-        for (j, &tp) in TOK_PTRS.iter().enumerate() {
-            if x_idx2 {
-                dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [Rq(tp) + rax * 2]);
-            } else {
-                dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [Rq(tp) + rax]);
-            }
+    dynasm!(ops ; .arch x64 ; mov rax, -((kmain * eb) as i32));
+    let top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>kloop);
+    for (j, &tp) in TOK_PTRS.iter().enumerate() {
+        if eb == 2 {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [BYTE Rq(tp) + rax * 2 + 0]);
+        } else {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [BYTE Rq(tp) + rax + 0]);
         }
-        tile_step(&mut ops, p.wt, true, 0);
-        dynasm!(ops
-            ; .arch x64
-            ; add rax, (LANES * eb) as i32
-            ; jnz =>kloop
-        );
     }
+    tile_step(&mut ops, p.wt, true, 0);
+    dynasm!(ops ; .arch x64 ; add rax, BYTE (LANES * eb) as i8);
+    jback!(ops, jnz, kloop, top);
     if tail > 0 {
         // Overlapping vector ending at K, already-summed lanes of x masked off.
         let e = (p.k - LANES) as i32 - kmain as i32;
         lane_mask(&mut ops, W, LANES - tail, tail);
         for (j, &tp) in TOK_PTRS.iter().enumerate() {
-            dynasm!(ops ; .arch x64 ; vandps Ry(12 + j as u8), Ry(W), [Rq(tp) + e * 4]);
+            dynasm!(ops ; .arch x64 ; vandps Ry(12 + j as u8), Ry(W), [BYTE Rq(tp) + (e * 4) as i8]);
         }
         tile_step(&mut ops, p.wt, false, e * eb as i32);
     }
-    // Reduce and store token by token; tokens beyond T end the tile.
+    // Masked stores of the valid rows; r12 = tokens left, r11 = &Y[t, r].
+    lane_index(&mut ops, 14);
     dynasm!(ops
         ; .arch x64
         ; mov r10, [rsp]
         ; sub r10, rcx
+        ; mov r12, r9
+        ; sub r12, r8
+        ; mov r11, r8
+        ; imul r11, rbp
+        ; add r11, rdx
+        ; lea r11, [r11 + rcx * 4]
     );
+    count_mask(&mut ops, W, 14, R10);
     for tok in 0..TOKENS {
         if tok > 0 {
-            dynasm!(ops
-                ; .arch x64
-                ; lea r12, [r8 + tok as i32]
-                ; cmp r12, r9
-                ; jae =>stored
-            );
-        } else {
-            dynasm!(ops ; .arch x64 ; mov r12, r8);
+            cmp_imm8(&mut ops, R12, tok as i8 + 1);
+            dynasm!(ops ; .arch x64 ; jb BYTE =>stored ; add r11, rbp);
         }
         let a = [acc(0, tok), acc(1, tok), acc(2, tok), acc(3, tok)];
-        reduce4(&mut ops, a, W);
-        dynasm!(ops
-            ; .arch x64
-            ; imul r12, rbp
-            ; add r12, rdx
-            ; lea r11, [r12 + rcx * 4]
-        );
-        store_lanes(&mut ops, a[0], R11, R10);
+        reduce4(&mut ops, a, 13);
+        dynasm!(ops ; .arch x64 ; vmaskmovps [r11], Rx(W), Rx(a[0]));
     }
     dynasm!(ops
         ; .arch x64
         ; =>stored
-        ; add r8, TOKENS as i32
+        ; add r8, BYTE TOKENS as i8
         ; cmp r8, r9
-        ; jb =>tok_block
-        ; add rcx, ROWS as i32
+    );
+    jback!(ops, jb, tok_block, tok_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add rcx, BYTE ROWS as i8
         ; cmp rcx, [rsp]
-        ; jb =>row_block
+    );
+    jback!(ops, jb, row_block, row_top);
+    dynasm!(ops
+        ; .arch x64
         ; =>done
         ; pop r8
         ; pop r15

@@ -12,9 +12,10 @@
 //! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, xmm0=scale (scores
 //! variant). r9/r10/r11/rbx = row pointers, r12 = rows left, r13 = biased x,
 //! rax = K index counting up to 0. ymm0..7 accumulators, ymm8..11 x,
-//! ymm12/13 weights, ymm14 scale, ymm15 tail mask.
+//! ymm12 weights, ymm13 lane indices, ymm14 scale, ymm15 tail mask.
 
-use super::{Asm, LANES, finish, lane_mask, new_asm, reduce4, reg::*, store_lanes};
+use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*};
+use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 /// Storage type of the matrix.
@@ -58,33 +59,46 @@ pub struct GemvParams {
 
 pub const ROWS: usize = 4;
 const ROW_PTRS: [u8; ROWS] = [R9, R10, R11, RBX];
-const XB: u8 = R13;
-const MASK: u8 = 15;
+const WT: u8 = 12;
+const IDX: u8 = 13;
 const SCALE: u8 = 14;
+const MASK: u8 = 15;
 
-/// Loads one weight vector (8 elements) at `[p + rax*idx + disp]` as f32 into `dst`.
+/// Loads one weight vector (8 elements) at `[p + rax + disp]` (or `[p + disp]`
+/// without the index) as f32 into `dst`. Small displacements use disp8.
 fn load_w(ops: &mut Asm, wt: WeightType, dst: u8, p: u8, with_idx: bool, disp: i32) {
-    match (wt, with_idx) {
-        (WeightType::F16, true) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + rax + disp]),
-        (WeightType::F16, false) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + disp]),
-        (WeightType::Bf16, true) => dynasm!(ops ; .arch x64
-            ; vpmovzxwd Ry(dst), [Rq(p) + rax + disp]
-            ; vpslld Ry(dst), Ry(dst), 16),
-        (WeightType::Bf16, false) => dynasm!(ops ; .arch x64
-            ; vpmovzxwd Ry(dst), [Rq(p) + disp]
-            ; vpslld Ry(dst), Ry(dst), 16),
-        (WeightType::F32, true) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + rax + disp]),
-        (WeightType::F32, false) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + disp]),
+    let d8 = i8::try_from(disp).ok();
+    match (wt, with_idx, d8) {
+        (WeightType::F16, true, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + rax + d]),
+        (WeightType::F16, true, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + rax + disp]),
+        (WeightType::F16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + d]),
+        (WeightType::F16, false, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + disp]),
+        (WeightType::Bf16, true, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + rax + d]),
+        (WeightType::Bf16, true, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + rax + disp]),
+        (WeightType::Bf16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + d]),
+        (WeightType::Bf16, false, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + disp]),
+        (WeightType::F32, true, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + rax + d]),
+        (WeightType::F32, true, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + rax + disp]),
+        (WeightType::F32, false, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + d]),
+        (WeightType::F32, false, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + disp]),
+    }
+    if wt == WeightType::Bf16 {
+        // bf16 is the high half of an f32.
+        dynasm!(ops ; .arch x64 ; vpslld Ry(dst), Ry(dst), 16);
     }
 }
 
-/// Loads x vector at `[XB + rax*scale + disp]`; the scale relates the weight
-/// byte index in rax to f32 offsets (2 for 16-bit weights, 1 for f32).
+/// Loads the x vector at `[XB + rax*s + disp]`, s relating the weight byte
+/// index in rax to f32 offsets (2 for 16-bit weights, 1 for f32).
 fn load_x(ops: &mut Asm, wt: WeightType, dst: u8, with_idx: bool, disp: i32) {
-    match (wt.bytes(), with_idx) {
-        (2, true) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(XB) + rax*2 + disp]),
-        (_, true) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(XB) + rax + disp]),
-        (_, false) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(XB) + disp]),
+    let d8 = i8::try_from(disp).ok();
+    match (wt.bytes(), with_idx, d8) {
+        (2, true, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE r13 + rax*2 + d]),
+        (2, true, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [r13 + rax*2 + disp]),
+        (_, true, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE r13 + rax + d]),
+        (_, true, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [r13 + rax + disp]),
+        (_, false, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE r13 + d]),
+        (_, false, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [r13 + disp]),
     }
 }
 
@@ -118,34 +132,35 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if tail > 0 {
         lane_mask(&mut ops, MASK, LANES - tail, tail);
     }
+    lane_index(&mut ops, IDX);
     dynasm!(ops
         ; .arch x64
-        ; lea Rq(XB), [rsi + (kmain * 4) as i32]
+        ; lea r13, [rsi + (kmain * 4) as i32]
         ; cmp rcx, r8
         ; jae =>done
+    );
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
         ; =>block
         ; mov r12, r8
         ; sub r12, rcx
         ; imul r9, rcx, stride_b
         ; lea r9, [rdi + r9 + (kmain * eb) as i32]
     );
+    // Rows past the end alias row 0 of the block: reads stay in bounds.
     for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
-        dynasm!(ops
-            ; .arch x64
-            ; lea Rq(pr), [r9 + stride_b * i as i32]
-            ; cmp r12, (i + 1) as i32
-            ; cmovb Rq(pr), r9
-        );
+        dynasm!(ops ; .arch x64 ; lea Rq(pr), [r9 + stride_b * i as i32]);
+        cmp_imm8(&mut ops, R12, (i + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), r9);
     }
     for a in 0..(ROWS * accs_per_row) as u8 {
         dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
     }
     if kmain > 0 {
-        dynasm!(ops
-            ; .arch x64
-            ; mov rax, -((kmain * eb) as i32)
-            ; =>kloop
-        );
+        dynasm!(ops ; .arch x64 ; mov rax, -((kmain * eb) as i32));
+        let top = ops.offset();
+        dynasm!(ops ; .arch x64 ; =>kloop);
         for j in 0..p.unroll {
             load_x(&mut ops, p.wt, 8 + j as u8, true, (j * 32) as i32);
         }
@@ -156,34 +171,28 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         for j in 0..p.unroll {
             for (row, &pr) in ROW_PTRS.iter().enumerate() {
-                let w = 12 + (row % 2) as u8;
-                load_w(&mut ops, p.wt, w, pr, true, (j * LANES * eb) as i32);
-                dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, j)), Ry(w), Ry(8 + j as u8));
+                load_w(&mut ops, p.wt, WT, pr, true, (j * LANES * eb) as i32);
+                dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, j)), Ry(WT), Ry(8 + j as u8));
             }
         }
-        dynasm!(ops
-            ; .arch x64
-            ; add rax, (step * eb) as i32
-            ; jnz =>kloop
-        );
+        dynasm!(ops ; .arch x64 ; add rax, (step * eb) as i32);
+        jback!(ops, jnz, kloop, top);
     }
     // Whole vectors left after the unrolled loop, at fixed offsets.
     for v in 0..rest_vecs {
         load_x(&mut ops, p.wt, 8, false, (v * 32) as i32);
         for (row, &pr) in ROW_PTRS.iter().enumerate() {
-            let w = 12 + (row % 2) as u8;
-            load_w(&mut ops, p.wt, w, pr, false, (v * LANES * eb) as i32);
-            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, v)), Ry(w), Ry(8));
+            load_w(&mut ops, p.wt, WT, pr, false, (v * LANES * eb) as i32);
+            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, v)), Ry(WT), Ry(8));
         }
     }
     if tail > 0 {
         // The vector ending at K; offsets are relative to the biased pointers.
         let e = (p.k - LANES) as i32 - kmain as i32;
-        dynasm!(ops ; .arch x64 ; vandps Ry(8), Ry(MASK), [Rq(XB) + e * 4]);
+        dynasm!(ops ; .arch x64 ; vandps ymm8, Ry(MASK), [r13 + e * 4]);
         for (row, &pr) in ROW_PTRS.iter().enumerate() {
-            let w = 12 + (row % 2) as u8;
-            load_w(&mut ops, p.wt, w, pr, false, e * eb as i32);
-            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, 0)), Ry(w), Ry(8));
+            load_w(&mut ops, p.wt, WT, pr, false, e * eb as i32);
+            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, 0)), Ry(WT), ymm8);
         }
     }
     if accs_per_row == 2 {
@@ -195,13 +204,17 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if p.scaled {
         dynasm!(ops ; .arch x64 ; vmulps xmm0, xmm0, Rx(SCALE));
     }
-    dynasm!(ops ; .arch x64 ; lea rax, [rdx + rcx * 4]);
-    store_lanes(&mut ops, 0, RAX, R12);
+    // Store only the rows that exist (a masked store; once per 4 rows x K).
+    count_mask(&mut ops, 8, IDX, R12);
     dynasm!(ops
         ; .arch x64
-        ; add rcx, ROWS as i32
+        ; vmaskmovps [rdx + rcx * 4], xmm8, xmm0
+        ; add rcx, BYTE ROWS as i8
         ; cmp rcx, r8
-        ; jb =>block
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops
+        ; .arch x64
         ; =>done
         ; pop r13
         ; pop r12

@@ -10,7 +10,7 @@ pub mod elementwise;
 pub mod gemm;
 pub mod gemv;
 
-use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use dynasmrt::{DynasmApi, dynasm};
 
 /// Emission target: a plain byte vector with label support. Relocations are
 /// all relative, so the bytes can be copied to any executable page.
@@ -23,11 +23,33 @@ pub fn new_asm() -> Asm {
 /// Finishes an assembler, turning a label error into a message rather than a panic.
 pub fn finish(ops: Asm, name: &str) -> anyhow::Result<Vec<u8>> {
     ops.finalize()
-        .map_err(|e| anyhow::anyhow!("kernel {name}: unresolved label while emitting: {e:?}"))
+        .map_err(|e| anyhow::anyhow!("kernel {name}: label unresolved or short jump out of range while emitting: {e:?}"))
 }
 
 /// f32 elements in one AVX2 vector.
 pub const LANES: usize = 8;
+
+/// `cmp reg64, imm8`, hand-encoded: dynasm 5.1 always picks the imm32 form
+/// for `cmp`, 3 bytes longer. (REX.W+B, 83 /7 ib.)
+pub fn cmp_imm8(ops: &mut Asm, reg: u8, imm: i8) {
+    ops.push(0x48 | (reg >> 3));
+    ops.push(0x83);
+    ops.push(0xF8 | (reg & 7));
+    ops.push(imm as u8);
+}
+
+/// Backward conditional jump to `label` defined at `top`: the 2-byte short
+/// form when it reaches, else the 6-byte near form.
+#[macro_export]
+macro_rules! jback {
+    ($ops:ident, $cc:ident, $label:expr, $top:expr) => {{
+        if $ops.offset().0 + 2 - $top.0 <= 128 {
+            dynasm!($ops ; .arch x64 ; $cc BYTE =>$label);
+        } else {
+            dynasm!($ops ; .arch x64 ; $cc =>$label);
+        }
+    }};
+}
 
 /// Broadcasts an f32 bit pattern into all lanes of `ymm`. Clobbers eax.
 /// (A register-source broadcast sidesteps dynasm's `vbroadcastss ymm, [mem]` bug.)
@@ -52,20 +74,6 @@ pub fn lane_mask(ops: &mut Asm, ymm: u8, first: usize, count: usize) {
         ; mov rax, QWORD bytes as i64
         ; vmovq Rx(ymm), rax
         ; vpmovsxbd Ry(ymm), Rx(ymm)
-    );
-}
-
-/// Sets `ymm` to a mask of lanes `i < count_reg` (count in 0..=8, runtime).
-/// Clobbers rax and `tmp`.
-pub fn runtime_lane_mask(ops: &mut Asm, ymm: u8, tmp: u8, count_reg: u8) {
-    dynasm!(ops
-        ; .arch x64
-        ; mov rax, QWORD 0x0706_0504_0302_0100
-        ; vmovq Rx(tmp), rax
-        ; vpmovzxbd Ry(tmp), Rx(tmp)
-        ; vmovd Rx(ymm), Rd(count_reg)
-        ; vpbroadcastd Ry(ymm), Rx(ymm)
-        ; vpcmpgtd Ry(ymm), Ry(ymm), Ry(tmp)
     );
 }
 
@@ -95,26 +103,24 @@ pub fn reduce4(ops: &mut Asm, a: [u8; 4], tmp: u8) {
     );
 }
 
-/// Stores lanes `[0, min(count, 4))` of `xmm` to `[addr]`; `count` >= 1 is a
-/// register. Used for the last, partial block of rows.
-pub fn store_lanes(ops: &mut Asm, xmm: u8, addr: u8, count: u8) {
-    let partial = ops.new_dynamic_label();
-    let done = ops.new_dynamic_label();
+/// Sets `ymm` to the lane indices 0..7 (as i32). Clobbers rax.
+pub fn lane_index(ops: &mut Asm, ymm: u8) {
     dynasm!(ops
         ; .arch x64
-        ; cmp Rq(count), 4
-        ; jb =>partial
-        ; vmovups [Rq(addr)], Rx(xmm)
-        ; jmp =>done
-        ; =>partial
-        ; vmovss [Rq(addr)], Rx(xmm)
-        ; cmp Rq(count), 2
-        ; jb =>done
-        ; vextractps [Rq(addr) + 4], Rx(xmm), 1
-        ; cmp Rq(count), 3
-        ; jb =>done
-        ; vextractps [Rq(addr) + 8], Rx(xmm), 2
-        ; =>done
+        ; mov rax, QWORD 0x0706_0504_0302_0100
+        ; vmovq Rx(ymm), rax
+        ; vpmovzxbd Ry(ymm), Rx(ymm)
+    );
+}
+
+/// Sets `ymm` to the mask of lanes i < count (count a 64-bit register whose
+/// value fits i32), given the lane indices in `idx`.
+pub fn count_mask(ops: &mut Asm, ymm: u8, idx: u8, count: u8) {
+    dynasm!(ops
+        ; .arch x64
+        ; vmovd Rx(ymm), Rd(count)
+        ; vpbroadcastd Ry(ymm), Rx(ymm)
+        ; vpcmpgtd Ry(ymm), Ry(ymm), Ry(idx)
     );
 }
 
