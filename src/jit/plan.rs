@@ -20,7 +20,7 @@ pub struct PlanOptions {
     /// Worker threads the rows are split across (0 = all cores).
     pub threads: usize,
     pub weights: WeightType,
-    /// Prefetch distance in bytes; None = derive (see `prefetch_distance`).
+    /// GEMV prefetch distance in bytes; None = derive per K (see `prefetch_distance`).
     pub prefetch: Option<usize>,
     pub budget: usize,
 }
@@ -150,17 +150,16 @@ pub fn split_rows(n: usize, threads: usize, block: usize) -> Vec<Range<usize>> {
     out
 }
 
-/// Prefetch distance: software prefetch only pays when the weight stream of a
-/// thread fits in L2 (re-used, latency-bound); a stream larger than L2 is
-/// served best by the hardware prefetcher (measured here: prefetchnta slowed
-/// plain streams), so the distance is 0. In the fitting case prefetch 4 lines
-/// ahead of each of the 4 rows of a block.
-pub fn prefetch_distance(caps: &CpuCaps, stream_bytes_per_thread: usize) -> usize {
-    if caps.l2 == 0 || stream_bytes_per_thread > caps.l2 {
-        0
-    } else {
-        256
-    }
+/// GEMV prefetch distance along a block's contiguous 4-row region. A long
+/// row (a page or more) gives the hardware prefetcher streams it follows
+/// well, and plain long streams were slower with software prefetch on this
+/// machine: distance 0. Short rows give it four short interleaved streams per
+/// block; there, prefetching one block ahead (4 rows) measured faster, as long
+/// as two blocks fit in L1d.
+pub fn prefetch_distance(caps: &CpuCaps, row_bytes: usize) -> usize {
+    let block = gemv::ROWS * row_bytes;
+    let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
+    if row_bytes < 4096 && 2 * block <= l1 { block } else { 0 }
 }
 
 /// Elements of x per chunk so that a 3-token tile of x uses at most half of L1d.
@@ -204,13 +203,10 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     ks.sort_unstable();
     ks.dedup();
     let eb = opts.weights.bytes();
-    let biggest = mats.iter().map(|m| m.1 * m.2 * eb).max().unwrap_or(0);
-    let prefetch = opts.prefetch.unwrap_or_else(|| prefetch_distance(caps, biggest / threads));
-    notes.push(format!(
-        "prefetch distance {prefetch} B (largest weight stream {} KiB/thread vs L2 {} KiB)",
-        biggest / threads / 1024,
-        caps.l2 / 1024
-    ));
+    let prefetch = |k: usize| opts.prefetch.unwrap_or_else(|| prefetch_distance(caps, k * eb));
+    for &k in &ks {
+        notes.push(format!("K={k}: gemv prefetch distance {} B (row {} B, L1d {} KiB)", prefetch(k), k * eb, caps.l1d / 1024));
+    }
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -218,7 +214,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu", "rope"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
-        let kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, prefetch, &optional);
+        let kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &prefetch, &optional);
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -239,7 +235,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     tensor,
                     rows,
                     k,
-                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch)).name(),
+                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch(k))).name(),
                     gemm: KernelKind::Gemm(GemmParams { wt: opts.weights, k }).name(),
                     thread_rows: split_rows(rows, threads, gemv::ROWS),
                 })
@@ -302,7 +298,7 @@ fn build_kinds(
     wt: WeightType,
     gemv_unroll: usize,
     norm_unroll: usize,
-    prefetch: usize,
+    prefetch: &dyn Fn(usize) -> usize,
     optional: &[&str],
 ) -> Vec<(KernelKind, Vec<String>)> {
     let mut out = Vec::new();
@@ -320,7 +316,7 @@ fn build_kinds(
         u
     };
     for &k in ks {
-        out.push((KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch)), uses_of_k(k)));
+        out.push((KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch(k))), uses_of_k(k)));
     }
     for &k in ks {
         out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
@@ -456,16 +452,24 @@ mod tests {
     }
 
     #[test]
-    fn prefetch_is_zero_for_streams_larger_than_l2() {
+    fn prefetch_only_for_short_rows() {
         let caps = CpuCaps::zen4_like();
-        assert_eq!(prefetch_distance(&caps, 64 << 20), 0);
-        assert!(prefetch_distance(&caps, 64 << 10) > 0);
+        // 640 f16 = 1280 B rows: one 4-row block ahead.
+        assert_eq!(prefetch_distance(&caps, 1280), 5120);
+        // Page-long rows stream well on their own: 0 (measured faster).
+        assert_eq!(prefetch_distance(&caps, 4096), 0);
+        assert_eq!(prefetch_distance(&caps, 32768), 0);
+        // Two blocks must fit L1d.
+        assert_eq!(prefetch_distance(&CpuCaps { l1d: 8192, ..caps.clone() }, 2048), 0);
         let p = plan(&gemma2b(), &caps, &PlanOptions::default()).unwrap();
         for k in &p.kernels {
             if let KernelKind::Gemv(g) = &k.kind {
-                assert_eq!(g.prefetch, 0);
+                assert_eq!(g.prefetch, 0, "{}", k.name);
             }
         }
+        let forced = PlanOptions { prefetch: Some(0), ..PlanOptions::default() };
+        let p = plan(&ModelDims::GEMMA3_270M, &caps, &forced).unwrap();
+        assert!(p.kernels.iter().all(|k| !k.name.contains("_pf")));
     }
 
     #[test]

@@ -51,7 +51,12 @@ pub struct GemvParams {
     pub row_stride: usize,
     /// 8-element vectors per loop iteration: 1, 2 or 4.
     pub unroll: usize,
-    /// Bytes ahead to prefetch each row; 0 = none (plain streams were faster here).
+    /// Software prefetch distance in bytes along the block stream; 0 = none.
+    /// The 4 rows of a block are contiguous, so a block is one sequential
+    /// region of 4*K*eb bytes consumed at 4 bytes of region per byte of row;
+    /// the kernel prefetches `prefetch` bytes ahead of its position in that
+    /// region, one line per 64 bytes consumed. Short rows give the hardware
+    /// prefetcher four short interleaved streams, which it handles poorly.
     pub prefetch: usize,
     /// Multiply results by the f32 argument in xmm0 (attention scores).
     pub scaled: bool,
@@ -165,8 +170,11 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
             load_x(&mut ops, p.wt, 8 + j as u8, true, (j * 32) as i32);
         }
         if p.prefetch > 0 {
-            for &pr in &ROW_PTRS {
-                dynasm!(ops ; .arch x64 ; prefetcht0 [Rq(pr) + rax + p.prefetch as i32]);
+            // Position in the block region: row0 start + 4 * (k * eb)
+            // = r9 + 4*rax + 3*kmain*eb (r9 and rax are biased by kmain*eb).
+            let base = (3 * kmain * eb + p.prefetch) as i32;
+            for line in 0..(ROWS * step * eb).div_ceil(64) {
+                dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + rax * 4 + base + 64 * line as i32]);
             }
         }
         for j in 0..p.unroll {
