@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 use pulsar::jit::dump::{DumpArgs, TuneArgs, run_dump_command, run_tune_command};
 
 #[derive(Parser)]
-#[command(name = "pulsar", version, about = "CPU inference engine for Gemma models")]
+#[command(
+    name = "pulsar",
+    version,
+    about = "CPU inference engine for Gemma models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Commands,

@@ -30,7 +30,10 @@ impl Rng {
 
 fn caps() -> CpuCaps {
     let c = CpuCaps::detect();
-    assert!(c.has_jit_baseline(), "these tests need AVX2+F16C+FMA; CPU: {c}");
+    assert!(
+        c.has_jit_baseline(),
+        "these tests need AVX2+F16C+FMA; CPU: {c}"
+    );
     c
 }
 
@@ -58,7 +61,10 @@ fn from_u16(wt: WeightType, b: u16) -> f64 {
 fn close(got: f32, exact: f64, magnitude: f64, k: usize, what: &str) {
     let tol = (k as f64 + 2.0) * EPS * magnitude + 1e-30;
     let err = (got as f64 - exact).abs();
-    assert!(err <= tol, "{what}: got {got}, exact {exact}, err {err:e} > tol {tol:e}");
+    assert!(
+        err <= tol,
+        "{what}: got {got}, exact {exact}, err {err:e} > tol {tol:e}"
+    );
 }
 
 #[test]
@@ -69,7 +75,16 @@ fn gemv_matches_reference() {
         for unroll in [1usize, 2, 4] {
             let kinds: Vec<KernelKind> = ks
                 .iter()
-                .map(|&k| KernelKind::Gemv(GemvParams { wt, k, row_stride: k, unroll, prefetch: 0, scaled: false }))
+                .map(|&k| {
+                    KernelKind::Gemv(GemvParams {
+                        wt,
+                        k,
+                        row_stride: k,
+                        unroll,
+                        prefetch: 0,
+                        scaled: false,
+                    })
+                })
                 .collect();
             let s = set(&kinds);
             for &k in &ks {
@@ -77,7 +92,9 @@ fn gemv_matches_reference() {
                 for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
                     // One extra element in front makes pointers misaligned.
                     for misalign in [0usize, 1] {
-                        let wbuf: Vec<u16> = (0..rows * k + misalign).map(|_| to_u16(wt, rng.f())).collect();
+                        let wbuf: Vec<u16> = (0..rows * k + misalign)
+                            .map(|_| to_u16(wt, rng.f()))
+                            .collect();
                         let xbuf = rng.vec(k + misalign, 2.0);
                         let w = &wbuf[misalign..];
                         let x = &xbuf[misalign..];
@@ -96,7 +113,13 @@ fn gemv_matches_reference() {
                                     exact += p;
                                     mag += p.abs();
                                 }
-                                close(y[r], exact, mag, k, &format!("{} rows {rows} r {r} mis {misalign}", g.name));
+                                close(
+                                    y[r],
+                                    exact,
+                                    mag,
+                                    k,
+                                    &format!("{} rows {rows} r {r} mis {misalign}", g.name),
+                                );
                             }
                         }
                     }
@@ -128,17 +151,34 @@ fn gemv_rejects_bad_shapes() {
 #[test]
 fn gemv_with_prefetch_matches() {
     let k = 77;
-    let s = set(&[KernelKind::Gemv(GemvParams { wt: WeightType::F16, k, row_stride: k, unroll: 2, prefetch: 256, scaled: false })]);
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt: WeightType::F16,
+        k,
+        row_stride: k,
+        unroll: 2,
+        prefetch: 256,
+        scaled: false,
+    })]);
     let g = s.gemv(WeightType::F16, k).unwrap();
     let mut rng = Rng(99);
     let rows = 6;
-    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(WeightType::F16, rng.f())).collect();
+    let w: Vec<u16> = (0..rows * k)
+        .map(|_| to_u16(WeightType::F16, rng.f()))
+        .collect();
     let x = rng.vec(k, 1.0);
     let mut y = vec![0f32; rows];
     g.run(&w, &x, &mut y, 0..rows).unwrap();
     for r in 0..rows {
-        let p: Vec<f64> = (0..k).map(|i| from_u16(WeightType::F16, w[r * k + i]) * x[i] as f64).collect();
-        close(y[r], p.iter().sum(), p.iter().map(|v| v.abs()).sum(), k, "prefetch");
+        let p: Vec<f64> = (0..k)
+            .map(|i| from_u16(WeightType::F16, w[r * k + i]) * x[i] as f64)
+            .collect();
+        close(
+            y[r],
+            p.iter().sum(),
+            p.iter().map(|v| v.abs()).sum(),
+            k,
+            "prefetch",
+        );
     }
 }
 
@@ -147,14 +187,19 @@ fn gemm_matches_reference() {
     let mut rng = Rng(0xfeed);
     let ks = [8usize, 11, 16, 24, 37, 64, 130];
     for wt in [WeightType::F16, WeightType::Bf16] {
-        let kinds: Vec<KernelKind> = ks.iter().map(|&k| KernelKind::Gemm(GemmParams { wt, k })).collect();
+        let kinds: Vec<KernelKind> = ks
+            .iter()
+            .map(|&k| KernelKind::Gemm(GemmParams { wt, k }))
+            .collect();
         let s = set(&kinds);
         for &k in &ks {
             let g = s.gemm(wt, k).unwrap();
             for rows in [1usize, 3, 4, 6, 9] {
                 for tokens in [1usize, 2, 3, 4, 5, 7] {
                     let misalign = (rows + tokens) % 2;
-                    let wbuf: Vec<u16> = (0..rows * k + misalign).map(|_| to_u16(wt, rng.f())).collect();
+                    let wbuf: Vec<u16> = (0..rows * k + misalign)
+                        .map(|_| to_u16(wt, rng.f()))
+                        .collect();
                     let xbuf = rng.vec(tokens * k + misalign, 1.5);
                     let (w, x) = (&wbuf[misalign..], &xbuf[misalign..]);
                     let ldy = rows + 3;
@@ -168,9 +213,16 @@ fn gemm_matches_reference() {
                                 assert!(got.is_nan(), "Y[{t},{r}] outside rows was written");
                                 continue;
                             }
-                            let p: Vec<f64> =
-                                (0..k).map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64).collect();
-                            close(got, p.iter().sum(), p.iter().map(|v| v.abs()).sum(), k, &format!("{} t{t} r{r}", g.name));
+                            let p: Vec<f64> = (0..k)
+                                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
+                                .collect();
+                            close(
+                                got,
+                                p.iter().sum(),
+                                p.iter().map(|v| v.abs()).sum(),
+                                k,
+                                &format!("{} t{t} r{r}", g.name),
+                            );
                         }
                     }
                 }
@@ -182,7 +234,10 @@ fn gemm_matches_reference() {
 fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
     let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
     let s = 1.0 / (ms + eps as f64).sqrt();
-    x.iter().zip(w).map(|(&a, &b)| a as f64 * s * b as f64).collect()
+    x.iter()
+        .zip(w)
+        .map(|(&a, &b)| a as f64 * s * b as f64)
+        .collect()
 }
 
 #[test]
@@ -190,7 +245,10 @@ fn rmsnorm_matches_reference() {
     let mut rng = Rng(7);
     let dims = [8usize, 9, 15, 16, 17, 33, 100, 256, 640, 1001];
     for unroll in [1usize, 2, 4] {
-        let kinds: Vec<KernelKind> = dims.iter().map(|&dim| KernelKind::RmsNorm { dim, unroll }).collect();
+        let kinds: Vec<KernelKind> = dims
+            .iter()
+            .map(|&dim| KernelKind::RmsNorm { dim, unroll })
+            .collect();
         let s = set(&kinds);
         for &dim in &dims {
             let k = s.rmsnorm(dim).unwrap();
@@ -206,8 +264,20 @@ fn rmsnorm_matches_reference() {
                     let exact = rms_ref(&x[r * dim..(r + 1) * dim], &w, 1e-6);
                     for i in 0..dim {
                         let mag = exact[i].abs();
-                        close(out[r * dim + i], exact[i], mag, dim.min(64) + 8, &format!("{} r{r} i{i}", k.name));
-                        close(inplace[r * dim + i], exact[i], mag, dim.min(64) + 8, "inplace");
+                        close(
+                            out[r * dim + i],
+                            exact[i],
+                            mag,
+                            dim.min(64) + 8,
+                            &format!("{} r{r} i{i}", k.name),
+                        );
+                        close(
+                            inplace[r * dim + i],
+                            exact[i],
+                            mag,
+                            dim.min(64) + 8,
+                            "inplace",
+                        );
                     }
                 }
             }
@@ -219,7 +289,10 @@ fn rmsnorm_matches_reference() {
 fn rope_matches_reference() {
     let mut rng = Rng(11);
     let hds = [2usize, 4, 14, 16, 18, 34, 64, 256];
-    let kinds: Vec<KernelKind> = hds.iter().map(|&head_dim| KernelKind::Rope { head_dim }).collect();
+    let kinds: Vec<KernelKind> = hds
+        .iter()
+        .map(|&head_dim| KernelKind::Rope { head_dim })
+        .collect();
     let s = set(&kinds);
     for &hd in &hds {
         let k = s.rope(hd).unwrap();
@@ -228,8 +301,12 @@ fn rope_matches_reference() {
             let xbuf = rng.vec(heads * hd + 1, 2.0);
             let x0 = &xbuf[1..];
             let pos = 37.0f64;
-            let cos: Vec<f32> = (0..half).map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).cos() as f32).collect();
-            let sin: Vec<f32> = (0..half).map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).sin() as f32).collect();
+            let cos: Vec<f32> = (0..half)
+                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).cos() as f32)
+                .collect();
+            let sin: Vec<f32> = (0..half)
+                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).sin() as f32)
+                .collect();
             let mut x = x0.to_vec();
             k.run(&mut x, &cos, &sin).unwrap();
             for h in 0..heads {
@@ -237,7 +314,13 @@ fn rope_matches_reference() {
                     let (a, b) = (x0[h * hd + i] as f64, x0[h * hd + i + half] as f64);
                     let (c, sn) = (cos[i] as f64, sin[i] as f64);
                     let mag = a.abs() + b.abs();
-                    close(x[h * hd + i], a * c - b * sn, mag, 2, &format!("{} h{h} i{i}", k.name));
+                    close(
+                        x[h * hd + i],
+                        a * c - b * sn,
+                        mag,
+                        2,
+                        &format!("{} h{h} i{i}", k.name),
+                    );
                     close(x[h * hd + i + half], b * c + a * sn, mag, 2, "second half");
                 }
             }
@@ -253,7 +336,10 @@ fn gelu_tanh(x: f64) -> f64 {
 fn geglu_matches_reference() {
     let mut rng = Rng(5);
     let widths = [1usize, 8, 9, 13, 64, 1001, 2048];
-    let kinds: Vec<KernelKind> = widths.iter().map(|&width| KernelKind::Geglu { width }).collect();
+    let kinds: Vec<KernelKind> = widths
+        .iter()
+        .map(|&width| KernelKind::Geglu { width })
+        .collect();
     let s = set(&kinds);
     for &w in &widths {
         let k = s.geglu(w).unwrap();
@@ -275,7 +361,13 @@ fn geglu_matches_reference() {
                 let mag = (gate[i] as f64 * up[i] as f64).abs();
                 let err = (out[i] as f64 - exact).abs();
                 // The tanh/exp approximation is held to 2e-6 relative to |x*up|.
-                assert!(err <= 2e-6 * mag + 1e-30, "{} i{i} x={} got {} exact {exact} err {err:e}", k.name, gate[i], out[i]);
+                assert!(
+                    err <= 2e-6 * mag + 1e-30,
+                    "{} i{i} x={} got {} exact {exact} err {err:e}",
+                    k.name,
+                    gate[i],
+                    out[i]
+                );
             }
         }
     }
@@ -302,8 +394,16 @@ fn attention_scores_match_reference() {
             let scale = 1.0 / (hd as f32).sqrt();
             k.run(kc, &q, &mut sc, 0..npos, scale).unwrap();
             for p in 0..npos {
-                let terms: Vec<f64> = (0..hd).map(|d| kc[p * stride + d] as f64 * q[d] as f64 * scale as f64).collect();
-                close(sc[p], terms.iter().sum(), terms.iter().map(|v| v.abs()).sum(), hd + 1, &format!("{} p{p}", k.name));
+                let terms: Vec<f64> = (0..hd)
+                    .map(|d| kc[p * stride + d] as f64 * q[d] as f64 * scale as f64)
+                    .collect();
+                close(
+                    sc[p],
+                    terms.iter().sum(),
+                    terms.iter().map(|v| v.abs()).sum(),
+                    hd + 1,
+                    &format!("{} p{p}", k.name),
+                );
             }
         }
     }
@@ -335,8 +435,17 @@ fn softmax_matches_reference() {
 #[test]
 fn attention_weighted_sum_matches_reference() {
     let mut rng = Rng(77);
-    for (hd, stride) in [(8usize, 8usize), (64, 64), (72, 100), (256, 256), (136, 272)] {
-        let s = set(&[KernelKind::AttnWsum { head_dim: hd, stride }]);
+    for (hd, stride) in [
+        (8usize, 8usize),
+        (64, 64),
+        (72, 100),
+        (256, 256),
+        (136, 272),
+    ] {
+        let s = set(&[KernelKind::AttnWsum {
+            head_dim: hd,
+            stride,
+        }]);
         let k = s.attn_wsum(hd).unwrap();
         for npos in [0usize, 1, 5, 33] {
             let v = rng.vec(npos.saturating_sub(1) * stride + hd + 1, 1.0);
@@ -345,8 +454,16 @@ fn attention_weighted_sum_matches_reference() {
             let mut out = vec![f32::NAN; hd];
             k.run(&p, v, &mut out).unwrap();
             for d in 0..hd {
-                let terms: Vec<f64> = (0..npos).map(|t| p[t] as f64 * v[t * stride + d] as f64).collect();
-                close(out[d], terms.iter().sum(), terms.iter().map(|x| x.abs()).sum(), npos, &format!("{} n{npos} d{d}", k.name));
+                let terms: Vec<f64> = (0..npos)
+                    .map(|t| p[t] as f64 * v[t * stride + d] as f64)
+                    .collect();
+                close(
+                    out[d],
+                    terms.iter().sum(),
+                    terms.iter().map(|x| x.abs()).sum(),
+                    npos,
+                    &format!("{} n{npos} d{d}", k.name),
+                );
             }
         }
     }

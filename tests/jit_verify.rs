@@ -21,7 +21,10 @@ fn expect(code: &[u8], max: Isa, check: Check, offset: usize) {
     assert_eq!(err.check, check, "{err}");
     assert_eq!(err.offset, offset, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("planted") && msg.contains(&format!("{offset:#06x}")), "{msg}");
+    assert!(
+        msg.contains("planted") && msg.contains(&format!("{offset:#06x}")),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -111,7 +114,12 @@ fn avx512_under_avx2_max_isa_is_rejected() {
 
 #[test]
 fn avx512_on_a_cpu_without_it_is_rejected() {
-    let caps = CpuCaps { avx512f: false, avx512bw: false, avx512vl: false, ..CpuCaps::zen4_like() };
+    let caps = CpuCaps {
+        avx512f: false,
+        avx512bw: false,
+        avx512vl: false,
+        ..CpuCaps::zen4_like()
+    };
     let code = asm(|a| {
         a.vaddps(ymm0, ymm1, ymm2)?;
         a.vaddps(zmm0, zmm1, zmm2)?;
@@ -193,7 +201,10 @@ fn every_planned_kernel_verifies() {
     use pulsar::jit::plan::{PlanOptions, plan};
     let caps = CpuCaps::zen4_like();
     for max in [Isa::Avx2, Isa::Avx512] {
-        let opts = PlanOptions { max_isa: max, ..PlanOptions::default() };
+        let opts = PlanOptions {
+            max_isa: max,
+            ..PlanOptions::default()
+        };
         let p = plan(&ModelDims::GEMMA3_270M, &caps, &opts).unwrap();
         let e = emit_and_verify(&p, &caps, max).unwrap();
         assert_eq!(e.kernels.len(), p.kernels.len());

@@ -134,11 +134,16 @@ impl CpuCaps {
         if self.has_jit_baseline() {
             return None;
         }
-        let missing: Vec<&str> = [("AVX", self.avx), ("AVX2", self.avx2), ("F16C", self.f16c), ("FMA", self.fma)]
-            .iter()
-            .filter(|(_, ok)| !ok)
-            .map(|(n, _)| *n)
-            .collect();
+        let missing: Vec<&str> = [
+            ("AVX", self.avx),
+            ("AVX2", self.avx2),
+            ("F16C", self.f16c),
+            ("FMA", self.fma),
+        ]
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(n, _)| *n)
+        .collect();
         Some(format!(
             "this CPU lacks {}; the JIT kernels need AVX2+F16C+FMA, so the reference engine is used",
             missing.join(", ")

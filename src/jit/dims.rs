@@ -63,7 +63,10 @@ impl ModelDims {
             }
         }
         if self.head_dim % 2 != 0 {
-            bail!("model shape: head_dim = {} must be even for split-half RoPE", self.head_dim);
+            bail!(
+                "model shape: head_dim = {} must be even for split-half RoPE",
+                self.head_dim
+            );
         }
         if self.n_heads % self.n_kv_heads != 0 {
             bail!(
@@ -85,9 +88,16 @@ pub fn default_model_path() -> Result<PathBuf> {
 
 /// Reads dims from a `.gguf` model or a bare Hugging Face `config.json`.
 pub fn load_dims(path: &Path) -> Result<ModelDims> {
-    let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    let dims = if is_json { dims_from_config_json(path)? } else { dims_from_gguf(path)? };
-    dims.validate().with_context(|| format!("in {}", path.display()))?;
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let dims = if is_json {
+        dims_from_config_json(path)?
+    } else {
+        dims_from_gguf(path)?
+    };
+    dims.validate()
+        .with_context(|| format!("in {}", path.display()))?;
     Ok(dims)
 }
 
@@ -104,12 +114,20 @@ pub fn dims_from_config_json(path: &Path) -> Result<ModelDims> {
         match cfg.get(k) {
             None | Some(serde_json::Value::Null) => Ok(None),
             Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-                anyhow!("{}: key \"{k}\" must be a non-negative integer, found {v}", path.display())
+                anyhow!(
+                    "{}: key \"{k}\" must be a non-negative integer, found {v}",
+                    path.display()
+                )
             }),
         }
     };
     let need = |k: &str| -> Result<usize> {
-        key(k)?.ok_or_else(|| anyhow!("{}: missing key \"{k}\"; add it to the config", path.display()))
+        key(k)?.ok_or_else(|| {
+            anyhow!(
+                "{}: missing key \"{k}\"; add it to the config",
+                path.display()
+            )
+        })
     };
     let hidden = need("hidden_size")?;
     let n_heads = need("num_attention_heads")?;

@@ -51,14 +51,22 @@ fn dims_for(model: &Option<PathBuf>) -> Result<(ModelDims, PathBuf)> {
         bail!(
             "model {} not found; pass -m PATH (a .gguf or a config.json){}",
             path.display(),
-            if model.is_none() { ", or download the default model into that path" } else { "" }
+            if model.is_none() {
+                ", or download the default model into that path"
+            } else {
+                ""
+            }
         );
     }
     Ok((load_dims(&path)?, path))
 }
 
 fn options(a: &DumpArgs) -> PlanOptions {
-    PlanOptions { max_isa: a.max_isa, threads: a.threads, ..PlanOptions::default() }
+    PlanOptions {
+        max_isa: a.max_isa,
+        threads: a.threads,
+        ..PlanOptions::default()
+    }
 }
 
 /// Intel-syntax listing: offset, bytes, instruction.
@@ -69,7 +77,10 @@ pub fn listing(code: &[u8]) -> String {
     while dec.can_decode() {
         dec.decode_out(&mut ins);
         let s = ins.ip() as usize;
-        let hex: String = code[s..s + ins.len()].iter().map(|b| format!("{b:02x}")).collect();
+        let hex: String = code[s..s + ins.len()]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         let _ = writeln!(out, "{s:04x}  {hex:<30}  {}", format_instr(&ins));
     }
     out
@@ -160,13 +171,18 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
 }
 
 fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create --out directory {}", dir.display()))?;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create --out directory {}", dir.display()))?;
     for k in kernels {
         let bin = dir.join(format!("{}.bin", k.spec.name));
         std::fs::write(&bin, &k.code).with_context(|| format!("cannot write {}", bin.display()))?;
         let asm = dir.join(format!("{}.asm", k.spec.name));
-        std::fs::write(&asm, listing(&k.code)).with_context(|| format!("cannot write {}", asm.display()))?;
-        eprintln!("objdump -D -b binary -mi386:x86-64 -M intel {}", bin.display());
+        std::fs::write(&asm, listing(&k.code))
+            .with_context(|| format!("cannot write {}", asm.display()))?;
+        eprintln!(
+            "objdump -D -b binary -mi386:x86-64 -M intel {}",
+            bin.display()
+        );
     }
     Ok(())
 }
@@ -174,13 +190,21 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
 fn print_plan(caps: &CpuCaps, dims: &ModelDims, plan: &Plan) {
     println!("cpu: {caps}");
     println!("model: {dims:?}");
-    println!("isa: {}  threads: {}  k_chunk: {}", plan.isa.name(), plan.threads, plan.k_chunk);
+    println!(
+        "isa: {}  threads: {}  k_chunk: {}",
+        plan.isa.name(),
+        plan.threads,
+        plan.k_chunk
+    );
     for (k, b) in plan.kernels.iter().zip(&plan.kernel_bytes) {
         println!("  {:<32} {:>5} B  {}", k.name, b, k.used_for.join("; "));
     }
     println!("  total {} of {} B", plan.total_bytes(), plan.budget_bytes);
     for m in &plan.matrices {
-        println!("  {:<16} {:>6} x {:<6} {}  threads {:?}", m.tensor, m.rows, m.k, m.gemv, m.thread_rows);
+        println!(
+            "  {:<16} {:>6} x {:<6} {}  threads {:?}",
+            m.tensor, m.rows, m.k, m.gemv, m.thread_rows
+        );
     }
     for n in &plan.notes {
         println!("note: {n}");
@@ -201,7 +225,12 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
         if args.prefetch_ab.is_empty() {
             super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
         } else {
-            super::measure::measure_prefetch(&caps, args.common.max_isa, dims.hidden, &args.prefetch_ab)?;
+            super::measure::measure_prefetch(
+                &caps,
+                args.common.max_isa,
+                dims.hidden,
+                &args.prefetch_ab,
+            )?;
         }
     }
     Ok(())

@@ -36,7 +36,9 @@ fn read_all(w: &[u16]) -> u64 {
 
 pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
-    let w: Vec<u16> = (0..WEIGHT_BYTES / 2).map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits()).collect();
+    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
+        .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
+        .collect();
     let mut sink = 0u64;
     let secs = best_of(|| sink = sink.wrapping_add(read_all(std::hint::black_box(&w))));
     println!(
@@ -47,8 +49,12 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         sink % 10
     );
     for spec in &plan.kernels {
-        let KernelKind::Gemv(g) = &spec.kind else { continue };
-        let gemv = set.gemv(g.wt, g.k).context("planned GEMV missing from the kernel set")?;
+        let KernelKind::Gemv(g) = &spec.kind else {
+            continue;
+        };
+        let gemv = set
+            .gemv(g.wt, g.k)
+            .context("planned GEMV missing from the kernel set")?;
         let rows = WEIGHT_BYTES / (g.k * 2);
         let x = vec![0.5f32; g.k];
         let mut y = vec![0f32; rows];
@@ -77,9 +83,20 @@ pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usi
     use super::emit::gemv::{GemvParams, WeightType};
     let kinds: Vec<KernelKind> = distances
         .iter()
-        .map(|&d| KernelKind::Gemv(GemvParams { wt: WeightType::F16, k, row_stride: k, unroll: 2, prefetch: d, scaled: false }))
+        .map(|&d| {
+            KernelKind::Gemv(GemvParams {
+                wt: WeightType::F16,
+                k,
+                row_stride: k,
+                unroll: 2,
+                prefetch: d,
+                scaled: false,
+            })
+        })
         .collect();
-    let w: Vec<u16> = (0..WEIGHT_BYTES / 2).map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits()).collect();
+    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
+        .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
+        .collect();
     let rows = WEIGHT_BYTES / (k * 2);
     let x = vec![0.5f32; k];
     let mut y = vec![0f32; rows];

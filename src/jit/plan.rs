@@ -56,18 +56,36 @@ impl KernelKind {
     pub fn name(&self) -> String {
         match self {
             KernelKind::Gemv(p) => {
-                let pf = if p.prefetch > 0 { format!("_pf{}", p.prefetch) } else { String::new() };
-                format!("gemv_{}_r{}_u{}_k{}{pf}", p.wt.name(), gemv::ROWS, p.unroll, p.k)
+                let pf = if p.prefetch > 0 {
+                    format!("_pf{}", p.prefetch)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "gemv_{}_r{}_u{}_k{}{pf}",
+                    p.wt.name(),
+                    gemv::ROWS,
+                    p.unroll,
+                    p.k
+                )
             }
             KernelKind::Gemm(p) => {
-                format!("gemm_{}_r{}t{}_k{}", p.wt.name(), gemm::ROWS, gemm::TOKENS, p.k)
+                format!(
+                    "gemm_{}_r{}t{}_k{}",
+                    p.wt.name(),
+                    gemm::ROWS,
+                    gemm::TOKENS,
+                    p.k
+                )
             }
             KernelKind::RmsNorm { dim, unroll } => format!("rmsnorm_d{dim}_u{unroll}"),
             KernelKind::Rope { head_dim } => format!("rope_hd{head_dim}"),
             KernelKind::Geglu { width } => format!("geglu_w{width}"),
             KernelKind::AttnScores(p) => format!("attn_scores_hd{}_s{}", p.k, p.row_stride),
             KernelKind::Softmax => "softmax".to_string(),
-            KernelKind::AttnWsum { head_dim, stride } => format!("attn_wsum_hd{head_dim}_s{stride}"),
+            KernelKind::AttnWsum { head_dim, stride } => {
+                format!("attn_wsum_hd{head_dim}_s{stride}")
+            }
         }
     }
 
@@ -77,7 +95,9 @@ impl KernelKind {
         match self {
             KernelKind::Gemv(p) | KernelKind::AttnScores(p) => emit::gemv::emit(p, &name),
             KernelKind::Gemm(p) => emit::gemm::emit(p, &name),
-            KernelKind::RmsNorm { dim, unroll } => emit::elementwise::emit_rmsnorm(*dim, *unroll, &name),
+            KernelKind::RmsNorm { dim, unroll } => {
+                emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
+            }
             KernelKind::Rope { head_dim } => emit::elementwise::emit_rope(*head_dim, &name),
             KernelKind::Geglu { width } => emit::elementwise::emit_geglu(*width, &name),
             KernelKind::Softmax => emit::attention::emit_softmax(&name),
@@ -159,7 +179,11 @@ pub fn split_rows(n: usize, threads: usize, block: usize) -> Vec<Range<usize>> {
 pub fn prefetch_distance(caps: &CpuCaps, row_bytes: usize) -> usize {
     let block = gemv::ROWS * row_bytes;
     let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
-    if row_bytes < 4096 && 2 * block <= l1 { block } else { 0 }
+    if row_bytes < 4096 && 2 * block <= l1 {
+        block
+    } else {
+        0
+    }
 }
 
 /// Elements of x per chunk so that a 3-token tile of x uses at most half of L1d.
@@ -173,14 +197,27 @@ pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
 pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan> {
     dims.validate()?;
     let Some(isa) = caps.effective_isa(opts.max_isa) else {
-        bail!(caps.baseline_message().unwrap_or_else(|| "no usable ISA".into()));
+        bail!(
+            caps.baseline_message()
+                .unwrap_or_else(|| "no usable ISA".into())
+        );
     };
-    for (what, v) in [("hidden", dims.hidden), ("intermediate", dims.intermediate), ("head_dim", dims.head_dim)] {
+    for (what, v) in [
+        ("hidden", dims.hidden),
+        ("intermediate", dims.intermediate),
+        ("head_dim", dims.head_dim),
+    ] {
         if v < LANES {
-            bail!("model shape: {what} = {v} is below the vector width {LANES}; use the reference engine");
+            bail!(
+                "model shape: {what} = {v} is below the vector width {LANES}; use the reference engine"
+            );
         }
     }
-    let threads = if opts.threads == 0 { caps.cores.max(1) } else { opts.threads };
+    let threads = if opts.threads == 0 {
+        caps.cores.max(1)
+    } else {
+        opts.threads
+    };
     let mut notes = Vec::new();
     if isa == Isa::Avx512 {
         notes.push("AVX-512 allowed, but only AVX2 kernels are emitted so far; using them".into());
@@ -203,9 +240,17 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     ks.sort_unstable();
     ks.dedup();
     let eb = opts.weights.bytes();
-    let prefetch = |k: usize| opts.prefetch.unwrap_or_else(|| prefetch_distance(caps, k * eb));
+    let prefetch = |k: usize| {
+        opts.prefetch
+            .unwrap_or_else(|| prefetch_distance(caps, k * eb))
+    };
     for &k in &ks {
-        notes.push(format!("K={k}: gemv prefetch distance {} B (row {} B, L1d {} KiB)", prefetch(k), k * eb, caps.l1d / 1024));
+        notes.push(format!(
+            "K={k}: gemv prefetch distance {} B (row {} B, L1d {} KiB)",
+            prefetch(k),
+            k * eb,
+            caps.l1d / 1024
+        ));
     }
 
     // Candidate unroll levels, most aggressive first.
@@ -214,7 +259,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu", "rope"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
-        let kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &prefetch, &optional);
+        let kinds = build_kinds(
+            dims,
+            &ks,
+            opts.weights,
+            gemv_unroll,
+            norm_unroll,
+            &prefetch,
+            &optional,
+        );
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -227,7 +280,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             ));
             let kernels: Vec<KernelSpec> = kinds
                 .into_iter()
-                .map(|(kind, used_for)| KernelSpec { name: kind.name(), kind, isa: Isa::Avx2, used_for })
+                .map(|(kind, used_for)| KernelSpec {
+                    name: kind.name(),
+                    kind,
+                    isa: Isa::Avx2,
+                    used_for,
+                })
                 .collect();
             let matrices = mats
                 .iter()
@@ -235,8 +293,13 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     tensor,
                     rows,
                     k,
-                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch(k))).name(),
-                    gemm: KernelKind::Gemm(GemmParams { wt: opts.weights, k }).name(),
+                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch(k)))
+                        .name(),
+                    gemm: KernelKind::Gemm(GemmParams {
+                        wt: opts.weights,
+                        k,
+                    })
+                    .name(),
                     thread_rows: split_rows(rows, threads, gemv::ROWS),
                 })
                 .collect();
@@ -256,7 +319,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "q4_k/q6_k dequantisation".into(),
                 "sampling".into(),
             ];
-            not_jitted.extend(dropped.iter().map(|d| format!("{d} (dropped for the byte budget)")));
+            not_jitted.extend(
+                dropped
+                    .iter()
+                    .map(|d| format!("{d} (dropped for the byte budget)")),
+            );
             return Ok(Plan {
                 isa,
                 threads,
@@ -271,10 +338,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         }
         // Over budget: give up unrolling first, then optional kernels.
         if gemv_unroll > 1 {
-            notes.push(format!("{total} B > budget: gemv unroll {gemv_unroll} -> {}", gemv_unroll / 2));
+            notes.push(format!(
+                "{total} B > budget: gemv unroll {gemv_unroll} -> {}",
+                gemv_unroll / 2
+            ));
             gemv_unroll /= 2;
         } else if norm_unroll > 1 {
-            notes.push(format!("{total} B > budget: rmsnorm unroll {norm_unroll} -> 1"));
+            notes.push(format!(
+                "{total} B > budget: rmsnorm unroll {norm_unroll} -> 1"
+            ));
             norm_unroll = 1;
         } else if let Some(op) = optional.pop() {
             notes.push(format!("{total} B > budget: {op} stays in Rust"));
@@ -289,7 +361,14 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
 }
 
 fn gemv_params(wt: WeightType, k: usize, unroll: usize, prefetch: usize) -> GemvParams {
-    GemvParams { wt, k, row_stride: k, unroll, prefetch, scaled: false }
+    GemvParams {
+        wt,
+        k,
+        row_stride: k,
+        unroll,
+        prefetch,
+        scaled: false,
+    }
 }
 
 fn build_kinds(
@@ -316,27 +395,46 @@ fn build_kinds(
         u
     };
     for &k in ks {
-        out.push((KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch(k))), uses_of_k(k)));
+        out.push((
+            KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch(k))),
+            uses_of_k(k),
+        ));
     }
     for &k in ks {
         out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
     }
     out.push((
-        KernelKind::RmsNorm { dim: dims.hidden, unroll: norm_unroll },
+        KernelKind::RmsNorm {
+            dim: dims.hidden,
+            unroll: norm_unroll,
+        },
         vec!["attn/ffn pre- and post-norms, final norm".into()],
     ));
     if dims.qk_norm && dims.head_dim != dims.hidden {
         out.push((
-            KernelKind::RmsNorm { dim: dims.head_dim, unroll: norm_unroll.min(2) },
+            KernelKind::RmsNorm {
+                dim: dims.head_dim,
+                unroll: norm_unroll.min(2),
+            },
             vec!["q_norm, k_norm (per head)".into()],
         ));
     }
     let has = |op: &str| optional.contains(&op);
     if has("rope") {
-        out.push((KernelKind::Rope { head_dim: dims.head_dim }, vec!["q and k heads".into()]));
+        out.push((
+            KernelKind::Rope {
+                head_dim: dims.head_dim,
+            },
+            vec!["q and k heads".into()],
+        ));
     }
     if has("geglu") {
-        out.push((KernelKind::Geglu { width: dims.intermediate }, vec!["ffn activation".into()]));
+        out.push((
+            KernelKind::Geglu {
+                width: dims.intermediate,
+            },
+            vec!["ffn activation".into()],
+        ));
     }
     let stride = dims.kv_stride();
     if has("attn_scores") {
@@ -357,7 +455,10 @@ fn build_kinds(
     }
     if has("attn_wsum") && dims.head_dim % LANES == 0 {
         out.push((
-            KernelKind::AttnWsum { head_dim: dims.head_dim, stride },
+            KernelKind::AttnWsum {
+                head_dim: dims.head_dim,
+                stride,
+            },
             vec!["probability-weighted sum of V".into()],
         ));
     }
@@ -414,8 +515,17 @@ mod tests {
 
     #[test]
     fn plan_270m_has_one_gemv_per_distinct_k() {
-        let p = plan(&ModelDims::GEMMA3_270M, &CpuCaps::zen4_like(), &PlanOptions::default()).unwrap();
-        let gemv: Vec<_> = p.kernels.iter().filter(|k| matches!(k.kind, KernelKind::Gemv(_))).collect();
+        let p = plan(
+            &ModelDims::GEMMA3_270M,
+            &CpuCaps::zen4_like(),
+            &PlanOptions::default(),
+        )
+        .unwrap();
+        let gemv: Vec<_> = p
+            .kernels
+            .iter()
+            .filter(|k| matches!(k.kind, KernelKind::Gemv(_)))
+            .collect();
         let ks: Vec<usize> = gemv
             .iter()
             .map(|k| match &k.kind {
@@ -424,7 +534,11 @@ mod tests {
             })
             .collect();
         assert_eq!(ks, vec![640, 1024, 2048]);
-        assert!(p.kernels.iter().any(|k| k.name == "rmsnorm_d256_u2" || k.name == "rmsnorm_d256_u1"));
+        assert!(
+            p.kernels
+                .iter()
+                .any(|k| k.name == "rmsnorm_d256_u2" || k.name == "rmsnorm_d256_u1")
+        );
         // Every matrix names a kernel that exists in the plan.
         for m in &p.matrices {
             assert!(p.kernels.iter().any(|k| k.name == m.gemv), "{}", m.gemv);
@@ -436,17 +550,26 @@ mod tests {
     fn tight_budget_reduces_unroll_then_drops_ops() {
         let caps = CpuCaps::zen4_like();
         let full = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap();
-        let opts = PlanOptions { budget: full.total_bytes() - 1, ..PlanOptions::default() };
+        let opts = PlanOptions {
+            budget: full.total_bytes() - 1,
+            ..PlanOptions::default()
+        };
         let tight = plan(&ModelDims::GEMMA3_270M, &caps, &opts).unwrap();
         assert!(tight.total_bytes() < full.total_bytes());
         assert!(tight.notes.iter().any(|n| n.contains("> budget")));
-        let tiny = PlanOptions { budget: 100, ..PlanOptions::default() };
+        let tiny = PlanOptions {
+            budget: 100,
+            ..PlanOptions::default()
+        };
         assert!(plan(&ModelDims::GEMMA3_270M, &caps, &tiny).is_err());
     }
 
     #[test]
     fn no_avx2_means_no_plan_with_a_clear_message() {
-        let caps = CpuCaps { avx2: false, ..CpuCaps::zen4_like() };
+        let caps = CpuCaps {
+            avx2: false,
+            ..CpuCaps::zen4_like()
+        };
         let err = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap_err();
         assert!(err.to_string().contains("reference engine"), "{err}");
     }
@@ -460,14 +583,26 @@ mod tests {
         assert_eq!(prefetch_distance(&caps, 4096), 0);
         assert_eq!(prefetch_distance(&caps, 32768), 0);
         // Two blocks must fit L1d.
-        assert_eq!(prefetch_distance(&CpuCaps { l1d: 8192, ..caps.clone() }, 2048), 0);
+        assert_eq!(
+            prefetch_distance(
+                &CpuCaps {
+                    l1d: 8192,
+                    ..caps.clone()
+                },
+                2048
+            ),
+            0
+        );
         let p = plan(&gemma2b(), &caps, &PlanOptions::default()).unwrap();
         for k in &p.kernels {
             if let KernelKind::Gemv(g) = &k.kind {
                 assert_eq!(g.prefetch, 0, "{}", k.name);
             }
         }
-        let forced = PlanOptions { prefetch: Some(0), ..PlanOptions::default() };
+        let forced = PlanOptions {
+            prefetch: Some(0),
+            ..PlanOptions::default()
+        };
         let p = plan(&ModelDims::GEMMA3_270M, &caps, &forced).unwrap();
         assert!(p.kernels.iter().all(|k| !k.name.contains("_pf")));
     }
@@ -477,12 +612,18 @@ mod tests {
         let caps = CpuCaps::zen4_like();
         assert_eq!(k_chunk(&caps, 640), 640);
         let c = k_chunk(&caps, 16384);
-        assert!(c * 4 * gemm::TOKENS <= caps.l1d / 2 && c % LANES == 0, "{c}");
+        assert!(
+            c * 4 * gemm::TOKENS <= caps.l1d / 2 && c % LANES == 0,
+            "{c}"
+        );
     }
 
     #[test]
     fn max_isa_avx2_plans_avx2() {
-        let opts = PlanOptions { max_isa: Isa::Avx2, ..PlanOptions::default() };
+        let opts = PlanOptions {
+            max_isa: Isa::Avx2,
+            ..PlanOptions::default()
+        };
         let p = plan(&ModelDims::GEMMA3_270M, &CpuCaps::zen4_like(), &opts).unwrap();
         assert_eq!(p.isa, Isa::Avx2);
         assert!(p.kernels.iter().all(|k| k.isa == Isa::Avx2));

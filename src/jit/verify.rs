@@ -70,8 +70,17 @@ impl Policy {
     /// Features = detected CPU features, capped by `max_isa`.
     pub fn new(caps: &CpuCaps, max_isa: Isa) -> Policy {
         use CpuidFeature as F;
-        let mut features: HashSet<CpuidFeature> =
-            [F::INTEL8086, F::INTEL186, F::INTEL386, F::X64, F::CMOV, F::SSE, F::SSE2].into_iter().collect();
+        let mut features: HashSet<CpuidFeature> = [
+            F::INTEL8086,
+            F::INTEL186,
+            F::INTEL386,
+            F::X64,
+            F::CMOV,
+            F::SSE,
+            F::SSE2,
+        ]
+        .into_iter()
+        .collect();
         let mut add = |ok: bool, f: F| {
             if ok {
                 features.insert(f);
@@ -88,7 +97,11 @@ impl Policy {
         add(wide && caps.avx512_bf16, F::AVX512_BF16);
         add(wide && caps.avx512_vnni, F::AVX512_VNNI);
         let isa = caps.effective_isa(max_isa).unwrap_or(Isa::Avx2);
-        Policy { features, vector_bits: 256, isa }
+        Policy {
+            features,
+            vector_bits: 256,
+            isa,
+        }
     }
 }
 
@@ -97,12 +110,69 @@ impl Policy {
 const ALLOWED: &[Mnemonic] = {
     use Mnemonic::*;
     &[
-        Push, Pop, Mov, Lea, Add, Sub, Imul, Xor, And, Shl, Inc, Dec, Cmp, Test, Cmovb, Jae, Jb,
-        Je, Jne, Jg, Jmp, Ret, Prefetcht0, Vzeroupper, Vmovd, Vmovq, Vmovss, Vmovups, Vmovaps,
-        Vmaskmovps, Vbroadcastss, Vpbroadcastd, Vpmovsxbd, Vpmovzxbd, Vpmovzxwd, Vpcmpgtd, Vpslld,
-        Vpaddd, Vcvtph2ps, Vcvtps2dq, Vroundps, Vextractf128, Vextractps, Vmovhlps, Vmovshdup,
-        Vhaddps, Vaddps, Vaddss, Vsubps, Vmulps, Vmulss, Vdivps, Vdivss, Vsqrtss, Vmaxps, Vmaxss,
-        Vminps, Vandps, Vxorps, Vblendvps, Vfmadd231ps, Vfmadd213ps, Vfnmadd231ps,
+        Push,
+        Pop,
+        Mov,
+        Lea,
+        Add,
+        Sub,
+        Imul,
+        Xor,
+        And,
+        Shl,
+        Inc,
+        Dec,
+        Cmp,
+        Test,
+        Cmovb,
+        Jae,
+        Jb,
+        Je,
+        Jne,
+        Jg,
+        Jmp,
+        Ret,
+        Prefetcht0,
+        Vzeroupper,
+        Vmovd,
+        Vmovq,
+        Vmovss,
+        Vmovups,
+        Vmovaps,
+        Vmaskmovps,
+        Vbroadcastss,
+        Vpbroadcastd,
+        Vpmovsxbd,
+        Vpmovzxbd,
+        Vpmovzxwd,
+        Vpcmpgtd,
+        Vpslld,
+        Vpaddd,
+        Vcvtph2ps,
+        Vcvtps2dq,
+        Vroundps,
+        Vextractf128,
+        Vextractps,
+        Vmovhlps,
+        Vmovshdup,
+        Vhaddps,
+        Vaddps,
+        Vaddss,
+        Vsubps,
+        Vmulps,
+        Vmulss,
+        Vdivps,
+        Vdivss,
+        Vsqrtss,
+        Vmaxps,
+        Vmaxss,
+        Vminps,
+        Vandps,
+        Vxorps,
+        Vblendvps,
+        Vfmadd231ps,
+        Vfmadd213ps,
+        Vfnmadd231ps,
     ]
 };
 
@@ -111,7 +181,17 @@ const ALLOWED: &[Mnemonic] = {
 /// dynasm `vbroadcastss ymm, [mem]` bug yields the xmm form).
 const FULL_WIDTH_DEST: &[Mnemonic] = {
     use Mnemonic::*;
-    &[Vbroadcastss, Vpbroadcastd, Vcvtph2ps, Vpmovzxwd, Vpmovsxbd, Vpmovzxbd, Vpcmpgtd, Vcvtps2dq, Vroundps]
+    &[
+        Vbroadcastss,
+        Vpbroadcastd,
+        Vcvtph2ps,
+        Vpmovzxwd,
+        Vpmovsxbd,
+        Vpmovzxbd,
+        Vpcmpgtd,
+        Vcvtps2dq,
+        Vroundps,
+    ]
 };
 
 /// Summary of a verified buffer.
@@ -164,16 +244,27 @@ pub fn verify(kernel: &str, code: &[u8], policy: &Policy) -> Result<Verified, Ve
             offset: total,
             bytes: code[total.min(code.len())..].to_vec(),
             text: "(trailing bytes)".into(),
-            reason: format!("instruction lengths sum to {total}, buffer is {}", code.len()),
+            reason: format!(
+                "instruction lengths sum to {total}, buffer is {}",
+                code.len()
+            ),
         });
     }
     for ins in &instrs {
         check_one(ins, policy, code.len() as u64, &starts).map_err(|(c, r)| fail(c, ins, r))?;
     }
     match instrs.last() {
-        Some(last) if matches!(last.flow_control(), FlowControl::Return | FlowControl::UnconditionalBranch) => {}
+        Some(last)
+            if matches!(
+                last.flow_control(),
+                FlowControl::Return | FlowControl::UnconditionalBranch
+            ) => {}
         Some(last) => {
-            return Err(fail(Check::FallsOffEnd, last, "the last instruction is neither ret nor jmp".into()));
+            return Err(fail(
+                Check::FallsOffEnd,
+                last,
+                "the last instruction is neither ret nor jmp".into(),
+            ));
         }
         None => {
             return Err(VerifyError {
@@ -186,10 +277,18 @@ pub fn verify(kernel: &str, code: &[u8], policy: &Policy) -> Result<Verified, Ve
             });
         }
     }
-    Ok(Verified { instructions: instrs.len(), bytes: code.len() })
+    Ok(Verified {
+        instructions: instrs.len(),
+        bytes: code.len(),
+    })
 }
 
-fn check_one(ins: &Instruction, policy: &Policy, len: u64, starts: &HashSet<u64>) -> Result<(), (Check, String)> {
+fn check_one(
+    ins: &Instruction,
+    policy: &Policy,
+    len: u64,
+    starts: &HashSet<u64>,
+) -> Result<(), (Check, String)> {
     match ins.flow_control() {
         FlowControl::IndirectBranch | FlowControl::IndirectCall => {
             return Err((Check::IndirectBranch, "indirect control transfer".into()));
@@ -213,13 +312,19 @@ fn check_one(ins: &Instruction, policy: &Policy, len: u64, starts: &HashSet<u64>
         _ => {}
     }
     if !ALLOWED.contains(&ins.mnemonic()) {
-        return Err((Check::Mnemonic, format!("mnemonic {:?} is not on the allowlist", ins.mnemonic())));
+        return Err((
+            Check::Mnemonic,
+            format!("mnemonic {:?} is not on the allowlist", ins.mnemonic()),
+        ));
     }
     for f in ins.cpuid_features() {
         if !policy.features.contains(f) {
             return Err((
                 Check::Cpuid,
-                format!("needs CPUID feature {f:?}, not allowed by the CPU and --max-isa {}", policy.isa.name()),
+                format!(
+                    "needs CPUID feature {f:?}, not allowed by the CPU and --max-isa {}",
+                    policy.isa.name()
+                ),
             ));
         }
     }
@@ -233,29 +338,44 @@ fn check_operands(ins: &Instruction, policy: &Policy) -> Result<(), (Check, Stri
             OpKind::Register => {
                 let r = ins.op_register(i);
                 if r.is_k() {
-                    return Err((Check::Operand, format!("mask register {r:?} in a {}-bit kernel", policy.vector_bits)));
+                    return Err((
+                        Check::Operand,
+                        format!("mask register {r:?} in a {}-bit kernel", policy.vector_bits),
+                    ));
                 }
                 if r.is_vector_register() && (r.size() > max_vec || r.number() >= 16) {
                     return Err((
                         Check::Operand,
-                        format!("register {r:?} is wider or higher than the {}-bit kernels use", policy.vector_bits),
+                        format!(
+                            "register {r:?} is wider or higher than the {}-bit kernels use",
+                            policy.vector_bits
+                        ),
                     ));
                 }
             }
             OpKind::Memory => {
                 if ins.is_ip_rel_memory_operand() {
-                    return Err((Check::Operand, "rip-relative memory: kernels carry no data".into()));
+                    return Err((
+                        Check::Operand,
+                        "rip-relative memory: kernels carry no data".into(),
+                    ));
                 }
                 for r in [ins.memory_base(), ins.memory_index()] {
                     if r != Register::None && !r.is_gpr64() && !r.is_vector_register() {
-                        return Err((Check::Operand, format!("address register {r:?} is not 64-bit")));
+                        return Err((
+                            Check::Operand,
+                            format!("address register {r:?} is not 64-bit"),
+                        ));
                     }
                 }
             }
             _ => {}
         }
     }
-    if FULL_WIDTH_DEST.contains(&ins.mnemonic()) && ins.op_count() > 0 && ins.op0_kind() == OpKind::Register {
+    if FULL_WIDTH_DEST.contains(&ins.mnemonic())
+        && ins.op_count() > 0
+        && ins.op0_kind() == OpKind::Register
+    {
         let r = ins.op0_register();
         if r.size() * 8 != policy.vector_bits {
             return Err((

@@ -135,7 +135,10 @@ impl GgufFile {
 
     fn parse(path: &Path, map: Mmap) -> Result<GgufFile> {
         let fail = |what: String| anyhow::anyhow!("{}: {}", path.display(), what);
-        let mut cur = Cursor { bytes: &map, pos: 0 };
+        let mut cur = Cursor {
+            bytes: &map,
+            pos: 0,
+        };
         let magic = cur.take(4).map_err(|e| fail(e))?;
         if magic != MAGIC {
             return Err(fail(format!(
@@ -360,7 +363,10 @@ impl GgufFile {
         };
         items
             .iter()
-            .map(|x| x.as_str().ok_or_else(|| self.wrong_type(key, "an array of strings", v)))
+            .map(|x| {
+                x.as_str()
+                    .ok_or_else(|| self.wrong_type(key, "an array of strings", v))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
@@ -398,7 +404,8 @@ impl GgufFile {
 }
 
 fn align_up(x: u64, alignment: u64) -> Option<u64> {
-    x.checked_add(alignment - 1).map(|v| v / alignment * alignment)
+    x.checked_add(alignment - 1)
+        .map(|v| v / alignment * alignment)
 }
 
 /// Bounds-checked little-endian reads over the mapped bytes.

@@ -10,7 +10,14 @@ use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
     // ymm0 running max / sum, ymm1..4 exp temps, ymm5 mask, ymm6 index temp,
     // ymm7..15 exp constants (the softmax argument is <= 0: no upper clamp).
-    let k = ExpRegs { lo: 7, hi: None, log2e: 8, ln2: 9, c: [10, 11, 12, 13, 14], one: 15 };
+    let k = ExpRegs {
+        lo: 7,
+        hi: None,
+        log2e: 8,
+        ln2: 9,
+        c: [10, 11, 12, 13, 14],
+        one: 15,
+    };
     let mut ops = new_asm();
     let done = ops.new_dynamic_label();
     let max_loop = ops.new_dynamic_label();
@@ -125,7 +132,10 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
 /// d < head_dim, V rows `stride` floats apart. Accumulates chunks of up to 64
 /// floats in eight registers; n_pos = 0 gives zeros.
 pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(head_dim % LANES == 0, "{name}: head_dim {head_dim} must be a multiple of 8");
+    anyhow::ensure!(
+        head_dim % LANES == 0,
+        "{name}: head_dim {head_dim} must be a multiple of 8"
+    );
     const CHUNK: usize = 8 * LANES;
     let full = head_dim / CHUNK;
     let rest = (head_dim % CHUNK) / LANES;

@@ -11,7 +11,10 @@ const MASK: u8 = 15;
 /// vectors of `dim` floats, out = x / sqrt(mean(x^2) + eps) * w. `out` may
 /// equal `x` (masked tail stores never touch other elements).
 pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(matches!(unroll, 1 | 2 | 4), "{name}: unroll must be 1, 2 or 4");
+    anyhow::ensure!(
+        matches!(unroll, 1 | 2 | 4),
+        "{name}: unroll must be 1, 2 or 4"
+    );
     let step = LANES * unroll;
     let main = dim / step * step;
     let rest = (dim - main) / LANES;
@@ -118,7 +121,10 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
 /// `n_heads` consecutive heads of `head_dim` floats; pairs are (i, i + half),
 /// cos/sin hold `half` values for the current position.
 pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(head_dim % 2 == 0 && head_dim >= 2, "{name}: head_dim must be even");
+    anyhow::ensure!(
+        head_dim % 2 == 0 && head_dim >= 2,
+        "{name}: head_dim must be even"
+    );
     let half = head_dim / 2;
     let main = (half / LANES * LANES) as i32;
     let tail = half % LANES;
@@ -201,7 +207,14 @@ pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
 /// overlaps the previous one.
 pub fn emit_geglu(width: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(width >= 1, "{name}: width must be positive");
-    let k = ExpRegs { lo: 5, hi: Some(6), log2e: 7, ln2: 8, c: [9, 10, 11, 12, 13], one: 14 };
+    let k = ExpRegs {
+        lo: 5,
+        hi: Some(6),
+        log2e: 7,
+        ln2: 8,
+        c: [9, 10, 11, 12, 13],
+        one: 14,
+    };
     // arg = x * (a + b x^2) = -2u
     let a = -2.0 * (2.0f64 / std::f64::consts::PI).sqrt();
     let b = a * 0.044715;

@@ -11,7 +11,9 @@
 //! [rsp]=r1; rbx/r10/r11/r12 row pointers, r13/r14/r15 token pointers.
 
 use super::gemv::WeightType;
-use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*};
+use super::{
+    Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*,
+};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -34,14 +36,30 @@ fn acc(row: usize, tok: usize) -> u8 {
 fn load_w(ops: &mut Asm, wt: WeightType, p: u8, with_idx: bool, disp: i32) {
     let d8 = i8::try_from(disp).ok();
     match (wt, with_idx, d8) {
-        (WeightType::F16, true, _) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + rax + 0]),
-        (WeightType::F16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + d]),
-        (WeightType::F16, false, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + disp]),
-        (WeightType::Bf16, true, _) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + rax + 0]),
-        (WeightType::Bf16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + d]),
-        (WeightType::Bf16, false, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [Rq(p) + disp]),
-        (WeightType::F32, true, _) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + rax + 0]),
-        (WeightType::F32, false, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + d]),
+        (WeightType::F16, true, _) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + rax + 0])
+        }
+        (WeightType::F16, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + d])
+        }
+        (WeightType::F16, false, None) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + disp])
+        }
+        (WeightType::Bf16, true, _) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + rax + 0])
+        }
+        (WeightType::Bf16, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + d])
+        }
+        (WeightType::Bf16, false, None) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [Rq(p) + disp])
+        }
+        (WeightType::F32, true, _) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + rax + 0])
+        }
+        (WeightType::F32, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + d])
+        }
         (WeightType::F32, false, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(W), [Rq(p) + disp]),
     }
     if wt == WeightType::Bf16 {
@@ -61,7 +79,11 @@ fn tile_step(ops: &mut Asm, wt: WeightType, with_idx: bool, wdisp: i32) {
 
 /// Emits `extern "sysv64" fn(w, x, y, r0, r1, t, ldy)`.
 pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(p.k >= LANES, "{name}: K = {} is below the vector width {LANES}", p.k);
+    anyhow::ensure!(
+        p.k >= LANES,
+        "{name}: K = {} is below the vector width {LANES}",
+        p.k
+    );
     let eb = p.wt.bytes();
     let kmain = p.k / LANES * LANES;
     let tail = p.k % LANES;

@@ -14,7 +14,9 @@
 //! rax = K index counting up to 0. ymm0..7 accumulators, ymm8..11 x,
 //! ymm12 weights, ymm13 lane indices, ymm14 scale, ymm15 tail mask.
 
-use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*};
+use super::{
+    Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*,
+};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -74,18 +76,42 @@ const MASK: u8 = 15;
 fn load_w(ops: &mut Asm, wt: WeightType, dst: u8, p: u8, with_idx: bool, disp: i32) {
     let d8 = i8::try_from(disp).ok();
     match (wt, with_idx, d8) {
-        (WeightType::F16, true, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + rax + d]),
-        (WeightType::F16, true, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + rax + disp]),
-        (WeightType::F16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + d]),
-        (WeightType::F16, false, None) => dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + disp]),
-        (WeightType::Bf16, true, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + rax + d]),
-        (WeightType::Bf16, true, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + rax + disp]),
-        (WeightType::Bf16, false, Some(d)) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + d]),
-        (WeightType::Bf16, false, None) => dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + disp]),
-        (WeightType::F32, true, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + rax + d]),
-        (WeightType::F32, true, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + rax + disp]),
-        (WeightType::F32, false, Some(d)) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + d]),
-        (WeightType::F32, false, None) => dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + disp]),
+        (WeightType::F16, true, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + rax + d])
+        }
+        (WeightType::F16, true, None) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + rax + disp])
+        }
+        (WeightType::F16, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [BYTE Rq(p) + d])
+        }
+        (WeightType::F16, false, None) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(dst), [Rq(p) + disp])
+        }
+        (WeightType::Bf16, true, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + rax + d])
+        }
+        (WeightType::Bf16, true, None) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + rax + disp])
+        }
+        (WeightType::Bf16, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [BYTE Rq(p) + d])
+        }
+        (WeightType::Bf16, false, None) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(dst), [Rq(p) + disp])
+        }
+        (WeightType::F32, true, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + rax + d])
+        }
+        (WeightType::F32, true, None) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + rax + disp])
+        }
+        (WeightType::F32, false, Some(d)) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [BYTE Rq(p) + d])
+        }
+        (WeightType::F32, false, None) => {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(dst), [Rq(p) + disp])
+        }
     }
     if wt == WeightType::Bf16 {
         // bf16 is the high half of an f32.
@@ -109,8 +135,15 @@ fn load_x(ops: &mut Asm, wt: WeightType, dst: u8, with_idx: bool, disp: i32) {
 
 /// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1[, scale])`.
 pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(p.k >= LANES, "{name}: K = {} is below the vector width {LANES}", p.k);
-    anyhow::ensure!(matches!(p.unroll, 1 | 2 | 4), "{name}: unroll must be 1, 2 or 4");
+    anyhow::ensure!(
+        p.k >= LANES,
+        "{name}: K = {} is below the vector width {LANES}",
+        p.k
+    );
+    anyhow::ensure!(
+        matches!(p.unroll, 1 | 2 | 4),
+        "{name}: unroll must be 1, 2 or 4"
+    );
     let eb = p.wt.bytes();
     let stride_b = (p.row_stride * eb) as i32;
     let step = LANES * p.unroll;
