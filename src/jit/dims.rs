@@ -62,13 +62,13 @@ impl ModelDims {
                 bail!("model shape: {name} = {v} is larger than the JIT supports (2^24)");
             }
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!(
                 "model shape: head_dim = {} must be even for split-half RoPE",
                 self.head_dim
             );
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             bail!(
                 "model shape: n_heads = {} is not a multiple of n_kv_heads = {}",
                 self.n_heads,

@@ -416,7 +416,7 @@ impl RmsNorm<'_> {
     }
 
     fn check(&self, x: usize, w: usize, out: usize) -> Result<(), KernelError> {
-        if x % self.dim != 0 || out != x || w != self.dim {
+        if !x.is_multiple_of(self.dim) || out != x || w != self.dim {
             return Err(shape(
                 self.name,
                 format!("x {x}, w {w}, out {out} do not fit dim {}", self.dim),
@@ -437,7 +437,7 @@ impl Rope<'_> {
     /// Rotates every head of `x` (a multiple of head_dim) in place.
     pub fn run(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) -> Result<(), KernelError> {
         let half = self.head_dim / 2;
-        if x.len() % self.head_dim != 0 || cos.len() != half || sin.len() != half {
+        if !x.len().is_multiple_of(self.head_dim) || cos.len() != half || sin.len() != half {
             return Err(shape(
                 self.name,
                 format!(
@@ -473,7 +473,8 @@ impl Geglu<'_> {
     /// out = gelu_tanh(gate) * up over rows of `width`.
     pub fn run(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
         let n = gate.len();
-        if n % self.width != 0 || up.len() != n || out.len() != n || (n > 0 && n < LANES) {
+        if !n.is_multiple_of(self.width) || up.len() != n || out.len() != n || (n > 0 && n < LANES)
+        {
             return Err(shape(
                 self.name,
                 format!(

@@ -453,7 +453,7 @@ fn build_kinds(
     if has("softmax") {
         out.push((KernelKind::Softmax, vec!["attention probabilities".into()]));
     }
-    if has("attn_wsum") && dims.head_dim % LANES == 0 {
+    if has("attn_wsum") && dims.head_dim.is_multiple_of(LANES) {
         out.push((
             KernelKind::AttnWsum {
                 head_dim: dims.head_dim,
@@ -613,7 +613,7 @@ mod tests {
         assert_eq!(k_chunk(&caps, 640), 640);
         let c = k_chunk(&caps, 16384);
         assert!(
-            c * 4 * gemm::TOKENS <= caps.l1d / 2 && c % LANES == 0,
+            c * 4 * gemm::TOKENS <= caps.l1d / 2 && c.is_multiple_of(LANES),
             "{c}"
         );
     }

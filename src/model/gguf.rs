@@ -139,7 +139,7 @@ impl GgufFile {
             bytes: &map,
             pos: 0,
         };
-        let magic = cur.take(4).map_err(|e| fail(e))?;
+        let magic = cur.take(4).map_err(&fail)?;
         if magic != MAGIC {
             return Err(fail(format!(
                 "not a GGUF file (magic {:02x?}, expected \"GGUF\")",

@@ -133,7 +133,7 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
 /// floats in eight registers; n_pos = 0 gives zeros.
 pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(
-        head_dim % LANES == 0,
+        head_dim.is_multiple_of(LANES),
         "{name}: head_dim {head_dim} must be a multiple of 8"
     );
     const CHUNK: usize = 8 * LANES;

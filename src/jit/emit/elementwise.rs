@@ -122,7 +122,7 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
 /// cos/sin hold `half` values for the current position.
 pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(
-        head_dim % 2 == 0 && head_dim >= 2,
+        head_dim.is_multiple_of(2) && head_dim >= 2,
         "{name}: head_dim must be even"
     );
     let half = head_dim / 2;
