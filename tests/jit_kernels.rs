@@ -37,8 +37,15 @@ fn caps() -> CpuCaps {
     c
 }
 
+/// Builds under both --max-isa levels: the code must verify under each and
+/// be identical (only AVX2 kernels exist so far), and the AVX2 build is used.
 fn set(kinds: &[KernelKind]) -> KernelSet {
-    KernelSet::from_kinds(kinds, &caps(), Isa::Avx512).expect("emit+verify")
+    let avx2 = KernelSet::from_kinds(kinds, &caps(), Isa::Avx2).expect("emit+verify (avx2)");
+    let wide = KernelSet::from_kinds(kinds, &caps(), Isa::Avx512).expect("emit+verify (avx512)");
+    for (a, b) in avx2.kernels().iter().zip(wide.kernels()) {
+        assert_eq!(a.code, b.code, "{}", a.spec.name);
+    }
+    avx2
 }
 
 fn to_u16(wt: WeightType, v: f32) -> u16 {
@@ -127,6 +134,41 @@ fn gemv_matches_reference() {
             }
         }
     }
+}
+
+#[test]
+fn gemv_rows_split_across_threads_match_one_call() {
+    use pulsar::jit::plan::split_rows;
+    let (wt, k, rows) = (WeightType::Bf16, 203usize, 61usize);
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt,
+        k,
+        row_stride: k,
+        unroll: 2,
+        prefetch: 0,
+        scaled: false,
+    })]);
+    let g = s.gemv(wt, k).unwrap();
+    let mut rng = Rng(4242);
+    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+    let x = rng.vec(k, 1.0);
+    let mut whole = vec![0f32; rows];
+    g.run(&w, &x, &mut whole, 0..rows).unwrap();
+    for threads in [1usize, 2, 3, 5] {
+        let mut y = vec![f32::NAN; rows];
+        std::thread::scope(|sc| {
+            let mut rest: &mut [f32] = &mut y;
+            for r in split_rows(rows, threads, 4) {
+                let (part, tail) = rest.split_at_mut(r.len());
+                rest = tail;
+                let (w, x) = (&w, &x);
+                sc.spawn(move || g.run_part(w, x, part, r).unwrap());
+            }
+        });
+        assert_eq!(y, whole, "threads {threads}");
+    }
+    let mut short = vec![0f32; 3];
+    assert!(g.run_part(&w, &x, &mut short, 4..8).is_err());
 }
 
 #[test]

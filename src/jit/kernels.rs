@@ -320,6 +320,40 @@ impl Gemv<'_> {
         unsafe { (self.f)(w.as_ptr(), x.as_ptr(), y.as_mut_ptr(), rows.start, rows.end) };
         Ok(())
     }
+
+    /// Like `run`, but `y_part[i]` receives row `rows.start + i`, so threads
+    /// can each own a disjoint piece of y (`split_at_mut` along `split_rows`).
+    pub fn run_part(
+        &self,
+        w: &[u16],
+        x: &[f32],
+        y_part: &mut [f32],
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        if rows.start > rows.end || y_part.len() != rows.len() {
+            return Err(shape(
+                self.name,
+                format!("y part of {} does not match rows {rows:?}", y_part.len()),
+            ));
+        }
+        if x.len() != self.k || !rows_fit(w.len(), rows.end, self.stride, self.k) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "x {} or W {} too small for K {} and rows {rows:?}",
+                    x.len(),
+                    w.len(),
+                    self.k
+                ),
+            ));
+        }
+        // The kernel writes y[r] for r in rows; shifting the base by -start
+        // makes that y_part[r - start]. Only in-bounds addresses are written.
+        let base = y_part.as_mut_ptr().wrapping_sub(rows.start);
+        // SAFETY: as in `run`; writes land in y_part exactly.
+        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end) };
+        Ok(())
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -366,18 +400,28 @@ impl Gemm<'_> {
             ));
         }
         // SAFETY: reads stay in W rows < rows.end and X; writes in Y[t*ldy + rows].
-        unsafe {
-            (self.f)(
-                w.as_ptr(),
-                x.as_ptr(),
-                y.as_mut_ptr(),
-                rows.start,
-                rows.end,
-                tokens,
-                ldy,
-            )
-        };
+        unsafe { self.run_unchecked(w.as_ptr(), x.as_ptr(), tokens, y.as_mut_ptr(), ldy, rows) };
         Ok(())
+    }
+
+    /// Raw call for a thread pool whose threads write disjoint row ranges of
+    /// one Y (not expressible as disjoint slices).
+    ///
+    /// # Safety
+    /// `w` must hold rows `< rows.end` of K elements, `x` `tokens * K`
+    /// floats, and `Y[t*ldy + r]` must be writable for t < tokens, r in
+    /// `rows`, with no other thread touching those elements.
+    pub unsafe fn run_unchecked(
+        &self,
+        w: *const u16,
+        x: *const f32,
+        tokens: usize,
+        y: *mut f32,
+        ldy: usize,
+        rows: Range<usize>,
+    ) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.f)(w, x, y, rows.start, rows.end, tokens, ldy) }
     }
 }
 
