@@ -147,6 +147,7 @@ fn dynasm_vbroadcastss_memory_bug_is_caught() {
     dynasm!(ops
         ; .arch x64
         ; vbroadcastss ymm0, xmm0
+        ; vzeroupper
         ; ret
     );
     verify("good", &ops.finalize().unwrap(), &policy(Isa::Avx2)).unwrap();
@@ -210,4 +211,42 @@ fn every_planned_kernel_verifies() {
         assert_eq!(e.kernels.len(), p.kernels.len());
         assert!(e.kernels.iter().all(|k| k.verified.bytes == k.code.len()));
     }
+}
+
+#[test]
+fn unsaved_callee_saved_register_is_rejected() {
+    let code = asm(|a| {
+        a.mov(rbx, 1u64)?;
+        a.vzeroupper()?;
+        a.ret()
+    });
+    expect(&code, Isa::Avx2, Check::Abi, 0);
+    // Saved first: accepted.
+    let code = asm(|a| {
+        a.push(rbx)?;
+        a.mov(rbx, 1u64)?;
+        a.pop(rbx)?;
+        a.vzeroupper()?;
+        a.ret()
+    });
+    verify("good", &code, &policy(Isa::Avx2)).unwrap();
+}
+
+#[test]
+fn stack_pointer_arithmetic_is_rejected() {
+    let code = asm(|a| {
+        a.sub(rsp, 8)?;
+        a.vzeroupper()?;
+        a.ret()
+    });
+    expect(&code, Isa::Avx2, Check::Abi, 0);
+}
+
+#[test]
+fn ret_without_vzeroupper_is_rejected() {
+    let code = asm(|a| {
+        a.vxorps(ymm0, ymm0, ymm0)?;
+        a.ret()
+    });
+    expect(&code, Isa::Avx2, Check::Abi, 4);
 }

@@ -4,8 +4,8 @@
 
 use super::cpu::{CpuCaps, Isa};
 use iced_x86::{
-    CpuidFeature, Decoder, DecoderOptions, FlowControl, Formatter, Instruction, IntelFormatter,
-    Mnemonic, OpKind, Register,
+    CpuidFeature, Decoder, DecoderOptions, FlowControl, Formatter, Instruction,
+    InstructionInfoFactory, IntelFormatter, Mnemonic, OpAccess, OpKind, Register,
 };
 use std::collections::HashSet;
 use std::fmt;
@@ -27,6 +27,10 @@ pub enum Check {
     Operand,
     /// Code can run past the end of the buffer.
     FallsOffEnd,
+    /// Breaks the System V contract: writes a callee-saved register it did
+    /// not push, moves rsp other than by push/pop, or returns without
+    /// `vzeroupper`.
+    Abi,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -253,6 +257,7 @@ pub fn verify(kernel: &str, code: &[u8], policy: &Policy) -> Result<Verified, Ve
     for ins in &instrs {
         check_one(ins, policy, code.len() as u64, &starts).map_err(|(c, r)| fail(c, ins, r))?;
     }
+    check_abi(&instrs).map_err(|(i, r)| fail(Check::Abi, &instrs[i], r))?;
     match instrs.last() {
         Some(last)
             if matches!(
@@ -386,6 +391,60 @@ fn check_operands(ins: &Instruction, policy: &Policy) -> Result<(), (Check, Stri
                     policy.vector_bits
                 ),
             ));
+        }
+    }
+    Ok(())
+}
+
+const CALLEE_SAVED: [Register; 6] = [
+    Register::RBX,
+    Register::RBP,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
+];
+
+/// System V checks over the whole kernel; returns the offending index.
+fn check_abi(instrs: &[Instruction]) -> Result<(), (usize, String)> {
+    // Registers saved by the leading run of pushes may be used freely.
+    let saved: Vec<Register> = instrs
+        .iter()
+        .take_while(|i| i.mnemonic() == Mnemonic::Push)
+        .filter(|i| i.op0_kind() == OpKind::Register)
+        .map(|i| i.op0_register())
+        .collect();
+    let mut factory = InstructionInfoFactory::new();
+    for (n, ins) in instrs.iter().enumerate() {
+        if matches!(ins.mnemonic(), Mnemonic::Push | Mnemonic::Pop) {
+            continue;
+        }
+        if ins.mnemonic() == Mnemonic::Ret
+            && (n == 0 || instrs[n - 1].mnemonic() != Mnemonic::Vzeroupper)
+        {
+            return Err((n, "ret without vzeroupper before it".into()));
+        }
+        for used in factory.info(ins).used_registers() {
+            let writes = matches!(
+                used.access(),
+                OpAccess::Write
+                    | OpAccess::CondWrite
+                    | OpAccess::ReadWrite
+                    | OpAccess::ReadCondWrite
+            );
+            let reg = used.register().full_register();
+            if !writes {
+                continue;
+            }
+            if reg == Register::RSP && ins.mnemonic() != Mnemonic::Ret {
+                return Err((n, "rsp changed other than by push/pop".into()));
+            }
+            if CALLEE_SAVED.contains(&reg) && !saved.contains(&reg) {
+                return Err((
+                    n,
+                    format!("writes callee-saved {reg:?} without saving it first"),
+                ));
+            }
         }
     }
     Ok(())
