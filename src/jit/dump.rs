@@ -8,6 +8,7 @@ use super::verify::format_instr;
 use anyhow::{Context, Result, bail};
 use iced_x86::{Decoder, DecoderOptions, Instruction};
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -105,7 +106,16 @@ struct JsonDump<'a> {
     model: String,
 }
 
+/// Writes to stdout; a closed pipe (`pulsar dump | head`) is not an error.
+fn write_stdout(text: &str) -> Result<()> {
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("cannot write to stdout"),
+    }
+}
+
 pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
+    let mut out = String::new();
     let caps = CpuCaps::detect();
     if let Some(msg) = caps.baseline_message() {
         bail!("{msg}; there is no JIT code to dump on this CPU");
@@ -135,11 +145,12 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
             emit_verify_ms: elapsed.as_secs_f64() * 1e3,
             model: path.display().to_string(),
         };
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&j)?)?;
     } else {
-        println!("model {}  ({dims:?})", path.display());
+        writeln!(out, "model {}  ({dims:?})", path.display())?;
         for k in kernels {
-            println!(
+            writeln!(
+                out,
                 "\n== {}  {} bytes, {} instructions, offset {:#x}\n   spec: {}\n   used for: {}",
                 k.spec.name,
                 k.code.len(),
@@ -147,16 +158,18 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
                 k.offset,
                 serde_json::to_string(&k.spec.kind)?,
                 k.spec.used_for.join("; ")
-            );
-            print!("{}", listing(&k.code));
+            )?;
+            write!(out, "{}", listing(&k.code))?;
         }
-        println!(
+        writeln!(
+            out,
             "\ntotal {total} of {} bytes budget, isa {}, all {} kernels verified",
             plan.budget_bytes,
             plan.isa.name(),
             kernels.len()
-        );
+        )?;
     }
+    write_stdout(&out)?;
     if let Some(dir) = &args.out {
         write_out(dir, kernels)?;
     }
@@ -187,40 +200,56 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
     Ok(())
 }
 
-fn print_plan(caps: &CpuCaps, dims: &ModelDims, plan: &Plan) {
-    println!("cpu: {caps}");
-    println!("model: {dims:?}");
-    println!(
+fn print_plan(out: &mut String, caps: &CpuCaps, dims: &ModelDims, plan: &Plan) -> Result<()> {
+    writeln!(out, "cpu: {caps}")?;
+    writeln!(out, "model: {dims:?}")?;
+    writeln!(
+        out,
         "isa: {}  threads: {}  k_chunk: {}",
         plan.isa.name(),
         plan.threads,
         plan.k_chunk
-    );
+    )?;
     for (k, b) in plan.kernels.iter().zip(&plan.kernel_bytes) {
-        println!("  {:<32} {:>5} B  {}", k.name, b, k.used_for.join("; "));
+        writeln!(
+            out,
+            "  {:<32} {:>5} B  {}",
+            k.name,
+            b,
+            k.used_for.join("; ")
+        )?;
     }
-    println!("  total {} of {} B", plan.total_bytes(), plan.budget_bytes);
+    writeln!(
+        out,
+        "  total {} of {} B",
+        plan.total_bytes(),
+        plan.budget_bytes
+    )?;
     for m in &plan.matrices {
-        println!(
+        writeln!(
+            out,
             "  {:<16} {:>6} x {:<6} {}  threads {:?}",
             m.tensor, m.rows, m.k, m.gemv, m.thread_rows
-        );
+        )?;
     }
     for n in &plan.notes {
-        println!("note: {n}");
+        writeln!(out, "note: {n}")?;
     }
-    println!("stays in Rust: {}", plan.not_jitted.join(", "));
+    writeln!(out, "stays in Rust: {}", plan.not_jitted.join(", "))?;
+    Ok(())
 }
 
 pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
+    let mut out = String::new();
     let caps = CpuCaps::detect();
     if let Some(msg) = caps.baseline_message() {
-        println!("cpu: {caps}\n{msg}");
-        return Ok(());
+        writeln!(out, "cpu: {caps}\n{msg}")?;
+        return write_stdout(&out);
     }
     let (dims, _) = dims_for(&args.common.model)?;
     let plan = plan(&dims, &caps, &options(&args.common))?;
-    print_plan(&caps, &dims, &plan);
+    print_plan(&mut out, &caps, &dims, &plan)?;
+    write_stdout(&out)?;
     if args.measure {
         if args.prefetch_ab.is_empty() {
             super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;

@@ -131,7 +131,10 @@ pub struct MatrixUse {
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Plan {
+    /// ISA of the emitted kernels (AVX2 until an AVX-512 family exists).
     pub isa: Isa,
+    /// Highest ISA the CPU and --max-isa allow.
+    pub allowed_isa: Isa,
     pub threads: usize,
     pub budget_bytes: usize,
     pub kernels: Vec<KernelSpec>,
@@ -196,7 +199,7 @@ pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
 /// Builds the plan for a model. Pure: same inputs, same plan.
 pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan> {
     dims.validate()?;
-    let Some(isa) = caps.effective_isa(opts.max_isa) else {
+    let Some(allowed_isa) = caps.effective_isa(opts.max_isa) else {
         bail!(
             caps.baseline_message()
                 .unwrap_or_else(|| "no usable ISA".into())
@@ -219,7 +222,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         opts.threads
     };
     let mut notes = Vec::new();
-    if isa == Isa::Avx512 {
+    let isa = Isa::Avx2;
+    if allowed_isa == Isa::Avx512 {
         notes.push("AVX-512 allowed, but only AVX2 kernels are emitted so far; using them".into());
     }
 
@@ -283,7 +287,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .map(|(kind, used_for)| KernelSpec {
                     name: kind.name(),
                     kind,
-                    isa: Isa::Avx2,
+                    isa,
                     used_for,
                 })
                 .collect();
@@ -326,6 +330,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             );
             return Ok(Plan {
                 isa,
+                allowed_isa,
                 threads,
                 budget_bytes: opts.budget,
                 kernel_bytes: sizes,
@@ -616,6 +621,55 @@ mod tests {
             c * 4 * gemm::TOKENS <= caps.l1d / 2 && c.is_multiple_of(LANES),
             "{c}"
         );
+    }
+
+    #[test]
+    fn every_gemma_shape_fits_the_budget() {
+        let caps = CpuCaps::zen4_like();
+        // (hidden, intermediate, heads, kv heads, head_dim, vocab, qk_norm)
+        let shapes = [
+            (640, 2048, 4, 1, 256, 262_144, true),      // gemma-3-270m
+            (1152, 6912, 4, 1, 256, 262_144, true),     // gemma-3-1b
+            (2560, 10240, 8, 4, 256, 262_208, true),    // gemma-3-4b
+            (5376, 21504, 32, 16, 128, 262_208, true),  // gemma-3-27b
+            (2048, 16384, 8, 1, 256, 256_000, false),   // gemma-2b
+            (3072, 24576, 16, 16, 256, 256_000, false), // gemma-7b
+            (2304, 9216, 8, 4, 256, 256_000, false),    // gemma-2-2b
+            (1001, 37, 3, 1, 18, 999, true),            // odd sizes
+        ];
+        for (hidden, intermediate, n_heads, n_kv_heads, head_dim, vocab, qk_norm) in shapes {
+            let dims = ModelDims {
+                hidden,
+                intermediate,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                vocab,
+                n_layers: 1,
+                qk_norm,
+            };
+            for max_isa in [Isa::Avx2, Isa::Avx512] {
+                let opts = PlanOptions {
+                    max_isa,
+                    ..PlanOptions::default()
+                };
+                let p = plan(&dims, &caps, &opts).unwrap_or_else(|e| panic!("{dims:?}: {e}"));
+                assert!(
+                    p.total_bytes() <= BUDGET_BYTES,
+                    "{dims:?}: {}",
+                    p.total_bytes()
+                );
+                let ks = [hidden, intermediate, n_heads * head_dim];
+                for k in ks {
+                    assert!(
+                        p.kernels
+                            .iter()
+                            .any(|s| matches!(&s.kind, KernelKind::Gemv(g) if g.k == k)),
+                        "{dims:?}: no GEMV for K={k}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
