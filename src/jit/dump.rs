@@ -253,6 +253,7 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
     if args.measure {
         if args.prefetch_ab.is_empty() {
             super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
+            super::measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
         } else {
             super::measure::measure_prefetch(
                 &caps,

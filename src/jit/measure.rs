@@ -118,3 +118,39 @@ pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usi
     }
     Ok(())
 }
+
+/// Prefill GEMM throughput (GFLOP/s, 1 thread) for each planned K: shows
+/// whether a K without chunking loses speed once x no longer fits L1.
+pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
+    let set = KernelSet::build(plan, caps, max_isa)?;
+    for spec in &plan.kernels {
+        let KernelKind::Gemm(g) = &spec.kind else {
+            continue;
+        };
+        let gemm = set
+            .gemm(g.wt, g.k)
+            .context("planned GEMM missing from the kernel set")?;
+        let (rows, tokens) = (((8usize << 20) / (g.k * 2)).max(4), 48usize);
+        let w: Vec<u16> = (0..rows * g.k)
+            .map(|i| half::f16::from_f32((i % 5) as f32 * 0.01).to_bits())
+            .collect();
+        let x = vec![0.25f32; tokens * g.k];
+        let mut y = vec![0f32; tokens * rows];
+        let mut err = None;
+        let secs = best_of(|| {
+            if let Err(e) = gemm.run(&w, &x, tokens, &mut y, rows, 0..rows) {
+                err = Some(e);
+            }
+        });
+        if let Some(e) = err {
+            return Err(e.into());
+        }
+        println!(
+            "measure {:<28} {:>6.1} GFLOP/s  ({rows} rows x K {} x {tokens} tokens, 1 thread)",
+            spec.name,
+            2.0 * (rows * g.k * tokens) as f64 / secs / 1e9,
+            g.k
+        );
+    }
+    Ok(())
+}

@@ -311,7 +311,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             for &k in &ks {
                 if k_chunk(caps, k) < k {
                     notes.push(format!(
-                        "K={k}: a 3-token x slice ({} KiB) exceeds half of L1d; chunking at {} is planned but not yet emitted, x streams from L2",
+                        "K={k}: a 3-token x slice ({} KiB) exceeds half of L1d; the L1 chunk would be {}, but chunking is not emitted: GEMM with x from L2 measured no slower per FLOP (tune --measure)",
                         k * 4 * gemm::TOKENS / 1024,
                         k_chunk(caps, k)
                     ));
