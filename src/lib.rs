@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod commands;
 pub mod engine;
 pub mod generate;
+pub mod jit;
 pub mod model;
 pub mod sample;
 pub mod tokenizer;

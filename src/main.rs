@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use pulsar::commands::{self, EngineKind};
 use pulsar::engine::packed::WeightFormat;
+use pulsar::jit::dump::{DumpArgs, TuneArgs, run_dump_command, run_tune_command};
 use pulsar::sample::SamplerConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -169,6 +170,10 @@ enum Command {
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
     },
+    /// Plan, emit and verify the JIT kernels for a model and print them.
+    Dump(DumpArgs),
+    /// Show the CPU that was detected and the kernel plan for a model.
+    Tune(TuneArgs),
     /// Write a model in the fast engine's layout (GGUF, FP16/BF16), loadable zero-copy.
     Convert {
         /// The model to convert: a .gguf file or a Hugging Face folder.
@@ -259,6 +264,8 @@ fn run(command: Command) -> anyhow::Result<()> {
             engine: engine.into(),
             threads,
         }),
+        Command::Dump(a) => run_dump_command(&a),
+        Command::Tune(a) => run_tune_command(&a),
         Command::Convert {
             input,
             output,

@@ -1,0 +1,632 @@
+//! The kernel registry: emits and verifies every kernel of a plan, maps them
+//! into one executable buffer (written while not executable, then flipped to
+//! read+execute: never writable and executable at once), and hands out typed
+//! entry points behind safe wrappers that check slice lengths.
+
+use super::cpu::{CpuCaps, Isa};
+use super::emit::gemv::WeightType;
+use super::emit::{LANES, gemm};
+use super::plan::{KernelKind, KernelSpec, Plan};
+use super::verify::{self, Policy, Verified};
+use anyhow::{Context, Result};
+use dynasmrt::mmap::{ExecutableBuffer, MutableBuffer};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// Errors from a kernel call with arguments that do not fit the kernel.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KernelError {
+    #[error("kernel {kernel}: {what}")]
+    Shape { kernel: String, what: String },
+}
+
+fn shape(kernel: &str, what: String) -> KernelError {
+    KernelError::Shape {
+        kernel: kernel.to_string(),
+        what,
+    }
+}
+
+/// One emitted, verified kernel.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub spec: KernelSpec,
+    pub code: Vec<u8>,
+    pub verified: Verified,
+    /// Offset of the kernel inside the executable buffer.
+    pub offset: usize,
+}
+
+/// Emitted kernels before mapping, plus timings.
+pub struct Emitted {
+    pub kernels: Vec<Compiled>,
+    pub emit_time: Duration,
+    pub verify_time: Duration,
+}
+
+/// Emits and verifies every kernel of `plan`; stops at the first failure.
+pub fn emit_and_verify(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<Emitted> {
+    emit_and_verify_specs(&plan.kernels, caps, max_isa)
+}
+
+/// Emits and verifies the given kernels; stops at the first failure.
+pub fn emit_and_verify_specs(
+    specs: &[KernelSpec],
+    caps: &CpuCaps,
+    max_isa: Isa,
+) -> Result<Emitted> {
+    let policy = Policy::new(caps, max_isa);
+    let t0 = Instant::now();
+    let mut codes = Vec::with_capacity(specs.len());
+    for spec in specs {
+        codes.push(spec.kind.emit()?);
+    }
+    let emit_time = t0.elapsed();
+    let t1 = Instant::now();
+    let mut kernels = Vec::with_capacity(codes.len());
+    let mut offset = 0;
+    for (spec, code) in specs.iter().zip(codes) {
+        let verified = verify::verify(&spec.name, &code, &policy)?;
+        let len = code.len();
+        kernels.push(Compiled {
+            spec: spec.clone(),
+            code,
+            verified,
+            offset,
+        });
+        offset += len;
+    }
+    Ok(Emitted {
+        kernels,
+        emit_time,
+        verify_time: t1.elapsed(),
+    })
+}
+
+/// Executable kernels of one plan.
+pub struct KernelSet {
+    buf: ExecutableBuffer,
+    kernels: Vec<Compiled>,
+}
+
+impl KernelSet {
+    /// Maps verified kernels. Only code that passed `verify` can get here.
+    pub fn map(emitted: Emitted) -> Result<KernelSet> {
+        let total: usize = emitted.kernels.iter().map(|k| k.code.len()).sum();
+        let mut buf =
+            MutableBuffer::new(total.max(1)).context("cannot allocate memory for JIT code")?;
+        buf.set_len(total);
+        for k in &emitted.kernels {
+            buf[k.offset..k.offset + k.code.len()].copy_from_slice(&k.code);
+        }
+        let buf = buf
+            .make_exec()
+            .context("cannot make JIT code executable (mprotect failed)")?;
+        Ok(KernelSet {
+            buf,
+            kernels: emitted.kernels,
+        })
+    }
+
+    /// Plans nothing: emits, verifies and maps `plan`.
+    pub fn build(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
+        KernelSet::map(emit_and_verify(plan, caps, max_isa)?)
+    }
+
+    /// Builds a set from explicit kernel kinds (tests, benchmarks).
+    pub fn from_kinds(kinds: &[KernelKind], caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
+        let specs: Vec<KernelSpec> = kinds
+            .iter()
+            .map(|k| KernelSpec {
+                name: k.name(),
+                kind: k.clone(),
+                isa: Isa::Avx2,
+                used_for: Vec::new(),
+            })
+            .collect();
+        KernelSet::map(emit_and_verify_specs(&specs, caps, max_isa)?)
+    }
+
+    pub fn kernels(&self) -> &[Compiled] {
+        &self.kernels
+    }
+
+    fn find(&self, pred: impl Fn(&KernelKind) -> bool) -> Option<(&Compiled, *const u8)> {
+        let k = self.kernels.iter().find(|k| pred(&k.spec.kind))?;
+        Some((k, self.buf.as_ptr().wrapping_add(k.offset)))
+    }
+
+    /// Decode GEMV for `k` columns of `wt` weights.
+    pub fn gemv(&self, wt: WeightType, k: usize) -> Option<Gemv<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::Gemv(g) if g.wt == wt && g.k == k))?;
+        // SAFETY: p points at verified code with this signature (see emit::gemv).
+        let f = unsafe { std::mem::transmute::<*const u8, GemvFn>(p) };
+        Some(Gemv {
+            f,
+            name: &c.spec.name,
+            k,
+            stride: k,
+            wt,
+        })
+    }
+
+    /// Prefill GEMM for `k` columns of `wt` weights.
+    pub fn gemm(&self, wt: WeightType, k: usize) -> Option<Gemm<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::Gemm(g) if g.wt == wt && g.k == k))?;
+        // SAFETY: verified code with the GemmFn signature (see emit::gemm).
+        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(p) };
+        Some(Gemm {
+            f,
+            name: &c.spec.name,
+            k,
+            wt,
+        })
+    }
+
+    pub fn rmsnorm(&self, dim: usize) -> Option<RmsNorm<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::RmsNorm { dim: d, .. } if *d == dim))?;
+        // SAFETY: verified code with the RmsNormFn signature.
+        let f = unsafe { std::mem::transmute::<*const u8, RmsNormFn>(p) };
+        Some(RmsNorm {
+            f,
+            name: &c.spec.name,
+            dim,
+        })
+    }
+
+    pub fn rope(&self, head_dim: usize) -> Option<Rope<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::Rope { head_dim: d } if *d == head_dim))?;
+        // SAFETY: verified code with the RopeFn signature.
+        let f = unsafe { std::mem::transmute::<*const u8, RopeFn>(p) };
+        Some(Rope {
+            f,
+            name: &c.spec.name,
+            head_dim,
+        })
+    }
+
+    pub fn geglu(&self, width: usize) -> Option<Geglu<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::Geglu { width: w } if *w == width))?;
+        // SAFETY: verified code with the GegluFn signature.
+        let f = unsafe { std::mem::transmute::<*const u8, GegluFn>(p) };
+        Some(Geglu {
+            f,
+            name: &c.spec.name,
+            width,
+        })
+    }
+
+    pub fn attn_scores(&self, head_dim: usize) -> Option<AttnScores<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::AttnScores(g) if g.k == head_dim))?;
+        let KernelKind::AttnScores(g) = c.spec.kind else {
+            return None;
+        };
+        // SAFETY: verified code with the ScoresFn signature (scaled f32 GEMV).
+        let f = unsafe { std::mem::transmute::<*const u8, ScoresFn>(p) };
+        Some(AttnScores {
+            f,
+            name: &c.spec.name,
+            head_dim,
+            stride: g.row_stride,
+        })
+    }
+
+    pub fn softmax(&self) -> Option<Softmax<'_>> {
+        let (c, p) = self.find(|kind| matches!(kind, KernelKind::Softmax))?;
+        // SAFETY: verified code with the SoftmaxFn signature.
+        let f = unsafe { std::mem::transmute::<*const u8, SoftmaxFn>(p) };
+        Some(Softmax {
+            f,
+            name: &c.spec.name,
+        })
+    }
+
+    pub fn attn_wsum(&self, head_dim: usize) -> Option<AttnWsum<'_>> {
+        let (c, p) = self.find(
+            |kind| matches!(kind, KernelKind::AttnWsum { head_dim: d, .. } if *d == head_dim),
+        )?;
+        let KernelKind::AttnWsum { stride, .. } = c.spec.kind else {
+            return None;
+        };
+        // SAFETY: verified code with the WsumFn signature.
+        let f = unsafe { std::mem::transmute::<*const u8, WsumFn>(p) };
+        Some(AttnWsum {
+            f,
+            name: &c.spec.name,
+            head_dim,
+            stride,
+        })
+    }
+}
+
+/// `(w, x, y, r0, r1)`: y[r] = sum_k W[r,k] x[k], r in [r0, r1).
+pub type GemvFn = unsafe extern "sysv64" fn(*const u16, *const f32, *mut f32, usize, usize);
+/// `(w, x, y, r0, r1, tokens, ldy)`: Y[t*ldy + r] = sum_k W[r,k] X[t*K + k].
+pub type GemmFn =
+    unsafe extern "sysv64" fn(*const u16, *const f32, *mut f32, usize, usize, usize, usize);
+/// `(x, w, out, rows, eps)`.
+pub type RmsNormFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize, f32);
+/// `(x, cos, sin, n_heads)`, in place.
+pub type RopeFn = unsafe extern "sysv64" fn(*mut f32, *const f32, *const f32, usize);
+/// `(gate, up, out, rows)`.
+pub type GegluFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize);
+/// `(k_cache, q, scores, p0, p1, scale)`.
+pub type ScoresFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize, usize, f32);
+/// `(x, n)`, in place.
+pub type SoftmaxFn = unsafe extern "sysv64" fn(*mut f32, usize);
+/// `(p, v_cache, out, n_pos)`.
+pub type WsumFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize);
+
+/// Rows `r < r1` of a `stride`-element row matrix must fit in `len` elements
+/// (the last row only needs `k`).
+fn rows_fit(len: usize, r1: usize, stride: usize, k: usize) -> bool {
+    r1 == 0
+        || (r1 - 1)
+            .checked_mul(stride)
+            .and_then(|v| v.checked_add(k))
+            .is_some_and(|need| need <= len)
+}
+
+#[derive(Clone, Copy)]
+pub struct Gemv<'a> {
+    f: GemvFn,
+    pub name: &'a str,
+    pub k: usize,
+    stride: usize,
+    pub wt: WeightType,
+}
+
+impl Gemv<'_> {
+    /// y[r] = sum_k W[r,k] x[k] for r in `rows`; `w` is the whole row-major
+    /// matrix (u16 bits of f16 or bf16, as planned), `y` is indexed by row.
+    pub fn run(
+        &self,
+        w: &[u16],
+        x: &[f32],
+        y: &mut [f32],
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        if x.len() != self.k {
+            return Err(shape(
+                self.name,
+                format!("x has {} elements, K is {}", x.len(), self.k),
+            ));
+        }
+        if rows.start > rows.end || y.len() < rows.end {
+            return Err(shape(
+                self.name,
+                format!("rows {rows:?} do not fit y of {}", y.len()),
+            ));
+        }
+        if !rows_fit(w.len(), rows.end, self.stride, self.k) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "W of {} elements has fewer than {} rows of {}",
+                    w.len(),
+                    rows.end,
+                    self.k
+                ),
+            ));
+        }
+        // SAFETY: every row read is inside `w`, x has K elements, and only
+        // y[rows] is written (checked above).
+        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), y.as_mut_ptr(), rows.start, rows.end) };
+        Ok(())
+    }
+
+    /// Like `run`, but `y_part[i]` receives row `rows.start + i`, so threads
+    /// can each own a disjoint piece of y (`split_at_mut` along `split_rows`).
+    pub fn run_part(
+        &self,
+        w: &[u16],
+        x: &[f32],
+        y_part: &mut [f32],
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        if rows.start > rows.end || y_part.len() != rows.len() {
+            return Err(shape(
+                self.name,
+                format!("y part of {} does not match rows {rows:?}", y_part.len()),
+            ));
+        }
+        if x.len() != self.k || !rows_fit(w.len(), rows.end, self.stride, self.k) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "x {} or W {} too small for K {} and rows {rows:?}",
+                    x.len(),
+                    w.len(),
+                    self.k
+                ),
+            ));
+        }
+        // The kernel writes y[r] for r in rows; shifting the base by -start
+        // makes that y_part[r - start]. Only in-bounds addresses are written.
+        let base = y_part.as_mut_ptr().wrapping_sub(rows.start);
+        // SAFETY: as in `run`; writes land in y_part exactly.
+        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end) };
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct Gemm<'a> {
+    f: GemmFn,
+    pub name: &'a str,
+    pub k: usize,
+    pub wt: WeightType,
+}
+
+impl Gemm<'_> {
+    /// Y[t*ldy + r] = sum_k W[r,k] X[t*K + k] for r in `rows`, t < tokens.
+    pub fn run(
+        &self,
+        w: &[u16],
+        x: &[f32],
+        tokens: usize,
+        y: &mut [f32],
+        ldy: usize,
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        if tokens.checked_mul(self.k) != Some(x.len()) {
+            return Err(shape(
+                self.name,
+                format!("X has {} elements, expected {tokens} x {}", x.len(), self.k),
+            ));
+        }
+        if rows.start > rows.end || rows.end > ldy && tokens > 0 {
+            return Err(shape(self.name, format!("rows {rows:?} exceed ldy {ldy}")));
+        }
+        if tokens > 0 && !rows_fit(y.len(), tokens, ldy, rows.end) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "Y of {} elements is too small for {tokens} x {ldy}",
+                    y.len()
+                ),
+            ));
+        }
+        if !rows_fit(w.len(), rows.end, self.k, self.k) {
+            return Err(shape(
+                self.name,
+                format!("W of {} elements has fewer than {} rows", w.len(), rows.end),
+            ));
+        }
+        // SAFETY: reads stay in W rows < rows.end and X; writes in Y[t*ldy + rows].
+        unsafe { self.run_unchecked(w.as_ptr(), x.as_ptr(), tokens, y.as_mut_ptr(), ldy, rows) };
+        Ok(())
+    }
+
+    /// Raw call for a thread pool whose threads write disjoint row ranges of
+    /// one Y (not expressible as disjoint slices).
+    ///
+    /// # Safety
+    /// `w` must hold rows `< rows.end` of K elements, `x` `tokens * K`
+    /// floats, and `Y[t*ldy + r]` must be writable for t < tokens, r in
+    /// `rows`, with no other thread touching those elements.
+    pub unsafe fn run_unchecked(
+        &self,
+        w: *const u16,
+        x: *const f32,
+        tokens: usize,
+        y: *mut f32,
+        ldy: usize,
+        rows: Range<usize>,
+    ) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.f)(w, x, y, rows.start, rows.end, tokens, ldy) }
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct RmsNorm<'a> {
+    f: RmsNormFn,
+    pub name: &'a str,
+    pub dim: usize,
+}
+
+impl RmsNorm<'_> {
+    /// Normalises each `dim`-vector of `x` into `out`; `w` already holds the
+    /// final multiplier (Gemma's 1 + weight).
+    pub fn run(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) -> Result<(), KernelError> {
+        self.check(x.len(), w.len(), out.len())?;
+        // SAFETY: lengths checked; x and out are distinct borrows.
+        unsafe {
+            (self.f)(
+                x.as_ptr(),
+                w.as_ptr(),
+                out.as_mut_ptr(),
+                x.len() / self.dim,
+                eps,
+            )
+        };
+        Ok(())
+    }
+
+    /// In-place variant.
+    pub fn run_inplace(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), KernelError> {
+        self.check(x.len(), w.len(), x.len())?;
+        let p = x.as_mut_ptr();
+        // SAFETY: the kernel reads each element of a row before writing it.
+        unsafe { (self.f)(p, w.as_ptr(), p, x.len() / self.dim, eps) };
+        Ok(())
+    }
+
+    fn check(&self, x: usize, w: usize, out: usize) -> Result<(), KernelError> {
+        if !x.is_multiple_of(self.dim) || out != x || w != self.dim {
+            return Err(shape(
+                self.name,
+                format!("x {x}, w {w}, out {out} do not fit dim {}", self.dim),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct Rope<'a> {
+    f: RopeFn,
+    pub name: &'a str,
+    pub head_dim: usize,
+}
+
+impl Rope<'_> {
+    /// Rotates every head of `x` (a multiple of head_dim) in place.
+    pub fn run(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) -> Result<(), KernelError> {
+        let half = self.head_dim / 2;
+        if !x.len().is_multiple_of(self.head_dim) || cos.len() != half || sin.len() != half {
+            return Err(shape(
+                self.name,
+                format!(
+                    "x {}, cos {}, sin {} vs head_dim {}",
+                    x.len(),
+                    cos.len(),
+                    sin.len(),
+                    self.head_dim
+                ),
+            ));
+        }
+        // SAFETY: lengths checked.
+        unsafe {
+            (self.f)(
+                x.as_mut_ptr(),
+                cos.as_ptr(),
+                sin.as_ptr(),
+                x.len() / self.head_dim,
+            )
+        };
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct Geglu<'a> {
+    f: GegluFn,
+    pub name: &'a str,
+    pub width: usize,
+}
+
+impl Geglu<'_> {
+    /// out = gelu_tanh(gate) * up over rows of `width`.
+    pub fn run(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
+        let n = gate.len();
+        if !n.is_multiple_of(self.width) || up.len() != n || out.len() != n || (n > 0 && n < LANES)
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "gate {n}, up {}, out {} vs width {}",
+                    up.len(),
+                    out.len(),
+                    self.width
+                ),
+            ));
+        }
+        // SAFETY: lengths checked; out cannot alias the inputs (borrows).
+        unsafe { (self.f)(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n / self.width) };
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct AttnScores<'a> {
+    f: ScoresFn,
+    pub name: &'a str,
+    pub head_dim: usize,
+    pub stride: usize,
+}
+
+impl AttnScores<'_> {
+    /// scores[p] = scale * q . K[p] for p in `pos`; K rows `stride` apart
+    /// (`k_cache` starts at this KV head).
+    pub fn run(
+        &self,
+        k_cache: &[f32],
+        q: &[f32],
+        scores: &mut [f32],
+        pos: Range<usize>,
+        scale: f32,
+    ) -> Result<(), KernelError> {
+        if q.len() != self.head_dim || pos.start > pos.end || scores.len() < pos.end {
+            return Err(shape(
+                self.name,
+                format!("q {}, scores {}, positions {pos:?}", q.len(), scores.len()),
+            ));
+        }
+        if !rows_fit(k_cache.len(), pos.end, self.stride, self.head_dim) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "K cache of {} floats has fewer than {} positions",
+                    k_cache.len(),
+                    pos.end
+                ),
+            ));
+        }
+        // SAFETY: lengths checked; the kernel reads f32 rows as its "weights".
+        unsafe {
+            (self.f)(
+                k_cache.as_ptr(),
+                q.as_ptr(),
+                scores.as_mut_ptr(),
+                pos.start,
+                pos.end,
+                scale,
+            )
+        };
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct Softmax<'a> {
+    f: SoftmaxFn,
+    pub name: &'a str,
+}
+
+impl Softmax<'_> {
+    pub fn run(&self, x: &mut [f32]) {
+        // SAFETY: the kernel touches exactly x[..len].
+        unsafe { (self.f)(x.as_mut_ptr(), x.len()) };
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct AttnWsum<'a> {
+    f: WsumFn,
+    pub name: &'a str,
+    pub head_dim: usize,
+    pub stride: usize,
+}
+
+impl AttnWsum<'_> {
+    /// out = sum_t p[t] * V[t] over `p.len()` positions.
+    pub fn run(&self, p: &[f32], v_cache: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
+        if out.len() != self.head_dim
+            || !rows_fit(v_cache.len(), p.len(), self.stride, self.head_dim)
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "out {}, V {} for {} positions",
+                    out.len(),
+                    v_cache.len(),
+                    p.len()
+                ),
+            ));
+        }
+        // SAFETY: lengths checked.
+        unsafe { (self.f)(p.as_ptr(), v_cache.as_ptr(), out.as_mut_ptr(), p.len()) };
+        Ok(())
+    }
+}
+
+/// Keeps the gemm tile constants visible to callers that split rows.
+pub const GEMM_TILE: (usize, usize) = (gemm::ROWS, gemm::TOKENS);

@@ -1,0 +1,156 @@
+//! `pulsar tune --measure`: GEMV throughput in isolation, single thread, on
+//! synthetic weights larger than L3 so the numbers reflect DRAM streaming.
+//! Best of several calls (the machine may be shared), next to a plain Rust
+//! read of the same bytes as the bandwidth reference.
+
+use super::cpu::{CpuCaps, Isa};
+use super::kernels::KernelSet;
+use super::plan::{KernelKind, Plan};
+use anyhow::{Context, Result};
+use std::time::Instant;
+
+const WEIGHT_BYTES: usize = 256 << 20;
+const REPS: usize = 7;
+
+fn best_of(mut f: impl FnMut()) -> f64 {
+    f();
+    (0..REPS)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Wrapping sum of all words in 32 independent u16 lanes: the compiler turns
+/// this into packed adds, so the loop is bound by loads alone.
+fn read_all(w: &[u16]) -> u64 {
+    let mut acc = [0u16; 32];
+    for c in w.chunks_exact(32) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.wrapping_add(v);
+        }
+    }
+    acc.iter().map(|&v| v as u64).sum()
+}
+
+pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
+    let set = KernelSet::build(plan, caps, max_isa)?;
+    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
+        .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
+        .collect();
+    let mut sink = 0u64;
+    let secs = best_of(|| sink = sink.wrapping_add(read_all(std::hint::black_box(&w))));
+    println!(
+        "measure {:<28} {:>6.1} GB/s  (plain Rust read of {} MiB, 1 thread; checksum {})",
+        "baseline_read",
+        WEIGHT_BYTES as f64 / secs / 1e9,
+        WEIGHT_BYTES >> 20,
+        sink % 10
+    );
+    for spec in &plan.kernels {
+        let KernelKind::Gemv(g) = &spec.kind else {
+            continue;
+        };
+        let gemv = set
+            .gemv(g.wt, g.k)
+            .context("planned GEMV missing from the kernel set")?;
+        let rows = WEIGHT_BYTES / (g.k * 2);
+        let x = vec![0.5f32; g.k];
+        let mut y = vec![0f32; rows];
+        let mut err = None;
+        let secs = best_of(|| {
+            if let Err(e) = gemv.run(&w[..rows * g.k], &x, &mut y, 0..rows) {
+                err = Some(e);
+            }
+        });
+        if let Some(e) = err {
+            return Err(e.into());
+        }
+        println!(
+            "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {}, {:.2} ms/call, 1 thread)",
+            spec.name,
+            (rows * g.k * 2) as f64 / secs / 1e9,
+            g.k,
+            secs * 1e3
+        );
+    }
+    Ok(())
+}
+
+/// A/B of GEMV prefetch distances for one K (hidden `tune --measure` helper).
+pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usize]) -> Result<()> {
+    use super::emit::gemv::{GemvParams, WeightType};
+    let kinds: Vec<KernelKind> = distances
+        .iter()
+        .map(|&d| {
+            KernelKind::Gemv(GemvParams {
+                wt: WeightType::F16,
+                k,
+                row_stride: k,
+                unroll: 2,
+                prefetch: d,
+                scaled: false,
+            })
+        })
+        .collect();
+    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
+        .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
+        .collect();
+    let rows = WEIGHT_BYTES / (k * 2);
+    let x = vec![0.5f32; k];
+    let mut y = vec![0f32; rows];
+    for round in 0..2 {
+        for kind in &kinds {
+            let set = KernelSet::from_kinds(std::slice::from_ref(kind), caps, max_isa)?;
+            let KernelKind::Gemv(g) = kind else { continue };
+            let gemv = &set.gemv(g.wt, g.k).context("kernel missing")?;
+            let secs = best_of(|| {
+                let _ = gemv.run(&w[..rows * k], &x, &mut y, 0..rows);
+            });
+            println!(
+                "prefetch round {round} {:<30} {:>6.1} GB/s",
+                kind.name(),
+                (rows * k * 2) as f64 / secs / 1e9
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Prefill GEMM throughput (GFLOP/s, 1 thread) for each planned K: shows
+/// whether a K without chunking loses speed once x no longer fits L1.
+pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
+    let set = KernelSet::build(plan, caps, max_isa)?;
+    for spec in &plan.kernels {
+        let KernelKind::Gemm(g) = &spec.kind else {
+            continue;
+        };
+        let gemm = set
+            .gemm(g.wt, g.k)
+            .context("planned GEMM missing from the kernel set")?;
+        let (rows, tokens) = (((8usize << 20) / (g.k * 2)).max(4), 48usize);
+        let w: Vec<u16> = (0..rows * g.k)
+            .map(|i| half::f16::from_f32((i % 5) as f32 * 0.01).to_bits())
+            .collect();
+        let x = vec![0.25f32; tokens * g.k];
+        let mut y = vec![0f32; tokens * rows];
+        let mut err = None;
+        let secs = best_of(|| {
+            if let Err(e) = gemm.run(&w, &x, tokens, &mut y, rows, 0..rows) {
+                err = Some(e);
+            }
+        });
+        if let Some(e) = err {
+            return Err(e.into());
+        }
+        println!(
+            "measure {:<28} {:>6.1} GFLOP/s  ({rows} rows x K {} x {tokens} tokens, 1 thread)",
+            spec.name,
+            2.0 * (rows * g.k * tokens) as f64 / secs / 1e9,
+            g.k
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,685 @@
+//! The planner: a pure function from (model dims, CPU caps, options) to the
+//! list of kernels to generate, with their blocking, unrolling and thread
+//! split. Emission is deterministic, so the planner measures candidate sizes
+//! by emitting them and trades unrolling against the byte budget.
+
+use super::cpu::{CpuCaps, Isa};
+use super::dims::ModelDims;
+use super::emit::gemm::{self, GemmParams};
+use super::emit::gemv::{self, GemvParams, WeightType};
+use super::emit::{self, LANES};
+use anyhow::{Result, bail};
+use std::ops::Range;
+
+/// Total machine-code bytes allowed for one model's kernels.
+pub const BUDGET_BYTES: usize = 5120;
+
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    pub max_isa: Isa,
+    /// Worker threads the rows are split across (0 = all cores).
+    pub threads: usize,
+    pub weights: WeightType,
+    /// GEMV prefetch distance in bytes; None = derive per K (see `prefetch_distance`).
+    pub prefetch: Option<usize>,
+    pub budget: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            max_isa: Isa::Avx512,
+            threads: 0,
+            weights: WeightType::F16,
+            prefetch: None,
+            budget: BUDGET_BYTES,
+        }
+    }
+}
+
+/// What one kernel computes; dims and strides here become immediates.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum KernelKind {
+    Gemv(GemvParams),
+    Gemm(GemmParams),
+    RmsNorm { dim: usize, unroll: usize },
+    Rope { head_dim: usize },
+    Geglu { width: usize },
+    AttnScores(GemvParams),
+    Softmax,
+    AttnWsum { head_dim: usize, stride: usize },
+}
+
+impl KernelKind {
+    /// The registry key, e.g. `gemv_f16_r4_u2_k640`.
+    pub fn name(&self) -> String {
+        match self {
+            KernelKind::Gemv(p) => {
+                let pf = if p.prefetch > 0 {
+                    format!("_pf{}", p.prefetch)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "gemv_{}_r{}_u{}_k{}{pf}",
+                    p.wt.name(),
+                    gemv::ROWS,
+                    p.unroll,
+                    p.k
+                )
+            }
+            KernelKind::Gemm(p) => {
+                format!(
+                    "gemm_{}_r{}t{}_k{}",
+                    p.wt.name(),
+                    gemm::ROWS,
+                    gemm::TOKENS,
+                    p.k
+                )
+            }
+            KernelKind::RmsNorm { dim, unroll } => format!("rmsnorm_d{dim}_u{unroll}"),
+            KernelKind::Rope { head_dim } => format!("rope_hd{head_dim}"),
+            KernelKind::Geglu { width } => format!("geglu_w{width}"),
+            KernelKind::AttnScores(p) => format!("attn_scores_hd{}_s{}", p.k, p.row_stride),
+            KernelKind::Softmax => "softmax".to_string(),
+            KernelKind::AttnWsum { head_dim, stride } => {
+                format!("attn_wsum_hd{head_dim}_s{stride}")
+            }
+        }
+    }
+
+    /// Emits the machine code (AVX2 + FMA + F16C).
+    pub fn emit(&self) -> Result<Vec<u8>> {
+        let name = self.name();
+        match self {
+            KernelKind::Gemv(p) | KernelKind::AttnScores(p) => emit::gemv::emit(p, &name),
+            KernelKind::Gemm(p) => emit::gemm::emit(p, &name),
+            KernelKind::RmsNorm { dim, unroll } => {
+                emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
+            }
+            KernelKind::Rope { head_dim } => emit::elementwise::emit_rope(*head_dim, &name),
+            KernelKind::Geglu { width } => emit::elementwise::emit_geglu(*width, &name),
+            KernelKind::Softmax => emit::attention::emit_softmax(&name),
+            KernelKind::AttnWsum { head_dim, stride } => {
+                emit::attention::emit_wsum(*head_dim, *stride, &name)
+            }
+        }
+    }
+}
+
+/// One kernel of the plan and the model tensors it serves.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct KernelSpec {
+    pub name: String,
+    #[serde(flatten)]
+    pub kind: KernelKind,
+    pub isa: Isa,
+    pub used_for: Vec<String>,
+}
+
+/// A matrix-vector product of the model and how its rows split over threads.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MatrixUse {
+    pub tensor: &'static str,
+    pub rows: usize,
+    pub k: usize,
+    pub gemv: String,
+    pub gemm: String,
+    pub thread_rows: Vec<Range<usize>>,
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Plan {
+    /// ISA of the emitted kernels (AVX2 until an AVX-512 family exists).
+    pub isa: Isa,
+    /// Highest ISA the CPU and --max-isa allow.
+    pub allowed_isa: Isa,
+    pub threads: usize,
+    pub budget_bytes: usize,
+    pub kernels: Vec<KernelSpec>,
+    pub matrices: Vec<MatrixUse>,
+    /// Sizes measured by emission, parallel to `kernels`.
+    pub kernel_bytes: Vec<usize>,
+    /// Activation elements per K-chunk that keep a token's x slice in half of L1.
+    pub k_chunk: usize,
+    /// Human-readable record of the choices made.
+    pub notes: Vec<String>,
+    /// Ops of the hot path that stay in Rust.
+    pub not_jitted: Vec<String>,
+}
+
+impl Plan {
+    pub fn total_bytes(&self) -> usize {
+        self.kernel_bytes.iter().sum()
+    }
+}
+
+/// Splits `n` rows into at most `threads` contiguous ranges whose starts are
+/// multiples of `block`, so no block is shared by two threads.
+pub fn split_rows(n: usize, threads: usize, block: usize) -> Vec<Range<usize>> {
+    let blocks = n.div_ceil(block);
+    let t = threads.clamp(1, blocks.max(1));
+    let mut out = Vec::with_capacity(t);
+    let mut start_block = 0;
+    for i in 0..t {
+        let end_block = blocks * (i + 1) / t;
+        let r = (start_block * block).min(n)..(end_block * block).min(n);
+        if !r.is_empty() {
+            out.push(r);
+        }
+        start_block = end_block;
+    }
+    out
+}
+
+/// GEMV prefetch distance along a block's contiguous 4-row region. A long
+/// row (a page or more) gives the hardware prefetcher streams it follows
+/// well, and plain long streams were slower with software prefetch on this
+/// machine: distance 0. Short rows give it four short interleaved streams per
+/// block; there, prefetching one block ahead (4 rows) measured faster, as long
+/// as two blocks fit in L1d.
+pub fn prefetch_distance(caps: &CpuCaps, row_bytes: usize) -> usize {
+    let block = gemv::ROWS * row_bytes;
+    let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
+    if row_bytes < 4096 && 2 * block <= l1 {
+        block
+    } else {
+        0
+    }
+}
+
+/// Elements of x per chunk so that a 3-token tile of x uses at most half of L1d.
+pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
+    let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
+    let per = (l1 / 2) / (4 * gemm::TOKENS);
+    (per / LANES * LANES).clamp(LANES, k.max(LANES)).min(k)
+}
+
+/// Builds the plan for a model. Pure: same inputs, same plan.
+pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan> {
+    dims.validate()?;
+    let Some(allowed_isa) = caps.effective_isa(opts.max_isa) else {
+        bail!(
+            caps.baseline_message()
+                .unwrap_or_else(|| "no usable ISA".into())
+        );
+    };
+    for (what, v) in [
+        ("hidden", dims.hidden),
+        ("intermediate", dims.intermediate),
+        ("head_dim", dims.head_dim),
+    ] {
+        if v < LANES {
+            bail!(
+                "model shape: {what} = {v} is below the vector width {LANES}; use the reference engine"
+            );
+        }
+    }
+    let threads = if opts.threads == 0 {
+        caps.cores.max(1)
+    } else {
+        opts.threads
+    };
+    let mut notes = Vec::new();
+    let isa = Isa::Avx2;
+    if allowed_isa == Isa::Avx512 {
+        notes.push("AVX-512 allowed, but only AVX2 kernels are emitted so far; using them".into());
+    }
+
+    // Matrix-vector products of one layer plus the LM head.
+    let q = dims.q_width();
+    let kv = dims.kv_stride();
+    let mats: Vec<(&'static str, usize, usize)> = vec![
+        ("attn_q", q, dims.hidden),
+        ("attn_k", kv, dims.hidden),
+        ("attn_v", kv, dims.hidden),
+        ("attn_output", dims.hidden, q),
+        ("ffn_gate", dims.intermediate, dims.hidden),
+        ("ffn_up", dims.intermediate, dims.hidden),
+        ("ffn_down", dims.hidden, dims.intermediate),
+        ("output(lm_head)", dims.vocab, dims.hidden),
+    ];
+    let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
+    ks.sort_unstable();
+    ks.dedup();
+    let eb = opts.weights.bytes();
+    let prefetch = |k: usize| {
+        opts.prefetch
+            .unwrap_or_else(|| prefetch_distance(caps, k * eb))
+    };
+    for &k in &ks {
+        notes.push(format!(
+            "K={k}: gemv prefetch distance {} B (row {} B, L1d {} KiB)",
+            prefetch(k),
+            k * eb,
+            caps.l1d / 1024
+        ));
+    }
+
+    // Candidate unroll levels, most aggressive first.
+    let mut gemv_unroll = 4usize;
+    let mut norm_unroll = 2usize;
+    let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu", "rope"];
+    let mut dropped: Vec<String> = Vec::new();
+    loop {
+        let kinds = build_kinds(
+            dims,
+            &ks,
+            opts.weights,
+            gemv_unroll,
+            norm_unroll,
+            &prefetch,
+            &optional,
+        );
+        let mut sizes = Vec::with_capacity(kinds.len());
+        for (k, _) in &kinds {
+            sizes.push(k.emit()?.len());
+        }
+        let total: usize = sizes.iter().sum();
+        if total <= opts.budget {
+            notes.push(format!(
+                "chose gemv unroll {gemv_unroll} (x8 elements, 4 rows/block), rmsnorm unroll {norm_unroll}: {total} of {} bytes",
+                opts.budget
+            ));
+            let kernels: Vec<KernelSpec> = kinds
+                .into_iter()
+                .map(|(kind, used_for)| KernelSpec {
+                    name: kind.name(),
+                    kind,
+                    isa,
+                    used_for,
+                })
+                .collect();
+            let matrices = mats
+                .iter()
+                .map(|&(tensor, rows, k)| MatrixUse {
+                    tensor,
+                    rows,
+                    k,
+                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch(k)))
+                        .name(),
+                    gemm: KernelKind::Gemm(GemmParams {
+                        wt: opts.weights,
+                        k,
+                    })
+                    .name(),
+                    thread_rows: split_rows(rows, threads, gemv::ROWS),
+                })
+                .collect();
+            let kc = ks.iter().map(|&k| k_chunk(caps, k)).min().unwrap_or(LANES);
+            for &k in &ks {
+                if k_chunk(caps, k) < k {
+                    notes.push(format!(
+                        "K={k}: a 3-token x slice ({} KiB) exceeds half of L1d; the L1 chunk would be {}, but chunking is not emitted: GEMM with x from L2 measured no slower per FLOP (tune --measure)",
+                        k * 4 * gemm::TOKENS / 1024,
+                        k_chunk(caps, k)
+                    ));
+                }
+            }
+            let mut not_jitted: Vec<String> = vec![
+                "embedding lookup and scaling".into(),
+                "residual adds".into(),
+                "q4_k/q6_k dequantisation".into(),
+                "sampling".into(),
+            ];
+            not_jitted.extend(
+                dropped
+                    .iter()
+                    .map(|d| format!("{d} (dropped for the byte budget)")),
+            );
+            return Ok(Plan {
+                isa,
+                allowed_isa,
+                threads,
+                budget_bytes: opts.budget,
+                kernel_bytes: sizes,
+                kernels,
+                matrices,
+                k_chunk: kc,
+                notes,
+                not_jitted,
+            });
+        }
+        // Over budget: give up unrolling first, then optional kernels.
+        if gemv_unroll > 1 {
+            notes.push(format!(
+                "{total} B > budget: gemv unroll {gemv_unroll} -> {}",
+                gemv_unroll / 2
+            ));
+            gemv_unroll /= 2;
+        } else if norm_unroll > 1 {
+            notes.push(format!(
+                "{total} B > budget: rmsnorm unroll {norm_unroll} -> 1"
+            ));
+            norm_unroll = 1;
+        } else if let Some(op) = optional.pop() {
+            notes.push(format!("{total} B > budget: {op} stays in Rust"));
+            dropped.push(op.to_string());
+        } else {
+            bail!(
+                "the matrix kernels alone need {total} bytes, over the {} byte budget",
+                opts.budget
+            );
+        }
+    }
+}
+
+fn gemv_params(wt: WeightType, k: usize, unroll: usize, prefetch: usize) -> GemvParams {
+    GemvParams {
+        wt,
+        k,
+        row_stride: k,
+        unroll,
+        prefetch,
+        scaled: false,
+    }
+}
+
+fn build_kinds(
+    dims: &ModelDims,
+    ks: &[usize],
+    wt: WeightType,
+    gemv_unroll: usize,
+    norm_unroll: usize,
+    prefetch: &dyn Fn(usize) -> usize,
+    optional: &[&str],
+) -> Vec<(KernelKind, Vec<String>)> {
+    let mut out = Vec::new();
+    let uses_of_k = |k: usize| -> Vec<String> {
+        let mut u = Vec::new();
+        if k == dims.hidden {
+            u.push("attn_q/k/v, ffn_gate/up, lm_head".to_string());
+        }
+        if k == dims.q_width() {
+            u.push("attn_output".to_string());
+        }
+        if k == dims.intermediate {
+            u.push("ffn_down".to_string());
+        }
+        u
+    };
+    for &k in ks {
+        out.push((
+            KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch(k))),
+            uses_of_k(k),
+        ));
+    }
+    for &k in ks {
+        out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
+    }
+    out.push((
+        KernelKind::RmsNorm {
+            dim: dims.hidden,
+            unroll: norm_unroll,
+        },
+        vec!["attn/ffn pre- and post-norms, final norm".into()],
+    ));
+    if dims.qk_norm && dims.head_dim != dims.hidden {
+        out.push((
+            KernelKind::RmsNorm {
+                dim: dims.head_dim,
+                unroll: norm_unroll.min(2),
+            },
+            vec!["q_norm, k_norm (per head)".into()],
+        ));
+    }
+    let has = |op: &str| optional.contains(&op);
+    if has("rope") {
+        out.push((
+            KernelKind::Rope {
+                head_dim: dims.head_dim,
+            },
+            vec!["q and k heads".into()],
+        ));
+    }
+    if has("geglu") {
+        out.push((
+            KernelKind::Geglu {
+                width: dims.intermediate,
+            },
+            vec!["ffn activation".into()],
+        ));
+    }
+    let stride = dims.kv_stride();
+    if has("attn_scores") {
+        out.push((
+            KernelKind::AttnScores(GemvParams {
+                wt: WeightType::F32,
+                k: dims.head_dim,
+                row_stride: stride,
+                unroll: 1,
+                prefetch: 0,
+                scaled: true,
+            }),
+            vec!["q . k over the KV cache".into()],
+        ));
+    }
+    if has("softmax") {
+        out.push((KernelKind::Softmax, vec!["attention probabilities".into()]));
+    }
+    if has("attn_wsum") && dims.head_dim.is_multiple_of(LANES) {
+        out.push((
+            KernelKind::AttnWsum {
+                head_dim: dims.head_dim,
+                stride,
+            },
+            vec!["probability-weighted sum of V".into()],
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemma2b() -> ModelDims {
+        ModelDims {
+            hidden: 2048,
+            intermediate: 16384,
+            n_heads: 8,
+            n_kv_heads: 1,
+            head_dim: 256,
+            vocab: 256_000,
+            n_layers: 18,
+            qk_norm: false,
+        }
+    }
+
+    #[test]
+    fn split_rows_covers_everything_on_block_boundaries() {
+        for n in [1, 3, 4, 5, 17, 640, 1001] {
+            for t in 1..=5 {
+                let parts = split_rows(n, t, 4);
+                assert!(parts.len() <= t);
+                assert_eq!(parts.first().map(|r| r.start), Some(0));
+                assert_eq!(parts.last().map(|r| r.end), Some(n));
+                for w in parts.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                }
+                for r in &parts {
+                    assert_eq!(r.start % 4, 0, "n={n} t={t} {parts:?}");
+                }
+            }
+        }
+        assert_eq!(split_rows(8, 2, 4), vec![0..4, 4..8]);
+    }
+
+    #[test]
+    fn plan_is_deterministic_and_fits_budget() {
+        let caps = CpuCaps::zen4_like();
+        for dims in [ModelDims::GEMMA3_270M, gemma2b()] {
+            let a = plan(&dims, &caps, &PlanOptions::default()).unwrap();
+            let b = plan(&dims, &caps, &PlanOptions::default()).unwrap();
+            assert_eq!(a, b);
+            assert!(a.total_bytes() <= BUDGET_BYTES, "{}", a.total_bytes());
+            assert_eq!(a.kernels.len(), a.kernel_bytes.len());
+        }
+    }
+
+    #[test]
+    fn plan_270m_has_one_gemv_per_distinct_k() {
+        let p = plan(
+            &ModelDims::GEMMA3_270M,
+            &CpuCaps::zen4_like(),
+            &PlanOptions::default(),
+        )
+        .unwrap();
+        let gemv: Vec<_> = p
+            .kernels
+            .iter()
+            .filter(|k| matches!(k.kind, KernelKind::Gemv(_)))
+            .collect();
+        let ks: Vec<usize> = gemv
+            .iter()
+            .map(|k| match &k.kind {
+                KernelKind::Gemv(g) => g.k,
+                _ => 0,
+            })
+            .collect();
+        assert_eq!(ks, vec![640, 1024, 2048]);
+        assert!(
+            p.kernels
+                .iter()
+                .any(|k| k.name == "rmsnorm_d256_u2" || k.name == "rmsnorm_d256_u1")
+        );
+        // Every matrix names a kernel that exists in the plan.
+        for m in &p.matrices {
+            assert!(p.kernels.iter().any(|k| k.name == m.gemv), "{}", m.gemv);
+            assert_eq!(m.thread_rows.last().map(|r| r.end), Some(m.rows));
+        }
+    }
+
+    #[test]
+    fn tight_budget_reduces_unroll_then_drops_ops() {
+        let caps = CpuCaps::zen4_like();
+        let full = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap();
+        let opts = PlanOptions {
+            budget: full.total_bytes() - 1,
+            ..PlanOptions::default()
+        };
+        let tight = plan(&ModelDims::GEMMA3_270M, &caps, &opts).unwrap();
+        assert!(tight.total_bytes() < full.total_bytes());
+        assert!(tight.notes.iter().any(|n| n.contains("> budget")));
+        let tiny = PlanOptions {
+            budget: 100,
+            ..PlanOptions::default()
+        };
+        assert!(plan(&ModelDims::GEMMA3_270M, &caps, &tiny).is_err());
+    }
+
+    #[test]
+    fn no_avx2_means_no_plan_with_a_clear_message() {
+        let caps = CpuCaps {
+            avx2: false,
+            ..CpuCaps::zen4_like()
+        };
+        let err = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap_err();
+        assert!(err.to_string().contains("reference engine"), "{err}");
+    }
+
+    #[test]
+    fn prefetch_only_for_short_rows() {
+        let caps = CpuCaps::zen4_like();
+        // 640 f16 = 1280 B rows: one 4-row block ahead.
+        assert_eq!(prefetch_distance(&caps, 1280), 5120);
+        // Page-long rows stream well on their own: 0 (measured faster).
+        assert_eq!(prefetch_distance(&caps, 4096), 0);
+        assert_eq!(prefetch_distance(&caps, 32768), 0);
+        // Two blocks must fit L1d.
+        assert_eq!(
+            prefetch_distance(
+                &CpuCaps {
+                    l1d: 8192,
+                    ..caps.clone()
+                },
+                2048
+            ),
+            0
+        );
+        let p = plan(&gemma2b(), &caps, &PlanOptions::default()).unwrap();
+        for k in &p.kernels {
+            if let KernelKind::Gemv(g) = &k.kind {
+                assert_eq!(g.prefetch, 0, "{}", k.name);
+            }
+        }
+        let forced = PlanOptions {
+            prefetch: Some(0),
+            ..PlanOptions::default()
+        };
+        let p = plan(&ModelDims::GEMMA3_270M, &caps, &forced).unwrap();
+        assert!(p.kernels.iter().all(|k| !k.name.contains("_pf")));
+    }
+
+    #[test]
+    fn k_chunk_keeps_x_in_half_l1() {
+        let caps = CpuCaps::zen4_like();
+        assert_eq!(k_chunk(&caps, 640), 640);
+        let c = k_chunk(&caps, 16384);
+        assert!(
+            c * 4 * gemm::TOKENS <= caps.l1d / 2 && c.is_multiple_of(LANES),
+            "{c}"
+        );
+    }
+
+    #[test]
+    fn every_gemma_shape_fits_the_budget() {
+        let caps = CpuCaps::zen4_like();
+        // (hidden, intermediate, heads, kv heads, head_dim, vocab, qk_norm)
+        let shapes = [
+            (640, 2048, 4, 1, 256, 262_144, true),      // gemma-3-270m
+            (1152, 6912, 4, 1, 256, 262_144, true),     // gemma-3-1b
+            (2560, 10240, 8, 4, 256, 262_208, true),    // gemma-3-4b
+            (5376, 21504, 32, 16, 128, 262_208, true),  // gemma-3-27b
+            (2048, 16384, 8, 1, 256, 256_000, false),   // gemma-2b
+            (3072, 24576, 16, 16, 256, 256_000, false), // gemma-7b
+            (2304, 9216, 8, 4, 256, 256_000, false),    // gemma-2-2b
+            (1001, 37, 3, 1, 18, 999, true),            // odd sizes
+        ];
+        for (hidden, intermediate, n_heads, n_kv_heads, head_dim, vocab, qk_norm) in shapes {
+            let dims = ModelDims {
+                hidden,
+                intermediate,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                vocab,
+                n_layers: 1,
+                qk_norm,
+            };
+            for max_isa in [Isa::Avx2, Isa::Avx512] {
+                let opts = PlanOptions {
+                    max_isa,
+                    ..PlanOptions::default()
+                };
+                let p = plan(&dims, &caps, &opts).unwrap_or_else(|e| panic!("{dims:?}: {e}"));
+                assert!(
+                    p.total_bytes() <= BUDGET_BYTES,
+                    "{dims:?}: {}",
+                    p.total_bytes()
+                );
+                let ks = [hidden, intermediate, n_heads * head_dim];
+                for k in ks {
+                    assert!(
+                        p.kernels
+                            .iter()
+                            .any(|s| matches!(&s.kind, KernelKind::Gemv(g) if g.k == k)),
+                        "{dims:?}: no GEMV for K={k}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn max_isa_avx2_plans_avx2() {
+        let opts = PlanOptions {
+            max_isa: Isa::Avx2,
+            ..PlanOptions::default()
+        };
+        let p = plan(&ModelDims::GEMMA3_270M, &CpuCaps::zen4_like(), &opts).unwrap();
+        assert_eq!(p.isa, Isa::Avx2);
+        assert!(p.kernels.iter().all(|k| k.isa == Isa::Avx2));
+    }
+}

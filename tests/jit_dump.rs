@@ -1,0 +1,209 @@
+//! `pulsar dump` end to end, driving the built binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const GEMMA_2B: &str = r#"{
+  "architectures": ["GemmaForCausalLM"],
+  "model_type": "gemma",
+  "hidden_size": 2048,
+  "intermediate_size": 16384,
+  "num_attention_heads": 8,
+  "num_key_value_heads": 1,
+  "head_dim": 256,
+  "vocab_size": 256000,
+  "num_hidden_layers": 18
+}"#;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pulsar-jit-dump-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn pulsar(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(args)
+        .output()
+        .expect("run pulsar")
+}
+
+fn dump_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["dump", "--json"];
+    all.extend_from_slice(args);
+    let out = pulsar(&all);
+    assert!(
+        out.status.success(),
+        "pulsar {all:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is JSON")
+}
+
+/// The checks the issue asks for, on one dump.
+fn check_dump(j: &serde_json::Value, expect_isa: Option<&str>) {
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["budget_bytes"], 5120);
+    let total = j["total_bytes"].as_u64().unwrap();
+    assert!(total <= 5120, "total {total} over budget");
+    let kernels = j["kernels"].as_array().unwrap();
+    assert!(kernels.len() >= 5, "{kernels:?}");
+    let mut sum = 0;
+    for k in kernels {
+        let name = k["name"].as_str().unwrap();
+        let bytes = k["bytes"].as_u64().unwrap();
+        assert!(
+            bytes > 0 && k["instructions"].as_u64().unwrap() > 0,
+            "{name}"
+        );
+        assert_eq!(k["spec"]["name"], name);
+        assert!(k["spec"]["kind"].is_string(), "{name}");
+        sum += bytes;
+    }
+    assert_eq!(sum, total);
+    if let Some(isa) = expect_isa {
+        assert_eq!(j["isa"], isa);
+    }
+}
+
+fn names(j: &serde_json::Value) -> Vec<String> {
+    j["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn write_2b_config() -> PathBuf {
+    let dir = temp_dir("2b");
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, GEMMA_2B).unwrap();
+    cfg
+}
+
+#[test]
+fn gemma_2b_config_dumps_within_budget() {
+    let cfg = write_2b_config();
+    let path = cfg.to_str().unwrap();
+    for isa in [None, Some("avx2")] {
+        let mut args = vec!["-m", path];
+        if let Some(i) = isa {
+            args.extend(["--max-isa", i]);
+        }
+        let j = dump_json(&args);
+        check_dump(&j, isa);
+        let n = names(&j);
+        assert!(
+            n.iter()
+                .any(|s| s.starts_with("gemv_f16_r4_") && s.contains("_k2048")),
+            "{n:?}"
+        );
+        assert!(
+            n.iter()
+                .any(|s| s.starts_with("gemv_f16_r4_") && s.contains("_k16384")),
+            "{n:?}"
+        );
+        assert!(
+            n.iter()
+                .any(|s| s == "rmsnorm_d2048_u2" || s == "rmsnorm_d2048_u1"),
+            "{n:?}"
+        );
+    }
+}
+
+fn default_model() -> PathBuf {
+    let home = std::env::var_os("HOME").expect("HOME must be set to find the default model");
+    let p = Path::new(&home).join(".cache/pulsar/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        p.exists(),
+        "default model missing at {}: download gemma-3-270m-q4_k_m.gguf there (this test does not skip)",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn default_model_dumps_within_budget() {
+    default_model();
+    for isa in [None, Some("avx2")] {
+        let args: Vec<&str> = isa.map(|i| vec!["--max-isa", i]).unwrap_or_default();
+        let j = dump_json(&args);
+        check_dump(&j, isa);
+        let n = names(&j);
+        for k in ["_k640", "_k1024", "_k2048"] {
+            assert!(
+                n.iter().any(|s| s.starts_with("gemv_") && s.contains(k)),
+                "{k} in {n:?}"
+            );
+        }
+        assert!(
+            n.iter().any(|s| s.starts_with("rmsnorm_d256")),
+            "q/k norm kernel in {n:?}"
+        );
+    }
+}
+
+#[test]
+fn out_writes_bin_and_asm_per_kernel() {
+    let cfg = write_2b_config();
+    let dir = temp_dir("out");
+    let out = pulsar(&[
+        "dump",
+        "-m",
+        cfg.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("bytes budget") && stdout.contains("verified"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("objdump -D -b binary -mi386:x86-64"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("plan+emit+verify"), "{stderr}");
+    let j = dump_json(&["-m", cfg.to_str().unwrap()]);
+    for k in j["kernels"].as_array().unwrap() {
+        let name = k["name"].as_str().unwrap();
+        let bin = std::fs::read(dir.join(format!("{name}.bin"))).unwrap();
+        assert_eq!(bin.len() as u64, k["bytes"].as_u64().unwrap(), "{name}");
+        let asm = std::fs::read_to_string(dir.join(format!("{name}.asm"))).unwrap();
+        assert_eq!(
+            asm.lines().count() as u64,
+            k["instructions"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert!(asm.lines().last().unwrap().ends_with("ret"), "{name}");
+    }
+}
+
+#[test]
+fn bad_model_paths_and_configs_give_clear_errors() {
+    let out = pulsar(&["dump", "-m", "/nonexistent/model.gguf"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/model.gguf") && err.contains("not found"),
+        "{err}"
+    );
+
+    let dir = temp_dir("bad");
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, r#"{"hidden_size": 2048, "num_attention_heads": 8}"#).unwrap();
+    let out = pulsar(&["dump", "-m", cfg.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("intermediate_size") && err.contains("config.json"),
+        "{err}"
+    );
+}

@@ -1,0 +1,512 @@
+//! Every JIT kernel against a scalar f64 reference over many shapes: odd
+//! tails, K and rows not multiples of 8/16/32, misaligned pointers, single
+//! row and single token. Error bounds are the usual n*eps forward bounds.
+
+use pulsar::jit::cpu::{CpuCaps, Isa};
+use pulsar::jit::emit::gemm::GemmParams;
+use pulsar::jit::emit::gemv::{GemvParams, WeightType};
+use pulsar::jit::kernels::KernelSet;
+use pulsar::jit::plan::KernelKind;
+
+const EPS: f64 = f32::EPSILON as f64;
+
+/// Small deterministic generator (xorshift), so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn caps() -> CpuCaps {
+    let c = CpuCaps::detect();
+    assert!(
+        c.has_jit_baseline(),
+        "these tests need AVX2+F16C+FMA; CPU: {c}"
+    );
+    c
+}
+
+/// Builds under both --max-isa levels: the code must verify under each and
+/// be identical (only AVX2 kernels exist so far), and the AVX2 build is used.
+fn set(kinds: &[KernelKind]) -> KernelSet {
+    let avx2 = KernelSet::from_kinds(kinds, &caps(), Isa::Avx2).expect("emit+verify (avx2)");
+    let wide = KernelSet::from_kinds(kinds, &caps(), Isa::Avx512).expect("emit+verify (avx512)");
+    for (a, b) in avx2.kernels().iter().zip(wide.kernels()) {
+        assert_eq!(a.code, b.code, "{}", a.spec.name);
+    }
+    avx2
+}
+
+fn to_u16(wt: WeightType, v: f32) -> u16 {
+    match wt {
+        WeightType::F16 => half::f16::from_f32(v).to_bits(),
+        WeightType::Bf16 => half::bf16::from_f32(v).to_bits(),
+        WeightType::F32 => unreachable!(),
+    }
+}
+
+fn from_u16(wt: WeightType, b: u16) -> f64 {
+    match wt {
+        WeightType::F16 => half::f16::from_bits(b).to_f64(),
+        WeightType::Bf16 => half::bf16::from_bits(b).to_f64(),
+        WeightType::F32 => unreachable!(),
+    }
+}
+
+/// Checks `got` against `exact` with bound k*eps*magnitude (+ tiny floor).
+fn close(got: f32, exact: f64, magnitude: f64, k: usize, what: &str) {
+    let tol = (k as f64 + 2.0) * EPS * magnitude + 1e-30;
+    let err = (got as f64 - exact).abs();
+    assert!(
+        err <= tol,
+        "{what}: got {got}, exact {exact}, err {err:e} > tol {tol:e}"
+    );
+}
+
+#[test]
+fn gemv_matches_reference() {
+    let mut rng = Rng(0x1234_5678);
+    let ks = [8usize, 9, 13, 16, 17, 31, 33, 40, 63, 100, 640, 1001];
+    for wt in [WeightType::F16, WeightType::Bf16] {
+        for unroll in [1usize, 2, 4] {
+            let kinds: Vec<KernelKind> = ks
+                .iter()
+                .map(|&k| {
+                    KernelKind::Gemv(GemvParams {
+                        wt,
+                        k,
+                        row_stride: k,
+                        unroll,
+                        prefetch: 0,
+                        scaled: false,
+                    })
+                })
+                .collect();
+            let s = set(&kinds);
+            for &k in &ks {
+                let g = s.gemv(wt, k).expect("kernel present");
+                for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
+                    // One extra element in front makes pointers misaligned.
+                    for misalign in [0usize, 1] {
+                        let wbuf: Vec<u16> = (0..rows * k + misalign)
+                            .map(|_| to_u16(wt, rng.f()))
+                            .collect();
+                        let xbuf = rng.vec(k + misalign, 2.0);
+                        let w = &wbuf[misalign..];
+                        let x = &xbuf[misalign..];
+                        for range in [0..rows, (rows / 2)..rows, 0..(rows - rows / 3)] {
+                            let mut ybuf = vec![f32::NAN; rows + misalign];
+                            let y = &mut ybuf[misalign..];
+                            g.run(w, x, y, range.clone()).expect("shape ok");
+                            for r in 0..rows {
+                                if !range.contains(&r) {
+                                    assert!(y[r].is_nan(), "row {r} outside {range:?} was written");
+                                    continue;
+                                }
+                                let (mut exact, mut mag) = (0f64, 0f64);
+                                for i in 0..k {
+                                    let p = from_u16(wt, w[r * k + i]) * x[i] as f64;
+                                    exact += p;
+                                    mag += p.abs();
+                                }
+                                close(
+                                    y[r],
+                                    exact,
+                                    mag,
+                                    k,
+                                    &format!("{} rows {rows} r {r} mis {misalign}", g.name),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemv_rows_split_across_threads_match_one_call() {
+    use pulsar::jit::plan::split_rows;
+    let (wt, k, rows) = (WeightType::Bf16, 203usize, 61usize);
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt,
+        k,
+        row_stride: k,
+        unroll: 2,
+        prefetch: 0,
+        scaled: false,
+    })]);
+    let g = s.gemv(wt, k).unwrap();
+    let mut rng = Rng(4242);
+    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+    let x = rng.vec(k, 1.0);
+    let mut whole = vec![0f32; rows];
+    g.run(&w, &x, &mut whole, 0..rows).unwrap();
+    for threads in [1usize, 2, 3, 5] {
+        let mut y = vec![f32::NAN; rows];
+        std::thread::scope(|sc| {
+            let mut rest: &mut [f32] = &mut y;
+            for r in split_rows(rows, threads, 4) {
+                let (part, tail) = rest.split_at_mut(r.len());
+                rest = tail;
+                let (w, x) = (&w, &x);
+                sc.spawn(move || g.run_part(w, x, part, r).unwrap());
+            }
+        });
+        assert_eq!(y, whole, "threads {threads}");
+    }
+    let mut short = vec![0f32; 3];
+    assert!(g.run_part(&w, &x, &mut short, 4..8).is_err());
+}
+
+#[test]
+fn gemv_rejects_bad_shapes() {
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt: WeightType::F16,
+        k: 16,
+        row_stride: 16,
+        unroll: 1,
+        prefetch: 0,
+        scaled: false,
+    })]);
+    let g = s.gemv(WeightType::F16, 16).unwrap();
+    let w = vec![0u16; 16 * 4];
+    let mut y = vec![0f32; 4];
+    assert!(g.run(&w, &[0.0; 15], &mut y, 0..4).is_err());
+    assert!(g.run(&w, &[0.0; 16], &mut y, 0..5).is_err());
+    assert!(g.run(&w[..63], &[0.0; 16], &mut y, 0..4).is_err());
+    assert!(g.run(&w, &[0.0; 16], &mut y, 0..4).is_ok());
+}
+
+#[test]
+fn gemv_with_prefetch_matches() {
+    let k = 77;
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt: WeightType::F16,
+        k,
+        row_stride: k,
+        unroll: 2,
+        prefetch: 256,
+        scaled: false,
+    })]);
+    let g = s.gemv(WeightType::F16, k).unwrap();
+    let mut rng = Rng(99);
+    let rows = 6;
+    let w: Vec<u16> = (0..rows * k)
+        .map(|_| to_u16(WeightType::F16, rng.f()))
+        .collect();
+    let x = rng.vec(k, 1.0);
+    let mut y = vec![0f32; rows];
+    g.run(&w, &x, &mut y, 0..rows).unwrap();
+    for r in 0..rows {
+        let p: Vec<f64> = (0..k)
+            .map(|i| from_u16(WeightType::F16, w[r * k + i]) * x[i] as f64)
+            .collect();
+        close(
+            y[r],
+            p.iter().sum(),
+            p.iter().map(|v| v.abs()).sum(),
+            k,
+            "prefetch",
+        );
+    }
+}
+
+#[test]
+fn gemm_matches_reference() {
+    let mut rng = Rng(0xfeed);
+    let ks = [8usize, 11, 16, 24, 37, 64, 130];
+    for wt in [WeightType::F16, WeightType::Bf16] {
+        let kinds: Vec<KernelKind> = ks
+            .iter()
+            .map(|&k| KernelKind::Gemm(GemmParams { wt, k }))
+            .collect();
+        let s = set(&kinds);
+        for &k in &ks {
+            let g = s.gemm(wt, k).unwrap();
+            for rows in [1usize, 3, 4, 6, 9] {
+                for tokens in [1usize, 2, 3, 4, 5, 7] {
+                    let misalign = (rows + tokens) % 2;
+                    let wbuf: Vec<u16> = (0..rows * k + misalign)
+                        .map(|_| to_u16(wt, rng.f()))
+                        .collect();
+                    let xbuf = rng.vec(tokens * k + misalign, 1.5);
+                    let (w, x) = (&wbuf[misalign..], &xbuf[misalign..]);
+                    let ldy = rows + 3;
+                    let range = (rows / 3)..rows;
+                    let mut y = vec![f32::NAN; tokens * ldy];
+                    g.run(w, x, tokens, &mut y, ldy, range.clone()).unwrap();
+                    for t in 0..tokens {
+                        for r in 0..ldy {
+                            let got = y[t * ldy + r];
+                            if !range.contains(&r) {
+                                assert!(got.is_nan(), "Y[{t},{r}] outside rows was written");
+                                continue;
+                            }
+                            let p: Vec<f64> = (0..k)
+                                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
+                                .collect();
+                            close(
+                                got,
+                                p.iter().sum(),
+                                p.iter().map(|v| v.abs()).sum(),
+                                k,
+                                &format!("{} t{t} r{r}", g.name),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let s = 1.0 / (ms + eps as f64).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(&a, &b)| a as f64 * s * b as f64)
+        .collect()
+}
+
+#[test]
+fn rmsnorm_matches_reference() {
+    let mut rng = Rng(7);
+    let dims = [8usize, 9, 15, 16, 17, 33, 100, 256, 640, 1001];
+    for unroll in [1usize, 2, 4] {
+        let kinds: Vec<KernelKind> = dims
+            .iter()
+            .map(|&dim| KernelKind::RmsNorm { dim, unroll })
+            .collect();
+        let s = set(&kinds);
+        for &dim in &dims {
+            let k = s.rmsnorm(dim).unwrap();
+            for rows in [1usize, 2, 3] {
+                let xbuf = rng.vec(rows * dim + 1, 3.0);
+                let x = &xbuf[1..];
+                let w = rng.vec(dim, 2.0);
+                let mut out = vec![0f32; rows * dim];
+                k.run(x, &w, &mut out, 1e-6).unwrap();
+                let mut inplace = x.to_vec();
+                k.run_inplace(&mut inplace, &w, 1e-6).unwrap();
+                for r in 0..rows {
+                    let exact = rms_ref(&x[r * dim..(r + 1) * dim], &w, 1e-6);
+                    for i in 0..dim {
+                        let mag = exact[i].abs();
+                        close(
+                            out[r * dim + i],
+                            exact[i],
+                            mag,
+                            dim.min(64) + 8,
+                            &format!("{} r{r} i{i}", k.name),
+                        );
+                        close(
+                            inplace[r * dim + i],
+                            exact[i],
+                            mag,
+                            dim.min(64) + 8,
+                            "inplace",
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_matches_reference() {
+    let mut rng = Rng(11);
+    let hds = [2usize, 4, 14, 16, 18, 34, 64, 256];
+    let kinds: Vec<KernelKind> = hds
+        .iter()
+        .map(|&head_dim| KernelKind::Rope { head_dim })
+        .collect();
+    let s = set(&kinds);
+    for &hd in &hds {
+        let k = s.rope(hd).unwrap();
+        let half = hd / 2;
+        for heads in [1usize, 2, 3] {
+            let xbuf = rng.vec(heads * hd + 1, 2.0);
+            let x0 = &xbuf[1..];
+            let pos = 37.0f64;
+            let cos: Vec<f32> = (0..half)
+                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).cos() as f32)
+                .collect();
+            let sin: Vec<f32> = (0..half)
+                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).sin() as f32)
+                .collect();
+            let mut x = x0.to_vec();
+            k.run(&mut x, &cos, &sin).unwrap();
+            for h in 0..heads {
+                for i in 0..half {
+                    let (a, b) = (x0[h * hd + i] as f64, x0[h * hd + i + half] as f64);
+                    let (c, sn) = (cos[i] as f64, sin[i] as f64);
+                    let mag = a.abs() + b.abs();
+                    close(
+                        x[h * hd + i],
+                        a * c - b * sn,
+                        mag,
+                        2,
+                        &format!("{} h{h} i{i}", k.name),
+                    );
+                    close(x[h * hd + i + half], b * c + a * sn, mag, 2, "second half");
+                }
+            }
+        }
+    }
+}
+
+fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+#[test]
+fn geglu_matches_reference() {
+    let mut rng = Rng(5);
+    let widths = [1usize, 8, 9, 13, 64, 1001, 2048];
+    let kinds: Vec<KernelKind> = widths
+        .iter()
+        .map(|&width| KernelKind::Geglu { width })
+        .collect();
+    let s = set(&kinds);
+    for &w in &widths {
+        let k = s.geglu(w).unwrap();
+        for rows in [1usize, 2, 3, 8, 9] {
+            let n = rows * w;
+            if n < 8 {
+                let g = vec![0f32; n];
+                let mut o = vec![0f32; n];
+                assert!(k.run(&g, &g, &mut o).is_err(), "n < 8 must be rejected");
+                continue;
+            }
+            let gbuf = rng.vec(n + 1, 12.0);
+            let gate = &gbuf[1..];
+            let up = rng.vec(n, 2.0);
+            let mut out = vec![f32::NAN; n];
+            k.run(gate, &up, &mut out).unwrap();
+            for i in 0..n {
+                let exact = gelu_tanh(gate[i] as f64) * up[i] as f64;
+                let mag = (gate[i] as f64 * up[i] as f64).abs();
+                let err = (out[i] as f64 - exact).abs();
+                // The tanh/exp approximation is held to 2e-6 relative to |x*up|.
+                assert!(
+                    err <= 2e-6 * mag + 1e-30,
+                    "{} i{i} x={} got {} exact {exact} err {err:e}",
+                    k.name,
+                    gate[i],
+                    out[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_scores_match_reference() {
+    let mut rng = Rng(21);
+    for (hd, stride) in [(8usize, 8usize), (16, 40), (24, 24), (256, 256), (256, 512)] {
+        let s = set(&[KernelKind::AttnScores(GemvParams {
+            wt: WeightType::F32,
+            k: hd,
+            row_stride: stride,
+            unroll: 1,
+            prefetch: 0,
+            scaled: true,
+        })]);
+        let k = s.attn_scores(hd).unwrap();
+        for npos in [1usize, 2, 3, 5, 17] {
+            let kc = rng.vec((npos - 1) * stride + hd + 1, 1.0);
+            let kc = &kc[1..];
+            let q = rng.vec(hd, 1.0);
+            let mut sc = vec![f32::NAN; npos];
+            let scale = 1.0 / (hd as f32).sqrt();
+            k.run(kc, &q, &mut sc, 0..npos, scale).unwrap();
+            for p in 0..npos {
+                let terms: Vec<f64> = (0..hd)
+                    .map(|d| kc[p * stride + d] as f64 * q[d] as f64 * scale as f64)
+                    .collect();
+                close(
+                    sc[p],
+                    terms.iter().sum(),
+                    terms.iter().map(|v| v.abs()).sum(),
+                    hd + 1,
+                    &format!("{} p{p}", k.name),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_matches_reference() {
+    let mut rng = Rng(3);
+    let s = set(&[KernelKind::Softmax]);
+    let k = s.softmax().unwrap();
+    for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 100, 1000] {
+        let xbuf = rng.vec(n + 1, 20.0);
+        let mut x = xbuf[1..].to_vec();
+        let orig = x.clone();
+        k.run(&mut x);
+        let m = orig.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let e: Vec<f64> = orig.iter().map(|&v| (v as f64 - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for i in 0..n {
+            let exact = e[i] / sum;
+            let err = (x[i] as f64 - exact).abs();
+            // f32 rounding of x - max alone costs |x - max| * eps relative.
+            let tol = exact * (2e-6 + (orig[i] as f64 - m).abs() * EPS) + 1e-30;
+            assert!(err <= tol, "softmax n{n} i{i}: {} vs {exact}", x[i]);
+        }
+    }
+}
+
+#[test]
+fn attention_weighted_sum_matches_reference() {
+    let mut rng = Rng(77);
+    for (hd, stride) in [
+        (8usize, 8usize),
+        (64, 64),
+        (72, 100),
+        (256, 256),
+        (136, 272),
+    ] {
+        let s = set(&[KernelKind::AttnWsum {
+            head_dim: hd,
+            stride,
+        }]);
+        let k = s.attn_wsum(hd).unwrap();
+        for npos in [0usize, 1, 5, 33] {
+            let v = rng.vec(npos.saturating_sub(1) * stride + hd + 1, 1.0);
+            let v = &v[1..];
+            let p: Vec<f32> = (0..npos).map(|_| rng.f().abs()).collect();
+            let mut out = vec![f32::NAN; hd];
+            k.run(&p, v, &mut out).unwrap();
+            for d in 0..hd {
+                let terms: Vec<f64> = (0..npos)
+                    .map(|t| p[t] as f64 * v[t * stride + d] as f64)
+                    .collect();
+                close(
+                    out[d],
+                    terms.iter().sum(),
+                    terms.iter().map(|x| x.abs()).sum(),
+                    npos,
+                    &format!("{} n{npos} d{d}", k.name),
+                );
+            }
+        }
+    }
+}
