@@ -8,10 +8,12 @@ pub mod tokenize;
 
 use crate::engine::Engine;
 use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions};
-use crate::engine::kernels::{MatKernels, PortableKernels};
+use crate::engine::jit_kernels::JitKernels;
+use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
 use crate::engine::reference::ReferenceEngine;
 use crate::engine::synthetic;
+use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
 use anyhow::{Result, bail};
@@ -44,30 +46,40 @@ impl EngineKind {
     }
 }
 
-/// Builds the chosen engine for an opened model.
+/// Builds the chosen engine for an opened model. A CPU the JIT cannot
+/// serve gets the reason on stderr and the reference engine.
 pub fn open_engine(
     src: ModelSource,
     kind: EngineKind,
     threads: usize,
     context: usize,
 ) -> Result<Box<dyn Engine>> {
-    Ok(match kind {
-        EngineKind::Reference => Box::new(ReferenceEngine::load(&src)?),
-        EngineKind::Jit => {
-            let opts = FastOptions {
-                threads,
-                context,
-                format: None,
-                prefill_chunk: DEFAULT_PREFILL_CHUNK,
-            };
-            Box::new(FastEngine::load(&Arc::new(src), kernels(), &opts)?)
+    if kind == EngineKind::Reference {
+        return Ok(Box::new(ReferenceEngine::load(&src)?));
+    }
+    let opts = FastOptions {
+        threads,
+        context,
+        format: None,
+        prefill_chunk: DEFAULT_PREFILL_CHUNK,
+    };
+    let format = FastEngine::weight_format_for(&src, &opts)?;
+    match jit_kernels(&src.config, format, threads) {
+        Ok(kernels) => Ok(Box::new(FastEngine::load(&Arc::new(src), kernels, &opts)?)),
+        Err(e) => {
+            eprintln!("pulsar: JIT unavailable ({e:#}); using the reference engine");
+            Ok(Box::new(ReferenceEngine::load(&src)?))
         }
-    })
+    }
 }
 
-/// The matrix kernels for this CPU.
-pub fn kernels() -> Box<dyn MatKernels> {
-    Box::new(PortableKernels)
+/// The JIT's kernels for this model on this CPU.
+pub fn jit_kernels(
+    config: &ModelConfig,
+    format: WeightFormat,
+    threads: usize,
+) -> Result<Box<dyn MatKernels>> {
+    Ok(Box::new(JitKernels::build(config, format, threads)?))
 }
 
 /// `pulsar bench`: a real model, or a known shape on random weights.
@@ -94,18 +106,21 @@ pub fn bench_command(
                 );
             };
             eprintln!("bench: making random {name} weights");
-            let weights =
-                synthetic::random_weights(&config, format.unwrap_or(WeightFormat::F16), 1);
+            let format = format.unwrap_or(WeightFormat::F16);
+            let weights = synthetic::random_weights(&config, format, 1);
+            let kernels = jit_kernels(&config, format, threads)?;
             (
-                FastEngine::new(config, weights, kernels(), &opts)?,
+                FastEngine::new(config, weights, kernels, &opts)?,
                 format!("{name} (random weights)"),
             )
         }
         None => {
             let path = resolve_model(model)?;
             let src = Arc::new(ModelSource::open(&path)?);
+            let format = FastEngine::weight_format_for(&src, &opts)?;
+            let kernels = jit_kernels(&src.config, format, threads)?;
             (
-                FastEngine::load(&src, kernels(), &opts)?,
+                FastEngine::load(&src, kernels, &opts)?,
                 path.display().to_string(),
             )
         }

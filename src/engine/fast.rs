@@ -11,7 +11,7 @@ use super::packed::{PackedMatrix, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
-use crate::model::source::ModelSource;
+use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LayerWeights, ModelWeights};
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -62,8 +62,8 @@ impl FastEngine {
         opts: &FastOptions,
     ) -> Result<Self> {
         let owner: Arc<dyn Send + Sync> = src.clone();
+        let format = Self::weight_format_for(src, opts)?;
         let weights = ModelWeights::load(src, |_, t| {
-            let format = opts.format.unwrap_or(WeightFormat::default_for(t.dtype));
             if t.dtype == format.dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
@@ -71,6 +71,21 @@ impl FastEngine {
             }
         })?;
         Self::new(src.config.clone(), weights, kernels, opts)
+    }
+
+    /// The one packed format all matrices get (the kernels are planned for
+    /// one): the requested one, else BF16 for a BF16 checkpoint (lossless)
+    /// and FP16 for everything else, judged by the first layer's Q.
+    pub fn weight_format_for(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormat> {
+        if let Some(f) = opts.format {
+            return Ok(f);
+        }
+        let c = &src.config;
+        let q = src.tensor(
+            Role::Layer(0, LayerRole::Q),
+            &[c.n_heads * c.head_dim, c.hidden],
+        )?;
+        Ok(WeightFormat::default_for(q.dtype))
     }
 
     pub fn new(

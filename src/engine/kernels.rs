@@ -29,6 +29,16 @@ impl SharedOut {
         }
     }
 
+    /// Rows (tokens) the output holds.
+    pub fn rows(&self) -> usize {
+        self.len / self.stride.max(1)
+    }
+
+    /// The start of the output, for kernels that take raw pointers.
+    pub fn as_mut_ptr(&self) -> *mut f32 {
+        self.ptr
+    }
+
     /// Row `t`, columns `cols`, as a mutable slice.
     ///
     /// # Safety

@@ -1,6 +1,7 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
 pub mod fast;
+pub mod jit_kernels;
 pub mod kernels;
 pub mod kv_cache;
 pub mod membench;
