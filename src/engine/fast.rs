@@ -6,7 +6,7 @@
 //! steps); only the matrix products and their summation order differ.
 
 use super::kernels::{MatKernels, SharedOut};
-use super::ops::{self, dot, rms_norm, rms_norm_in_place};
+use super::ops;
 use super::packed::{PackedMatrix, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::{Engine, LogitsWanted};
@@ -226,10 +226,12 @@ impl FastEngine {
         let mut proj = vec![0.0f32; n * c.hidden];
         let mut gate = vec![0.0f32; n * c.intermediate];
         let mut up = vec![0.0f32; n * c.intermediate];
+        let mut act = vec![0.0f32; n * c.intermediate];
 
         for li in 0..c.n_layers() {
             let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
-            norm_rows(&x, &w.attn_norm, c.rms_eps, &mut normed, c.hidden);
+            let kern = &*self.kernels;
+            kern.rms_norm(&x, &w.attn_norm, &mut normed, c.rms_eps);
             self.matmuls(vec![
                 (&w.q, &normed, &mut q[..]),
                 (&w.k, &normed, &mut k[..]),
@@ -239,19 +241,21 @@ impl FastEngine {
             let layer = c.layers[li];
             for t in 0..n {
                 let (cos, sin) = ops::rope_angles(start + t, hd, layer.rope_base, layer.rope_scale);
-                for head in q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
-                    if let Some(nw) = &w.q_norm {
-                        rms_norm_in_place(head, nw, c.rms_eps);
-                    }
+                let q_row = &mut q[t * q_dim..(t + 1) * q_dim];
+                if let Some(nw) = &w.q_norm {
+                    kern.rms_norm_in_place(q_row, nw, c.rms_eps);
+                }
+                for head in q_row.chunks_exact_mut(hd) {
                     ops::rope(head, &cos, &sin);
                     for e in head.iter_mut() {
                         *e *= c.query_scale;
                     }
                 }
-                for head in k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                    if let Some(nw) = &w.k_norm {
-                        rms_norm_in_place(head, nw, c.rms_eps);
-                    }
+                let k_row = &mut k[t * kv_dim..(t + 1) * kv_dim];
+                if let Some(nw) = &w.k_norm {
+                    kern.rms_norm_in_place(k_row, nw, c.rms_eps);
+                }
+                for head in k_row.chunks_exact_mut(hd) {
                     ops::rope(head, &cos, &sin);
                 }
             }
@@ -261,40 +265,22 @@ impl FastEngine {
 
             self.attention(li, start, &q, &mut attn, n);
             let w = &self.weights.layers[li];
+            let kern = &*self.kernels;
             self.matmul(&w.o, &attn, &mut proj);
-            residual_add(
-                &mut x,
-                &mut proj,
-                w.attn_post_norm.as_deref(),
-                c.rms_eps,
-                c.hidden,
-            );
+            self.residual_add(&mut x, &mut proj, w.attn_post_norm.as_deref());
 
-            norm_rows(&x, &w.ffn_norm, c.rms_eps, &mut normed, c.hidden);
+            kern.rms_norm(&x, &w.ffn_norm, &mut normed, c.rms_eps);
             self.matmuls(vec![
                 (&w.gate, &normed, &mut gate[..]),
                 (&w.up, &normed, &mut up[..]),
             ]);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = ops::gelu_tanh(*g) * u;
-            }
-            self.matmul(&w.down, &gate, &mut proj);
-            residual_add(
-                &mut x,
-                &mut proj,
-                w.ffn_post_norm.as_deref(),
-                c.rms_eps,
-                c.hidden,
-            );
+            kern.geglu(&gate, &up, &mut act);
+            self.matmul(&w.down, &act, &mut proj);
+            self.residual_add(&mut x, &mut proj, w.ffn_post_norm.as_deref());
         }
         self.kv.len += n;
-        norm_rows(
-            &x.clone(),
-            &self.weights.final_norm,
-            c.rms_eps,
-            &mut x,
-            c.hidden,
-        );
+        self.kernels
+            .rms_norm_in_place(&mut x, &self.weights.final_norm, c.rms_eps);
         Ok(x)
     }
 
@@ -312,36 +298,41 @@ impl FastEngine {
         let shared = SharedOut::new(out, q_dim);
         let pairs = n * c.n_heads;
         let threads = self.pool.threads();
+        let kern = &*self.kernels;
         self.pool.run(|tid| {
             let (p0, p1) = split_range(pairs, threads, tid, 1);
-            let mut scores = Vec::new();
+            let mut scores = vec![0.0f32; start + n];
             for pair in p0..p1 {
                 let (t, h) = (pair / c.n_heads, pair % c.n_heads);
                 let pos = start + t;
                 let first = window.map_or(0, |win| (pos + 1).saturating_sub(win));
-                let kvh = h / group;
+                let head_at = first * kv_dim + (h / group) * hd;
                 let qh = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-                scores.clear();
-                for kp in first..=pos {
-                    let key = &keys[kp * kv_dim + kvh * hd..kp * kv_dim + (kvh + 1) * hd];
-                    let s = dot(qh, key);
-                    scores.push(match c.attn_softcap {
-                        Some(cap) => ops::softcap(s, cap),
-                        None => s,
-                    });
-                }
-                ops::softmax(&mut scores);
                 // SAFETY: each (token, head) pair is owned by one thread.
                 let o = unsafe { shared.cells(t, h * hd..(h + 1) * hd) };
-                o.fill(0.0);
-                for (&p, kp) in scores.iter().zip(first..=pos) {
-                    let val = &values[kp * kv_dim + kvh * hd..kp * kv_dim + (kvh + 1) * hd];
-                    for (oe, &ve) in o.iter_mut().zip(val) {
-                        *oe += p * ve;
-                    }
-                }
+                kern.attend(
+                    qh,
+                    &keys[head_at..],
+                    &values[head_at..],
+                    kv_dim,
+                    pos + 1 - first,
+                    c.attn_softcap,
+                    &mut scores,
+                    o,
+                );
             }
         });
+    }
+
+    /// x += post_norm(delta), row by row.
+    fn residual_add(&self, x: &mut [f32], delta: &mut [f32], post_norm: Option<&[f32]>) {
+        if let Some(nw) = post_norm {
+            self.kernels
+                .rms_norm_in_place(delta, nw, self.config.rms_eps);
+        }
+        for (a, b) in x.iter_mut().zip(delta.iter()) {
+            *a += b;
+        }
     }
 
     fn logits_of(&self, normed_rows: &[f32]) -> Vec<f32> {
@@ -354,31 +345,6 @@ impl FastEngine {
             }
         }
         logits
-    }
-}
-
-/// RMSNorm of every `width`-long row of `x` into `out`.
-fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], width: usize) {
-    for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        rms_norm(xr, weight, eps, or);
-    }
-}
-
-/// x += post_norm(delta), row by row.
-fn residual_add(
-    x: &mut [f32],
-    delta: &mut [f32],
-    post_norm: Option<&[f32]>,
-    eps: f32,
-    width: usize,
-) {
-    for (xr, dr) in x.chunks_exact_mut(width).zip(delta.chunks_exact_mut(width)) {
-        if let Some(nw) = post_norm {
-            rms_norm_in_place(dr, nw, eps);
-        }
-        for (a, b) in xr.iter_mut().zip(dr.iter()) {
-            *a += b;
-        }
     }
 }
 

@@ -38,6 +38,8 @@ fn weight_type(f: WeightFormat) -> WeightType {
 pub struct JitKernels {
     set: KernelSet,
     isa: Isa,
+    /// The feed-forward width the GeGLU kernel was generated for.
+    ffn_width: usize,
 }
 
 impl JitKernels {
@@ -57,7 +59,11 @@ impl JitKernels {
         let plan = plan::plan(&ModelDims::from(config), &caps, &opts)?;
         let isa = plan.kernels.first().map_or(Isa::Avx2, |k| k.isa);
         let set = KernelSet::build(&plan, &caps, opts.max_isa)?;
-        Ok(JitKernels { set, isa })
+        Ok(JitKernels {
+            set,
+            isa,
+            ffn_width: config.intermediate,
+        })
     }
 }
 
@@ -95,5 +101,61 @@ impl MatKernels for JitKernels {
 
     fn name(&self) -> String {
         format!("jit {}", self.isa.name())
+    }
+
+    fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {
+        match self.set.rmsnorm(w.len()) {
+            Some(k) => k.run(x, w, out, eps).expect("RMSNorm sized by the engine"),
+            None => PortableKernels.rms_norm(x, w, out, eps),
+        }
+    }
+
+    fn rms_norm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        match self.set.rmsnorm(w.len()) {
+            Some(k) => k
+                .run_inplace(x, w, eps)
+                .expect("RMSNorm sized by the engine"),
+            None => PortableKernels.rms_norm_in_place(x, w, eps),
+        }
+    }
+
+    fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let done = self
+            .set
+            .geglu(self.ffn_width)
+            .is_some_and(|k| k.run(gate, up, out).is_ok());
+        if !done {
+            PortableKernels.geglu(gate, up, out);
+        }
+    }
+
+    fn attend(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        stride: usize,
+        n: usize,
+        softcap: Option<f32>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let hd = q.len();
+        let (Some(dot), Some(softmax), Some(wsum)) = (
+            self.set.attn_scores(hd).filter(|k| k.stride == stride),
+            self.set.softmax(),
+            self.set.attn_wsum(hd).filter(|k| k.stride == stride),
+        ) else {
+            return PortableKernels.attend(q, keys, values, stride, n, softcap, scores, out);
+        };
+        let scores = &mut scores[..n];
+        dot.run(keys, q, scores, 0..n, 1.0)
+            .expect("attention scores sized by the engine");
+        if let Some(cap) = softcap {
+            scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+        }
+        softmax.run(scores);
+        wsum.run(scores, values, out)
+            .expect("attention sum sized by the engine");
     }
 }

@@ -2,7 +2,7 @@
 //! implementation; `PortableKernels` is plain Rust with the same contract,
 //! used to test the engine's driver logic on its own.
 
-use super::ops::dot;
+use super::ops::{self, dot};
 use super::packed::PackedMatrix;
 use std::ops::Range;
 
@@ -63,6 +63,60 @@ pub trait MatKernels: Sync {
 
     /// A short name for reports ("jit avx2", "portable").
     fn name(&self) -> String;
+
+    /// RMSNorm of every `w.len()`-long row of `x` into `out`.
+    fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {
+        for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+            ops::rms_norm(xr, w, eps, or);
+        }
+    }
+
+    /// In-place RMSNorm of every `w.len()`-long row of `x`.
+    fn rms_norm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        for row in x.chunks_exact_mut(w.len()) {
+            ops::rms_norm_in_place(row, w, eps);
+        }
+    }
+
+    /// out = gelu_tanh(gate) · up, elementwise.
+    fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = ops::gelu_tanh(g) * u;
+        }
+    }
+
+    /// One query head attending over `n` cached positions: `keys` and
+    /// `values` start at the first visible position's row for this KV
+    /// head, rows `stride` apart; `q` is already scaled. `scores` is
+    /// scratch of at least `n`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        stride: usize,
+        n: usize,
+        softcap: Option<f32>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let hd = q.len();
+        let scores = &mut scores[..n];
+        for (p, s) in scores.iter_mut().enumerate() {
+            *s = dot(q, &keys[p * stride..p * stride + hd]);
+        }
+        if let Some(cap) = softcap {
+            scores.iter_mut().for_each(|s| *s = ops::softcap(*s, cap));
+        }
+        ops::softmax(scores);
+        out.fill(0.0);
+        for (p, &w) in scores.iter().enumerate() {
+            for (o, &v) in out.iter_mut().zip(&values[p * stride..p * stride + hd]) {
+                *o += w * v;
+            }
+        }
+    }
 }
 
 /// Plain-Rust kernels: widen a row once, dot it with every token.
