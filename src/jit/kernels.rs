@@ -108,7 +108,7 @@ impl KernelSet {
         })
     }
 
-    /// Plans nothing: emits, verifies and maps `plan`.
+    /// Emits, verifies and maps the kernels of `plan`.
     pub fn build(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
         KernelSet::map(emit_and_verify(plan, caps, max_isa)?)
     }
