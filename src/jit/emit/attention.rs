@@ -128,7 +128,7 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
     finish(ops, name)
 }
 
-/// `extern "sysv64" fn(p, v, out, n_pos)`: out[d] = sum_t p[t] * V[t][d] for
+/// `extern "sysv64" fn(p, v, out, n_pos)`: `out[d] = sum_t p[t] * V[t][d]` for
 /// d < head_dim, V rows `stride` floats apart. Accumulates chunks of up to 64
 /// floats in eight registers; n_pos = 0 gives zeros.
 pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<Vec<u8>> {
