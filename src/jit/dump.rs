@@ -17,7 +17,7 @@ pub struct DumpArgs {
     /// Model .gguf or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
-    /// Write <kernel>.bin and <kernel>.asm into this directory
+    /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Print a JSON summary instead of listings

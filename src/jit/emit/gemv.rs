@@ -1,4 +1,4 @@
-//! GEMV for decode: y[r] = scale * sum_k W[r,k] * x[k] for r in [r0, r1).
+//! GEMV for decode: `y[r] = scale * sum_k W[r,k] * x[k]` for r in `r0..r1`.
 //!
 //! Four rows form a block and share every activation load (measured +65% over
 //! one row at a time). K, the row stride and the tail are immediates. The last
