@@ -75,6 +75,27 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             g.k,
             secs * 1e3
         );
+        if plan.threads > 1 {
+            // Rows split as the engine would split them, one scoped thread each.
+            let parts = super::plan::split_rows(rows, plan.threads, super::emit::gemv::ROWS);
+            let secs = best_of(|| {
+                std::thread::scope(|sc| {
+                    let mut rest: &mut [f32] = &mut y;
+                    for r in parts.iter().cloned() {
+                        let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                        rest = tail;
+                        let (w, x) = (&w[..rows * g.k], &x);
+                        sc.spawn(move || gemv.run_part(w, x, part, r));
+                    }
+                });
+            });
+            println!(
+                "measure {:<28} {:>6.1} GB/s  ({} threads)",
+                spec.name,
+                (rows * g.k * 2) as f64 / secs / 1e9,
+                parts.len()
+            );
+        }
     }
     Ok(())
 }
