@@ -100,19 +100,21 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     Ok(())
 }
 
-/// A/B of GEMV prefetch distances for one K (hidden `tune --measure` helper).
+/// A/B of GEMV prefetch distances x unroll 1/2/4 for one K (hidden `tune --measure` helper).
 pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usize]) -> Result<()> {
     use super::emit::gemv::{GemvParams, WeightType};
     let kinds: Vec<KernelKind> = distances
         .iter()
-        .map(|&d| {
-            KernelKind::Gemv(GemvParams {
-                wt: WeightType::F16,
-                k,
-                row_stride: k,
-                unroll: 2,
-                prefetch: d,
-                scaled: false,
+        .flat_map(|&d| {
+            [1usize, 2, 4].map(|unroll| {
+                KernelKind::Gemv(GemvParams {
+                    wt: WeightType::F16,
+                    k,
+                    row_stride: k,
+                    unroll,
+                    prefetch: d,
+                    scaled: false,
+                })
             })
         })
         .collect();
