@@ -168,6 +168,10 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
             plan.isa.name(),
             kernels.len()
         )?;
+        for n in &plan.notes {
+            writeln!(out, "note: {n}")?;
+        }
+        writeln!(out, "stays in Rust: {}", plan.not_jitted.join(", "))?;
     }
     write_stdout(&out)?;
     if let Some(dir) = &args.out {
