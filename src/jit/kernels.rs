@@ -630,3 +630,11 @@ impl AttnWsum<'_> {
 
 /// Keeps the gemm tile constants visible to callers that split rows.
 pub const GEMM_TILE: (usize, usize) = (gemm::ROWS, gemm::TOKENS);
+
+// The engine shares one KernelSet across its thread pool.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<KernelSet>();
+    send_sync::<Gemv<'static>>();
+    send_sync::<Gemm<'static>>();
+};
