@@ -510,3 +510,103 @@ fn attention_weighted_sum_matches_reference() {
         }
     }
 }
+
+/// The kernels the planner actually ships for the two reference shapes,
+/// each checked once against the reference (the shape sweeps above cover
+/// the emitters in general).
+#[test]
+fn planned_kernels_match_reference() {
+    use pulsar::jit::dims::ModelDims;
+    use pulsar::jit::plan::{PlanOptions, plan};
+    let gemma_2b = ModelDims {
+        hidden: 2048,
+        intermediate: 16384,
+        n_heads: 8,
+        n_kv_heads: 1,
+        head_dim: 256,
+        vocab: 256_000,
+        n_layers: 18,
+        qk_norm: false,
+    };
+    let mut rng = Rng(2024);
+    for dims in [ModelDims::GEMMA3_270M, gemma_2b] {
+        let c = caps();
+        let p = plan(&dims, &c, &PlanOptions::default()).unwrap();
+        let s = KernelSet::build(&p, &c, Isa::Avx2).unwrap();
+        for spec in &p.kernels {
+            match &spec.kind {
+                KernelKind::Gemv(g) => {
+                    let gemv = s.gemv(g.wt, g.k).unwrap();
+                    let rows = 7;
+                    let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
+                    let x = rng.vec(g.k, 1.0);
+                    let mut y = vec![0f32; rows];
+                    gemv.run(&w, &x, &mut y, 0..rows).unwrap();
+                    for r in 0..rows {
+                        let t: Vec<f64> = (0..g.k)
+                            .map(|i| from_u16(g.wt, w[r * g.k + i]) * x[i] as f64)
+                            .collect();
+                        close(
+                            y[r],
+                            t.iter().sum(),
+                            t.iter().map(|v| v.abs()).sum(),
+                            g.k,
+                            &spec.name,
+                        );
+                    }
+                }
+                KernelKind::Gemm(g) => {
+                    let gemm = s.gemm(g.wt, g.k).unwrap();
+                    let (rows, tokens) = (5, 4);
+                    let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
+                    let x = rng.vec(tokens * g.k, 1.0);
+                    let mut y = vec![0f32; tokens * rows];
+                    gemm.run(&w, &x, tokens, &mut y, rows, 0..rows).unwrap();
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let v: Vec<f64> = (0..g.k)
+                                .map(|i| from_u16(g.wt, w[r * g.k + i]) * x[t * g.k + i] as f64)
+                                .collect();
+                            close(
+                                y[t * rows + r],
+                                v.iter().sum(),
+                                v.iter().map(|v| v.abs()).sum(),
+                                g.k,
+                                &spec.name,
+                            );
+                        }
+                    }
+                }
+                KernelKind::RmsNorm { dim, .. } => {
+                    let k = s.rmsnorm(*dim).unwrap();
+                    let x = rng.vec(*dim, 2.0);
+                    let w = rng.vec(*dim, 1.0);
+                    let mut out = vec![0f32; *dim];
+                    k.run(&x, &w, &mut out, 1e-6).unwrap();
+                    let exact = rms_ref(&x, &w, 1e-6);
+                    for i in 0..*dim {
+                        close(out[i], exact[i], exact[i].abs(), 72, &spec.name);
+                    }
+                }
+                KernelKind::Geglu { width } => {
+                    let k = s.geglu(*width).unwrap();
+                    let (g, u) = (rng.vec(*width, 6.0), rng.vec(*width, 1.0));
+                    let mut out = vec![0f32; *width];
+                    k.run(&g, &u, &mut out).unwrap();
+                    for i in 0..*width {
+                        let exact = gelu_tanh(g[i] as f64) * u[i] as f64;
+                        assert!(
+                            (out[i] as f64 - exact).abs()
+                                <= 2e-6 * (g[i] * u[i]).abs() as f64 + 1e-30,
+                            "{}",
+                            spec.name
+                        );
+                    }
+                }
+                // RoPE, scores, softmax and wsum have no shape beyond head_dim
+                // and stride, which the sweeps above already include (256/256).
+                _ => {}
+            }
+        }
+    }
+}

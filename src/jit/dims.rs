@@ -178,3 +178,62 @@ pub fn dims_from_gguf(path: &Path) -> Result<ModelDims> {
         qk_norm: arch.starts_with("gemma3"),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("pulsar-dims-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("config.json");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn reads_gemma3_text_config_and_defaults() {
+        let p = write(
+            "g3",
+            r#"{"model_type":"gemma3","text_config":{"model_type":"gemma3_text","hidden_size":640,
+               "intermediate_size":2048,"num_attention_heads":4,"num_key_value_heads":1,
+               "head_dim":256,"vocab_size":262144,"num_hidden_layers":18}}"#,
+        );
+        assert_eq!(load_dims(&p).unwrap(), ModelDims::GEMMA3_270M);
+        // head_dim and kv heads default like HF does.
+        let p = write(
+            "defaults",
+            r#"{"model_type":"gemma","hidden_size":64,"intermediate_size":128,
+               "num_attention_heads":4,"vocab_size":100}"#,
+        );
+        let d = load_dims(&p).unwrap();
+        assert_eq!((d.head_dim, d.n_kv_heads, d.qk_norm), (16, 4, false));
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let p = write(
+            "missing",
+            r#"{"hidden_size":64,"num_attention_heads":4,"vocab_size":9}"#,
+        );
+        let e = format!("{:#}", load_dims(&p).unwrap_err());
+        assert!(
+            e.contains("intermediate_size") && e.contains("config.json"),
+            "{e}"
+        );
+        let p = write("badtype", r#"{"hidden_size":"big"}"#);
+        let e = format!("{:#}", load_dims(&p).unwrap_err());
+        assert!(e.contains("hidden_size") && e.contains("integer"), "{e}");
+        let p = write(
+            "zero",
+            r#"{"hidden_size":0,"intermediate_size":8,"num_attention_heads":1,"vocab_size":9}"#,
+        );
+        let e = format!("{:#}", load_dims(&p).unwrap_err());
+        assert!(e.contains("hidden is 0"), "{e}");
+        let e = format!(
+            "{:#}",
+            load_dims(Path::new("/nonexistent/config.json")).unwrap_err()
+        );
+        assert!(e.contains("/nonexistent/config.json"), "{e}");
+    }
+}

@@ -17,7 +17,7 @@ pub struct DumpArgs {
     /// Model .gguf or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
-    /// Write <kernel>.bin and <kernel>.asm into this directory
+    /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Print a JSON summary instead of listings
@@ -168,6 +168,10 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
             plan.isa.name(),
             kernels.len()
         )?;
+        for n in &plan.notes {
+            writeln!(out, "note: {n}")?;
+        }
+        writeln!(out, "stays in Rust: {}", plan.not_jitted.join(", "))?;
     }
     write_stdout(&out)?;
     if let Some(dir) = &args.out {

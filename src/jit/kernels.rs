@@ -108,7 +108,7 @@ impl KernelSet {
         })
     }
 
-    /// Plans nothing: emits, verifies and maps `plan`.
+    /// Emits, verifies and maps the kernels of `plan`.
     pub fn build(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<KernelSet> {
         KernelSet::map(emit_and_verify(plan, caps, max_isa)?)
     }
@@ -245,9 +245,9 @@ impl KernelSet {
     }
 }
 
-/// `(w, x, y, r0, r1)`: y[r] = sum_k W[r,k] x[k], r in [r0, r1).
+/// `(w, x, y, r0, r1)`: `y[r] = sum_k W[r,k] x[k]`, r in `r0..r1`.
 pub type GemvFn = unsafe extern "sysv64" fn(*const u16, *const f32, *mut f32, usize, usize);
-/// `(w, x, y, r0, r1, tokens, ldy)`: Y[t*ldy + r] = sum_k W[r,k] X[t*K + k].
+/// `(w, x, y, r0, r1, tokens, ldy)`: `Y[t*ldy + r] = sum_k W[r,k] X[t*K + k]`.
 pub type GemmFn =
     unsafe extern "sysv64" fn(*const u16, *const f32, *mut f32, usize, usize, usize, usize);
 /// `(x, w, out, rows, eps)`.
@@ -283,7 +283,7 @@ pub struct Gemv<'a> {
 }
 
 impl Gemv<'_> {
-    /// y[r] = sum_k W[r,k] x[k] for r in `rows`; `w` is the whole row-major
+    /// `y[r] = sum_k W[r,k] x[k]` for r in `rows`; `w` is the whole row-major
     /// matrix (u16 bits of f16 or bf16, as planned), `y` is indexed by row.
     pub fn run(
         &self,
@@ -365,7 +365,7 @@ pub struct Gemm<'a> {
 }
 
 impl Gemm<'_> {
-    /// Y[t*ldy + r] = sum_k W[r,k] X[t*K + k] for r in `rows`, t < tokens.
+    /// `Y[t*ldy + r] = sum_k W[r,k] X[t*K + k]` for r in `rows`, t < tokens.
     pub fn run(
         &self,
         w: &[u16],
@@ -544,7 +544,7 @@ pub struct AttnScores<'a> {
 }
 
 impl AttnScores<'_> {
-    /// scores[p] = scale * q . K[p] for p in `pos`; K rows `stride` apart
+    /// `scores[p] = scale * q . K[p]` for p in `pos`; K rows `stride` apart
     /// (`k_cache` starts at this KV head).
     pub fn run(
         &self,
@@ -607,7 +607,7 @@ pub struct AttnWsum<'a> {
 }
 
 impl AttnWsum<'_> {
-    /// out = sum_t p[t] * V[t] over `p.len()` positions.
+    /// `out = sum_t p[t] * V[t]` over `p.len()` positions.
     pub fn run(&self, p: &[f32], v_cache: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
         if out.len() != self.head_dim
             || !rows_fit(v_cache.len(), p.len(), self.stride, self.head_dim)
@@ -630,3 +630,11 @@ impl AttnWsum<'_> {
 
 /// Keeps the gemm tile constants visible to callers that split rows.
 pub const GEMM_TILE: (usize, usize) = (gemm::ROWS, gemm::TOKENS);
+
+// The engine shares one KernelSet across its thread pool.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<KernelSet>();
+    send_sync::<Gemv<'static>>();
+    send_sync::<Gemm<'static>>();
+};

@@ -75,23 +75,46 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             g.k,
             secs * 1e3
         );
+        if plan.threads > 1 {
+            // Rows split as the engine would split them, one scoped thread each.
+            let parts = super::plan::split_rows(rows, plan.threads, super::emit::gemv::ROWS);
+            let secs = best_of(|| {
+                std::thread::scope(|sc| {
+                    let mut rest: &mut [f32] = &mut y;
+                    for r in parts.iter().cloned() {
+                        let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                        rest = tail;
+                        let (w, x) = (&w[..rows * g.k], &x);
+                        sc.spawn(move || gemv.run_part(w, x, part, r));
+                    }
+                });
+            });
+            println!(
+                "measure {:<28} {:>6.1} GB/s  ({} threads)",
+                spec.name,
+                (rows * g.k * 2) as f64 / secs / 1e9,
+                parts.len()
+            );
+        }
     }
     Ok(())
 }
 
-/// A/B of GEMV prefetch distances for one K (hidden `tune --measure` helper).
+/// A/B of GEMV prefetch distances x unroll 1/2/4 for one K (hidden `tune --measure` helper).
 pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usize]) -> Result<()> {
     use super::emit::gemv::{GemvParams, WeightType};
     let kinds: Vec<KernelKind> = distances
         .iter()
-        .map(|&d| {
-            KernelKind::Gemv(GemvParams {
-                wt: WeightType::F16,
-                k,
-                row_stride: k,
-                unroll: 2,
-                prefetch: d,
-                scaled: false,
+        .flat_map(|&d| {
+            [1usize, 2, 4].map(|unroll| {
+                KernelKind::Gemv(GemvParams {
+                    wt: WeightType::F16,
+                    k,
+                    row_stride: k,
+                    unroll,
+                    prefetch: d,
+                    scaled: false,
+                })
             })
         })
         .collect();

@@ -1,6 +1,25 @@
 //! The JIT: cpu -> plan -> emit -> verify -> dump, and the kernel registry
 //! that maps verified code and hands out typed entry points.
+//!
+//! Flow: [`cpu::CpuCaps::detect`] -> [`plan::plan`] (pure; trades unrolling
+//! and optional ops against the 5,120-byte budget) ->
+//! [`kernels::KernelSet::build`] (emits with dynasm-rs, verifies every buffer
+//! with iced-x86, maps it read+execute) -> typed handles:
+//!
+//! | handle | safe call | machine-code signature (`extern "sysv64"`) |
+//! | --- | --- | --- |
+//! | `gemv(wt, k)` | `run(w, x, y, rows)`, `run_part(w, x, y_part, rows)` | `(w: *const u16, x: *const f32, y: *mut f32, r0, r1)` |
+//! | `gemm(wt, k)` | `run(w, x, tokens, y, ldy, rows)`, `unsafe run_unchecked` | `(w, x, y, r0, r1, tokens, ldy)` |
+//! | `rmsnorm(dim)` | `run(x, w, out, eps)`, `run_inplace(x, w, eps)` | `(x, w, out, rows, eps: f32)` |
+//! | `rope(head_dim)` | `run(x, cos, sin)` (in place, all heads in x) | `(x: *mut f32, cos, sin, n_heads)` |
+//! | `geglu(width)` | `run(gate, up, out)` (n >= 8) | `(gate, up, out, rows)` |
+//! | `attn_scores(head_dim)` | `run(k_cache, q, scores, pos, scale)` | `(k, q, scores, p0, p1, scale: f32)` |
+//! | `softmax()` | `run(x)` (in place) | `(x: *mut f32, n)` |
+//! | `attn_wsum(head_dim)` | `run(p, v_cache, out)` | `(p, v, out, n_pos)` |
+//!
+//! Row-range arguments let a thread pool split rows ([`plan::split_rows`]).
 
+pub mod backend;
 pub mod cpu;
 pub mod dims;
 pub mod dump;

@@ -134,6 +134,7 @@ const ALLOWED: &[Mnemonic] = {
         Je,
         Jne,
         Jg,
+        Jle,
         Jmp,
         Ret,
         Prefetcht0,

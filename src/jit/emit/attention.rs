@@ -4,6 +4,7 @@
 //! between positions is baked in.
 
 use super::{Asm, ExpRegs, LANES, count_mask, exp_ps, finish, hsum, lane_index, new_asm};
+use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 /// `extern "sysv64" fn(x, n)`: x[..n] <- softmax(x[..n]) in place, n >= 1.
@@ -128,7 +129,7 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
     finish(ops, name)
 }
 
-/// `extern "sysv64" fn(p, v, out, n_pos)`: out[d] = sum_t p[t] * V[t][d] for
+/// `extern "sysv64" fn(p, v, out, n_pos)`: `out[d] = sum_t p[t] * V[t][d]` for
 /// d < head_dim, V rows `stride` floats apart. Accumulates chunks of up to 64
 /// floats in eight registers; n_pos = 0 gives zeros.
 pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<Vec<u8>> {
@@ -151,39 +152,54 @@ pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<V
         dynasm!(ops
             ; .arch x64
             ; test rcx, rcx
-            ; jz =>store
-            ; xor rax, rax
+            ; jz BYTE =>store
+            ; xor eax, eax
             ; lea r9, [rsi + r8]
+        );
+        let top = ops.offset();
+        dynasm!(ops
+            ; .arch x64
             ; =>tloop
             ; vmovss xmm8, [rdi + rax * 4]
             ; vbroadcastss ymm8, xmm8
         );
         for a in 0..nv {
-            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(a as u8), ymm8, [r9 + (a * 32) as i32]);
+            let r = a as u8;
+            match i8::try_from(a * 32) {
+                Ok(d) => dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(r), ymm8, [BYTE r9 + d]),
+                Err(_) => {
+                    dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(r), ymm8, [r9 + (a * 32) as i32])
+                }
+            }
         }
         dynasm!(ops
             ; .arch x64
             ; add r9, stride_b
             ; inc rax
             ; cmp rax, rcx
-            ; jb =>tloop
-            ; =>store
         );
+        jback!(ops, jb, tloop, top);
+        dynasm!(ops ; .arch x64 ; =>store);
         for a in 0..nv {
-            dynasm!(ops ; .arch x64 ; vmovups [rdx + r8 + (a * 32) as i32], Ry(a as u8));
+            let r = a as u8;
+            match i8::try_from(a * 32) {
+                Ok(d) => dynasm!(ops ; .arch x64 ; vmovups [BYTE rdx + r8 + d], Ry(r)),
+                Err(_) => dynasm!(ops ; .arch x64 ; vmovups [rdx + r8 + (a * 32) as i32], Ry(r)),
+            }
         }
     };
-    dynasm!(ops ; .arch x64 ; xor r8, r8);
+    dynasm!(ops ; .arch x64 ; xor r8d, r8d);
     if full > 0 {
         let cl = ops.new_dynamic_label();
+        let top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>cl);
         chunk(&mut ops, 8);
         dynasm!(ops
             ; .arch x64
             ; add r8, (CHUNK * 4) as i32
             ; cmp r8, (full * CHUNK * 4) as i32
-            ; jb =>cl
         );
+        jback!(ops, jb, cl, top);
     }
     if rest > 0 {
         chunk(&mut ops, rest);

@@ -2,7 +2,8 @@
 //! Vector widths are baked in; tails use AVX2 masked loads/stores (f32 lanes)
 //! or, where the output cannot alias the input, an overlapping last vector.
 
-use super::{Asm, ExpRegs, LANES, exp_ps, finish, hsum, lane_mask, new_asm};
+use super::{Asm, ExpRegs, LANES, add_rax, exp_ps, finish, hsum, lane_mask, new_asm};
+use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 const MASK: u8 = 15;
@@ -35,6 +36,7 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
     if tail > 0 {
         lane_mask(&mut ops, MASK, 0, tail);
     }
+    let row_top = ops.offset();
     dynasm!(ops
         ; .arch x64
         ; =>row
@@ -44,13 +46,16 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
         dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
     }
     if main > 0 {
-        dynasm!(ops ; .arch x64 ; mov rax, -((main * 4) as i32) ; =>l1);
+        dynasm!(ops ; .arch x64 ; mov rax, -((main * 4) as i32));
+        let top = ops.offset();
+        dynasm!(ops ; .arch x64 ; =>l1);
         for j in 0..unroll {
             dynasm!(ops ; .arch x64
                 ; vmovups ymm8, [r8 + rax + (j * 32) as i32]
                 ; vfmadd231ps Ry(j as u8), ymm8, ymm8);
         }
-        dynasm!(ops ; .arch x64 ; add rax, (step * 4) as i32 ; jnz =>l1);
+        add_rax(&mut ops, (step * 4) as i32);
+        jback!(ops, jnz, l1, top);
     }
     for v in 0..rest {
         dynasm!(ops ; .arch x64
@@ -90,8 +95,8 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
             ; vmulps ymm8, ymm0, [r8 + rax]
             ; vmulps ymm8, ymm8, [r9 + rax]
             ; vmovups [r10 + rax], ymm8
-            ; add rax, 32
-            ; jnz =>l2
+            ; add rax, BYTE 32
+            ; jnz BYTE =>l2
         );
     }
     if tail > 0 {
@@ -109,7 +114,10 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
         ; add rdi, (dim * 4) as i32
         ; add rdx, (dim * 4) as i32
         ; dec rcx
-        ; jnz =>row
+    );
+    jback!(ops, jnz, row, row_top);
+    dynasm!(ops
+        ; .arch x64
         ; =>done
         ; vzeroupper
         ; ret
@@ -143,6 +151,7 @@ pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     if tail > 0 {
         lane_mask(&mut ops, MASK, 0, tail);
     }
+    let head_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>head ; lea r8, [rdi + main * 4]);
     // rotate(a, b, c, s): a' = a*c - b*s, b' = b*c + a*s
     let rotate = |ops: &mut Asm| {
@@ -169,8 +178,8 @@ pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
             ; .arch x64
             ; vmovups [r8 + rax], ymm4
             ; vmovups [r8 + rax + h4], ymm5
-            ; add rax, 32
-            ; jnz =>lp
+            ; add rax, BYTE 32
+            ; jnz BYTE =>lp
         );
     }
     if tail > 0 {
@@ -192,7 +201,10 @@ pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         ; add rdi, (head_dim * 4) as i32
         ; dec rcx
-        ; jnz =>head
+    );
+    jback!(ops, jnz, head, head_top);
+    dynasm!(ops
+        ; .arch x64
         ; =>done
         ; vzeroupper
         ; ret
@@ -222,9 +234,7 @@ pub fn emit_geglu(width: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     const R2: u8 = 4;
     let mut ops = new_asm();
     let done = ops.new_dynamic_label();
-    let lp = ops.new_dynamic_label();
     let body = ops.new_dynamic_label();
-    let last = ops.new_dynamic_label();
     dynasm!(ops
         ; .arch x64
         ; imul rcx, rcx, (width * 4) as i32
@@ -239,9 +249,10 @@ pub fn emit_geglu(width: usize, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         // b lives in memory below rsp (red zone) because all 16 registers are taken.
         ; mov DWORD [rsp - 4], (b as f32).to_bits() as i32
-        ; =>lp
-        ; cmp r9, r8
-        ; jg =>last
+    );
+    let top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
         ; =>body
         ; vmovups ymm0, [rdi + r9]
         ; vmulps ymm1, ymm0, ymm0
@@ -257,13 +268,20 @@ pub fn emit_geglu(width: usize, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vdivps ymm0, ymm0, ymm1
         ; vmulps ymm0, ymm0, [rsi + r9]
         ; vmovups [rdx + r9], ymm0
-        ; add r9, 32
-        ; jmp =>lp
-        ; =>last
+        ; add r9, BYTE 32
+        ; cmp r9, r8
+    );
+    // Whole vectors while they fit; then one vector ending exactly at n.
+    jback!(ops, jle, body, top);
+    dynasm!(ops
+        ; .arch x64
         ; cmp r9, rcx
-        ; jae =>done
+        ; jae BYTE =>done
         ; mov r9, r8
-        ; jmp =>body
+    );
+    jback!(ops, jmp, body, top);
+    dynasm!(ops
+        ; .arch x64
         ; =>done
         ; vzeroupper
         ; ret

@@ -1,4 +1,4 @@
-//! GEMM for prefill: Y[t, r] = sum_k W[r,k] * X[t,k] for r in [r0, r1) and
+//! GEMM for prefill: `Y[t, r] = sum_k W[r,k] * X[t,k]` for r in `r0..r1` and
 //! t in [0, T). A 4-row x 3-token register tile: 12 accumulators, 3 activation
 //! vectors and one converted weight vector fill the 16 ymm registers.
 //!
@@ -8,7 +8,7 @@
 //! the masked overlapping vector of GEMV, so K >= 8.
 //!
 //! Registers: rdi=W, rsi=X, rdx=Y, rcx=r, r8=t, r9=T, rbp=ldY in bytes,
-//! [rsp]=r1; rbx/r10/r11/r12 row pointers, r13/r14/r15 token pointers.
+//! `[rsp]`=r1; rbx/r10/r11/r12 row pointers, r13/r14/r15 token pointers.
 
 use super::gemv::WeightType;
 use super::{

@@ -1,4 +1,4 @@
-//! GEMV for decode: y[r] = scale * sum_k W[r,k] * x[k] for r in [r0, r1).
+//! GEMV for decode: `y[r] = scale * sum_k W[r,k] * x[k]` for r in `r0..r1`.
 //!
 //! Four rows form a block and share every activation load (measured +65% over
 //! one row at a time). K, the row stride and the tail are immediates. The last
@@ -15,7 +15,8 @@
 //! ymm12 weights, ymm13 lane indices, ymm14 scale, ymm15 tail mask.
 
 use super::{
-    Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*,
+    Asm, LANES, add_rax, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4,
+    reg::*,
 };
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -216,7 +217,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
                 dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, j)), Ry(WT), Ry(8 + j as u8));
             }
         }
-        dynasm!(ops ; .arch x64 ; add rax, (step * eb) as i32);
+        add_rax(&mut ops, (step * eb) as i32);
         jback!(ops, jnz, kloop, top);
     }
     // Whole vectors left after the unrolled loop, at fixed offsets.

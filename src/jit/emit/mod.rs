@@ -45,6 +45,14 @@ pub fn cmp_imm8(ops: &mut Asm, reg: u8, imm: i8) {
     ops.push(imm as u8);
 }
 
+/// `add rax, imm` with the imm8 form when it fits (dynasm needs `BYTE` for it).
+pub fn add_rax(ops: &mut Asm, imm: i32) {
+    match i8::try_from(imm) {
+        Ok(b) => dynasm!(ops ; .arch x64 ; add rax, BYTE b),
+        Err(_) => dynasm!(ops ; .arch x64 ; add rax, imm),
+    }
+}
+
 /// Backward conditional jump to `label` defined at `top`: the 2-byte short
 /// form when it reaches, else the 6-byte near form.
 #[macro_export]
