@@ -33,7 +33,10 @@ fn logits_stay_finite_over_4096_tokens() {
         let logits = engine.forward(piece, LogitsWanted::Last).unwrap();
         assert_eq!(logits.len(), vocab);
         if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
-            panic!("non-finite logit {} for token {bad} after piece {i}", logits[bad]);
+            panic!(
+                "non-finite logit {} for token {bad} after piece {i}",
+                logits[bad]
+            );
         }
     }
     assert_eq!(engine.position(), 4096);

@@ -47,7 +47,8 @@ impl EngineKind {
 }
 
 /// Builds the chosen engine for an opened model. A CPU the JIT cannot
-/// serve gets the reason on stderr and the reference engine.
+/// serve gets the reason on stderr and the reference engine; a kernel that
+/// fails verification stops the program.
 pub fn open_engine(
     src: ModelSource,
     kind: EngineKind,
@@ -64,12 +65,13 @@ pub fn open_engine(
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
     };
     let format = FastEngine::weight_format_for(&src, &opts)?;
-    match jit_kernels(&src.config, format, threads) {
-        Ok(kernels) => Ok(Box::new(FastEngine::load(&Arc::new(src), kernels, &opts)?)),
-        Err(e) => {
-            eprintln!("pulsar: JIT unavailable ({e:#}); using the reference engine");
-            Ok(Box::new(ReferenceEngine::load(&src)?))
-        }
+    match JitKernels::for_this_cpu(&src.config, format, threads)? {
+        Some(kernels) => Ok(Box::new(FastEngine::load(
+            &Arc::new(src),
+            Box::new(kernels),
+            &opts,
+        )?)),
+        None => Ok(Box::new(ReferenceEngine::load(&src)?)),
     }
 }
 

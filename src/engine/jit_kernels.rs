@@ -4,11 +4,12 @@
 
 use super::kernels::{MatKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
+use crate::jit::backend::{Backend, select_backend};
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::KernelSet;
-use crate::jit::plan::{self, PlanOptions};
+use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -44,26 +45,40 @@ pub struct JitKernels {
 
 impl JitKernels {
     /// Plans, emits and verifies the kernels for `config` with `format`
-    /// weights. Fails (with the reason) on a CPU without AVX2, F16C and FMA
-    /// or for shapes the JIT does not cover.
-    pub fn build(config: &ModelConfig, format: WeightFormat, threads: usize) -> Result<JitKernels> {
-        let caps = CpuCaps::detect();
-        if let Some(msg) = caps.baseline_message() {
-            bail!("{msg}");
-        }
+    /// weights on this CPU. `Ok(None)` with the reason printed when the CPU
+    /// lacks AVX2, F16C or FMA (the caller then runs the reference engine);
+    /// an error when planning or verification fails, which must stop the
+    /// program rather than run unverified code.
+    pub fn for_this_cpu(
+        config: &ModelConfig,
+        format: WeightFormat,
+        threads: usize,
+    ) -> Result<Option<JitKernels>> {
         let opts = PlanOptions {
             threads,
             weights: weight_type(format),
             ..PlanOptions::default()
         };
-        let plan = plan::plan(&ModelDims::from(config), &caps, &opts)?;
-        let isa = plan.kernels.first().map_or(Isa::Avx2, |k| k.isa);
-        let set = KernelSet::build(&plan, &caps, opts.max_isa)?;
-        Ok(JitKernels {
-            set,
-            isa,
-            ffn_width: config.intermediate,
-        })
+        match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
+            Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
+                set: kernels,
+                isa: plan.kernels.first().map_or(Isa::Avx2, |k| k.isa),
+                ffn_width: config.intermediate,
+            })),
+            Backend::Reference { reason } => {
+                eprintln!("pulsar: {reason}");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Like [`JitKernels::for_this_cpu`], but a CPU without the JIT's
+    /// baseline is an error too (benchmarks and tests need the JIT).
+    pub fn build(config: &ModelConfig, format: WeightFormat, threads: usize) -> Result<JitKernels> {
+        match Self::for_this_cpu(config, format, threads)? {
+            Some(k) => Ok(k),
+            None => bail!("this CPU cannot run the JIT kernels (AVX2, F16C and FMA are needed)"),
+        }
     }
 }
 
