@@ -198,7 +198,11 @@ fn bad_model_paths_and_configs_give_clear_errors() {
 
     let dir = temp_dir("bad");
     let cfg = dir.join("config.json");
-    std::fs::write(&cfg, r#"{"hidden_size": 2048, "num_attention_heads": 8}"#).unwrap();
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "gemma", "hidden_size": 2048, "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 100}"#,
+    )
+    .unwrap();
     let out = pulsar(&["dump", "-m", cfg.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -14,21 +14,6 @@ use crate::model::config::ModelConfig;
 use anyhow::{Result, bail};
 use std::ops::Range;
 
-impl From<&ModelConfig> for ModelDims {
-    fn from(c: &ModelConfig) -> ModelDims {
-        ModelDims {
-            hidden: c.hidden,
-            intermediate: c.intermediate,
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-            vocab: c.vocab_size,
-            n_layers: c.n_layers(),
-            qk_norm: c.has_qk_norm(),
-        }
-    }
-}
-
 fn weight_type(f: WeightFormat) -> WeightType {
     match f {
         WeightFormat::F16 => WeightType::F16,

@@ -1,10 +1,11 @@
 //! `pulsar dump` and `pulsar tune`: show what the JIT plans and generates.
 
 use super::cpu::{CpuCaps, Isa};
-use super::dims::{ModelDims, default_model_path, load_dims};
+use super::dims::{ModelDims, load_dims};
 use super::kernels::{Compiled, emit_and_verify};
 use super::plan::{Plan, PlanOptions, plan};
 use super::verify::format_instr;
+use crate::model::fetch::default_model_path;
 use anyhow::{Context, Result, bail};
 use iced_x86::{Decoder, DecoderOptions, Instruction};
 use std::fmt::Write as _;
