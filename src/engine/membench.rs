@@ -45,7 +45,15 @@ fn touch_avx2(words: &[u64]) -> u64 {
 /// Best-of-`rounds` read bandwidth in GB/s (1e9 bytes/s) over a buffer of
 /// `bytes`, read by every thread of `pool` in contiguous parts.
 pub fn read_bandwidth(pool: &ThreadPool, bytes: usize, rounds: usize) -> f64 {
-    let words = vec![1u64; bytes.div_ceil(8).max(16)];
+    // The same kind of memory the packed weights live in: anonymous,
+    // advised for huge pages, filled (so every page is really there).
+    let len = bytes.div_ceil(8).max(16);
+    let mut map = memmap2::MmapMut::map_anon(len * 8).expect("memory for the read benchmark");
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    map.fill(1);
+    // SAFETY: the map holds len u64s, page-aligned.
+    let words: &[u64] = unsafe { std::slice::from_raw_parts(map.as_ptr().cast(), len) };
     let threads = pool.threads();
     let sink = std::sync::atomic::AtomicU64::new(0);
     let mut best = f64::MAX;
