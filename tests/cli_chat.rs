@@ -259,3 +259,19 @@ fn ctrl_c_mid_reply_returns_to_the_prompt_and_quit_exits_zero() {
         other => panic!("did not exit normally: {other:?}"),
     }
 }
+
+#[test]
+fn ctrl_c_or_ctrl_d_at_the_prompt_exits_zero() {
+    for key in ['c', 'd'] {
+        let mut cmd = chat_command(&["-t", "0"]);
+        cmd.env("TERM", "xterm");
+        let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
+        p.exp_string("> ").expect("prompt");
+        p.send_control(key).expect("send the key");
+        p.exp_eof().expect("program ends");
+        match p.process().wait().expect("exit status") {
+            rexpect::process::WaitStatus::Exited(_, code) => assert_eq!(code, 0, "Ctrl-{key}"),
+            other => panic!("Ctrl-{key}: did not exit normally: {other:?}"),
+        }
+    }
+}
