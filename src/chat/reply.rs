@@ -56,32 +56,29 @@ pub fn reply(
     let limit = conv.limit();
     conv.begin_exchange(user_turn);
 
-    // Everything but the last prompt token goes in through the conversation
-    // (chunked, with progress); the generation loop feeds the last one and
-    // samples from its logits.
     let pending = conv.len() - conv.cached();
     let start = Instant::now();
-    conv.sync_to(
+    let logits = conv.sync_to(
         engine,
-        conv.len() - 1,
+        conv.len(),
         LogitsWanted::Last,
         PREFILL_PIECE,
         progress,
     )?;
-    let early_secs = start.elapsed().as_secs_f64();
+    let prefill_secs = start.elapsed().as_secs_f64();
 
-    let last = conv.tokens()[conv.len() - 1];
-    let mut history = conv.tokens()[..conv.len() - 1].to_vec();
+    let mut history = conv.tokens().to_vec();
     let before = history.len();
     // Leave room for the end of turn after the longest allowed reply.
     let room = limit.saturating_sub(conv.len() + settings.model_end.len());
     let max_new = settings.max_new.min(room);
-    let mut stats = generate::generate(
+    let mut stats = generate::decode(
         engine,
         tok,
         sampler,
+        logits,
         &Request {
-            prompt: &[last],
+            prompt: &[],
             max_new,
             stop_ids: settings.stop_ids,
             interrupted: settings.interrupted,
@@ -89,14 +86,14 @@ pub fn reply(
         &mut history,
         emit,
     )?;
-    // `history` now also holds the last prompt token and every reply token
-    // the loop fed; a stop token it sampled was not fed and is not there.
-    conv.push_fed(engine, &history[before + 1..])?;
+    // `history` now also holds every reply token the loop fed; a stop
+    // token it sampled was not fed and is not there.
+    conv.push_fed(engine, &history[before..])?;
     conv.push(settings.model_end);
     conv.sync(engine, LogitsWanted::Last)?;
 
     stats.prompt_tokens = pending;
-    stats.prefill_secs += early_secs;
+    stats.prefill_secs = prefill_secs;
     let cut_by_context = stats.stop == StopReason::ContextFull
         || (stats.stop == StopReason::Limit && max_new < settings.max_new);
     Ok(ReplyReport {
