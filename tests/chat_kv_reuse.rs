@@ -5,12 +5,16 @@ mod common;
 
 use common::*;
 use pulsar::chat::conversation::{ContextPolicy, Conversation};
+use pulsar::chat::reply::{self, ReplySettings};
 use pulsar::chat::turns::TurnEncoder;
 use pulsar::chat_template::ChatTemplate;
 use pulsar::commands::run::load_tokenizer;
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
+use pulsar::generate::StopReason;
 use pulsar::model::source::ModelSource;
+use pulsar::sample::{Sampler, SamplerConfig};
+use std::cell::Cell;
 
 const TOLERANCE: f32 = 1e-5;
 
@@ -119,4 +123,50 @@ fn turns_fed_again_after_a_drop_match_a_whole_prefill() {
         &fresh_rows(&src, conv.tokens(), refed),
         "after a drop",
     );
+}
+
+#[test]
+fn an_interrupted_reply_still_closes_its_turn() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
+    let mut engine = ReferenceEngine::load(&src).unwrap();
+    let mut conv = Conversation::new(enc.prefix(&tok), 4096);
+    let mut sampler = Sampler::new(SamplerConfig::greedy(), 0);
+    let (stops, end) = (enc.stop_ids(&tok), enc.model_end(&tok));
+    // "Ctrl-C" after five tokens.
+    let checks = Cell::new(0);
+    let interrupted = || {
+        checks.set(checks.get() + 1);
+        checks.get() > 5
+    };
+    let settings = ReplySettings {
+        max_new: 200,
+        stop_ids: &stops,
+        model_end: &end,
+        interrupted: &interrupted,
+    };
+    let user = enc.user_turn(&tok, "Once upon a time there was a dragon.", true);
+    let mut text = String::new();
+    let report = reply::reply(
+        &mut conv,
+        &mut engine,
+        &tok,
+        &mut sampler,
+        &user,
+        &settings,
+        &mut |_, _| {},
+        &mut |piece| text.push_str(piece),
+    )
+    .unwrap();
+    assert_eq!(report.stats.stop, StopReason::Interrupted);
+    assert_eq!(report.stats.generated, 5);
+    assert_eq!(report.stats.prompt_tokens, 1 + user.len());
+    assert!(!text.is_empty());
+    // BOS, the turn, five reply tokens, then the end of turn, all cached.
+    assert_eq!(conv.len(), 1 + user.len() + 5 + end.len());
+    assert!(conv.tokens().ends_with(&end));
+    assert_eq!(engine.position(), conv.len());
+    assert_eq!(conv.cached(), conv.len());
 }

@@ -2,6 +2,10 @@
 //! /reset, -f with -p, a conversation longer than the context, bad flags,
 //! and Ctrl-C under a pseudo-terminal.
 
+use pulsar::chat::turns::TurnEncoder;
+use pulsar::chat_template::ChatTemplate;
+use pulsar::commands::run::load_tokenizer;
+use pulsar::model::source::ModelSource;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
@@ -78,17 +82,22 @@ fn two_piped_turns_give_two_replies_and_two_stats_lines() {
     assert_eq!(stats.len(), 2, "{stderr}");
     let stdout = text(&out.stdout);
     assert!(stdout.trim().len() > 4, "replies expected, got {stdout:?}");
-    // The second turn reuses the cache: only its own tokens are prefilled,
-    // far fewer than the first turn and its reply.
-    let (p1, g1) = stats[0];
-    let (p2, _) = stats[1];
-    assert!(
-        p2 < p1 + g1,
-        "second prompt {p2} re-fed the conversation? {stderr}"
+    // The first prompt is BOS and the first turn; the second reuses the
+    // cache, so only its own turn is fed (the end of the first reply was
+    // fed right after it).
+    let path = model();
+    let tok = load_tokenizer(&ModelSource::open(&path).unwrap()).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
+    let turn = |m: &str, first: bool| enc.user_turn(&tok, m, first).len();
+    assert_eq!(
+        stats[0].0,
+        1 + turn("Hello, who are you?", true),
+        "{stderr}"
     );
-    assert!(
-        p2 >= 8,
-        "the second turn is at least its template: {stderr}"
+    assert_eq!(
+        stats[1].0,
+        turn("Tell me about the sea.", false),
+        "{stderr}"
     );
 }
 
