@@ -165,10 +165,29 @@ fn a_conversation_longer_than_the_context_keeps_going() {
     let input: String = (1..=8)
         .map(|i| format!("Tell me fact number {i} about the moon.\n"))
         .collect();
-    let out = chat_piped(&["-t", "0", "-n", "40", "-c", "160"], &input);
+    let out = chat_piped(
+        &["-t", "0", "-n", "40", "-c", "160"],
+        &format!("{input}/stats\n"),
+    );
     let stderr = assert_ok(&out);
-    assert_eq!(stats_lines(&stderr).len(), 8, "{stderr}");
+    let stats = stats_lines(&stderr);
+    assert_eq!(stats.len(), 8, "{stderr}");
+    assert!(
+        stats.iter().all(|&(_, generated)| generated > 0),
+        "every turn got a reply: {stderr}"
+    );
     assert!(stderr.contains("context full"), "{stderr}");
+    assert!(stderr.contains("dropped the"), "{stderr}");
+    let used: usize = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("context: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("a /stats context line");
+    assert!(
+        used <= 160,
+        "the conversation holds {used} tokens: {stderr}"
+    );
 
     let out = chat_piped(
         &["-t", "0", "-n", "40", "-c", "160", "--context-full", "stop"],
