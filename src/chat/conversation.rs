@@ -128,9 +128,10 @@ impl Conversation {
     }
 
     /// Makes sure `need` more tokens fit, dropping whole exchanges from the
-    /// second-oldest on when the policy allows. The first exchange is kept
-    /// because it carries the system text and any `-f` document. Returns how
-    /// many exchanges were dropped.
+    /// second-oldest on when the policy allows, until at most half the
+    /// context is used. The first exchange is kept because it carries the
+    /// system text and any `-f` document. Returns how many exchanges were
+    /// dropped.
     pub fn make_room(&mut self, need: usize, policy: ContextPolicy) -> Result<usize, NoRoom> {
         if self.tokens.len() + need <= self.limit {
             return Ok(0);
@@ -150,8 +151,14 @@ impl Conversation {
                 limit: self.limit,
             });
         }
+        // Every exchange after the cut is fed again, so dropping just enough
+        // would re-feed nearly the whole context on every later turn. Going
+        // down to half the context (as llama.cpp does) pays that once per
+        // half-context of new turns.
         let mut dropped = 0;
-        while self.tokens.len() + need > self.limit {
+        while self.starts.len() > 1
+            && (self.tokens.len() + need > self.limit || self.tokens.len() > self.limit / 2)
+        {
             self.drop_exchange(1);
             dropped += 1;
         }
@@ -350,6 +357,23 @@ mod tests {
         let mut fresh = Recorder::new();
         let all = fresh.forward(conv.tokens(), LogitsWanted::All).unwrap();
         assert_eq!(logits, all[5..]);
+    }
+
+    #[test]
+    fn a_drop_goes_down_to_half_the_context_keeping_the_newest() {
+        let mut engine = Recorder::new();
+        let mut conv = Conversation::new(vec![2], 40);
+        for i in 0..9 {
+            exchange(&mut conv, &mut engine, &[10 + i], &[20 + i]);
+        }
+        assert_eq!(conv.len(), 37);
+        assert_eq!(conv.make_room(4, ContextPolicy::DropOldest), Ok(5));
+        assert_eq!(conv.len(), 17);
+        assert_eq!(conv.exchanges(), 4);
+        assert_eq!(conv.exchange(0), [10, 20, 9, 9]);
+        assert_eq!(conv.exchange(1), [16, 26, 9, 9]);
+        assert_eq!(conv.exchange(3), [18, 28, 9, 9]);
+        assert_eq!(conv.make_room(4, ContextPolicy::DropOldest), Ok(0));
     }
 
     #[test]
