@@ -135,12 +135,9 @@ fn an_interrupted_reply_still_closes_its_turn() {
     let mut conv = Conversation::new(enc.prefix(&tok), 4096);
     let mut sampler = Sampler::new(SamplerConfig::greedy(), 0);
     let (stops, end) = (enc.stop_ids(&tok), enc.model_end(&tok));
-    // "Ctrl-C" after five tokens.
-    let checks = Cell::new(0);
-    let interrupted = || {
-        checks.set(checks.get() + 1);
-        checks.get() > 5
-    };
+    // "Ctrl-C" once five tokens were streamed.
+    let streamed = Cell::new(0);
+    let interrupted = || streamed.get() >= 5;
     let settings = ReplySettings {
         max_new: 200,
         stop_ids: &stops,
@@ -157,7 +154,10 @@ fn an_interrupted_reply_still_closes_its_turn() {
         &user,
         &settings,
         &mut |_, _| {},
-        &mut |piece| text.push_str(piece),
+        &mut |piece| {
+            streamed.set(streamed.get() + 1);
+            text.push_str(piece)
+        },
     )
     .unwrap();
     assert_eq!(report.stats.stop, StopReason::Interrupted);
@@ -169,4 +169,27 @@ fn an_interrupted_reply_still_closes_its_turn() {
     assert!(conv.tokens().ends_with(&end));
     assert_eq!(engine.position(), conv.len());
     assert_eq!(conv.cached(), conv.len());
+
+    // Ctrl-C before the next reply begins takes the turn back.
+    let held = conv.tokens().to_vec();
+    let settings = ReplySettings {
+        interrupted: &|| true,
+        ..settings
+    };
+    let user = enc.user_turn(&tok, "Go on.", false);
+    let report = reply::reply(
+        &mut conv,
+        &mut engine,
+        &tok,
+        &mut sampler,
+        &user,
+        &settings,
+        &mut |_, _| {},
+        &mut |piece| panic!("no reply expected, got {piece:?}"),
+    )
+    .unwrap();
+    assert!(report.abandoned);
+    assert_eq!(report.stats.generated, 0);
+    assert_eq!(conv.tokens(), held);
+    assert_eq!(conv.exchanges(), 1);
 }

@@ -49,7 +49,8 @@ impl std::fmt::Display for NoRoom {
             NoRoom::TooLong { kept, need, limit } => write!(
                 f,
                 "this turn needs {need} tokens but only {} of the {limit}-token context can be freed \
-                 ({kept} are kept: the start of the conversation); shorten the message, /reset, or raise -c",
+                 ({kept} are kept: the start of the conversation, with any -f document); \
+                 shorten the message or the document, /reset, or raise -c",
                 limit.saturating_sub(kept)
             ),
         }
@@ -198,16 +199,13 @@ impl Conversation {
     }
 
     /// Brings the engine's cache up to the first `end` tokens: forgets what
-    /// no longer matches, then feeds the tokens it lacks in chunks of
-    /// `chunk`, calling `progress(fed, total)` after each. Returns the logits
+    /// no longer matches, then feeds the tokens it lacks. Returns the logits
     /// of the fed tokens as asked (empty when nothing was fed).
     pub fn sync_to(
         &mut self,
         engine: &mut dyn Engine,
         end: usize,
         wanted: LogitsWanted,
-        chunk: usize,
-        progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<f32>> {
         if end > self.tokens.len() || end < self.cached {
             bail!(
@@ -224,28 +222,28 @@ impl Conversation {
             );
         }
         engine.truncate(self.cached);
-        let pending = &self.tokens[self.cached..end];
-        let total = pending.len();
-        let mut logits = Vec::new();
-        let mut fed = 0;
-        for piece in pending.chunks(chunk.max(1)) {
-            let out = engine.forward(piece, wanted)?;
-            match wanted {
-                LogitsWanted::All => logits.extend(out),
-                LogitsWanted::Last => logits = out,
-            }
-            fed += piece.len();
-            self.cached += piece.len();
-            progress(fed, total);
-        }
+        let logits = if end > self.cached {
+            engine.forward(&self.tokens[self.cached..end], wanted)?
+        } else {
+            Vec::new()
+        };
+        self.cached = end;
         self.check_engine(engine)?;
         Ok(logits)
     }
 
-    /// [`Conversation::sync_to`] the end, in one piece, without progress.
+    /// [`Conversation::sync_to`] the end.
     pub fn sync(&mut self, engine: &mut dyn Engine, wanted: LogitsWanted) -> Result<Vec<f32>> {
-        let end = self.tokens.len();
-        self.sync_to(engine, end, wanted, end.max(1), &mut |_, _| {})
+        self.sync_to(engine, self.tokens.len(), wanted)
+    }
+
+    /// Takes back the open exchange (a turn stopped before its reply
+    /// began), leaving the conversation as it was before it.
+    pub fn abandon_exchange(&mut self) {
+        if let Some(start) = self.starts.pop() {
+            self.tokens.truncate(start);
+            self.cached = self.cached.min(start);
+        }
     }
 
     /// The engine and the conversation must agree on how much is cached;
@@ -417,27 +415,36 @@ mod tests {
     }
 
     #[test]
-    fn chunked_sync_reports_progress_and_matches_one_piece() {
+    fn feeding_in_pieces_matches_one_piece() {
         let mut conv = Conversation::new(vec![2], 100);
         conv.begin_exchange(&[5, 6, 7, 8, 9, 10, 11]);
         let mut engine = Recorder::new();
-        let mut seen = Vec::new();
-        let end = conv.len() - 1;
-        conv.sync_to(
-            &mut engine,
-            end,
-            LogitsWanted::Last,
-            3,
-            &mut |done, total| seen.push((done, total)),
-        )
-        .unwrap();
-        assert_eq!(seen, [(3, 7), (6, 7), (7, 7)]);
-        assert_eq!(conv.cached(), 7);
+        conv.sync_to(&mut engine, 3, LogitsWanted::Last).unwrap();
+        assert_eq!(conv.cached(), 3);
+        conv.sync_to(&mut engine, 6, LogitsWanted::Last).unwrap();
         let last = conv.sync(&mut engine, LogitsWanted::Last).unwrap();
         let mut fresh = Recorder::new();
         assert_eq!(
             last,
             fresh.forward(conv.tokens(), LogitsWanted::Last).unwrap()
         );
+    }
+
+    #[test]
+    fn an_abandoned_exchange_leaves_no_trace() {
+        let mut engine = Recorder::new();
+        let mut conv = Conversation::new(vec![2], 100);
+        exchange(&mut conv, &mut engine, &[10], &[20]);
+        let before = conv.tokens().to_vec();
+        conv.begin_exchange(&[11, 12, 13]);
+        conv.sync_to(&mut engine, before.len() + 2, LogitsWanted::Last)
+            .unwrap();
+        conv.abandon_exchange();
+        assert_eq!(conv.tokens(), before);
+        assert_eq!(conv.exchanges(), 1);
+        assert_eq!(conv.cached(), before.len());
+        conv.begin_exchange(&[14]);
+        conv.sync(&mut engine, LogitsWanted::Last).unwrap();
+        assert_eq!(engine.seen, conv.tokens(), "the half-fed turn is gone");
     }
 }

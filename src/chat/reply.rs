@@ -12,7 +12,7 @@ use std::time::Instant;
 
 /// Prompts are fed in pieces of this many tokens so that a long one (a
 /// `-f` document, or turns fed again after a drop) can show progress.
-pub const PREFILL_PIECE: usize = 256;
+pub const PREFILL_PIECE: usize = 128;
 
 pub struct ReplySettings<'a> {
     pub max_new: usize,
@@ -29,6 +29,8 @@ pub struct ReplyReport {
     pub stats: GenerationStats,
     /// The reply was cut because the context ran out (not by -n).
     pub cut_by_context: bool,
+    /// Ctrl-C came before the reply began: the turn was taken back.
+    pub abandoned: bool,
 }
 
 /// Tokens a user turn needs free before it starts: the turn, room for a
@@ -40,7 +42,8 @@ pub fn room_needed(conv: &Conversation, user_turn: &[u32], settings: &ReplySetti
 }
 
 /// Runs one exchange: feeds the user's turn (after any turns that moved),
-/// generates the reply, then feeds the end of turn. `progress` hears
+/// generates the reply, then feeds the end of turn, also when Ctrl-C
+/// stopped the reply. `progress` hears
 /// `(fed, total)` prompt tokens; `emit` gets the reply's text as it comes.
 #[allow(clippy::too_many_arguments)]
 pub fn reply(
@@ -56,15 +59,32 @@ pub fn reply(
     let limit = conv.limit();
     conv.begin_exchange(user_turn);
 
-    let pending = conv.len() - conv.cached();
+    // The prompt goes in by pieces, so a long one shows progress and Ctrl-C
+    // can stop it; a turn stopped before its reply began is taken back.
+    let base = conv.cached();
+    let pending = conv.len() - base;
     let start = Instant::now();
-    let logits = conv.sync_to(
-        engine,
-        conv.len(),
-        LogitsWanted::Last,
-        PREFILL_PIECE,
-        progress,
-    )?;
+    let mut logits = Vec::new();
+    while conv.cached() < conv.len() {
+        if (settings.interrupted)() {
+            let fed = conv.cached() - base;
+            conv.abandon_exchange();
+            return Ok(ReplyReport {
+                stats: GenerationStats {
+                    prompt_tokens: fed,
+                    prefill_secs: start.elapsed().as_secs_f64(),
+                    generated: 0,
+                    decode_secs: 0.0,
+                    stop: StopReason::Interrupted,
+                },
+                cut_by_context: false,
+                abandoned: true,
+            });
+        }
+        let end = (conv.cached() + PREFILL_PIECE).min(conv.len());
+        logits = conv.sync_to(engine, end, LogitsWanted::Last)?;
+        progress(end - base, pending);
+    }
     let prefill_secs = start.elapsed().as_secs_f64();
 
     let mut history = conv.tokens().to_vec();
@@ -99,5 +119,6 @@ pub fn reply(
     Ok(ReplyReport {
         stats,
         cut_by_context,
+        abandoned: false,
     })
 }

@@ -287,16 +287,26 @@ impl<'a> Session<'a> {
             },
         );
         let stopped = self.interrupt.end_reply();
+        if let Some(bar) = bar {
+            // A prefill stopped by Ctrl-C never reached the end.
+            bar.finish_and_clear();
+        }
         let report = result?;
         if let Some(e) = write_error {
             return Err(e).context("cannot write the reply to stdout");
         }
-        writeln!(stdout)
-            .and_then(|_| stdout.flush())
-            .context("cannot write to stdout")?;
+        if !report.abandoned {
+            writeln!(stdout)
+                .and_then(|_| stdout.flush())
+                .context("cannot write to stdout")?;
+        }
         drop(stdout);
 
-        if stopped || report.stats.stop == StopReason::Interrupted {
+        if report.abandoned {
+            eprintln!(
+                "pulsar: [stopped by Ctrl-C before the reply began; the message was taken back]"
+            );
+        } else if stopped || report.stats.stop == StopReason::Interrupted {
             eprintln!("pulsar: [reply stopped by Ctrl-C]");
         }
         if report.cut_by_context {
@@ -338,7 +348,7 @@ impl<'a> Session<'a> {
 fn prefill_bar(total: usize) -> ProgressBar {
     let bar = ProgressBar::new(total as u64);
     if let Ok(style) =
-        ProgressStyle::with_template("reading the prompt [{bar:30}] {pos}/{len} tokens")
+        ProgressStyle::with_template("reading the prompt [{bar:30}] {pos}/{len} tokens, {eta} left")
     {
         bar.set_style(style.progress_chars("=> "));
     }
