@@ -155,6 +155,7 @@ struct ChatCli {
     /// A chat template file (JSON, see templates/gemma.json).
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// The forward pass.
     #[arg(long, value_enum, default_value = "jit")]
     engine: EngineArg,
     /// Worker threads, the caller included.
