@@ -104,12 +104,6 @@ struct Session<'a> {
     totals: Totals,
 }
 
-/// What the loop does after a turn.
-enum Next {
-    Continue,
-    Quit,
-}
-
 pub fn run(args: &ChatArgs) -> Result<()> {
     validate(args)?;
     let document = match &args.file {
@@ -132,30 +126,19 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         eprintln!("pulsar: type a message; /help lists commands; Ctrl-D or /quit leaves");
     }
     while let Some(line) = input.next_line()? {
-        let next = match slash::parse(&line) {
-            Line::Blank => Next::Continue,
+        match slash::parse(&line) {
+            Line::Blank => {}
             Line::Message(m) => session.turn(&m)?,
             Line::Reset => {
                 session.reset();
                 eprintln!("pulsar: new conversation");
-                Next::Continue
             }
-            Line::Stats => {
-                session.print_stats();
-                Next::Continue
-            }
-            Line::Help => {
-                eprintln!("{}", slash::HELP);
-                Next::Continue
-            }
-            Line::Quit => Next::Quit,
+            Line::Stats => session.print_stats(),
+            Line::Help => eprintln!("{}", slash::HELP),
+            Line::Quit => break,
             Line::Unknown(word) => {
-                eprintln!("pulsar: unknown command {word}; /help lists the commands");
-                Next::Continue
+                eprintln!("pulsar: unknown command {word}; /help lists the commands")
             }
-        };
-        if let Next::Quit = next {
-            break;
         }
     }
     Ok(())
@@ -218,10 +201,10 @@ impl<'a> Session<'a> {
     }
 
     /// One user message and the model's reply.
-    fn turn(&mut self, message: &str) -> Result<Next> {
+    fn turn(&mut self, message: &str) -> Result<()> {
         if message.contains('\0') {
             eprintln!("pulsar: the message contains a NUL byte; it was not sent");
-            return Ok(Next::Continue);
+            return Ok(());
         }
         let first = self.conv.exchanges() == 0;
         let user_turn = self.encoder.user_turn(&self.tok, message, first);
@@ -245,12 +228,14 @@ impl<'a> Session<'a> {
                 );
             }
             Err(why) => {
-                // Piped input and -p cannot ask the user what to do: end.
+                // With --context-full stop a full context ends the chat, and
+                // -p has no later turn to go on with; otherwise the user can
+                // shorten the message or /reset.
                 if self.args.policy == ContextPolicy::Stop || self.args.prompt.is_some() {
                     bail!("{why}");
                 }
                 eprintln!("pulsar: {why}");
-                return Ok(Next::Continue);
+                return Ok(());
             }
         }
 
@@ -317,7 +302,7 @@ impl<'a> Session<'a> {
         }
         eprintln!("pulsar: {}", report.stats.summary());
         self.totals.add(&report);
-        Ok(Next::Continue)
+        Ok(())
     }
 
     fn print_stats(&self) {
