@@ -7,7 +7,7 @@ use crate::engine::{Engine, LogitsWanted};
 use crate::generate::{self, GenerationStats, Request, StopReason};
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
-use anyhow::Result;
+use anyhow::{Result, bail};
 use std::time::Instant;
 
 /// Prompts are fed in pieces of this many tokens so that a long one (a
@@ -43,8 +43,8 @@ pub fn room_needed(conv: &Conversation, user_turn: &[u32], settings: &ReplySetti
 
 /// Runs one exchange: feeds the user's turn (after any turns that moved),
 /// generates the reply, then feeds the end of turn, also when Ctrl-C
-/// stopped the reply. `progress` hears
-/// `(fed, total)` prompt tokens; `emit` gets the reply's text as it comes.
+/// stopped the reply. `progress` hears `(fed, total)` prompt tokens;
+/// `emit` gets the reply's text as it comes.
 #[allow(clippy::too_many_arguments)]
 pub fn reply(
     conv: &mut Conversation,
@@ -56,6 +56,10 @@ pub fn reply(
     progress: &mut dyn FnMut(usize, usize),
     emit: &mut dyn FnMut(&str),
 ) -> Result<ReplyReport> {
+    if user_turn.is_empty() {
+        // Sampling needs the logits of at least one fed token.
+        bail!("internal error: an empty user turn");
+    }
     let limit = conv.limit();
     conv.begin_exchange(user_turn);
 
