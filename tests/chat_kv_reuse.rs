@@ -133,6 +133,7 @@ fn an_interrupted_reply_still_closes_its_turn() {
     let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
     let mut engine = ReferenceEngine::load(&src).unwrap();
     let mut conv = Conversation::new(enc.prefix(&tok), 4096);
+    let prefix = conv.len();
     let mut sampler = Sampler::new(SamplerConfig::greedy(), 0);
     let (stops, end) = (enc.stop_ids(&tok), enc.model_end(&tok));
     // "Ctrl-C" once five tokens were streamed.
@@ -162,10 +163,10 @@ fn an_interrupted_reply_still_closes_its_turn() {
     .unwrap();
     assert_eq!(report.stats.stop, StopReason::Interrupted);
     assert_eq!(report.stats.generated, 5);
-    assert_eq!(report.stats.prompt_tokens, 1 + user.len());
+    assert_eq!(report.stats.prompt_tokens, prefix + user.len());
     assert!(!text.is_empty());
-    // BOS, the turn, five reply tokens, then the end of turn, all cached.
-    assert_eq!(conv.len(), 1 + user.len() + 5 + end.len());
+    // The prefix, the turn, five reply tokens, then the end of turn, all cached.
+    assert_eq!(conv.len(), prefix + user.len() + 5 + end.len());
     assert!(conv.tokens().ends_with(&end));
     assert_eq!(engine.position(), conv.len());
     assert_eq!(conv.cached(), conv.len());

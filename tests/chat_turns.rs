@@ -16,18 +16,20 @@ fn tokenizer() -> Tokenizer {
 fn turns_match_the_template_text() {
     let tok = tokenizer();
     let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
-    assert_eq!(enc.prefix(&tok), [tok.bos_id()]);
-    let want = tok.encode(
-        "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n",
-        false,
-    );
-    assert_eq!(
+    let text =
+        "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n";
+    // The prefix opens the first turn; the first turn goes on from there.
+    let prefix = enc.prefix(&tok);
+    assert_eq!(prefix, tok.encode("<start_of_turn>user\n", true));
+    let first = [
+        prefix,
         enc.user_turn(&tok, "What is the capital of France?", true),
-        want
-    );
+    ]
+    .concat();
+    assert_eq!(first, tok.encode(text, true));
     assert_eq!(
         enc.user_turn(&tok, "What is the capital of France?", false),
-        want
+        tok.encode(text, false)
     );
     assert_eq!(enc.model_end(&tok), tok.encode("<end_of_turn>\n", false));
     let eot = tok.id_of("<end_of_turn>").unwrap();
@@ -47,10 +49,10 @@ fn system_text_and_document_open_only_the_first_turn() {
         Some("The ship was the Northern Lantern.\n\n\n"),
     )
     .unwrap();
-    let first = tok.decode_with_control(&enc.user_turn(&tok, "Name it.", true));
+    let first = [enc.prefix(&tok), enc.user_turn(&tok, "Name it.", true)].concat();
     assert_eq!(
-        first,
-        "<start_of_turn>user\nBe brief.\n\nThe ship was the Northern Lantern.\n\nName it.<end_of_turn>\n<start_of_turn>model\n"
+        tok.decode_with_control(&first),
+        "<bos><start_of_turn>user\nBe brief.\n\nThe ship was the Northern Lantern.\n\nName it.<end_of_turn>\n<start_of_turn>model\n"
     );
     let later = tok.decode_with_control(&enc.user_turn(&tok, "Again.", false));
     assert_eq!(

@@ -41,6 +41,30 @@ pub fn room_needed(conv: &Conversation, user_turn: &[u32], settings: &ReplySetti
     user_turn.len() + settings.max_new.min(conv.limit() / 2) + settings.model_end.len()
 }
 
+/// Feeds the conversation's unfed tokens by pieces, so that a long prompt
+/// shows progress and Ctrl-C can stop it. Returns the last token's logits,
+/// or `None` if `interrupted` said stop first. `progress` hears
+/// `(fed, total)`.
+pub fn feed(
+    conv: &mut Conversation,
+    engine: &mut dyn Engine,
+    interrupted: &dyn Fn() -> bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Option<Vec<f32>>> {
+    let base = conv.cached();
+    let total = conv.len() - base;
+    let mut logits = Vec::new();
+    while conv.cached() < conv.len() {
+        if interrupted() {
+            return Ok(None);
+        }
+        let end = (conv.cached() + PREFILL_PIECE).min(conv.len());
+        logits = conv.sync_to(engine, end, LogitsWanted::Last)?;
+        progress(end - base, total);
+    }
+    Ok(Some(logits))
+}
+
 /// Runs one exchange: feeds the user's turn (after any turns that moved),
 /// generates the reply, then feeds the end of turn, also when Ctrl-C
 /// stopped the reply. `progress` hears `(fed, total)` prompt tokens;
@@ -63,32 +87,25 @@ pub fn reply(
     let limit = conv.limit();
     conv.begin_exchange(user_turn);
 
-    // The prompt goes in by pieces, so a long one shows progress and Ctrl-C
-    // can stop it; a turn stopped before its reply began is taken back.
+    // A turn stopped before its reply began is taken back.
     let base = conv.cached();
     let pending = conv.len() - base;
     let start = Instant::now();
-    let mut logits = Vec::new();
-    while conv.cached() < conv.len() {
-        if (settings.interrupted)() {
-            let fed = conv.cached() - base;
-            conv.abandon_exchange();
-            return Ok(ReplyReport {
-                stats: GenerationStats {
-                    prompt_tokens: fed,
-                    prefill_secs: start.elapsed().as_secs_f64(),
-                    generated: 0,
-                    decode_secs: 0.0,
-                    stop: StopReason::Interrupted,
-                },
-                cut_by_context: false,
-                abandoned: true,
-            });
-        }
-        let end = (conv.cached() + PREFILL_PIECE).min(conv.len());
-        logits = conv.sync_to(engine, end, LogitsWanted::Last)?;
-        progress(end - base, pending);
-    }
+    let Some(logits) = feed(conv, engine, settings.interrupted, progress)? else {
+        let fed = conv.cached() - base;
+        conv.abandon_exchange();
+        return Ok(ReplyReport {
+            stats: GenerationStats {
+                prompt_tokens: fed,
+                prefill_secs: start.elapsed().as_secs_f64(),
+                generated: 0,
+                decode_secs: 0.0,
+                stop: StopReason::Interrupted,
+            },
+            cut_by_context: false,
+            abandoned: true,
+        });
+    };
     let prefill_secs = start.elapsed().as_secs_f64();
 
     let mut history = conv.tokens().to_vec();

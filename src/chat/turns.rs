@@ -40,34 +40,45 @@ impl TurnEncoder {
         Ok(TurnEncoder { template, preamble })
     }
 
-    /// What every conversation starts with.
+    /// What every conversation starts with: BOS, the opening of the first
+    /// user turn and the preamble. Being the same for every conversation,
+    /// it can be fed once at startup and survives /reset in the cache.
     pub fn prefix(&self, tok: &Tokenizer) -> Vec<u32> {
-        if self.template.bos {
+        let mut ids = if self.template.bos {
             vec![tok.bos_id()]
         } else {
             Vec::new()
+        };
+        ids.extend(tok.encode(self.turn_parts().0, false));
+        if !self.preamble.is_empty() {
+            ids.extend(tok.encode_untrusted(&self.preamble, false));
         }
+        ids
     }
 
-    /// A user turn followed by the opening of the model's reply; the first
-    /// turn of a conversation carries the preamble.
+    /// A user turn followed by the opening of the model's reply. The first
+    /// turn of a conversation continues the [`TurnEncoder::prefix`], which
+    /// already opened it.
     pub fn user_turn(&self, tok: &Tokenizer, message: &str, first: bool) -> Vec<u32> {
-        // The constructor checked that `{content}` is there.
-        let (before, after) = self
-            .template
-            .user_turn
-            .split_once("{content}")
-            .unwrap_or((&self.template.user_turn, ""));
-        let mut ids = tok.encode(before, false);
-        let content = if first {
-            format!("{}{message}", self.preamble)
+        let (before, after) = self.turn_parts();
+        let mut ids = if first {
+            Vec::new()
         } else {
-            message.to_string()
+            tok.encode(before, false)
         };
-        ids.extend(tok.encode_untrusted(&content, false));
+        ids.extend(tok.encode_untrusted(message, false));
         ids.extend(tok.encode(after, false));
         ids.extend(tok.encode(&self.template.model_start, false));
         ids
+    }
+
+    /// The user turn's text before and after `{content}`.
+    fn turn_parts(&self) -> (&str, &str) {
+        // The constructor checked that `{content}` is there.
+        self.template
+            .user_turn
+            .split_once("{content}")
+            .unwrap_or((&self.template.user_turn, ""))
     }
 
     /// What closes the model's turn, fed after every reply.

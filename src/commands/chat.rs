@@ -161,7 +161,7 @@ impl<'a> Session<'a> {
             "preparing the {} engine (converting weights)",
             args.engine.name()
         ));
-        let engine = open_engine(&src, args.engine, args.threads, args.context)?;
+        let mut engine = open_engine(&src, args.engine, args.threads, args.context)?;
         spinner.finish_and_clear();
 
         let limit = args.context.min(engine.capacity());
@@ -178,7 +178,27 @@ impl<'a> Session<'a> {
             args.engine.name(),
             args.seed
         );
-        let conv = Conversation::new(encoder.prefix(&tok), limit);
+        let mut conv = Conversation::new(encoder.prefix(&tok), limit);
+        if conv.len() + 1 > limit {
+            bail!(
+                "the start of the conversation (--system text and -f document) takes {} tokens \
+                 but the context holds {limit}; shorten them or raise -c",
+                conv.len()
+            );
+        }
+        // Feed the start now: the first reply comes sooner, and /reset keeps it.
+        let read_start = Instant::now();
+        let mut bar = None;
+        reply::feed(&mut conv, engine.as_mut(), &|| false, &mut |fed, total| {
+            show_progress(&mut bar, "reading the document", fed, total)
+        })?;
+        if args.file.is_some() || args.system.is_some() {
+            eprintln!(
+                "pulsar: read the start of the conversation (--system text, document: {} tokens) in {:.2} s",
+                conv.len(),
+                read_start.elapsed().as_secs_f64()
+            );
+        }
         Ok(Session {
             stop_ids: encoder.stop_ids(&tok),
             model_end: encoder.model_end(&tok),
@@ -250,17 +270,7 @@ impl<'a> Session<'a> {
             &mut self.sampler,
             &user_turn,
             &settings,
-            &mut |fed, total| {
-                // Only prompts long enough to be felt get a bar.
-                if total <= reply::PREFILL_PIECE {
-                    return;
-                }
-                let bar = bar.get_or_insert_with(|| prefill_bar(total));
-                bar.set_position(fed as u64);
-                if fed == total {
-                    bar.finish_and_clear();
-                }
-            },
+            &mut |fed, total| show_progress(&mut bar, "reading the prompt", fed, total),
             &mut |piece| {
                 if write_error.is_none()
                     && let Err(e) = stdout
@@ -330,12 +340,22 @@ impl<'a> Session<'a> {
     }
 }
 
-fn prefill_bar(total: usize) -> ProgressBar {
-    let bar = ProgressBar::new(total as u64);
-    if let Ok(style) =
-        ProgressStyle::with_template("reading the prompt [{bar:30}] {pos}/{len} tokens, {eta} left")
-    {
-        bar.set_style(style.progress_chars("=> "));
+/// Shows `fed` of `total` prompt tokens on a bar made at the first call;
+/// prompts short enough to go in one piece get none.
+fn show_progress(bar: &mut Option<ProgressBar>, what: &str, fed: usize, total: usize) {
+    if total <= reply::PREFILL_PIECE {
+        return;
     }
-    bar
+    let bar = bar.get_or_insert_with(|| {
+        let bar = ProgressBar::new(total as u64);
+        let template = format!("{what} [{{bar:30}}] {{pos}}/{{len}} tokens, {{eta}} left");
+        if let Ok(style) = ProgressStyle::with_template(&template) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    });
+    bar.set_position(fed as u64);
+    if fed == total {
+        bar.finish_and_clear();
+    }
 }
