@@ -194,7 +194,7 @@ impl<'a> Session<'a> {
         })?;
         if args.file.is_some() || args.system.is_some() {
             eprintln!(
-                "pulsar: read the start of the conversation (--system text, document: {} tokens) in {:.2} s",
+                "pulsar: fed the opening of the conversation with the --system text and -f document: {} tokens in {:.2} s",
                 conv.len(),
                 read_start.elapsed().as_secs_f64()
             );
