@@ -1,12 +1,14 @@
 //! A conversation as a token sequence that mirrors the engine's KV cache.
 //!
-//! The tokens are a fixed prefix (BOS) followed by exchanges: one user turn
-//! plus the model's reply and its closing `<end_of_turn>\n`. The first
-//! `cached` tokens are known to be in the engine's cache at the same
-//! positions; [`Conversation::sync`] feeds the rest. When the context is
-//! full, the oldest exchanges after the first one are cut out; every token
-//! after the cut moves to a new position, so the cache is truncated to the
-//! cut and the kept exchanges are fed again.
+//! The tokens are a fixed prefix (BOS, the opening of the first user turn,
+//! the system text and document) followed by exchanges: one user turn plus
+//! the model's reply and its closing `<end_of_turn>\n`. The first `cached`
+//! tokens are known to be in the engine's cache at the same positions;
+//! [`Conversation::sync`] feeds the rest. When the context is full, the
+//! oldest exchanges after the first one (which completes the prefix's
+//! turn) are cut out; every token after the cut moves to a new position,
+//! so the cache is truncated to the cut and the kept exchanges are fed
+//! again.
 
 use crate::engine::{Engine, LogitsWanted};
 use anyhow::{Result, bail};
@@ -14,9 +16,10 @@ use anyhow::{Result, bail};
 /// What to do when a new turn does not fit in the context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ContextPolicy {
-    /// Drop the oldest exchanges (never the first one) until it fits.
+    /// Drop the oldest exchanges (never the first one) until it fits and
+    /// at most half the context is used.
     DropOldest,
-    /// Refuse the turn; the conversation has to be reset.
+    /// Refuse the turn (the chat command then ends).
     Stop,
 }
 
@@ -44,7 +47,7 @@ impl std::fmt::Display for NoRoom {
             NoRoom::Full { used, need, limit } => write!(
                 f,
                 "the context is full: {used} of {limit} tokens used and this turn needs {need} more; \
-                 start over with /reset, raise -c, or pass --context-full drop"
+                 raise -c, or pass --context-full drop to drop the oldest turns"
             ),
             NoRoom::TooLong { kept, need, limit } => write!(
                 f,
@@ -63,7 +66,7 @@ pub struct Conversation {
     tokens: Vec<u32>,
     /// How many leading tokens the engine's cache holds at their positions.
     cached: usize,
-    /// Length of the fixed prefix (BOS) that starts every conversation.
+    /// Length of the fixed prefix that starts every conversation.
     prefix_len: usize,
     /// Where each exchange starts in `tokens`; the last one runs to the end.
     starts: Vec<usize>,
@@ -100,11 +103,6 @@ impl Conversation {
         self.limit
     }
 
-    /// Tokens still free in the context.
-    pub fn free(&self) -> usize {
-        self.limit.saturating_sub(self.tokens.len())
-    }
-
     /// Tokens the engine's cache holds for this conversation.
     pub fn cached(&self) -> usize {
         self.cached
@@ -130,9 +128,9 @@ impl Conversation {
 
     /// Makes sure `need` more tokens fit, dropping whole exchanges from the
     /// second-oldest on when the policy allows, until at most half the
-    /// context is used. The first exchange is kept because it carries the
-    /// system text and any `-f` document. Returns how many exchanges were
-    /// dropped.
+    /// context is used. The first exchange is kept because it completes the
+    /// first user turn, which the prefix (with the system text and any `-f`
+    /// document) opened. Returns how many exchanges were dropped.
     pub fn make_room(&mut self, need: usize, policy: ContextPolicy) -> Result<usize, NoRoom> {
         if self.tokens.len() + need <= self.limit {
             return Ok(0);
