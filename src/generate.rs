@@ -81,10 +81,28 @@ pub fn generate(
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenerationStats> {
     let start = Instant::now();
-    let mut logits = engine.forward(req.prompt, LogitsWanted::Last)?;
+    let logits = engine.forward(req.prompt, LogitsWanted::Last)?;
     history.extend_from_slice(req.prompt);
     let prefill_secs = start.elapsed().as_secs_f64();
+    let mut stats = decode(engine, tok, sampler, logits, req, history, emit)?;
+    stats.prompt_tokens = req.prompt.len();
+    stats.prefill_secs = prefill_secs;
+    Ok(stats)
+}
 
+/// The decoding half of [`generate`], for a caller that fed the prompt
+/// itself (chat feeds it in pieces with progress): starts from `logits`,
+/// those of the last token in the engine, which `history` must end with.
+/// `req.prompt` is not fed; the stats count no prompt.
+pub fn decode(
+    engine: &mut dyn Engine,
+    tok: &Tokenizer,
+    sampler: &mut Sampler,
+    mut logits: Vec<f32>,
+    req: &Request<'_>,
+    history: &mut Vec<u32>,
+    emit: &mut dyn FnMut(&str),
+) -> Result<GenerationStats> {
     let mut decoder = tok.stream_decoder();
     let start = Instant::now();
     let mut generated = 0;
@@ -110,8 +128,8 @@ pub fn generate(
     };
     emit(&decoder.finish());
     Ok(GenerationStats {
-        prompt_tokens: req.prompt.len(),
-        prefill_secs,
+        prompt_tokens: 0,
+        prefill_secs: 0.0,
         generated,
         decode_secs: start.elapsed().as_secs_f64(),
         stop,

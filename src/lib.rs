@@ -1,6 +1,7 @@
 //! Pulsar: a CPU inference engine for Google's Gemma models whose hot kernels
 //! are x86-64 machine code generated at launch.
 
+pub mod chat;
 pub mod chat_template;
 pub mod commands;
 pub mod engine;

@@ -2,6 +2,7 @@
 //! `pulsar::commands`.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use pulsar::chat::conversation::ContextPolicy;
 use pulsar::commands::{self, EngineKind};
 use pulsar::engine::packed::WeightFormat;
 use pulsar::jit::dump::{DumpArgs, TuneArgs, run_dump_command, run_tune_command};
@@ -13,11 +14,17 @@ use std::process::ExitCode;
 #[command(
     name = "pulsar",
     version,
-    about = "Gemma inference on CPU with JIT-generated, verified x86-64 kernels"
+    about = "Gemma inference on CPU with JIT-generated, verified x86-64 kernels",
+    long_about = "Gemma inference on CPU with JIT-generated, verified x86-64 kernels.\n\n\
+                  Without a subcommand, pulsar chats: the options below are `pulsar chat`'s.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// `pulsar` alone chats; these are the chat's flags.
+    #[command(flatten)]
+    chat: ChatCli,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -33,6 +40,23 @@ impl From<EngineArg> for EngineKind {
         match e {
             EngineArg::Jit => EngineKind::Jit,
             EngineArg::Reference => EngineKind::Reference,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ContextFullArg {
+    /// Drop the oldest exchanges, keeping the first (with the -f document).
+    Drop,
+    /// End the chat with a message.
+    Stop,
+}
+
+impl From<ContextFullArg> for ContextPolicy {
+    fn from(c: ContextFullArg) -> ContextPolicy {
+        match c {
+            ContextFullArg::Drop => ContextPolicy::DropOldest,
+            ContextFullArg::Stop => ContextPolicy::Stop,
         }
     }
 }
@@ -103,8 +127,66 @@ impl SamplingArgs {
     }
 }
 
+/// `pulsar chat`'s flags.
+#[derive(Args)]
+struct ChatCli {
+    /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Send this one message, print the reply, and exit.
+    #[arg(short, long)]
+    prompt: Option<String>,
+    /// A UTF-8 text file that opens the conversation (kept when old turns are dropped).
+    #[arg(short, long)]
+    file: Option<PathBuf>,
+    /// Most tokens per reply.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    max_new: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Context size in tokens: the whole conversation must fit.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    context: usize,
+    /// When the context is full: drop the oldest exchanges, or stop.
+    #[arg(long, value_enum, default_value = "drop")]
+    context_full: ContextFullArg,
+    /// Instructions that open the first user turn (Gemma has no system role).
+    #[arg(long)]
+    system: Option<String>,
+    /// A chat template file (JSON, see templates/gemma.json).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+    /// The forward pass.
+    #[arg(long, value_enum, default_value = "jit")]
+    engine: EngineArg,
+    /// Worker threads, the caller included.
+    #[arg(long, default_value_t = default_threads())]
+    threads: usize,
+}
+
+impl ChatCli {
+    fn run(self) -> anyhow::Result<()> {
+        commands::chat::run(&commands::chat::ChatArgs {
+            model: commands::resolve_model(self.model.as_deref())?,
+            prompt: self.prompt,
+            file: self.file,
+            max_new: self.max_new,
+            sampling: self.sampling.config(),
+            seed: self.sampling.seed(),
+            context: self.context,
+            system: self.system,
+            chat_template: self.chat_template,
+            engine: self.engine.into(),
+            threads: self.threads,
+            policy: self.context_full.into(),
+        })
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Chat in turns (the default): replies stream, the KV cache is kept between turns.
+    Chat(ChatCli),
     /// Generate text from one prompt; the text goes to stdout as it is made.
     Run {
         /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
@@ -212,6 +294,7 @@ enum Command {
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Chat(chat) => chat.run(),
         Command::Run {
             model,
             prompt,
@@ -295,7 +378,11 @@ fn run(command: Command) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli.command) {
+    let result = match cli.command {
+        Some(command) => run(command),
+        None => cli.chat.run(),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pulsar: {e:#}");

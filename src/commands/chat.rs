@@ -1,0 +1,361 @@
+//! `pulsar chat` (and bare `pulsar`): a multi-turn conversation. Replies
+//! stream to stdout; everything else (load line, stats, notices, slash
+//! command output) goes to stderr so that stdout holds only the replies.
+
+use super::run::{load_tokenizer, read_text_file};
+use super::{EngineKind, open_engine};
+use crate::chat::conversation::{ContextPolicy, Conversation};
+use crate::chat::input::Input;
+use crate::chat::interrupt::Interrupt;
+use crate::chat::reply::{self, ReplyReport, ReplySettings};
+use crate::chat::slash::{self, Line};
+use crate::chat::turns::TurnEncoder;
+use crate::chat_template::ChatTemplate;
+use crate::engine::Engine;
+use crate::generate::StopReason;
+use crate::model::source::ModelSource;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+pub struct ChatArgs {
+    pub model: PathBuf,
+    /// One turn, then exit.
+    pub prompt: Option<String>,
+    /// A document that opens the conversation.
+    pub file: Option<PathBuf>,
+    pub max_new: usize,
+    pub sampling: SamplerConfig,
+    pub seed: u64,
+    pub context: usize,
+    pub system: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub engine: EngineKind,
+    pub threads: usize,
+    pub policy: ContextPolicy,
+}
+
+/// Refuses settings that cannot work, before anything slow happens.
+fn validate(args: &ChatArgs) -> Result<()> {
+    args.sampling.validate()?;
+    if args.context < 2 {
+        bail!(
+            "-c/--ctx-size must be at least 2 tokens, got {}",
+            args.context
+        );
+    }
+    if args.max_new == 0 {
+        bail!("-n must be at least 1 token");
+    }
+    if args.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    if let Some(p) = &args.prompt
+        && p.trim().is_empty()
+    {
+        bail!("the prompt given with -p is empty; give some text");
+    }
+    for (what, text) in [("-p", &args.prompt), ("--system", &args.system)] {
+        if text.as_deref().is_some_and(|t| t.contains('\0')) {
+            bail!("the {what} text contains a NUL byte; remove it");
+        }
+    }
+    Ok(())
+}
+
+/// Running totals for `/stats`.
+#[derive(Default)]
+struct Totals {
+    replies: usize,
+    prompt_tokens: usize,
+    prefill_secs: f64,
+    generated: usize,
+    decode_secs: f64,
+    dropped: usize,
+    last: Option<ReplyReport>,
+}
+
+impl Totals {
+    fn add(&mut self, r: &ReplyReport) {
+        self.replies += 1;
+        self.prompt_tokens += r.stats.prompt_tokens;
+        self.prefill_secs += r.stats.prefill_secs;
+        self.generated += r.stats.generated;
+        self.decode_secs += r.stats.decode_secs;
+        self.last = Some(*r);
+    }
+}
+
+/// Everything one chat needs between turns.
+struct Session<'a> {
+    args: &'a ChatArgs,
+    tok: Tokenizer,
+    engine: Box<dyn Engine>,
+    encoder: TurnEncoder,
+    conv: Conversation,
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    model_end: Vec<u32>,
+    interrupt: Interrupt,
+    totals: Totals,
+}
+
+pub fn run(args: &ChatArgs) -> Result<()> {
+    validate(args)?;
+    let document = match &args.file {
+        Some(path) => {
+            let text = read_text_file(path)?;
+            if text.contains('\0') {
+                bail!("{}: contains a NUL byte; remove it", path.display());
+            }
+            Some(text)
+        }
+        None => None,
+    };
+    let mut session = Session::open(args, document.as_deref())?;
+    if let Some(prompt) = &args.prompt {
+        session.turn(prompt)?;
+        return Ok(());
+    }
+    let mut input = Input::open()?;
+    if input.is_terminal() {
+        eprintln!("pulsar: type a message; /help lists commands; Ctrl-D or /quit leaves");
+    }
+    while let Some(line) = input.next_line()? {
+        match slash::parse(&line) {
+            Line::Blank => {}
+            Line::Message(m) => session.turn(&m)?,
+            Line::Reset => {
+                session.reset();
+                eprintln!("pulsar: new conversation");
+            }
+            Line::Stats => session.print_stats(),
+            Line::Help => eprintln!("{}", slash::HELP),
+            Line::Quit => break,
+            Line::Unknown(word) => {
+                eprintln!("pulsar: unknown command {word}; /help lists the commands")
+            }
+        }
+    }
+    Ok(())
+}
+
+impl<'a> Session<'a> {
+    fn open(args: &'a ChatArgs, document: Option<&str>) -> Result<Session<'a>> {
+        let start = Instant::now();
+        let spinner =
+            ProgressBar::new_spinner().with_message(format!("loading {}", args.model.display()));
+        spinner.enable_steady_tick(Duration::from_millis(120));
+        let src = ModelSource::open(&args.model)?;
+        let tok = load_tokenizer(&src)?;
+        let template = match &args.chat_template {
+            Some(path) => ChatTemplate::from_file(path)?,
+            None => ChatTemplate::gemma(),
+        };
+        let encoder = TurnEncoder::new(template, args.system.as_deref(), document)?;
+        spinner.set_message(format!(
+            "preparing the {} engine (converting weights)",
+            args.engine.name()
+        ));
+        let mut engine = open_engine(src, args.engine, args.threads, args.context)?;
+        spinner.finish_and_clear();
+
+        let limit = args.context.min(engine.capacity());
+        if limit < args.context {
+            eprintln!(
+                "pulsar: the model holds at most {limit} tokens; using that instead of -c {}",
+                args.context
+            );
+        }
+        eprintln!(
+            "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {})",
+            args.model.display(),
+            start.elapsed().as_secs_f64(),
+            args.engine.name(),
+            args.seed
+        );
+        let mut conv = Conversation::new(encoder.prefix(&tok), limit);
+        if conv.len() + 1 > limit {
+            bail!(
+                "the start of the conversation (--system text and -f document) takes {} tokens \
+                 but the context holds {limit}; shorten them or raise -c",
+                conv.len()
+            );
+        }
+        // Feed the start now: the first reply comes sooner, and /reset keeps it.
+        let read_start = Instant::now();
+        let mut bar = None;
+        reply::feed(&mut conv, engine.as_mut(), &|| false, &mut |fed, total| {
+            show_progress(&mut bar, "reading the document", fed, total)
+        })?;
+        if args.file.is_some() || args.system.is_some() {
+            eprintln!(
+                "pulsar: fed the opening of the conversation with the --system text and -f document: {} tokens in {:.2} s",
+                conv.len(),
+                read_start.elapsed().as_secs_f64()
+            );
+        }
+        Ok(Session {
+            stop_ids: encoder.stop_ids(&tok),
+            model_end: encoder.model_end(&tok),
+            sampler: Sampler::new(args.sampling, args.seed),
+            interrupt: Interrupt::install()?,
+            args,
+            tok,
+            engine,
+            encoder,
+            conv,
+            totals: Totals::default(),
+        })
+    }
+
+    /// A new conversation that replies exactly as a fresh process would.
+    fn reset(&mut self) {
+        self.conv.reset();
+        self.sampler = Sampler::new(self.args.sampling, self.args.seed);
+        self.totals = Totals::default();
+    }
+
+    /// One user message and the model's reply.
+    fn turn(&mut self, message: &str) -> Result<()> {
+        if message.contains('\0') {
+            eprintln!("pulsar: the message contains a NUL byte; it was not sent");
+            return Ok(());
+        }
+        let first = self.conv.exchanges() == 0;
+        let user_turn = self.encoder.user_turn(&self.tok, message, first);
+        let interrupt = self.interrupt.clone();
+        let interrupted = move || interrupt.raised();
+        let settings = ReplySettings {
+            max_new: self.args.max_new,
+            stop_ids: &self.stop_ids,
+            model_end: &self.model_end,
+            interrupted: &interrupted,
+        };
+        let need = reply::room_needed(&self.conv, &user_turn, &settings);
+        match self.conv.make_room(need, self.args.policy) {
+            Ok(0) => {}
+            Ok(n) => {
+                self.totals.dropped += n;
+                eprintln!(
+                    "pulsar: context full ({} tokens); dropped the {n} oldest exchange{} after the first",
+                    self.conv.limit(),
+                    if n == 1 { "" } else { "s" }
+                );
+            }
+            Err(why) => {
+                // With --context-full stop a full context ends the chat, and
+                // -p has no later turn to go on with; otherwise the user can
+                // shorten the message or /reset.
+                if self.args.policy == ContextPolicy::Stop || self.args.prompt.is_some() {
+                    bail!("{why}");
+                }
+                eprintln!("pulsar: {why}");
+                return Ok(());
+            }
+        }
+
+        let mut stdout = std::io::stdout().lock();
+        let mut write_error = None;
+        let mut bar: Option<ProgressBar> = None;
+        self.interrupt.begin_reply();
+        let result = reply::reply(
+            &mut self.conv,
+            self.engine.as_mut(),
+            &self.tok,
+            &mut self.sampler,
+            &user_turn,
+            &settings,
+            &mut |fed, total| show_progress(&mut bar, "reading the prompt", fed, total),
+            &mut |piece| {
+                if write_error.is_none()
+                    && let Err(e) = stdout
+                        .write_all(piece.as_bytes())
+                        .and_then(|_| stdout.flush())
+                {
+                    write_error = Some(e);
+                }
+            },
+        );
+        let stopped = self.interrupt.end_reply();
+        if let Some(bar) = bar {
+            // A prefill stopped by Ctrl-C never reached the end.
+            bar.finish_and_clear();
+        }
+        let report = result?;
+        if let Some(e) = write_error {
+            return Err(e).context("cannot write the reply to stdout");
+        }
+        if !report.abandoned {
+            writeln!(stdout)
+                .and_then(|_| stdout.flush())
+                .context("cannot write to stdout")?;
+        }
+        drop(stdout);
+
+        if report.abandoned {
+            eprintln!(
+                "pulsar: [stopped by Ctrl-C before the reply began; the message was taken back]"
+            );
+        } else if stopped || report.stats.stop == StopReason::Interrupted {
+            eprintln!("pulsar: [reply stopped by Ctrl-C]");
+        }
+        if report.cut_by_context {
+            eprintln!(
+                "pulsar: context full: the reply was cut at {} tokens; the next turn makes room",
+                report.stats.generated
+            );
+        }
+        eprintln!("pulsar: {}", report.stats.summary());
+        self.totals.add(&report);
+        Ok(())
+    }
+
+    fn print_stats(&self) {
+        let t = &self.totals;
+        eprintln!(
+            "context: {} of {} tokens used, {} exchange{} held, {} dropped",
+            self.conv.len(),
+            self.conv.limit(),
+            self.conv.exchanges(),
+            if self.conv.exchanges() == 1 { "" } else { "s" },
+            t.dropped
+        );
+        eprintln!(
+            "this conversation: {} repl{}; prompt {} tok, {:.1} tok/s; generated {} tok, {:.1} tok/s",
+            t.replies,
+            if t.replies == 1 { "y" } else { "ies" },
+            t.prompt_tokens,
+            t.prompt_tokens as f64 / t.prefill_secs.max(1e-9),
+            t.generated,
+            t.generated as f64 / t.decode_secs.max(1e-9)
+        );
+        if let Some(last) = &t.last {
+            eprintln!("last reply: {}", last.stats.summary());
+        }
+    }
+}
+
+/// Shows `fed` of `total` prompt tokens on a bar made at the first call;
+/// prompts short enough to go in one piece get none.
+fn show_progress(bar: &mut Option<ProgressBar>, what: &str, fed: usize, total: usize) {
+    if total <= reply::PREFILL_PIECE {
+        return;
+    }
+    let bar = bar.get_or_insert_with(|| {
+        let bar = ProgressBar::new(total as u64);
+        let template = format!("{what} [{{bar:30}}] {{pos}}/{{len}} tokens, {{eta}} left");
+        if let Ok(style) = ProgressStyle::with_template(&template) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    });
+    bar.set_position(fed as u64);
+    if fed == total {
+        bar.finish_and_clear();
+    }
+}

@@ -1,0 +1,313 @@
+//! `pulsar chat` through the real binary on the default model: piped turns,
+//! /reset, -f with -p, a conversation longer than the context, bad flags,
+//! and Ctrl-C under a pseudo-terminal.
+
+use pulsar::chat::turns::TurnEncoder;
+use pulsar::chat_template::ChatTemplate;
+use pulsar::commands::run::load_tokenizer;
+use pulsar::model::source::ModelSource;
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+/// The engine the tests chat with; flip to "jit" once its kernels are fast.
+const ENGINE: &str = "jit";
+
+fn model() -> std::path::PathBuf {
+    pulsar::model::fetch::default_model_path().expect("default model")
+}
+
+fn chat_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pulsar"));
+    cmd.arg("chat")
+        .args(args)
+        .arg("-m")
+        .arg(model())
+        .args(["--engine", ENGINE]);
+    cmd
+}
+
+/// Runs a chat with `input` piped to stdin.
+fn chat_piped(args: &[&str], input: &str) -> Output {
+    let mut child = chat_command(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("binary runs");
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    stdin.write_all(input.as_bytes()).expect("write stdin");
+    drop(stdin);
+    child.wait_with_output().expect("binary finishes")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The per-reply stats lines on stderr, as (prompt tokens, generated tokens).
+fn stats_lines(stderr: &str) -> Vec<(usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("pulsar: [prompt "))
+        .map(|rest| {
+            let prompt = rest.split(' ').next().expect("prompt count");
+            let generated = rest
+                .split("generated ")
+                .nth(1)
+                .and_then(|g| g.split(' ').next())
+                .expect("generated count");
+            (
+                prompt.parse().expect("a number"),
+                generated.parse().expect("a number"),
+            )
+        })
+        .collect()
+}
+
+fn assert_ok(out: &Output) -> String {
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn two_piped_turns_give_two_replies_and_two_stats_lines() {
+    let out = chat_piped(
+        &["-t", "0", "-n", "16"],
+        "Hello, who are you?\nTell me about the sea.\n",
+    );
+    let stderr = assert_ok(&out);
+    let stats = stats_lines(&stderr);
+    assert_eq!(stats.len(), 2, "{stderr}");
+    let stdout = text(&out.stdout);
+    assert!(stdout.trim().len() > 4, "replies expected, got {stdout:?}");
+    // BOS and the opening of the first turn were fed at startup, so the
+    // first prompt is the rest of the first turn; the second reuses the
+    // cache, so only its own turn is fed (the end of the first reply was
+    // fed right after it).
+    let path = model();
+    let tok = load_tokenizer(&ModelSource::open(&path).unwrap()).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
+    let turn = |m: &str, first: bool| enc.user_turn(&tok, m, first).len();
+    assert_eq!(stats[0].0, turn("Hello, who are you?", true), "{stderr}");
+    assert_eq!(
+        stats[1].0,
+        turn("Tell me about the sea.", false),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn reset_replies_like_a_fresh_process() {
+    let question = "Tell me a story about a cat.\n";
+    for sampling in [&["-t", "0"][..], &["-t", "0.9", "-s", "11"][..]] {
+        let args = [sampling, &["-n", "20"][..]].concat();
+        let fresh = chat_piped(&args, question);
+        assert_ok(&fresh);
+        let fresh = text(&fresh.stdout);
+        assert!(!fresh.trim().is_empty());
+        let after_reset = chat_piped(&args, &format!("What is two plus two?\n/reset\n{question}"));
+        let stderr = assert_ok(&after_reset);
+        assert_eq!(stats_lines(&stderr).len(), 2, "{stderr}");
+        assert!(stderr.contains("new conversation"), "{stderr}");
+        let both = text(&after_reset.stdout);
+        assert!(
+            both.len() > fresh.len() && both.ends_with(&fresh),
+            "{sampling:?}: after /reset the reply should be the fresh one\nfresh: {fresh:?}\nboth: {both:?}"
+        );
+    }
+}
+
+#[test]
+fn file_and_prompt_answer_in_one_turn() {
+    let dir = std::env::temp_dir().join(format!("pulsar-chat-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = dir.join("ship.txt");
+    std::fs::write(
+        &doc,
+        "The ship was called the Northern Lantern. It sailed from Bergen in 1893 \
+         with a crew of eleven and a cargo of dried cod, and it reached Lisbon \
+         after forty-one days at sea.\n",
+    )
+    .unwrap();
+    let question = "What was the ship called?";
+    let doc = doc.to_str().unwrap();
+    // -p must not wait for stdin.
+    let out = chat_command(&["-t", "0", "-n", "12", "-f", doc, "-p", question])
+        .stdin(Stdio::null())
+        .output()
+        .expect("binary runs");
+    let stderr = assert_ok(&out);
+    assert_eq!(stats_lines(&stderr).len(), 1, "{stderr}");
+    let reply = text(&out.stdout);
+    assert!(!reply.trim().is_empty());
+    // The document (about 45 tokens) was fed at startup.
+    let start_tokens: usize = stderr
+        .split("document: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no document line: {stderr}"));
+    assert!(start_tokens >= 45, "{start_tokens} tokens: {stderr}");
+
+    // The document stays across /reset: the same question gets the same
+    // reply before and after, as it does with -p.
+    let out = chat_piped(
+        &["-t", "0", "-n", "12", "-f", doc],
+        &format!("{question}\n/reset\n{question}\n"),
+    );
+    assert_ok(&out);
+    assert_eq!(text(&out.stdout), format!("{reply}{reply}"));
+}
+
+#[test]
+fn a_conversation_longer_than_the_context_keeps_going() {
+    let input: String = (1..=8)
+        .map(|i| format!("Tell me fact number {i} about the moon.\n"))
+        .collect();
+    let out = chat_piped(
+        &["-t", "0", "-n", "40", "-c", "300"],
+        &format!("{input}/stats\n"),
+    );
+    let stderr = assert_ok(&out);
+    let stats = stats_lines(&stderr);
+    assert_eq!(stats.len(), 8, "{stderr}");
+    assert!(
+        stats.iter().all(|&(_, generated)| generated > 0),
+        "every turn got a reply: {stderr}"
+    );
+    assert!(stderr.contains("context full"), "{stderr}");
+    assert!(stderr.contains("dropped the"), "{stderr}");
+    // Each exchange is about 60 tokens: with four held, the fifth turn
+    // drops the second and third (down to half the context) and the fourth
+    // moves, so it is fed again with the new turn.
+    assert!(
+        stats[1..].iter().any(|&(prompt, _)| prompt > 40),
+        "no turn was fed again after a drop: {stderr}"
+    );
+    let used: usize = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("context: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("a /stats context line");
+    assert!(
+        used <= 300,
+        "the conversation holds {used} tokens: {stderr}"
+    );
+
+    let out = chat_piped(
+        &["-t", "0", "-n", "40", "-c", "160", "--context-full", "stop"],
+        &input,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("context is full"), "{stderr}");
+    let replies = stats_lines(&stderr).len();
+    assert!((1..8).contains(&replies), "{replies} replies: {stderr}");
+}
+
+#[test]
+fn bad_values_are_refused_clearly() {
+    for (args, needle) in [
+        (&["--temp=-1"][..], "temperature"),
+        (&["--top-p", "1.5"][..], "top-p"),
+        (&["-c", "1"][..], "ctx-size"),
+        (&["-p", " "][..], "empty"),
+    ] {
+        let out = chat_command(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("binary runs");
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn help_shows_the_chat_flags_and_defaults() {
+    for args in [&["--help"][..], &["chat", "--help"][..]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+            .args(args)
+            .output()
+            .expect("binary runs");
+        let help = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}");
+        for needle in [
+            "--temp <TEMPERATURE>",
+            "[default: 0.7]",
+            "[default: 40]",
+            "--ctx-size",
+            "--repeat-penalty",
+            "--system",
+        ] {
+            assert!(help.contains(needle), "{args:?} lacks {needle}:\n{help}");
+        }
+    }
+}
+
+#[test]
+fn ctrl_c_mid_reply_returns_to_the_prompt_and_quit_exits_zero() {
+    let message = "Once upon a time there was a dragon.";
+    // The greedy reply's first words, to know when the reply is under way.
+    let head = chat_piped(&["-t", "0", "-n", "8"], &format!("{message}\n"));
+    assert_ok(&head);
+    let head = text(&head.stdout);
+    let first_line = head.trim_start().lines().next().unwrap_or("").to_string();
+    let marker: String = first_line.chars().take(12).collect();
+    assert!(marker.trim().len() >= 3, "reply starts with {head:?}");
+    assert!(
+        !message.contains(&marker),
+        "{marker:?} would match the echo"
+    );
+
+    let max_new = 4000;
+    let mut cmd = chat_command(&["-t", "0", "-n", &max_new.to_string(), "-c", "8192"]);
+    cmd.env("TERM", "xterm");
+    // Generous: a guard against hanging forever, not a speed requirement.
+    let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
+    p.exp_string("> ").expect("first prompt");
+    p.send_line(message).expect("send message");
+    p.exp_string(&marker).expect("reply starts");
+    p.send_control('c').expect("send Ctrl-C");
+    p.exp_string("stopped by Ctrl-C").expect("the reply stops");
+    let (_, generated) = p
+        .exp_regex(r"generated \d+ tok")
+        .expect("stats line after the stopped reply");
+    let generated: usize = generated
+        .trim_start_matches("generated ")
+        .trim_end_matches(" tok")
+        .parse()
+        .expect("a count");
+    assert!(
+        (1..max_new).contains(&generated),
+        "stopped mid-reply: {generated} tokens"
+    );
+    p.exp_string("> ").expect("back at the prompt");
+    p.send_line("/quit").expect("send /quit");
+    p.exp_eof().expect("program ends");
+    match p.process().wait().expect("exit status") {
+        rexpect::process::WaitStatus::Exited(_, code) => assert_eq!(code, 0),
+        other => panic!("did not exit normally: {other:?}"),
+    }
+}
+
+#[test]
+fn ctrl_c_or_ctrl_d_at_the_prompt_exits_zero() {
+    for key in ['c', 'd'] {
+        let mut cmd = chat_command(&["-t", "0"]);
+        cmd.env("TERM", "xterm");
+        let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
+        p.exp_string("> ").expect("prompt");
+        p.send_control(key).expect("send the key");
+        p.exp_eof().expect("program ends");
+        match p.process().wait().expect("exit status") {
+            rexpect::process::WaitStatus::Exited(_, code) => assert_eq!(code, 0, "Ctrl-{key}"),
+            other => panic!("Ctrl-{key}: did not exit normally: {other:?}"),
+        }
+    }
+}
