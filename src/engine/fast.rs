@@ -7,7 +7,7 @@
 
 use super::kernels::{MatKernels, SharedOut};
 use super::ops;
-use super::packed::{PackedMatrix, WeightFormat};
+use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
@@ -63,11 +63,22 @@ impl FastEngine {
     ) -> Result<Self> {
         let owner: Arc<dyn Send + Sync> = src.clone();
         let format = Self::weight_format_for(src, opts)?;
+        let c = &src.config;
+        // One arena for every matrix that needs converting.
+        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let per_layer = [q * c.hidden, kv * c.hidden, kv * c.hidden, c.hidden * q]
+            .into_iter()
+            .chain([c.intermediate * c.hidden; 3])
+            .map(WeightArena::footprint)
+            .sum::<usize>();
+        let arena = WeightArena::new(
+            per_layer * c.n_layers() + WeightArena::footprint(c.vocab_size * c.hidden),
+        );
         let weights = ModelWeights::load(src, |_, t| {
             if t.dtype == format.dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
-                Ok(PackedMatrix::convert(&t, format))
+                Ok(PackedMatrix::convert_into(&t, format, &arena))
             }
         })?;
         Self::new(src.config.clone(), weights, kernels, opts)

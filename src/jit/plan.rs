@@ -173,22 +173,24 @@ pub fn split_rows(n: usize, threads: usize, block: usize) -> Vec<Range<usize>> {
     out
 }
 
-/// GEMV prefetch distance along a block's contiguous 4-row region. A long
-/// row (a page or more) gives the hardware prefetcher streams it follows
-/// well, and plain long streams were slower with software prefetch on this
-/// machine: distance 0. Short rows give it four short interleaved streams per
-/// block; there, prefetching one block ahead (4 rows) measured faster, as long
-/// as two blocks fit in L1d (K=640 f16, 1 thread: 9.9 -> 19.5 GB/s; K=2048:
-/// 16.3 vs 16.8-17.7 GB/s, within noise, so it stays 0;
-/// `pulsar tune --measure --prefetch-ab 0,5120`).
+/// GEMV prefetch distance along a block's contiguous 4-row region. Rows
+/// shorter than 8 KiB give the hardware prefetcher four short interleaved
+/// streams per block, which it follows poorly; prefetching the smallest
+/// whole number of blocks at least 12 KiB ahead measured best over
+/// huge-page-backed weights (1 thread, 512 MiB, best of 5, rows of 640 f16:
+/// 0 B 9.9, 5,120 B 23.1, 10,240 B 26.7-30.9, 15,360 B 27.4, 20,480 B
+/// 25.5 GB/s against a 32.6-34.7 GB/s plain read; rows of 2,048: 0 B 19.7,
+/// 8,192 B 18.7, 16,384 B 26.6, 32,768 B 17.5 GB/s). Long rows are plain
+/// long streams, which were slower with software prefetch here: distance 0.
 pub fn prefetch_distance(caps: &CpuCaps, row_bytes: usize) -> usize {
+    const AHEAD: usize = 12 * 1024;
     let block = gemv::ROWS * row_bytes;
     let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
-    if row_bytes < 4096 && 2 * block <= l1 {
-        block
-    } else {
-        0
+    if row_bytes >= 8192 || block == 0 {
+        return 0;
     }
+    // Never so far ahead that the prefetched lines leave L1 before use.
+    (AHEAD.div_ceil(block) * block).min(l1 / 2 / block * block)
 }
 
 /// Elements of x per chunk so that a 3-token tile of x uses at most half of L1d.
@@ -584,26 +586,26 @@ mod tests {
     #[test]
     fn prefetch_only_for_short_rows() {
         let caps = CpuCaps::zen4_like();
-        // 640 f16 = 1280 B rows: one 4-row block ahead.
-        assert_eq!(prefetch_distance(&caps, 1280), 5120);
-        // Page-long rows stream well on their own: 0 (measured faster).
-        assert_eq!(prefetch_distance(&caps, 4096), 0);
+        // 640 f16 = 1280 B rows: three 4-row blocks (the first >= 12 KiB).
+        assert_eq!(prefetch_distance(&caps, 1280), 15360);
+        assert_eq!(prefetch_distance(&caps, 2048), 16384);
+        assert_eq!(prefetch_distance(&caps, 4096), 16384);
+        // Rows of 8 KiB or more stream well on their own: 0 (measured faster).
+        assert_eq!(prefetch_distance(&caps, 8192), 0);
         assert_eq!(prefetch_distance(&caps, 32768), 0);
-        // Two blocks must fit L1d.
-        assert_eq!(
-            prefetch_distance(
-                &CpuCaps {
-                    l1d: 8192,
-                    ..caps.clone()
-                },
-                2048
-            ),
-            0
-        );
+        // The distance stays within half of L1d, or there is none.
+        let small_l1 = CpuCaps {
+            l1d: 8192,
+            ..caps.clone()
+        };
+        assert_eq!(prefetch_distance(&small_l1, 2048), 0);
+        assert_eq!(prefetch_distance(&small_l1, 256), 4096);
+        // gemma-2b: rows of 2,048 get a distance, rows of 16,384 none.
         let p = plan(&gemma2b(), &caps, &PlanOptions::default()).unwrap();
         for k in &p.kernels {
             if let KernelKind::Gemv(g) = &k.kind {
-                assert_eq!(g.prefetch, 0, "{}", k.name);
+                let want = if g.k == 2048 { 16384 } else { 0 };
+                assert_eq!(g.prefetch, want, "{}", k.name);
             }
         }
         let forced = PlanOptions {
