@@ -4,6 +4,8 @@
 pub mod chat_template;
 pub mod commands;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod generate;
 pub mod model;
 pub mod sample;
