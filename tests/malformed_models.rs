@@ -399,6 +399,18 @@ fn gguf_absurd_dimension() {
 }
 
 #[test]
+fn gguf_zero_head_count() {
+    // With 46 layers a Gemma 2 file takes its query scale from
+    // hidden / heads, which divided by zero before the count was checked.
+    let mut w = base_gguf();
+    let k = kv_index(&w, "gemma2.block_count");
+    w.kvs[k].payload = 46u32.to_le_bytes().to_vec();
+    let k = kv_index(&w, "gemma2.attention.head_count");
+    w.kvs[k].payload = 0u32.to_le_bytes().to_vec();
+    expect_gguf_refusal("zero-heads", &w, &["\"gemma2.attention.head_count\" is 0"]);
+}
+
+#[test]
 fn gguf_element_count_overflow() {
     let mut w = base_gguf();
     let i = tensor_index(&w, "blk.0.ffn_up.weight");

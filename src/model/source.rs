@@ -307,10 +307,14 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     if n_layers == 0 || n_layers > 4096 {
         bail!("{p}: block_count {n_layers} is zero or absurd");
     }
+    // Refused before anything divides by it (hidden / heads below, and in
+    // query_pre_attn_scalar for the 27B shapes).
+    if n_heads == 0 {
+        bail!("{p}: metadata key {:?} is 0", key("attention.head_count"));
+    }
     let head_dim = match g.get_usize(&key("attention.key_length"))? {
         Some(h) => h,
-        None if n_heads > 0 => hidden / n_heads,
-        None => bail!("{p}: attention.head_count is 0"),
+        None => hidden / n_heads,
     };
     let embd = g
         .tensor_info("token_embd.weight")
