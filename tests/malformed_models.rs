@@ -851,6 +851,16 @@ fn folder_with_no_model() {
 }
 
 #[test]
+fn file_from_a_folder_given_as_the_model() {
+    let scratch = Scratch::new("hf-part");
+    let dir = hf_folder(&scratch, None, None);
+    for name in ["model.safetensors", "config.json"] {
+        let file = dir.join(name);
+        expect_refusal(&file, &file, &["pass the folder that holds it"]);
+    }
+}
+
+#[test]
 fn missing_model_path() {
     let scratch = Scratch::new("missing");
     let path = scratch.path("nowhere.gguf");

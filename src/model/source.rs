@@ -64,10 +64,21 @@ impl ModelSource {
             )
         })?;
         if meta.is_dir() {
-            Self::open_hf(path)
-        } else {
-            Self::from_gguf(GgufFile::open(path)?)
+            return Self::open_hf(path);
         }
+        // A file from inside a Hugging Face folder would otherwise be
+        // reported as "not a GGUF file", which does not say what to do.
+        let is_hf_part = path.extension().is_some_and(|e| e == "safetensors")
+            || path
+                .file_name()
+                .is_some_and(|n| n == "config.json" || n == "model.safetensors.index.json");
+        if is_hf_part {
+            bail!(
+                "{}: is part of a Hugging Face model; pass the folder that holds it with -m",
+                path.display()
+            );
+        }
+        Self::from_gguf(GgufFile::open(path)?)
     }
 
     /// A model from a parsed GGUF file (opened, or parsed from memory by
