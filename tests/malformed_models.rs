@@ -592,6 +592,22 @@ fn gguf_wrong_metadata_type() {
             "string",
         ],
     );
+    // A mistyped key holding a vocabulary-sized array: the message shows
+    // the start of it, not all of it.
+    let mut w = base_gguf();
+    let k = kv_index(&w, "gemma2.block_count");
+    w.kvs.remove(k);
+    let words: Vec<String> = (0..100_000).map(|i| format!("piece{i}")).collect();
+    w.add_str_array("gemma2.block_count", &words);
+    let msg = expect_gguf_refusal(
+        "key-array",
+        &w,
+        &[
+            "\"gemma2.block_count\" should be an unsigned integer",
+            "[100000 items",
+        ],
+    );
+    assert!(msg.len() < 400, "{} bytes: {msg}", msg.len());
 }
 
 #[test]
