@@ -13,8 +13,8 @@ use crate::tokenizer::{SPACE_MARK, Tokenizer};
 use std::path::Path;
 
 /// Bytes as a GGUF file: parse, then (when it parses) dequantize every
-/// tensor, read the tokenizer, the model description and every weight the
-/// description calls for.
+/// tensor, read the tokenizer and encode and decode with it, then the model
+/// description and every weight the description calls for.
 pub fn gguf(data: &[u8]) {
     let Ok(file) = GgufFile::from_bytes(Path::new("fuzz.gguf"), data.to_vec()) else {
         return;
@@ -24,7 +24,15 @@ pub fn gguf(data: &[u8]) {
         assert_eq!(view.bytes.len(), info.len, "{}: byte length", info.name);
         assert_eq!(dequant::to_f32(&view).len(), view.elems());
     }
-    let _ = Tokenizer::from_gguf(&file);
+    if let Ok(tok) = Tokenizer::from_gguf(&file) {
+        // A hostile vocabulary (no byte tokens, NaN scores, odd control
+        // pieces) must still encode and decode without a panic.
+        let ids = tok.encode("<bos>Hi <start_of_turn>wörld  \n\t日本 ▁x", true);
+        assert!(ids.iter().all(|&id| (id as usize) < tok.vocab_size()));
+        let _ = tok.decode_with_control(&ids);
+        let every: Vec<u32> = (0..tok.vocab_size().min(512) as u32).collect();
+        let _ = tok.decode(&every);
+    }
     let Ok(src) = ModelSource::from_gguf(file) else {
         return;
     };
