@@ -941,3 +941,39 @@ fn directory_where_a_file_should_be() {
         &["is a directory"],
     );
 }
+
+// ------------------------------------------------------------ tokenizer
+
+/// A tokenizer.json with one entry whose id is near the loader's limit of
+/// 16 million used to size the id table by that id: 512 MB for a 200-byte
+/// file. Under a 300 MB address-space limit that aborted; now the id is
+/// refused against the number of entries the file really lists.
+#[cfg(unix)]
+#[test]
+fn tokenizer_json_claims_a_huge_id() {
+    let scratch = Scratch::new("tok-id");
+    let dir = hf_folder(&scratch, None, None);
+    let json = dir.join("tokenizer.json");
+    std::fs::write(
+        &json,
+        r#"{"normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            "model": {"type": "BPE",
+                      "vocab": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "a": 15999999}},
+            "added_tokens": []}"#,
+    )
+    .unwrap();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 300000 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["tokenize", "-p", "a", "-m"])
+        .arg(&dir)
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(&json.display().to_string()), "{stderr}");
+    assert!(stderr.contains("has id 15999999"), "{stderr}");
+}

@@ -150,10 +150,20 @@ fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
         .as_object()
         .ok_or_else(|| anyhow::anyhow!("{source}: model.vocab is missing or not an object"))?;
     let mut slots: Vec<Option<(String, TokenKind)>> = Vec::new();
+    // Dense ids can only run up to the number of entries listed, so a
+    // larger id is refused before the table is grown to it: otherwise one
+    // entry with id 15,999,999 would allocate half a gigabyte.
+    let listed = vocab_map.len() + root["added_tokens"].as_array().map_or(0, Vec::len);
     let mut place = |id: u64, piece: &str, kind: TokenKind| -> Result<()> {
         let id = usize::try_from(id)?;
         if id > 16_000_000 {
             bail!("{source}: token id {id} is implausibly large");
+        }
+        if id >= listed {
+            bail!(
+                "{source}: token {piece:?} has id {id}, but the file lists only {listed} tokens \
+                 (ids must run from 0 without gaps)"
+            );
         }
         if slots.len() <= id {
             slots.resize(id + 1, None);
