@@ -109,6 +109,43 @@ def main():
                       list((ROOT / "tests" / "data" / "fixtures").glob("*/config.json"))):
         put("hf_config", cfg.parent.name, cfg.read_bytes())
 
+    # hf_tokenizer: first byte 0 = tokenizer.json, 1 = tokenizer.model.
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<0x0A>": 4, "<0xC3>": 5,
+             "\u2581": 6, "a": 7, "b": 8, "ab": 9, "\u2581ab": 10}
+    tj = {"normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+          "pre_tokenizer": None,
+          "model": {"type": "BPE", "byte_fallback": True, "vocab": vocab,
+                    "merges": ["a b", ["\u2581", "ab"]]},
+          "added_tokens": [{"id": 1, "content": "<eos>", "special": True},
+                           {"id": 11, "content": "<start_of_turn>", "special": True},
+                           {"id": 12, "content": "\n\n", "special": False}]}
+    put("hf_tokenizer", "tokenizer-json", b"\x00" + json.dumps(tj).encode())
+
+    def varint(n):
+        out = b""
+        while True:
+            b = n & 0x7F
+            n >>= 7
+            if n:
+                out += bytes([b | 0x80])
+            else:
+                return out + bytes([b])
+
+    def field(num, payload):
+        return varint(num << 3 | 2) + varint(len(payload)) + payload
+
+    def vfield(num, v):
+        return varint(num << 3) + varint(v & 0xFFFFFFFFFFFFFFFF)
+
+    pieces = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<0x41>", 6), ("\u2581a", 1), ("b", 1)]
+    spm = b""
+    for i, (text, kind) in enumerate(pieces):
+        spm += field(1, field(1, text.encode()) + struct.pack("<B", 2 << 3 | 5)
+                     + struct.pack("<f", -float(i)) + vfield(3, kind))
+    spm += field(2, vfield(3, 2) + vfield(40, 0) + vfield(41, 1) + vfield(42, 2) + vfield(43, -1))
+    spm += field(3, field(1, b"identity") + vfield(3, 1) + vfield(4, 0))
+    put("hf_tokenizer", "tokenizer-model", b"\x01" + spm)
+
     texts = ["The capital of France is", "<start_of_turn>user\nhi<end_of_turn>\n",
              "  two  spaces\n\n\ttab", "caf\u00e9 \u65e5\u672c\u8a9e \U0001F600", "<bos><eos><pad>"]
     for i, t in enumerate(texts):

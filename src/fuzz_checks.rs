@@ -25,18 +25,39 @@ pub fn gguf(data: &[u8]) {
         assert_eq!(dequant::to_f32(&view).len(), view.elems());
     }
     if let Ok(tok) = Tokenizer::from_gguf(&file) {
-        // A hostile vocabulary (no byte tokens, NaN scores, odd control
-        // pieces) must still encode and decode without a panic.
-        let ids = tok.encode("<bos>Hi <start_of_turn>wörld  \n\t日本 ▁x", true);
-        assert!(ids.iter().all(|&id| (id as usize) < tok.vocab_size()));
-        let _ = tok.decode_with_control(&ids);
-        let every: Vec<u32> = (0..tok.vocab_size().min(512) as u32).collect();
-        let _ = tok.decode(&every);
+        exercise(&tok);
     }
     let Ok(src) = ModelSource::from_gguf(file) else {
         return;
     };
     let _ = ModelWeights::load(&src, |_, t| Ok(F32Matrix::from_view(&t)));
+}
+
+/// Encodes and decodes with a tokenizer built from hostile input (no byte
+/// tokens, NaN scores, odd control pieces): no panic, ids in range.
+fn exercise(tok: &Tokenizer) {
+    let ids = tok.encode("<bos>Hi <start_of_turn>wörld  \n\t日本 ▁x", true);
+    assert!(ids.iter().all(|&id| (id as usize) < tok.vocab_size()));
+    let _ = tok.decode_with_control(&ids);
+    let every: Vec<u32> = (0..tok.vocab_size().min(512) as u32).collect();
+    let _ = tok.decode(&every);
+}
+
+/// Bytes as a Hugging Face tokenizer file: with an even first byte the
+/// rest is a `tokenizer.json`, with an odd one a SentencePiece
+/// `tokenizer.model`. A tokenizer that loads is then used.
+pub fn hf_tokenizer(data: &[u8]) {
+    let Some((&kind, rest)) = data.split_first() else {
+        return;
+    };
+    let loaded = if kind % 2 == 0 {
+        Tokenizer::from_tokenizer_json_bytes(rest, "fuzz/tokenizer.json")
+    } else {
+        Tokenizer::from_sentencepiece_bytes(rest, "fuzz/tokenizer.model", None)
+    };
+    if let Ok(tok) = loaded {
+        exercise(&tok);
+    }
 }
 
 /// Bytes as a safetensors file: parse, then dequantize every tensor.

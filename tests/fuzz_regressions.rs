@@ -46,6 +46,11 @@ fn hf_config_regressions() {
 }
 
 #[test]
+fn hf_tokenizer_regressions() {
+    replay("hf_tokenizer", pulsar::fuzz_checks::hf_tokenizer);
+}
+
+#[test]
 fn tokenizer_regressions() {
     if inputs("tokenizer").is_empty() {
         return;

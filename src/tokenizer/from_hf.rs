@@ -125,9 +125,22 @@ fn merge_pair<'a>(m: &'a Value, i: usize, source: &str) -> Result<(&'a str, &'a 
 
 fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
     let source = path.display().to_string();
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {source}"))?;
+    let text = std::fs::read(path).with_context(|| format!("cannot read {source}"))?;
+    from_tokenizer_json_bytes(&text, &source, cfg)
+}
+
+impl Tokenizer {
+    /// A `tokenizer.json` already in memory, with no `tokenizer_config.json`
+    /// (for fuzzing; `source` names it in messages).
+    pub(crate) fn from_tokenizer_json_bytes(bytes: &[u8], source: &str) -> Result<Tokenizer> {
+        from_tokenizer_json_bytes(bytes, source, Config::default())
+    }
+}
+
+fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<Tokenizer> {
+    let source = source.to_string();
     let root: Value =
-        serde_json::from_str(&text).with_context(|| format!("{source} is not valid JSON"))?;
+        serde_json::from_slice(bytes).with_context(|| format!("{source} is not valid JSON"))?;
     let model = &root["model"];
     match model["type"].as_str() {
         Some("BPE") => {}
