@@ -977,3 +977,79 @@ fn tokenizer_json_claims_a_huge_id() {
     assert!(stderr.contains(&json.display().to_string()), "{stderr}");
     assert!(stderr.contains("has id 15999999"), "{stderr}");
 }
+
+// ---------------------------------------------------------- sharded index
+
+/// A folder whose weights are split over shards named by
+/// model.safetensors.index.json, with `index` as that file's text.
+fn sharded_folder(scratch: &Scratch, index: &str) -> PathBuf {
+    let dir = scratch.path("sharded");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(
+        fixture_dir().join("model.safetensors"),
+        dir.join("shard-1.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+    dir
+}
+
+#[test]
+fn sharded_index_problems() {
+    // The unbroken index loads and runs.
+    let scratch = Scratch::new("shards-ok");
+    let (header, _) = safetensors_parts();
+    let map: Map<String, Json> = header
+        .keys()
+        .map(|k| (k.clone(), Json::from("shard-1.safetensors")))
+        .collect();
+    let good = serde_json::json!({ "weight_map": map }).to_string();
+    let dir = sharded_folder(&scratch, &good);
+    let out = pulsar_logits(&dir, &scratch.path("ok.bin"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Not JSON.
+    let scratch = Scratch::new("shards-json");
+    let dir = sharded_folder(&scratch, "{\"weight_map\": ");
+    expect_refusal(&dir, &index_of(&dir), &["not valid JSON"]);
+    // No weight_map.
+    let scratch = Scratch::new("shards-map");
+    let dir = sharded_folder(&scratch, "{\"metadata\": {}}");
+    expect_refusal(&dir, &index_of(&dir), &["has no weight_map object"]);
+    // A shard that is not there.
+    let scratch = Scratch::new("shards-gone");
+    let dir = sharded_folder(
+        &scratch,
+        &good.replacen("shard-1.safetensors", "shard-2.safetensors", 1),
+    );
+    expect_refusal(&dir, &dir.join("shard-2.safetensors"), &["cannot open"]);
+    // A shard name that leaves the folder.
+    let scratch = Scratch::new("shards-escape");
+    let dir = sharded_folder(
+        &scratch,
+        &good.replacen("shard-1.safetensors", "../model/shard-1.safetensors", 1),
+    );
+    expect_refusal(&dir, &index_of(&dir), &["must be a plain file name"]);
+    // A tensor the index does not list.
+    let scratch = Scratch::new("shards-missing");
+    let mut fewer = map.clone();
+    fewer.remove("model.layers.1.mlp.up_proj.weight");
+    let dir = sharded_folder(
+        &scratch,
+        &serde_json::json!({ "weight_map": fewer }).to_string(),
+    );
+    expect_refusal(
+        &dir,
+        &index_of(&dir),
+        &["\"model.layers.1.mlp.up_proj.weight\" is missing"],
+    );
+}
+
+fn index_of(dir: &Path) -> PathBuf {
+    dir.join("model.safetensors.index.json")
+}
