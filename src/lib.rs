@@ -5,6 +5,8 @@ pub mod chat;
 pub mod chat_template;
 pub mod commands;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzz_checks;
 pub mod generate;
 pub mod jit;
 pub mod model;

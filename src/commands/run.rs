@@ -35,9 +35,17 @@ pub fn load_tokenizer(src: &ModelSource) -> Result<Tokenizer> {
     }
 }
 
-/// A text file given with `-f`, which must be UTF-8.
+/// A text file given with `-f`, which must be UTF-8 without NUL bytes.
 pub fn read_text_file(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    // A NUL is valid UTF-8 but never text a model was trained on; it
+    // usually means a binary file was given by mistake.
+    if let Some(at) = bytes.iter().position(|&b| b == 0) {
+        bail!(
+            "{}: contains a NUL byte at offset {at}; is it a text file?",
+            path.display()
+        );
+    }
     String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{}: not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8 first",
@@ -50,8 +58,19 @@ pub fn read_text_file(path: &Path) -> Result<String> {
 /// The user's text: a file as context followed by the prompt, or either.
 pub fn user_text(prompt: Option<&str>, file: Option<&Path>) -> Result<String> {
     let text = match (file, prompt) {
-        (Some(f), Some(p)) => format!("{}\n\n{p}", read_text_file(f)?),
-        (Some(f), None) => read_text_file(f)?,
+        (Some(f), p) => {
+            let body = read_text_file(f)?;
+            if body.trim().is_empty() && p.is_none_or(|p| p.trim().is_empty()) {
+                bail!(
+                    "{}: the file is empty or only white space; there is nothing to prompt with",
+                    f.display()
+                );
+            }
+            match p {
+                Some(p) => format!("{body}\n\n{p}"),
+                None => body,
+            }
+        }
         (None, Some(p)) => p.to_string(),
         (None, None) => bail!("give a prompt with -p TEXT or a file with -f FILE"),
     };
@@ -85,14 +104,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
             tok.encode(&text, true)
         }
     };
-    if prompt.len() >= args.context {
+    if args.context == 0 {
+        bail!("-c 0: the context must hold at least the prompt and one new token");
+    }
+    // The model cannot attend further than it was built for, and a -c above
+    // that would only size buffers for positions it never reaches.
+    let context = args.context.min(src.config.max_context);
+    if prompt.len() >= context {
         bail!(
-            "the prompt has {} tokens but the context holds {} (-c); shorten the prompt or raise -c",
+            "the prompt has {} tokens but the context holds {context} (-c {}, model maximum {}); shorten the prompt or raise -c",
             prompt.len(),
-            args.context
+            args.context,
+            src.config.max_context
         );
     }
-    let mut engine = open_engine(src, args.engine, args.threads, args.context)?;
+    // Nothing is sized by -n: generation simply stops where the context
+    // ends, whichever engine runs (the reference engine's own capacity is
+    // the model maximum, not -c).
+    let max_new = args.max_new.min(context - prompt.len());
+    let mut engine = open_engine(src, args.engine, args.threads, context)?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
         args.model.display(),
@@ -112,7 +142,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         &mut sampler,
         &Request {
             prompt: &prompt,
-            max_new: args.max_new,
+            max_new,
             stop_ids: &stops,
             interrupted: &|| false,
         },

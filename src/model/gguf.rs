@@ -80,6 +80,22 @@ impl Value {
         }
     }
 
+    /// The value's debug form cut to a length that fits in a one-line error
+    /// (a mistyped key may hold a 262,144-entry vocabulary).
+    pub fn brief(&self) -> String {
+        const MAX: usize = 80;
+        let full = match self {
+            Value::Array(items) if items.len() > 8 => {
+                format!("[{} items: {:?}, …]", items.len(), &items[..3])
+            }
+            _ => format!("{self:?}"),
+        };
+        match full.char_indices().nth(MAX) {
+            Some((cut, _)) => format!("{}…", &full[..cut]),
+            None => full,
+        }
+    }
+
     fn type_name(&self) -> &'static str {
         match self {
             Value::U8(_) => "u8",
@@ -111,10 +127,53 @@ pub struct TensorInfo {
     pub len: usize,
 }
 
+/// The bytes a [`GgufFile`] or a safetensors file reads from: a read-only
+/// memory map of the file, or bytes already in memory (tests and fuzzing
+/// parse without touching the file system).
+pub(crate) enum Bytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// Maps `path` read-only, with errors that name the file. A directory or a
+/// special file is refused before mapping so the message says what is wrong.
+pub(crate) fn map_file(path: &Path) -> Result<Bytes> {
+    let p = path.display();
+    let file = File::open(path).with_context(|| format!("{p}: cannot open"))?;
+    let meta = file
+        .metadata()
+        .with_context(|| format!("{p}: cannot read its metadata"))?;
+    if meta.is_dir() {
+        anyhow::bail!("{p}: is a directory, not a model file");
+    }
+    if !meta.is_file() {
+        anyhow::bail!("{p}: is not a regular file");
+    }
+    // Mapping an empty file fails on some systems; an empty buffer parses
+    // the same way (and fails as truncated).
+    if meta.len() == 0 {
+        return Ok(Bytes::Owned(Vec::new()));
+    }
+    // SAFETY: the map is read-only; a file changed underneath us while
+    // mapped can give wrong values but every access is bounds-checked.
+    let map = unsafe { Mmap::map(&file) }.with_context(|| format!("{p}: cannot memory-map"))?;
+    Ok(Bytes::Mapped(map))
+}
+
 /// An open GGUF file.
 pub struct GgufFile {
     path: PathBuf,
-    map: Mmap,
+    map: Bytes,
     pub version: u32,
     metadata: HashMap<String, Value>,
     tensors: Vec<TensorInfo>,
@@ -125,15 +184,16 @@ impl GgufFile {
     /// Maps and parses `path`. Fails with a message naming the file on any
     /// malformation.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-        // SAFETY: the map is read-only; a file changed underneath us while
-        // mapped can give wrong values but every access is bounds-checked.
-        let map = unsafe { Mmap::map(&file) }
-            .with_context(|| format!("{}: cannot memory-map", path.display()))?;
-        Self::parse(path, map)
+        Self::parse(path, map_file(path)?)
     }
 
-    fn parse(path: &Path, map: Mmap) -> Result<GgufFile> {
+    /// Parses a GGUF file already in memory; `path` only names it in
+    /// messages. The same checks apply as for [`GgufFile::open`].
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<GgufFile> {
+        Self::parse(path, Bytes::Owned(bytes))
+    }
+
+    fn parse(path: &Path, map: Bytes) -> Result<GgufFile> {
         let fail = |what: String| anyhow::anyhow!("{}: {}", path.display(), what);
         let mut cur = Cursor {
             bytes: &map,
@@ -177,7 +237,8 @@ impl GgufFile {
                 Some(a) if a.is_power_of_two() && a <= 1 << 20 => a,
                 _ => {
                     return Err(fail(format!(
-                        "general.alignment must be a power of two up to 1 MiB, found {v:?}"
+                        "general.alignment must be a power of two up to 1 MiB, found {}",
+                        v.brief()
                     )));
                 }
             },
@@ -189,7 +250,9 @@ impl GgufFile {
                 "header claims {tensor_count} tensors, more than the file can hold (truncated?)"
             )));
         }
-        let mut raw_infos = Vec::with_capacity(tensor_count as usize);
+        // Reserve for at most a few thousand infos up front: the count is a
+        // claim, the infos that really parse are what the vector grows to.
+        let mut raw_infos = Vec::with_capacity((tensor_count as usize).min(RESERVE_CAP));
         for i in 0..tensor_count {
             let name = cur
                 .string()
@@ -306,9 +369,10 @@ impl GgufFile {
 
     fn wrong_type(&self, key: &str, want: &str, v: &Value) -> anyhow::Error {
         anyhow::anyhow!(
-            "{}: metadata {key:?} should be {want}, found {} {v:?}",
+            "{}: metadata {key:?} should be {want}, found {} {}",
             self.path.display(),
-            v.type_name()
+            v.type_name(),
+            v.brief()
         )
     }
 
@@ -414,6 +478,9 @@ struct Cursor<'a> {
     pos: usize,
 }
 
+/// Most entries reserved ahead of parsing them (see the uses).
+const RESERVE_CAP: usize = 4096;
+
 /// Arrays nested deeper than this are refused (GGUF files use one level).
 const MAX_NESTING: u32 = 4;
 
@@ -505,7 +572,10 @@ impl<'a> Cursor<'a> {
                             self.remaining()
                         )
                     })?;
-                let mut items = Vec::with_capacity(count);
+                // A `Value` is 32 bytes even for a one-byte item, so reserving
+                // the claimed count would allocate 32 times the bytes present;
+                // reserve a bounded amount and grow with the items parsed.
+                let mut items = Vec::with_capacity(count.min(RESERVE_CAP));
                 for _ in 0..count {
                     items.push(self.value(item_ty, depth + 1)?);
                 }

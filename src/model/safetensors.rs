@@ -4,11 +4,12 @@
 //! checked against the real file size and the shape's byte size.
 
 use super::dtype::{DType, TensorView};
-use anyhow::{Context, Result, bail};
-use memmap2::Mmap;
+use super::gguf::{Bytes, map_file};
+use anyhow::{Result, bail};
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 use std::collections::HashMap;
-use std::fs::File;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// Headers beyond this size are refused (the format caps them at 100 MB).
@@ -24,23 +25,32 @@ struct Entry {
 /// One open `.safetensors` file.
 pub struct SafetensorsFile {
     path: PathBuf,
-    map: Mmap,
+    map: Bytes,
     entries: HashMap<String, Entry>,
 }
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<SafetensorsFile> {
+        Self::parse(path, map_file(path)?)
+    }
+
+    /// Parses a safetensors file already in memory; `path` only names it in
+    /// messages. The same checks apply as for [`SafetensorsFile::open`].
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<SafetensorsFile> {
+        Self::parse(path, Bytes::Owned(bytes))
+    }
+
+    fn parse(path: &Path, map: Bytes) -> Result<SafetensorsFile> {
         let p = path.display();
-        let file = File::open(path).with_context(|| format!("{p}: cannot open"))?;
-        // SAFETY: read-only map; all accesses below are bounds-checked.
-        let map = unsafe { Mmap::map(&file) }.with_context(|| format!("{p}: cannot memory-map"))?;
         if map.len() < 8 {
             bail!(
                 "{p}: {} bytes is too short for a safetensors header (truncated?)",
                 map.len()
             );
         }
-        let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
+        let mut len_bytes = [0u8; 8];
+        len_bytes.copy_from_slice(&map[..8]);
+        let header_len = u64::from_le_bytes(len_bytes);
         if header_len > MAX_HEADER || header_len > map.len() as u64 - 8 {
             bail!(
                 "{p}: header length {header_len} runs past the end of the {}-byte file (truncated or not safetensors)",
@@ -48,11 +58,13 @@ impl SafetensorsFile {
             );
         }
         let data_start = 8 + header_len as usize;
-        let header: Value = serde_json::from_slice(&map[8..data_start])
-            .map_err(|e| anyhow::anyhow!("{p}: header is not valid JSON: {e}"))?;
-        let Value::Object(header) = header else {
-            bail!("{p}: header must be a JSON object");
-        };
+        let header_bytes = &map[8..data_start];
+        // Check it is JSON at all first, for the plainer message.
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(header_bytes) {
+            bail!("{p}: header is not valid JSON: {e}");
+        }
+        let HeaderEntries(header) = serde_json::from_slice(header_bytes)
+            .map_err(|e| anyhow::anyhow!("{p}: header must be a JSON object of tensors: {e}"))?;
         let data_len = map.len() - data_start;
         let mut entries = HashMap::new();
         let mut spans = Vec::new();
@@ -63,7 +75,9 @@ impl SafetensorsFile {
             let entry = parse_entry(info, data_start, data_len)
                 .map_err(|e| anyhow::anyhow!("{p}: tensor {name:?}: {e}"))?;
             spans.push((entry.start, entry.len, name.clone()));
-            entries.insert(name.clone(), entry);
+            if entries.insert(name.clone(), entry).is_some() {
+                bail!("{p}: tensor {name:?} appears twice in the header");
+            }
         }
         spans.sort();
         for pair in spans.windows(2) {
@@ -92,6 +106,30 @@ impl SafetensorsFile {
             shape: &e.shape,
             bytes: &self.map[e.start..e.start + e.len],
         })
+    }
+}
+
+/// The header's entries in file order with duplicates kept: a plain
+/// `serde_json` map would silently keep the last of two equal names.
+struct HeaderEntries(Vec<(String, Value)>);
+
+impl<'de> Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct EntriesVisitor;
+        impl<'de> Visitor<'de> for EntriesVisitor {
+            type Value = HeaderEntries;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HeaderEntries, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry::<String, Value>()? {
+                    out.push(entry);
+                }
+                Ok(HeaderEntries(out))
+            }
+        }
+        d.deserialize_map(EntriesVisitor)
     }
 }
 

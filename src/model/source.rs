@@ -40,6 +40,9 @@ enum Files {
     Hf {
         shards: Vec<SafetensorsFile>,
         index: HashMap<String, usize>,
+        /// The file that lists the tensors (model.safetensors or the shard
+        /// index), named when a tensor is missing.
+        listing: PathBuf,
     },
 }
 
@@ -61,38 +64,68 @@ impl ModelSource {
             )
         })?;
         if meta.is_dir() {
-            Self::open_hf(path)
-        } else {
-            let gguf = GgufFile::open(path)?;
-            let config = config_from_gguf(&gguf)?;
-            Ok(ModelSource {
-                path: path.to_path_buf(),
-                config,
-                files: Files::Gguf(gguf),
-            })
+            return Self::open_hf(path);
         }
+        // A file from inside a Hugging Face folder would otherwise be
+        // reported as "not a GGUF file", which does not say what to do.
+        let is_hf_part = path.extension().is_some_and(|e| e == "safetensors")
+            || path
+                .file_name()
+                .is_some_and(|n| n == "config.json" || n == "model.safetensors.index.json");
+        if is_hf_part {
+            bail!(
+                "{}: is part of a Hugging Face model; pass the folder that holds it with -m",
+                path.display()
+            );
+        }
+        Self::from_gguf(GgufFile::open(path)?)
+    }
+
+    /// A model from a parsed GGUF file (opened, or parsed from memory by
+    /// tests and fuzzing): its metadata becomes the config.
+    pub fn from_gguf(gguf: GgufFile) -> Result<ModelSource> {
+        let config = config_from_gguf(&gguf)?;
+        Ok(ModelSource {
+            path: gguf.path().to_path_buf(),
+            config,
+            files: Files::Gguf(gguf),
+        })
     }
 
     fn open_hf(dir: &Path) -> Result<ModelSource> {
         let config_path = dir.join("config.json");
-        if !config_path.is_file() {
+        if !entry_exists(&config_path) {
             bail!(
                 "{}: no config.json in this folder (expected a Hugging Face model folder or a .gguf file)",
                 dir.display()
             );
+        }
+        if config_path.is_dir() {
+            bail!("{}: is a directory, not a file", config_path.display());
         }
         let config = ModelConfig::from_hf_config(&config_path)?;
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
         let mut shards = Vec::new();
         let mut index = HashMap::new();
-        if single.is_file() {
+        // Entries that exist but cannot be read (a directory, a broken or
+        // looping link) are opened anyway so that the error says what is
+        // wrong with them rather than that they are absent.
+        let listing = if entry_exists(&single) {
+            single.clone()
+        } else {
+            index_path.clone()
+        };
+        if entry_exists(&single) {
             let file = SafetensorsFile::open(&single)?;
             for name in file.names() {
                 index.insert(name.to_string(), 0);
             }
             shards.push(file);
-        } else if index_path.is_file() {
+        } else if entry_exists(&index_path) {
+            if index_path.is_dir() {
+                bail!("{}: is a directory, not a file", index_path.display());
+            }
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("{}: cannot read", index_path.display()))?;
             let json: serde_json::Value = serde_json::from_str(&text)
@@ -136,7 +169,11 @@ impl ModelSource {
         Ok(ModelSource {
             path: dir.to_path_buf(),
             config,
-            files: Files::Hf { shards, index },
+            files: Files::Hf {
+                shards,
+                index,
+                listing,
+            },
         })
     }
 
@@ -161,13 +198,26 @@ impl ModelSource {
         let name = self.tensor_name(role);
         let (view, file) = match &self.files {
             Files::Gguf(g) => (g.tensor(&name), g.path()),
-            Files::Hf { shards, index } => match index.get(&name) {
+            Files::Hf {
+                shards,
+                index,
+                listing,
+            } => match index.get(&name) {
                 Some(&i) => (shards[i].tensor(&name), shards[i].path()),
-                None => (None, self.path.as_path()),
+                None => (None, listing.as_path()),
             },
         };
-        let view =
-            view.ok_or_else(|| anyhow::anyhow!("{}: tensor {name:?} is missing", file.display()))?;
+        let view = view.ok_or_else(|| {
+            // A config that claims more layers than the file holds shows up
+            // here first: say how many the config wants.
+            let hint = match role {
+                Role::Layer(..) => {
+                    format!(" (the config describes {} layers)", self.config.n_layers())
+                }
+                _ => String::new(),
+            };
+            anyhow::anyhow!("{}: tensor {name:?} is missing{hint}", file.display())
+        })?;
         if view.shape != expect {
             bail!(
                 "{}: tensor {name:?} has shape {:?}, but the config implies {expect:?}",
@@ -186,6 +236,11 @@ impl ModelSource {
             Files::Hf { index, .. } => index.contains_key(&name),
         }
     }
+}
+
+/// Whether anything, even a broken symbolic link, is at `path`.
+fn entry_exists(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
 }
 
 /// The GGUF (llama.cpp) name of a role.
@@ -264,10 +319,14 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     if n_layers == 0 || n_layers > 4096 {
         bail!("{p}: block_count {n_layers} is zero or absurd");
     }
+    // Refused before anything divides by it (hidden / heads below, and in
+    // query_pre_attn_scalar for the 27B shapes).
+    if n_heads == 0 {
+        bail!("{p}: metadata key {:?} is 0", key("attention.head_count"));
+    }
     let head_dim = match g.get_usize(&key("attention.key_length"))? {
         Some(h) => h,
-        None if n_heads > 0 => hidden / n_heads,
-        None => bail!("{p}: attention.head_count is 0"),
+        None => hidden / n_heads,
     };
     let embd = g
         .tensor_info("token_embd.weight")

@@ -83,7 +83,7 @@ impl Tokenizer {
                 Some(Value::Bool(b)) => Ok(*b),
                 Some(v) => match v.as_u64() {
                     Some(n) => Ok(n != 0),
-                    None => bail!("{source}: {key} should be a boolean, found {v:?}"),
+                    None => bail!("{source}: {key} should be a boolean, found {}", v.brief()),
                 },
             }
         };

@@ -126,9 +126,22 @@ fn merge_pair<'a>(m: &'a Value, i: usize, source: &str) -> Result<(&'a str, &'a 
 
 fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
     let source = path.display().to_string();
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {source}"))?;
+    let text = std::fs::read(path).with_context(|| format!("cannot read {source}"))?;
+    from_tokenizer_json_bytes(&text, &source, cfg)
+}
+
+impl Tokenizer {
+    /// A `tokenizer.json` already in memory, with no `tokenizer_config.json`
+    /// (for fuzzing; `source` names it in messages).
+    pub(crate) fn from_tokenizer_json_bytes(bytes: &[u8], source: &str) -> Result<Tokenizer> {
+        from_tokenizer_json_bytes(bytes, source, Config::default())
+    }
+}
+
+fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<Tokenizer> {
+    let source = source.to_string();
     let root: Value =
-        serde_json::from_str(&text).with_context(|| format!("{source} is not valid JSON"))?;
+        serde_json::from_slice(bytes).with_context(|| format!("{source} is not valid JSON"))?;
     let model = &root["model"];
     match model["type"].as_str() {
         Some("BPE") => {}
@@ -151,10 +164,20 @@ fn from_tokenizer_json(path: &Path, cfg: Config) -> Result<Tokenizer> {
         .as_object()
         .ok_or_else(|| anyhow::anyhow!("{source}: model.vocab is missing or not an object"))?;
     let mut slots: Vec<Option<(String, TokenKind)>> = Vec::new();
+    // Dense ids can only run up to the number of entries listed, so a
+    // larger id is refused before the table is grown to it: otherwise one
+    // entry with id 15,999,999 would allocate half a gigabyte.
+    let listed = vocab_map.len() + root["added_tokens"].as_array().map_or(0, Vec::len);
     let mut place = |id: u64, piece: &str, kind: TokenKind| -> Result<()> {
         let id = usize::try_from(id)?;
         if id > 16_000_000 {
             bail!("{source}: token id {id} is implausibly large");
+        }
+        if id >= listed {
+            bail!(
+                "{source}: token {piece:?} has id {id}, but the file lists only {listed} tokens \
+                 (ids must run from 0 without gaps)"
+            );
         }
         if slots.len() <= id {
             slots.resize(id + 1, None);
