@@ -15,6 +15,7 @@ use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LayerWeights, ModelWeights};
 use anyhow::{Result, bail};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Default tokens per prefill chunk: large enough to reuse each weight row
 /// across many tokens, small enough that the chunk's activations stay in
@@ -22,6 +23,8 @@ use std::sync::Arc;
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 /// Rows per unit of work handed to a thread (the kernels' row block).
 const ROW_GRANULE: usize = 4;
+/// Chunks of rows per thread and product, for balancing.
+const CHUNKS_PER_THREAD: usize = 8;
 
 pub struct FastEngine {
     config: ModelConfig,
@@ -192,12 +195,25 @@ impl FastEngine {
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
             work.push((w, x, SharedOut::new(y, w.rows)));
         }
+        // Rows are handed out in chunks from a shared counter rather than
+        // split evenly up front: a thread slowed by anything (another
+        // process, a slower memory path) then takes fewer chunks instead of
+        // holding everyone at the section's end.
         let threads = self.pool.threads();
-        self.pool.run(|tid| {
-            for (w, x, out) in &work {
-                let (r0, r1) = split_range(w.rows, threads, tid, ROW_GRANULE);
-                if r0 < r1 {
-                    // SAFETY: split_range gives each thread disjoint rows.
+        let next: Vec<AtomicUsize> = work.iter().map(|_| AtomicUsize::new(0)).collect();
+        self.pool.run(|_| {
+            for ((w, x, out), next) in work.iter().zip(&next) {
+                let chunk = w
+                    .rows
+                    .div_ceil(threads * CHUNKS_PER_THREAD)
+                    .next_multiple_of(ROW_GRANULE);
+                loop {
+                    let r0 = next.fetch_add(chunk, Ordering::Relaxed);
+                    if r0 >= w.rows {
+                        break;
+                    }
+                    let r1 = (r0 + chunk).min(w.rows);
+                    // SAFETY: each chunk of rows goes to exactly one thread.
                     unsafe { self.kernels.gemm(w, x, r0..r1, *out) };
                 }
             }
