@@ -127,29 +127,26 @@ impl SamplingArgs {
     }
 }
 
-/// `pulsar chat`'s flags.
+/// The flags `run` and `chat` share.
 #[derive(Args)]
-struct ChatCli {
+struct GenerationCli {
     /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
     #[arg(short, long)]
     model: Option<PathBuf>,
-    /// Send this one message, print the reply, and exit.
+    /// The prompt (`run`; with -f, the question about the file), or one chat message after which `chat` exits.
     #[arg(short, long)]
     prompt: Option<String>,
-    /// A UTF-8 text file that opens the conversation (kept when old turns are dropped).
+    /// A UTF-8 text file: `run`'s prompt (or context for -p), or the document that opens a chat.
     #[arg(short, long)]
     file: Option<PathBuf>,
-    /// Most tokens per reply.
+    /// Most tokens to generate (per reply in a chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     max_new: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Context size in tokens: the whole conversation must fit.
+    /// Context size in tokens.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     context: usize,
-    /// When the context is full: drop the oldest exchanges, or stop.
-    #[arg(long, value_enum, default_value = "drop")]
-    context_full: ContextFullArg,
     /// Instructions that open the first user turn (Gemma has no system role).
     #[arg(long)]
     system: Option<String>,
@@ -164,9 +161,9 @@ struct ChatCli {
     threads: usize,
 }
 
-impl ChatCli {
-    fn run(self) -> anyhow::Result<()> {
-        commands::chat::run(&commands::chat::ChatArgs {
+impl GenerationCli {
+    fn resolve(self) -> anyhow::Result<commands::GenerationArgs> {
+        Ok(commands::GenerationArgs {
             model: commands::resolve_model(self.model.as_deref())?,
             prompt: self.prompt,
             file: self.file,
@@ -178,6 +175,24 @@ impl ChatCli {
             chat_template: self.chat_template,
             engine: self.engine.into(),
             threads: self.threads,
+        })
+    }
+}
+
+/// `pulsar chat`'s flags.
+#[derive(Args)]
+struct ChatCli {
+    #[command(flatten)]
+    common: GenerationCli,
+    /// When the context is full: drop the oldest exchanges, or stop.
+    #[arg(long, value_enum, default_value = "drop")]
+    context_full: ContextFullArg,
+}
+
+impl ChatCli {
+    fn run(self) -> anyhow::Result<()> {
+        commands::chat::run(&commands::chat::ChatArgs {
+            common: self.common.resolve()?,
             policy: self.context_full.into(),
         })
     }
@@ -189,37 +204,11 @@ enum Command {
     Chat(ChatCli),
     /// Generate text from one prompt; the text goes to stdout as it is made.
     Run {
-        /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
-        #[arg(short, long)]
-        model: Option<PathBuf>,
-        /// The prompt (with -f: the question about the file).
-        #[arg(short, long)]
-        prompt: Option<String>,
-        /// A UTF-8 text file used as the prompt, or as context for -p.
-        #[arg(short, long)]
-        file: Option<PathBuf>,
-        /// Most tokens to generate.
-        #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
-        max_new: usize,
         #[command(flatten)]
-        sampling: SamplingArgs,
-        /// Context size in tokens.
-        #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-        context: usize,
+        common: GenerationCli,
         /// Plain completion with BOS, no chat turn format.
         #[arg(long)]
         raw: bool,
-        /// Instructions placed before the prompt (Gemma has no system role).
-        #[arg(long)]
-        system: Option<String>,
-        /// A chat template file (JSON, see templates/gemma.json).
-        #[arg(long)]
-        chat_template: Option<PathBuf>,
-        #[arg(long, value_enum, default_value = "jit")]
-        engine: EngineArg,
-        /// Worker threads, the caller included.
-        #[arg(long, default_value_t = default_threads())]
-        threads: usize,
     },
     /// Print the token ids of a text, space-separated.
     Tokenize {
@@ -295,31 +284,9 @@ enum Command {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Chat(chat) => chat.run(),
-        Command::Run {
-            model,
-            prompt,
-            file,
-            max_new,
-            sampling,
-            context,
+        Command::Run { common, raw } => commands::run::run(&commands::run::RunArgs {
+            common: common.resolve()?,
             raw,
-            system,
-            chat_template,
-            engine,
-            threads,
-        } => commands::run::run(&commands::run::RunArgs {
-            model: commands::resolve_model(model.as_deref())?,
-            prompt,
-            file,
-            max_new,
-            sampling: sampling.config(),
-            seed: sampling.seed(),
-            context,
-            raw,
-            system,
-            chat_template,
-            engine: engine.into(),
-            threads,
         }),
         Command::Tokenize {
             model,

@@ -3,7 +3,7 @@
 //! command output) goes to stderr so that stdout holds only the replies.
 
 use super::run::{load_tokenizer, read_text_file};
-use super::{EngineKind, open_engine};
+use super::{GenerationArgs, open_engine};
 use crate::chat::conversation::{ContextPolicy, Conversation};
 use crate::chat::input::Input;
 use crate::chat::interrupt::Interrupt;
@@ -14,52 +14,43 @@ use crate::chat_template::ChatTemplate;
 use crate::engine::Engine;
 use crate::generate::StopReason;
 use crate::model::source::ModelSource;
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub struct ChatArgs {
-    pub model: PathBuf,
-    /// One turn, then exit.
-    pub prompt: Option<String>,
-    /// A document that opens the conversation.
-    pub file: Option<PathBuf>,
-    pub max_new: usize,
-    pub sampling: SamplerConfig,
-    pub seed: u64,
-    pub context: usize,
-    pub system: Option<String>,
-    pub chat_template: Option<PathBuf>,
-    pub engine: EngineKind,
-    pub threads: usize,
+    pub common: GenerationArgs,
+    /// What to do when the conversation fills the context.
     pub policy: ContextPolicy,
 }
 
 /// Refuses settings that cannot work, before anything slow happens.
 fn validate(args: &ChatArgs) -> Result<()> {
-    args.sampling.validate()?;
-    if args.context < 2 {
+    args.common.sampling.validate()?;
+    if args.common.context < 2 {
         bail!(
             "-c/--ctx-size must be at least 2 tokens, got {}",
-            args.context
+            args.common.context
         );
     }
-    if args.max_new == 0 {
+    if args.common.max_new == 0 {
         bail!("-n must be at least 1 token");
     }
-    if args.threads == 0 {
+    if args.common.threads == 0 {
         bail!("--threads must be at least 1");
     }
-    if let Some(p) = &args.prompt
+    if let Some(p) = &args.common.prompt
         && p.trim().is_empty()
     {
         bail!("the prompt given with -p is empty; give some text");
     }
-    for (what, text) in [("-p", &args.prompt), ("--system", &args.system)] {
+    for (what, text) in [
+        ("-p", &args.common.prompt),
+        ("--system", &args.common.system),
+    ] {
         if text.as_deref().is_some_and(|t| t.contains('\0')) {
             bail!("the {what} text contains a NUL byte; remove it");
         }
@@ -106,7 +97,7 @@ struct Session<'a> {
 
 pub fn run(args: &ChatArgs) -> Result<()> {
     validate(args)?;
-    let document = match &args.file {
+    let document = match &args.common.file {
         Some(path) => {
             let text = read_text_file(path)?;
             if text.contains('\0') {
@@ -117,7 +108,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         None => None,
     };
     let mut session = Session::open(args, document.as_deref())?;
-    if let Some(prompt) = &args.prompt {
+    if let Some(prompt) = &args.common.prompt {
         session.turn(prompt)?;
         return Ok(());
     }
@@ -147,36 +138,41 @@ pub fn run(args: &ChatArgs) -> Result<()> {
 impl<'a> Session<'a> {
     fn open(args: &'a ChatArgs, document: Option<&str>) -> Result<Session<'a>> {
         let start = Instant::now();
-        let spinner =
-            ProgressBar::new_spinner().with_message(format!("loading {}", args.model.display()));
+        let spinner = ProgressBar::new_spinner()
+            .with_message(format!("loading {}", args.common.model.display()));
         spinner.enable_steady_tick(Duration::from_millis(120));
-        let src = ModelSource::open(&args.model)?;
+        let src = ModelSource::open(&args.common.model)?;
         let tok = load_tokenizer(&src)?;
-        let template = match &args.chat_template {
+        let template = match &args.common.chat_template {
             Some(path) => ChatTemplate::from_file(path)?,
             None => ChatTemplate::gemma(),
         };
-        let encoder = TurnEncoder::new(template, args.system.as_deref(), document)?;
+        let encoder = TurnEncoder::new(template, args.common.system.as_deref(), document)?;
         spinner.set_message(format!(
             "preparing the {} engine (converting weights)",
-            args.engine.name()
+            args.common.engine.name()
         ));
-        let mut engine = open_engine(src, args.engine, args.threads, args.context)?;
+        let mut engine = open_engine(
+            src,
+            args.common.engine,
+            args.common.threads,
+            args.common.context,
+        )?;
         spinner.finish_and_clear();
 
-        let limit = args.context.min(engine.capacity());
-        if limit < args.context {
+        let limit = args.common.context.min(engine.capacity());
+        if limit < args.common.context {
             eprintln!(
                 "pulsar: the model holds at most {limit} tokens; using that instead of -c {}",
-                args.context
+                args.common.context
             );
         }
         eprintln!(
             "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {})",
-            args.model.display(),
+            args.common.model.display(),
             start.elapsed().as_secs_f64(),
-            args.engine.name(),
-            args.seed
+            args.common.engine.name(),
+            args.common.seed
         );
         let mut conv = Conversation::new(encoder.prefix(&tok), limit);
         if conv.len() + 1 > limit {
@@ -192,7 +188,7 @@ impl<'a> Session<'a> {
         reply::feed(&mut conv, engine.as_mut(), &|| false, &mut |fed, total| {
             show_progress(&mut bar, "reading the document", fed, total)
         })?;
-        if args.file.is_some() || args.system.is_some() {
+        if args.common.file.is_some() || args.common.system.is_some() {
             eprintln!(
                 "pulsar: fed the opening of the conversation with the --system text and -f document: {} tokens in {:.2} s",
                 conv.len(),
@@ -202,7 +198,7 @@ impl<'a> Session<'a> {
         Ok(Session {
             stop_ids: encoder.stop_ids(&tok),
             model_end: encoder.model_end(&tok),
-            sampler: Sampler::new(args.sampling, args.seed),
+            sampler: Sampler::new(args.common.sampling, args.common.seed),
             interrupt: Interrupt::install()?,
             args,
             tok,
@@ -216,7 +212,7 @@ impl<'a> Session<'a> {
     /// A new conversation that replies exactly as a fresh process would.
     fn reset(&mut self) {
         self.conv.reset();
-        self.sampler = Sampler::new(self.args.sampling, self.args.seed);
+        self.sampler = Sampler::new(self.args.common.sampling, self.args.common.seed);
         self.totals = Totals::default();
     }
 
@@ -231,7 +227,7 @@ impl<'a> Session<'a> {
         let interrupt = self.interrupt.clone();
         let interrupted = move || interrupt.raised();
         let settings = ReplySettings {
-            max_new: self.args.max_new,
+            max_new: self.args.common.max_new,
             stop_ids: &self.stop_ids,
             model_end: &self.model_end,
             interrupted: &interrupted,
@@ -251,7 +247,7 @@ impl<'a> Session<'a> {
                 // With --context-full stop a full context ends the chat, and
                 // -p has no later turn to go on with; otherwise the user can
                 // shorten the message or /reset.
-                if self.args.policy == ContextPolicy::Stop || self.args.prompt.is_some() {
+                if self.args.policy == ContextPolicy::Stop || self.args.common.prompt.is_some() {
                     bail!("{why}");
                 }
                 eprintln!("pulsar: {why}");

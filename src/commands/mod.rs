@@ -17,6 +17,7 @@ use crate::engine::synthetic;
 use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
+use crate::sample::SamplerConfig;
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,6 +28,24 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
         Some(p) => Ok(p.to_path_buf()),
         None => fetch::default_model_path(),
     }
+}
+
+/// What `run` and `chat` share: the model, the input, sampling and the
+/// engine.
+pub struct GenerationArgs {
+    pub model: PathBuf,
+    /// The prompt (`run`), or one message after which `chat` exits.
+    pub prompt: Option<String>,
+    /// A UTF-8 document: `run`'s prompt or context, `chat`'s opening.
+    pub file: Option<PathBuf>,
+    pub max_new: usize,
+    pub sampling: SamplerConfig,
+    pub seed: u64,
+    pub context: usize,
+    pub system: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub engine: EngineKind,
+    pub threads: usize,
 }
 
 /// Which forward pass to run.

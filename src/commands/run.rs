@@ -1,30 +1,21 @@
 //! `pulsar run`: one prompt in, generated text streamed to stdout; load
 //! time and speeds on stderr.
 
-use super::{EngineKind, open_engine};
+use super::{GenerationArgs, open_engine};
 use crate::chat_template::ChatTemplate;
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 pub struct RunArgs {
-    pub model: PathBuf,
-    pub prompt: Option<String>,
-    pub file: Option<PathBuf>,
-    pub max_new: usize,
-    pub sampling: SamplerConfig,
-    pub seed: u64,
-    pub context: usize,
+    pub common: GenerationArgs,
+    /// Plain completion with BOS, no chat turn format.
     pub raw: bool,
-    pub system: Option<String>,
-    pub chat_template: Option<PathBuf>,
-    pub engine: EngineKind,
-    pub threads: usize,
 }
 
 /// Loads the tokenizer that belongs to a model source.
@@ -81,57 +72,60 @@ pub fn user_text(prompt: Option<&str>, file: Option<&Path>) -> Result<String> {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    args.sampling.validate()?;
-    let text = user_text(args.prompt.as_deref(), args.file.as_deref())?;
+    args.common.sampling.validate()?;
+    let text = user_text(args.common.prompt.as_deref(), args.common.file.as_deref())?;
     if text.trim().is_empty() {
         bail!("the prompt is empty: give some text with -p or -f");
     }
     let load_start = Instant::now();
-    let src = ModelSource::open(&args.model)?;
+    let src = ModelSource::open(&args.common.model)?;
     let tok = load_tokenizer(&src)?;
-    let template = match &args.chat_template {
+    let template = match &args.common.chat_template {
         Some(path) => Some(ChatTemplate::from_file(path)?),
         None if tok.chat_template().is_some() => Some(ChatTemplate::gemma()),
         None => None,
     };
     let prompt = match template.as_ref().filter(|_| !args.raw) {
-        Some(t) => tok.encode(&t.user_then_model(&text, args.system.as_deref()), t.bos),
+        Some(t) => tok.encode(
+            &t.user_then_model(&text, args.common.system.as_deref()),
+            t.bos,
+        ),
         None => {
-            let text = match &args.system {
+            let text = match &args.common.system {
                 Some(s) => format!("{s}\n\n{text}"),
                 None => text,
             };
             tok.encode(&text, true)
         }
     };
-    if args.context == 0 {
+    if args.common.context == 0 {
         bail!("-c 0: the context must hold at least the prompt and one new token");
     }
     // The model cannot attend further than it was built for, and a -c above
     // that would only size buffers for positions it never reaches.
-    let context = args.context.min(src.config.max_context);
+    let context = args.common.context.min(src.config.max_context);
     if prompt.len() >= context {
         bail!(
             "the prompt has {} tokens but the context holds {context} (-c {}, model maximum {}); shorten the prompt or raise -c",
             prompt.len(),
-            args.context,
+            args.common.context,
             src.config.max_context
         );
     }
     // Nothing is sized by -n: generation simply stops where the context
     // ends, whichever engine runs (the reference engine's own capacity is
     // the model maximum, not -c).
-    let max_new = args.max_new.min(context - prompt.len());
-    let mut engine = open_engine(src, args.engine, args.threads, context)?;
+    let max_new = args.common.max_new.min(context - prompt.len());
+    let mut engine = open_engine(src, args.common.engine, args.common.threads, context)?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
-        args.model.display(),
+        args.common.model.display(),
         load_start.elapsed().as_secs_f64(),
-        args.engine.name(),
-        args.seed
+        args.common.engine.name(),
+        args.common.seed
     );
 
-    let mut sampler = Sampler::new(args.sampling, args.seed);
+    let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
     let stops = generate::stop_ids(&tok);
     let mut stdout = std::io::stdout().lock();
     let mut history = Vec::new();
