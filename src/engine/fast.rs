@@ -5,7 +5,7 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
-use super::kernels::{MatKernels, SharedOut};
+use super::kernels::{HeadAttention, MatKernels, SharedOut};
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
@@ -339,16 +339,15 @@ impl FastEngine {
                 let qh = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
                 // SAFETY: each (token, head) pair is owned by one thread.
                 let o = unsafe { shared.cells(t, h * hd..(h + 1) * hd) };
-                kern.attend(
-                    qh,
-                    &keys[head_at..],
-                    &values[head_at..],
-                    kv_dim,
-                    pos + 1 - first,
-                    c.attn_softcap,
-                    &mut scores,
-                    o,
-                );
+                let head = HeadAttention {
+                    q: qh,
+                    keys: &keys[head_at..],
+                    values: &values[head_at..],
+                    stride: kv_dim,
+                    positions: pos + 1 - first,
+                    softcap: c.attn_softcap,
+                };
+                kern.attend(&head, &mut scores, o);
             }
         });
     }

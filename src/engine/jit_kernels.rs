@@ -2,7 +2,7 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
-use super::kernels::{MatKernels, PortableKernels, SharedOut};
+use super::kernels::{HeadAttention, MatKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -129,24 +129,22 @@ impl MatKernels for JitKernels {
         }
     }
 
-    fn attend(
-        &self,
-        q: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        stride: usize,
-        n: usize,
-        softcap: Option<f32>,
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) {
+    fn attend(&self, a: &HeadAttention<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let HeadAttention {
+            q,
+            keys,
+            values,
+            stride,
+            positions: n,
+            softcap,
+        } = *a;
         let hd = q.len();
         let (Some(dot), Some(softmax), Some(wsum)) = (
             self.set.attn_scores(hd).filter(|k| k.stride == stride),
             self.set.softmax(),
             self.set.attn_wsum(hd).filter(|k| k.stride == stride),
         ) else {
-            return PortableKernels.attend(q, keys, values, stride, n, softcap, scores, out);
+            return PortableKernels.attend(a, scores, out);
         };
         let scores = &mut scores[..n];
         dot.run(keys, q, scores, 0..n, 1.0)

@@ -53,6 +53,19 @@ impl SharedOut {
     }
 }
 
+/// One query head's attention over cached positions: `keys` and `values`
+/// start at the first visible position's row for this KV head, rows
+/// `stride` apart; `q` is already scaled.
+#[derive(Clone, Copy)]
+pub struct HeadAttention<'a> {
+    pub q: &'a [f32],
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub stride: usize,
+    pub positions: usize,
+    pub softcap: Option<f32>,
+}
+
 pub trait MatKernels: Sync {
     /// `y[t][r] = W[r,:] · x[t,:]` for every token `t` of `x` (row-major
     /// `[tokens, w.cols]`) and every row `r` in `rows`.
@@ -85,22 +98,17 @@ pub trait MatKernels: Sync {
         }
     }
 
-    /// One query head attending over `n` cached positions: `keys` and
-    /// `values` start at the first visible position's row for this KV
-    /// head, rows `stride` apart; `q` is already scaled. `scores` is
-    /// scratch of at least `n`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        q: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        stride: usize,
-        n: usize,
-        softcap: Option<f32>,
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) {
+    /// One query head attending over its visible cached positions;
+    /// `scores` is scratch of at least `a.positions`.
+    fn attend(&self, a: &HeadAttention<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let HeadAttention {
+            q,
+            keys,
+            values,
+            stride,
+            positions: n,
+            softcap,
+        } = *a;
         let hd = q.len();
         let scores = &mut scores[..n];
         for (p, s) in scores.iter_mut().enumerate() {
