@@ -27,6 +27,9 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 126;
 const ROW_GRANULE: usize = 4;
 /// Chunks of rows per thread and product, for balancing.
 const CHUNKS_PER_THREAD: usize = 8;
+/// Largest chunk, so that the last chunks of a big product (the LM head)
+/// leave little for one thread to finish alone.
+const MAX_CHUNK_BYTES: usize = 256 << 10;
 
 pub struct FastEngine {
     config: ModelConfig,
@@ -208,6 +211,7 @@ impl FastEngine {
                 let chunk = w
                     .rows
                     .div_ceil(threads * CHUNKS_PER_THREAD)
+                    .min(MAX_CHUNK_BYTES / (w.cols * 2).max(1))
                     .next_multiple_of(ROW_GRANULE);
                 loop {
                     let r0 = next.fetch_add(chunk, Ordering::Relaxed);
