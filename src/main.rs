@@ -159,6 +159,10 @@ struct GenerationCli {
     /// Worker threads, the caller included.
     #[arg(long, default_value_t = default_threads())]
     threads: usize,
+    /// Use 16-bit weights in place from the mapped file instead of copying
+    /// them into huge-page memory (loads faster; decodes slower here).
+    #[arg(long)]
+    mmap: bool,
 }
 
 impl GenerationCli {
@@ -175,6 +179,7 @@ impl GenerationCli {
             chat_template: self.chat_template,
             engine: self.engine.into(),
             threads: self.threads,
+            in_place: self.mmap,
         })
     }
 }
@@ -278,6 +283,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Use 16-bit weights in place from the mapped file instead of
+        /// copying them into huge-page memory.
+        #[arg(long)]
+        mmap: bool,
     },
 }
 
@@ -329,11 +338,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             pp,
             tg,
             json,
+            mmap,
         } => commands::bench_command(
             model.as_deref(),
             shape.as_deref(),
             dtype.map(Into::into),
             threads,
+            mmap,
             &commands::bench::BenchArgs {
                 prompt_tokens: pp,
                 generate_tokens: tg,

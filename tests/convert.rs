@@ -82,6 +82,7 @@ fn awkward_config_survives_and_loads_zero_copy() {
         context: 32,
         format: None,
         prefill_chunk: 64,
+        in_place: true,
     };
     let mut engine = FastEngine::load(&converted, Box::new(PortableKernels), &opts).unwrap();
     assert!(
@@ -93,6 +94,7 @@ fn awkward_config_survives_and_loads_zero_copy() {
     // give exactly the same numbers.
     let f16_opts = FastOptions {
         format: Some(WeightFormat::F16),
+        in_place: false,
         ..opts
     };
     let mut direct =

@@ -46,6 +46,9 @@ fn check(fixture: &str, reference: &str, dtype: &str, tolerance: f32) {
                 context: 64,
                 format: None,
                 prefill_chunk: 5,
+                // Both ways of holding weights: in place (zero-copy from the
+                // mapped F16/BF16 file) and copied into the arena.
+                in_place: threads == 2,
             };
             let format = FastEngine::weight_format_for(&src, &opts).unwrap();
             let mut engine =
@@ -107,6 +110,7 @@ fn context_overflow_is_an_error() {
         context: 4,
         format: None,
         prefill_chunk: 64,
+        in_place: false,
     };
     let mut engine = FastEngine::load(&src, Box::new(PortableKernels), &opts).unwrap();
     engine.forward(&[2, 5, 6], LogitsWanted::Last).unwrap();
@@ -126,6 +130,7 @@ fn real_model_jit_logits_within_fp16_yardstick() {
         context: 64,
         format: None,
         prefill_chunk: 64,
+        in_place: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     assert_eq!(format, WeightFormat::F16);
@@ -164,6 +169,7 @@ fn jit_matches_portable_on_awkward_shapes() {
             context: 32,
             format: Some(WeightFormat::F16),
             prefill_chunk: 4,
+            in_place: false,
         };
         let jit =
             Box::new(JitKernels::build(&src.config, WeightFormat::F16, 2).expect("JIT builds"));

@@ -18,6 +18,7 @@ fn logits_stay_finite_over_4096_tokens() {
         context: 4096 + 16,
         format: None,
         prefill_chunk: 64,
+        in_place: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     let kernels = jit_kernels(&src.config, format, 2).unwrap();

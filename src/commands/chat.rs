@@ -157,6 +157,7 @@ impl<'a> Session<'a> {
             args.common.engine,
             args.common.threads,
             args.common.context,
+            args.common.in_place,
         )?;
         spinner.finish_and_clear();
 

@@ -31,7 +31,7 @@ pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary (size {vocab})");
     }
-    let mut engine = open_engine(src, args.engine, args.threads, tokens.len())?;
+    let mut engine = open_engine(src, args.engine, args.threads, tokens.len(), false)?;
     let wanted = if args.all {
         LogitsWanted::All
     } else {

@@ -46,6 +46,9 @@ pub struct GenerationArgs {
     pub chat_template: Option<PathBuf>,
     pub engine: EngineKind,
     pub threads: usize,
+    /// Use 16-bit weights in place from the mapped file (see
+    /// [`FastOptions::in_place`]).
+    pub in_place: bool,
 }
 
 /// Which forward pass to run.
@@ -74,6 +77,7 @@ pub fn open_engine(
     kind: EngineKind,
     threads: usize,
     context: usize,
+    in_place: bool,
 ) -> Result<Box<dyn Engine>> {
     if kind == EngineKind::Reference {
         return Ok(Box::new(ReferenceEngine::load(&src)?));
@@ -83,6 +87,7 @@ pub fn open_engine(
         context,
         format: None,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        in_place,
     };
     let format = FastEngine::weight_format_for(&src, &opts)?;
     match JitKernels::for_this_cpu(&src.config, format, threads)? {
@@ -110,6 +115,7 @@ pub fn bench_command(
     shape: Option<&str>,
     format: Option<WeightFormat>,
     threads: usize,
+    in_place: bool,
     args: &bench::BenchArgs,
 ) -> Result<()> {
     let context = args.prompt_tokens + args.generate_tokens + 2;
@@ -118,6 +124,7 @@ pub fn bench_command(
         context,
         format,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        in_place,
     };
     let (mut engine, name) = match shape {
         Some(name) => {

@@ -116,7 +116,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // ends, whichever engine runs (the reference engine's own capacity is
     // the model maximum, not -c).
     let max_new = args.common.max_new.min(context - prompt.len());
-    let mut engine = open_engine(src, args.common.engine, args.common.threads, context)?;
+    let mut engine = open_engine(
+        src,
+        args.common.engine,
+        args.common.threads,
+        context,
+        args.common.in_place,
+    )?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
         args.common.model.display(),
