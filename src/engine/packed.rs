@@ -267,16 +267,33 @@ impl PackedMatrix {
 }
 
 /// Writes `t` converted to `format` into `out` (a tensor already in that
-/// format is copied bit for bit), releasing the source pages as it goes so
-/// that peak memory stays near the size of the result.
+/// format is copied bit for bit), on every core for large tensors.
 fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u16]) {
+    let (rows, cols) = t.matrix_dims();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Below a million values a thread costs more than it saves.
+    if threads < 2 || rows * cols < 1 << 20 {
+        return fill_rows(t, format, 0, out);
+    }
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (i, part) in out.chunks_mut(per * cols).enumerate() {
+            s.spawn(move || fill_rows(t, format, i * per, part));
+        }
+    });
+}
+
+/// Converts rows `first..` of `t` into `out` (whole rows), releasing the
+/// source pages as it goes so that peak memory stays near the size of the
+/// result.
+fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &mut [u16]) {
     let (rows, cols) = t.matrix_dims();
     let row_bytes = t.bytes.len() / rows.max(1);
     // Rows per release: about 4 MB of source at a time.
     let group = ((4 << 20) / row_bytes.max(1)).max(1);
     let mut row = vec![0.0f32; cols];
     for (g, dst_rows) in out.chunks_mut(group * cols.max(1)).enumerate() {
-        let first = g * group;
+        let first = first_row + g * group;
         for (i, dst) in dst_rows.chunks_exact_mut(cols.max(1)).enumerate() {
             let r = first + i;
             if t.dtype == format.dtype() {
