@@ -135,3 +135,40 @@ pub fn decode(
         stop,
     })
 }
+
+/// Generated text to stdout, flushed piece by piece so it appears as it is
+/// made. A write error (a closed pipe) is kept, not raised mid-generation,
+/// and reported by [`StdoutStream::finish`].
+pub struct StdoutStream {
+    out: std::io::StdoutLock<'static>,
+    error: Option<std::io::Error>,
+}
+
+impl Default for StdoutStream {
+    fn default() -> Self {
+        StdoutStream {
+            out: std::io::stdout().lock(),
+            error: None,
+        }
+    }
+}
+
+impl StdoutStream {
+    pub fn write(&mut self, piece: &str) {
+        use std::io::Write;
+        if self.error.is_none()
+            && let Err(e) = self
+                .out
+                .write_all(piece.as_bytes())
+                .and_then(|_| self.out.flush())
+        {
+            self.error = Some(e);
+        }
+    }
+
+    /// Ends the text with `end` (e.g. a newline) and reports any write error.
+    pub fn finish(mut self, end: &str) -> std::io::Result<()> {
+        self.write(end);
+        self.error.map_or(Ok(()), Err)
+    }
+}

@@ -12,13 +12,12 @@ use crate::chat::slash::{self, Line};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::ChatTemplate;
 use crate::engine::Engine;
-use crate::generate::StopReason;
+use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 pub struct ChatArgs {
@@ -256,8 +255,7 @@ impl<'a> Session<'a> {
             }
         }
 
-        let mut stdout = std::io::stdout().lock();
-        let mut write_error = None;
+        let mut out = StdoutStream::default();
         let mut bar: Option<ProgressBar> = None;
         self.interrupt.begin_reply();
         let result = reply::reply(
@@ -268,15 +266,7 @@ impl<'a> Session<'a> {
             &user_turn,
             &settings,
             &mut |fed, total| show_progress(&mut bar, "reading the prompt", fed, total),
-            &mut |piece| {
-                if write_error.is_none()
-                    && let Err(e) = stdout
-                        .write_all(piece.as_bytes())
-                        .and_then(|_| stdout.flush())
-                {
-                    write_error = Some(e);
-                }
-            },
+            &mut |piece| out.write(piece),
         );
         let stopped = self.interrupt.end_reply();
         if let Some(bar) = bar {
@@ -284,15 +274,8 @@ impl<'a> Session<'a> {
             bar.finish_and_clear();
         }
         let report = result?;
-        if let Some(e) = write_error {
-            return Err(e).context("cannot write the reply to stdout");
-        }
-        if !report.abandoned {
-            writeln!(stdout)
-                .and_then(|_| stdout.flush())
-                .context("cannot write to stdout")?;
-        }
-        drop(stdout);
+        out.finish(if report.abandoned { "" } else { "\n" })
+            .context("cannot write the reply to stdout")?;
 
         if report.abandoned {
             eprintln!(

@@ -8,7 +8,6 @@ use crate::model::source::ModelSource;
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
-use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
@@ -133,9 +132,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
     let stops = generate::stop_ids(&tok);
-    let mut stdout = std::io::stdout().lock();
+    let mut out = generate::StdoutStream::default();
     let mut history = Vec::new();
-    let mut write_error = None;
     let stats = generate::generate(
         engine.as_mut(),
         &tok,
@@ -147,20 +145,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
             interrupted: &|| false,
         },
         &mut history,
-        &mut |piece| {
-            if write_error.is_none()
-                && let Err(e) = stdout
-                    .write_all(piece.as_bytes())
-                    .and_then(|_| stdout.flush())
-            {
-                write_error = Some(e);
-            }
-        },
+        &mut |piece| out.write(piece),
     )?;
-    if let Some(e) = write_error {
-        return Err(e).context("cannot write to stdout");
-    }
-    writeln!(stdout).ok();
+    out.finish("\n").context("cannot write to stdout")?;
     eprintln!("pulsar: {}", stats.summary());
     Ok(())
 }
