@@ -130,15 +130,7 @@ impl MatKernels for JitKernels {
     }
 
     fn attend(&self, a: &HeadAttention<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let HeadAttention {
-            q,
-            keys,
-            values,
-            stride,
-            positions: n,
-            softcap,
-        } = *a;
-        let hd = q.len();
+        let (hd, n, stride) = (a.q.len(), a.positions, a.stride);
         let (Some(dot), Some(softmax), Some(wsum)) = (
             self.set.attn_scores(hd).filter(|k| k.stride == stride),
             self.set.softmax(),
@@ -147,13 +139,13 @@ impl MatKernels for JitKernels {
             return PortableKernels.attend(a, scores, out);
         };
         let scores = &mut scores[..n];
-        dot.run(keys, q, scores, 0..n, 1.0)
+        dot.run(a.keys, a.q, scores, 0..n, 1.0)
             .expect("attention scores sized by the engine");
-        if let Some(cap) = softcap {
+        if let Some(cap) = a.softcap {
             scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
         }
         softmax.run(scores);
-        wsum.run(scores, values, out)
+        wsum.run(scores, a.values, out)
             .expect("attention sum sized by the engine");
     }
 }
