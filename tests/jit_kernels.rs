@@ -518,16 +518,7 @@ fn attention_weighted_sum_matches_reference() {
 fn planned_kernels_match_reference() {
     use pulsar::jit::dims::ModelDims;
     use pulsar::jit::plan::{PlanOptions, plan};
-    let gemma_2b = ModelDims {
-        hidden: 2048,
-        intermediate: 16384,
-        n_heads: 8,
-        n_kv_heads: 1,
-        head_dim: 256,
-        vocab: 256_000,
-        n_layers: 18,
-        qk_norm: false,
-    };
+    let gemma_2b = ModelDims::from(&pulsar::model::presets::gemma_2b());
     let mut rng = Rng(2024);
     for dims in [ModelDims::GEMMA3_270M, gemma_2b] {
         let c = caps();

@@ -235,7 +235,7 @@ impl FastEngine {
     /// Runs one chunk of tokens starting at the cache's current length and
     /// returns the final-norm output of each of its positions.
     fn forward_chunk(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let c = self.config.clone();
+        let c = &self.config;
         let n = tokens.len();
         let start = self.kv.len;
         let hd = c.head_dim;

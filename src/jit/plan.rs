@@ -479,16 +479,15 @@ mod tests {
     use super::*;
 
     fn gemma2b() -> ModelDims {
-        ModelDims {
-            hidden: 2048,
-            intermediate: 16384,
-            n_heads: 8,
-            n_kv_heads: 1,
-            head_dim: 256,
-            vocab: 256_000,
-            n_layers: 18,
-            qk_norm: false,
-        }
+        ModelDims::from(&crate::model::presets::gemma_2b())
+    }
+
+    #[test]
+    fn the_270m_constant_matches_its_preset() {
+        assert_eq!(
+            ModelDims::GEMMA3_270M,
+            ModelDims::from(&crate::model::presets::gemma3_270m())
+        );
     }
 
     #[test]
