@@ -83,6 +83,26 @@ pub fn emit_and_verify_specs(
     })
 }
 
+/// Appends one line per kernel to `/tmp/perf-<pid>.map`, the file Linux
+/// `perf report` reads to name samples in JIT code (`PULSAR_PERF_MAP=1`).
+/// Profiling aid only: a failure to write is reported and otherwise ignored.
+fn write_perf_map(base: usize, kernels: &[Compiled]) {
+    use std::io::Write;
+    let path = format!("/tmp/perf-{}.map", std::process::id());
+    let lines: String = kernels
+        .iter()
+        .map(|k| format!("{:x} {:x} {}\n", base + k.offset, k.code.len(), k.spec.name))
+        .collect();
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(lines.as_bytes()));
+    if let Err(e) = written {
+        eprintln!("pulsar: cannot write the perf map {path}: {e}");
+    }
+}
+
 /// Executable kernels of one plan.
 pub struct KernelSet {
     buf: ExecutableBuffer,
@@ -102,6 +122,9 @@ impl KernelSet {
         let buf = buf
             .make_exec()
             .context("cannot make JIT code executable (mprotect failed)")?;
+        if std::env::var_os("PULSAR_PERF_MAP").is_some() {
+            write_perf_map(buf.as_ptr() as usize, &emitted.kernels);
+        }
         Ok(KernelSet {
             buf,
             kernels: emitted.kernels,

@@ -142,8 +142,10 @@ pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usi
     Ok(())
 }
 
-/// Prefill GEMM throughput (GFLOP/s, 1 thread) for each planned K: shows
-/// whether a K without chunking loses speed once x no longer fits L1.
+/// Prefill GEMM throughput (GFLOP/s) for each planned K, at the engine's
+/// prefill chunk and at a small token count, on 1 and 2 threads (each
+/// thread takes half the rows): shows how far the kernel is from the FMA
+/// peak and whether a second core slows it (shared L3, memory).
 pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
     for spec in &plan.kernels {
@@ -153,27 +155,44 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         let gemm = set
             .gemm(g.wt, g.k)
             .context("planned GEMM missing from the kernel set")?;
-        let (rows, tokens) = (((8usize << 20) / (g.k * 2)).max(4), 48usize);
+        let rows = ((8usize << 20) / (g.k * 2)).max(8) / 8 * 8;
         let w: Vec<u16> = (0..rows * g.k)
             .map(|i| half::f16::from_f32((i % 5) as f32 * 0.01).to_bits())
             .collect();
-        let x = vec![0.25f32; tokens * g.k];
-        let mut y = vec![0f32; tokens * rows];
-        let mut err = None;
-        let secs = best_of(|| {
-            if let Err(e) = gemm.run(&w, &x, tokens, &mut y, rows, 0..rows) {
-                err = Some(e);
+        for tokens in [48usize, crate::engine::fast::DEFAULT_PREFILL_CHUNK] {
+            let x = vec![0.25f32; tokens * g.k];
+            for threads in [1usize, 2] {
+                let mut outs: Vec<Vec<f32>> = (0..threads).map(|_| vec![0f32; tokens * rows]).collect();
+                let mut err = None;
+                let secs = best_of(|| {
+                    std::thread::scope(|s| {
+                        let handles: Vec<_> = outs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, y)| {
+                                let part = rows / threads * i..rows / threads * (i + 1);
+                                let (w, x) = (&w, &x);
+                                s.spawn(move || gemm.run(w, x, tokens, y, rows, part))
+                            })
+                            .collect();
+                        for h in handles {
+                            if let Ok(Err(e)) = h.join() {
+                                err = Some(e);
+                            }
+                        }
+                    })
+                });
+                if let Some(e) = err {
+                    return Err(e.into());
+                }
+                println!(
+                    "measure {:<28} {:>6.1} GFLOP/s  ({rows} rows x K {} x {tokens} tokens, {threads} thread(s))",
+                    spec.name,
+                    2.0 * (rows * g.k * tokens) as f64 / secs / 1e9,
+                    g.k
+                );
             }
-        });
-        if let Some(e) = err {
-            return Err(e.into());
         }
-        println!(
-            "measure {:<28} {:>6.1} GFLOP/s  ({rows} rows x K {} x {tokens} tokens, 1 thread)",
-            spec.name,
-            2.0 * (rows * g.k * tokens) as f64 / secs / 1e9,
-            g.k
-        );
     }
     Ok(())
 }
