@@ -89,7 +89,6 @@ fn gemv_matches_reference() {
                         row_stride: k,
                         unroll,
                         prefetch: 0,
-                        scaled: false,
                     })
                 })
                 .collect();
@@ -146,7 +145,6 @@ fn gemv_rows_split_across_threads_match_one_call() {
         row_stride: k,
         unroll: 2,
         prefetch: 0,
-        scaled: false,
     })]);
     let g = s.gemv(wt, k).unwrap();
     let mut rng = Rng(4242);
@@ -179,7 +177,6 @@ fn gemv_rejects_bad_shapes() {
         row_stride: 16,
         unroll: 1,
         prefetch: 0,
-        scaled: false,
     })]);
     let g = s.gemv(WeightType::F16, 16).unwrap();
     let w = vec![0u16; 16 * 4];
@@ -199,7 +196,6 @@ fn gemv_with_prefetch_matches() {
         row_stride: k,
         unroll: 2,
         prefetch: 256,
-        scaled: false,
     })]);
     let g = s.gemv(WeightType::F16, k).unwrap();
     let mut rng = Rng(99);
@@ -327,49 +323,6 @@ fn rmsnorm_matches_reference() {
     }
 }
 
-#[test]
-fn rope_matches_reference() {
-    let mut rng = Rng(11);
-    let hds = [2usize, 4, 14, 16, 18, 34, 64, 256];
-    let kinds: Vec<KernelKind> = hds
-        .iter()
-        .map(|&head_dim| KernelKind::Rope { head_dim })
-        .collect();
-    let s = set(&kinds);
-    for &hd in &hds {
-        let k = s.rope(hd).unwrap();
-        let half = hd / 2;
-        for heads in [1usize, 2, 3] {
-            let xbuf = rng.vec(heads * hd + 1, 2.0);
-            let x0 = &xbuf[1..];
-            let pos = 37.0f64;
-            let cos: Vec<f32> = (0..half)
-                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).cos() as f32)
-                .collect();
-            let sin: Vec<f32> = (0..half)
-                .map(|i| (pos * 10000f64.powf(-(i as f64) / half as f64)).sin() as f32)
-                .collect();
-            let mut x = x0.to_vec();
-            k.run(&mut x, &cos, &sin).unwrap();
-            for h in 0..heads {
-                for i in 0..half {
-                    let (a, b) = (x0[h * hd + i] as f64, x0[h * hd + i + half] as f64);
-                    let (c, sn) = (cos[i] as f64, sin[i] as f64);
-                    let mag = a.abs() + b.abs();
-                    close(
-                        x[h * hd + i],
-                        a * c - b * sn,
-                        mag,
-                        2,
-                        &format!("{} h{h} i{i}", k.name),
-                    );
-                    close(x[h * hd + i + half], b * c + a * sn, mag, 2, "second half");
-                }
-            }
-        }
-    }
-}
-
 fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
@@ -418,36 +371,39 @@ fn geglu_matches_reference() {
 #[test]
 fn attention_scores_match_reference() {
     let mut rng = Rng(21);
-    for (hd, stride) in [(8usize, 8usize), (16, 40), (24, 24), (256, 256), (256, 512)] {
-        let s = set(&[KernelKind::AttnScores(GemvParams {
+    for hd in [8usize, 16, 24, 20, 256] {
+        let s = set(&[KernelKind::AttnScores(GemmParams {
             wt: WeightType::F32,
             k: hd,
-            row_stride: stride,
-            unroll: 1,
-            prefetch: 0,
-            scaled: true,
         })]);
         let k = s.attn_scores(hd).unwrap();
-        for npos in [1usize, 2, 3, 5, 17] {
-            let kc = rng.vec((npos - 1) * stride + hd + 1, 1.0);
-            let kc = &kc[1..];
-            let q = rng.vec(hd, 1.0);
-            let mut sc = vec![f32::NAN; npos];
-            let scale = 1.0 / (hd as f32).sqrt();
-            k.run(kc, &q, &mut sc, 0..npos, scale).unwrap();
-            for p in 0..npos {
-                let terms: Vec<f64> = (0..hd)
-                    .map(|d| kc[p * stride + d] as f64 * q[d] as f64 * scale as f64)
-                    .collect();
-                close(
-                    sc[p],
-                    terms.iter().sum(),
-                    terms.iter().map(|v| v.abs()).sum(),
-                    hd + 1,
-                    &format!("{} p{p}", k.name),
-                );
+        for (n_keys, nq) in [(1usize, 1usize), (2, 4), (3, 5), (5, 2), (17, 8), (33, 13)] {
+            // Offset by one float: the kernel must not assume alignment.
+            let kbuf = rng.vec(n_keys * hd + 1, 1.0);
+            let keys = &kbuf[1..];
+            let queries = rng.vec(nq * hd, 1.0);
+            let mut sc = vec![f32::NAN; nq * n_keys];
+            k.run(keys, &queries, &mut sc).unwrap();
+            for i in 0..nq {
+                for j in 0..n_keys {
+                    let terms: Vec<f64> = (0..hd)
+                        .map(|d| keys[j * hd + d] as f64 * queries[i * hd + d] as f64)
+                        .collect();
+                    close(
+                        sc[i * n_keys + j],
+                        terms.iter().sum(),
+                        terms.iter().map(|v| v.abs()).sum(),
+                        hd + 1,
+                        &format!("{} q{i} key{j}", k.name),
+                    );
+                }
             }
         }
+        let mut short = vec![0.0; 3];
+        assert!(
+            k.run(&vec![0.0; 2 * hd], &vec![0.0; 2 * hd], &mut short)
+                .is_err()
+        );
     }
 }
 
@@ -477,37 +433,38 @@ fn softmax_matches_reference() {
 #[test]
 fn attention_weighted_sum_matches_reference() {
     let mut rng = Rng(77);
-    for (hd, stride) in [
-        (8usize, 8usize),
-        (64, 64),
-        (72, 100),
-        (256, 256),
-        (136, 272),
-    ] {
-        let s = set(&[KernelKind::AttnWsum {
-            head_dim: hd,
-            stride,
-        }]);
+    for hd in [8usize, 16, 64, 72, 136, 256] {
+        let s = set(&[KernelKind::AttnWsum { head_dim: hd }]);
         let k = s.attn_wsum(hd).unwrap();
-        for npos in [0usize, 1, 5, 33] {
-            let v = rng.vec(npos.saturating_sub(1) * stride + hd + 1, 1.0);
-            let v = &v[1..];
-            let p: Vec<f32> = (0..npos).map(|_| rng.f().abs()).collect();
-            let mut out = vec![f32::NAN; hd];
-            k.run(&p, v, &mut out).unwrap();
-            for d in 0..hd {
-                let terms: Vec<f64> = (0..npos)
-                    .map(|t| p[t] as f64 * v[t * stride + d] as f64)
-                    .collect();
-                close(
-                    out[d],
-                    terms.iter().sum(),
-                    terms.iter().map(|x| x.abs()).sum(),
-                    npos,
-                    &format!("{} n{npos} d{d}", k.name),
-                );
+        // Query counts around the 6-query tile; key counts incl. none.
+        for (n_keys, nq) in [(0usize, 1usize), (1, 1), (5, 6), (33, 7), (9, 13), (4, 2)] {
+            let ldp = n_keys + 3;
+            let vbuf = rng.vec(n_keys * hd + 1, 1.0);
+            let v = &vbuf[1..];
+            let p: Vec<f32> = (0..nq * ldp).map(|_| rng.f().abs()).collect();
+            let mut out = vec![f32::NAN; nq * hd + 5];
+            k.run(&p, ldp, v, &mut out[..nq * hd]).unwrap();
+            for i in 0..nq {
+                for d in 0..hd {
+                    let terms: Vec<f64> = (0..n_keys)
+                        .map(|j| p[i * ldp + j] as f64 * v[j * hd + d] as f64)
+                        .collect();
+                    close(
+                        out[i * hd + d],
+                        terms.iter().sum(),
+                        terms.iter().map(|x| x.abs()).sum(),
+                        n_keys,
+                        &format!("{} q{i} keys{n_keys} d{d}", k.name),
+                    );
+                }
             }
+            // Rows past nq are never written.
+            assert!(out[nq * hd..].iter().all(|x| x.is_nan()), "{}", k.name);
         }
+        assert!(
+            k.run(&[0.0; 4], 2, &vec![0.0; 3 * hd], &mut vec![0.0; hd])
+                .is_err()
+        );
     }
 }
 
@@ -594,8 +551,8 @@ fn planned_kernels_match_reference() {
                         );
                     }
                 }
-                // RoPE, scores, softmax and wsum have no shape beyond head_dim
-                // and stride, which the sweeps above already include (256/256).
+                // Scores, softmax and wsum have no shape beyond head_dim,
+                // which the sweeps above already include (256).
                 _ => {}
             }
         }

@@ -5,7 +5,7 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
-use super::kernels::{HeadAttention, MatKernels, SharedOut};
+use super::kernels::{GroupAttention, MatKernels, SharedOut};
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
@@ -40,13 +40,25 @@ pub struct FastEngine {
     prefill_chunk: usize,
 }
 
-/// Preallocated f32 keys and values: `[layer][position][kv_dim]`.
+/// Tokens per unit of prefill attention work: the block's queries (times
+/// the heads sharing a KV head) share every K and V row they read, and the
+/// causal triangle computed and then masked inside a block stays small.
+const ATTENTION_TOKEN_BLOCK: usize = 16;
+
+/// Preallocated f32 keys and values: `[layer][kv_head][position][head_dim]`,
+/// so that one KV head's positions are a dense run of rows.
 struct FlatKv {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
-    kv_dim: usize,
     capacity: usize,
     len: usize,
+}
+
+impl FlatKv {
+    /// Element offset of (kv head, position) inside one layer.
+    fn at(&self, head: usize, pos: usize, head_dim: usize) -> usize {
+        (head * self.capacity + pos) * head_dim
+    }
 }
 
 /// Options for building the fast engine.
@@ -135,7 +147,6 @@ impl FastEngine {
             values: (0..config.n_layers())
                 .map(|_| vec![0.0; per_layer])
                 .collect(),
-            kv_dim,
             capacity: opts.context,
             len: 0,
         };
@@ -267,6 +278,10 @@ impl FastEngine {
         let mut up = vec![0.0f32; n * c.intermediate];
         let mut act = vec![0.0f32; n * c.intermediate];
 
+        // RoPE angles depend only on the position and the layer's (base,
+        // scale), of which a model has one or two: computed once per chunk.
+        type Angles = Vec<(Vec<f32>, Vec<f32>)>;
+        let mut rope_tables: Vec<((u32, u32), Angles)> = Vec::new();
         for li in 0..c.n_layers() {
             let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
             let kern = &*self.kernels;
@@ -278,29 +293,27 @@ impl FastEngine {
             ]);
 
             let layer = c.layers[li];
+            let key = (layer.rope_base.to_bits(), layer.rope_scale.to_bits());
+            if !rope_tables.iter().any(|(k, _)| *k == key) {
+                let angles = (start..start + n)
+                    .map(|pos| ops::rope_angles(pos, hd, layer.rope_base, layer.rope_scale))
+                    .collect();
+                rope_tables.push((key, angles));
+            }
+            let angles = &rope_tables
+                .iter()
+                .find(|(k, _)| *k == key)
+                .expect("just added")
+                .1;
+            self.prepare_queries_keys(li, angles, &mut q, &mut k);
             for t in 0..n {
-                let (cos, sin) = ops::rope_angles(start + t, hd, layer.rope_base, layer.rope_scale);
-                let q_row = &mut q[t * q_dim..(t + 1) * q_dim];
-                if let Some(nw) = &w.q_norm {
-                    kern.rms_norm_in_place(q_row, nw, c.rms_eps);
-                }
-                for head in q_row.chunks_exact_mut(hd) {
-                    ops::rope(head, &cos, &sin);
-                    for e in head.iter_mut() {
-                        *e *= c.query_scale;
-                    }
-                }
-                let k_row = &mut k[t * kv_dim..(t + 1) * kv_dim];
-                if let Some(nw) = &w.k_norm {
-                    kern.rms_norm_in_place(k_row, nw, c.rms_eps);
-                }
-                for head in k_row.chunks_exact_mut(hd) {
-                    ops::rope(head, &cos, &sin);
+                for head in 0..c.n_kv_heads {
+                    let at = self.kv.at(head, start + t, hd);
+                    let from = t * kv_dim + head * hd;
+                    self.kv.keys[li][at..at + hd].copy_from_slice(&k[from..from + hd]);
+                    self.kv.values[li][at..at + hd].copy_from_slice(&v[from..from + hd]);
                 }
             }
-            let at = start * kv_dim;
-            self.kv.keys[li][at..at + n * kv_dim].copy_from_slice(&k);
-            self.kv.values[li][at..at + n * kv_dim].copy_from_slice(&v);
 
             self.attention(li, start, &q, &mut attn, n);
             let w = &self.weights.layers[li];
@@ -313,7 +326,7 @@ impl FastEngine {
                 (&w.gate, &normed, &mut gate[..]),
                 (&w.up, &normed, &mut up[..]),
             ]);
-            kern.geglu(&gate, &up, &mut act);
+            self.geglu(&gate, &up, &mut act, n);
             self.matmul(&w.down, &act, &mut proj);
             self.residual_add(&mut x, &mut proj, w.ffn_post_norm.as_deref());
         }
@@ -323,42 +336,146 @@ impl FastEngine {
         Ok(x)
     }
 
+    /// Per token, in parallel: q/k norms, RoPE with the given angles (one
+    /// pair of tables per token) and the query scale.
+    fn prepare_queries_keys(
+        &self,
+        li: usize,
+        angles: &[(Vec<f32>, Vec<f32>)],
+        q: &mut [f32],
+        k: &mut [f32],
+    ) {
+        let c = &self.config;
+        let w = &self.weights.layers[li];
+        let (hd, n) = (c.head_dim, angles.len());
+        let (qs, ks) = (
+            SharedOut::new(q, c.n_heads * hd),
+            SharedOut::new(k, c.n_kv_heads * hd),
+        );
+        let kern = &*self.kernels;
+        let prepare = |t: usize| {
+            let (cos, sin) = &angles[t];
+            // SAFETY: token t's rows belong to one caller of `prepare`.
+            let q_row = unsafe { qs.cells(t, 0..qs.stride) };
+            if let Some(nw) = &w.q_norm {
+                kern.rms_norm_in_place(q_row, nw, c.rms_eps);
+            }
+            for head in q_row.chunks_exact_mut(hd) {
+                ops::rope(head, cos, sin);
+                head.iter_mut().for_each(|e| *e *= c.query_scale);
+            }
+            let k_row = unsafe { ks.cells(t, 0..ks.stride) };
+            if let Some(nw) = &w.k_norm {
+                kern.rms_norm_in_place(k_row, nw, c.rms_eps);
+            }
+            for head in k_row.chunks_exact_mut(hd) {
+                ops::rope(head, cos, sin);
+            }
+        };
+        // A single decode token is not worth waking the pool for.
+        if n == 1 {
+            return prepare(0);
+        }
+        let threads = self.pool.threads();
+        self.pool
+            .run(|tid| (tid..n).step_by(threads).for_each(prepare));
+    }
+
     /// Causal (and windowed) attention of `n` new queries at positions
-    /// `start..start+n` over the cache, parallel over (token, head) pairs.
+    /// `start..start+n` over the cache. A unit of work is one KV head, a
+    /// block of tokens and the query heads sharing that KV head (split when
+    /// a single token leaves too few units for the threads), so each K and V
+    /// row is read once per block rather than once per query head.
     fn attention(&self, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
         let c = &self.config;
         let hd = c.head_dim;
         let q_dim = c.n_heads * hd;
-        let kv_dim = self.kv.kv_dim;
         let group = c.n_heads / c.n_kv_heads;
         let window = c.layers[li].window;
-        let keys = &self.kv.keys[li];
-        let values = &self.kv.values[li];
-        let shared = SharedOut::new(out, q_dim);
-        let pairs = n * c.n_heads;
+        let (keys, values) = (&self.kv.keys[li], &self.kv.values[li]);
         let threads = self.pool.threads();
+        let token_block = if n == 1 { 1 } else { ATTENTION_TOKEN_BLOCK };
+        let blocks = n.div_ceil(token_block);
+        let head_parts = if blocks * c.n_kv_heads >= threads {
+            1
+        } else {
+            group.min(threads.div_ceil(blocks * c.n_kv_heads))
+        };
+        let heads_per_part = group.div_ceil(head_parts);
+        let units = c.n_kv_heads * blocks * head_parts;
+        let next = AtomicUsize::new(0);
+        let shared = SharedOut::new(out, q_dim);
         let kern = &*self.kernels;
-        self.pool.run(|tid| {
-            let (p0, p1) = split_range(pairs, threads, tid, 1);
-            let mut scores = vec![0.0f32; start + n];
-            for pair in p0..p1 {
-                let (t, h) = (pair / c.n_heads, pair % c.n_heads);
-                let pos = start + t;
-                let first = window.map_or(0, |win| (pos + 1).saturating_sub(win));
-                let head_at = first * kv_dim + (h / group) * hd;
-                let qh = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-                // SAFETY: each (token, head) pair is owned by one thread.
-                let o = unsafe { shared.cells(t, h * hd..(h + 1) * hd) };
-                let head = HeadAttention {
-                    q: qh,
-                    keys: &keys[head_at..],
-                    values: &values[head_at..],
-                    stride: kv_dim,
-                    positions: pos + 1 - first,
+        self.pool.run(|_| {
+            let (mut queries, mut result, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+            loop {
+                let taken = next.fetch_add(1, Ordering::Relaxed);
+                if taken >= units {
+                    break;
+                }
+                // Later token blocks see more keys: hand them out first.
+                let unit = units - 1 - taken;
+                let (kv_head, rest) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
+                let (block, part) = (rest / head_parts, rest % head_parts);
+                let (t0, t1) = (block * token_block, ((block + 1) * token_block).min(n));
+                let (h0, h1) = (
+                    part * heads_per_part,
+                    ((part + 1) * heads_per_part).min(group),
+                );
+                if h0 >= h1 {
+                    continue;
+                }
+                let head_col = |t: usize, h: usize| t * q_dim + (kv_head * group + h) * hd;
+                queries.clear();
+                for t in t0..t1 {
+                    for h in h0..h1 {
+                        queries.extend_from_slice(&q[head_col(t, h)..head_col(t, h) + hd]);
+                    }
+                }
+                let first_query = start + t0;
+                let first_key = window.map_or(0, |w| (first_query + 1).saturating_sub(w));
+                let (lo, hi) = (
+                    self.kv.at(kv_head, first_key, hd),
+                    self.kv.at(kv_head, start + t1, hd),
+                );
+                let block_attention = GroupAttention {
+                    queries: &queries,
+                    head_dim: hd,
+                    rows_per_token: h1 - h0,
+                    first_query,
+                    keys: &keys[lo..hi],
+                    values: &values[lo..hi],
+                    first_key,
+                    window,
                     softcap: c.attn_softcap,
                 };
-                kern.attend(&head, &mut scores, o);
+                result.resize(queries.len(), 0.0);
+                kern.attend(&block_attention, &mut scratch, &mut result);
+                for (i, row) in result.chunks_exact(hd).enumerate() {
+                    let (t, h) = (t0 + i / (h1 - h0), h0 + i % (h1 - h0));
+                    let col = (kv_head * group + h) * hd;
+                    // SAFETY: each (token, head) belongs to exactly one unit.
+                    unsafe { shared.cells(t, col..col + hd) }.copy_from_slice(row);
+                }
             }
+        });
+    }
+
+    /// GeGLU of `n` token rows, split over the pool when there are several.
+    fn geglu(&self, gate: &[f32], up: &[f32], act: &mut [f32], n: usize) {
+        let kern = &*self.kernels;
+        if n == 1 {
+            return kern.geglu(gate, up, act);
+        }
+        let width = act.len() / n;
+        let out = SharedOut::new(act, width);
+        let threads = self.pool.threads();
+        self.pool.run(|tid| {
+            let (t0, t1) = split_range(n, threads, tid, 1);
+            let rows = t0 * width..t1 * width;
+            // SAFETY: token rows t0..t1 belong to this thread alone.
+            let part = unsafe { out.rows_mut(t0..t1) };
+            kern.geglu(&gate[rows.clone()], &up[rows], part);
         });
     }
 

@@ -2,7 +2,7 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
-use super::kernels::{HeadAttention, MatKernels, PortableKernels, SharedOut};
+use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -129,23 +129,26 @@ impl MatKernels for JitKernels {
         }
     }
 
-    fn attend(&self, a: &HeadAttention<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let (hd, n, stride) = (a.q.len(), a.positions, a.stride);
-        let (Some(dot), Some(softmax), Some(wsum)) = (
-            self.set.attn_scores(hd).filter(|k| k.stride == stride),
+    fn attend(&self, a: &GroupAttention<'_>, scratch: &mut Vec<f32>, out: &mut [f32]) {
+        let hd = a.head_dim;
+        let (Some(scores), Some(softmax), Some(wsum)) = (
+            self.set.attn_scores(hd),
             self.set.softmax(),
-            self.set.attn_wsum(hd).filter(|k| k.stride == stride),
+            self.set.attn_wsum(hd),
         ) else {
-            return PortableKernels.attend(a, scores, out);
+            return PortableKernels.attend(a, scratch, out);
         };
-        let scores = &mut scores[..n];
-        dot.run(a.keys, a.q, scores, 0..n, 1.0)
+        // One GEMM for the whole block's scores, then each row masked and
+        // normalised, then one pass over V shared by every row.
+        let n_keys = a.n_keys();
+        scratch.resize(a.n_queries() * n_keys, 0.0);
+        scores
+            .run(a.keys, a.queries, scratch)
             .expect("attention scores sized by the engine");
-        if let Some(cap) = a.softcap {
-            scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+        for (i, row) in scratch.chunks_exact_mut(n_keys).enumerate() {
+            a.probabilities(i, row, |p| softmax.run(p));
         }
-        softmax.run(scores);
-        wsum.run(scores, a.values, out)
+        wsum.run(scratch, n_keys, a.values, out)
             .expect("attention sum sized by the engine");
     }
 }

@@ -39,6 +39,17 @@ impl SharedOut {
         self.ptr
     }
 
+    /// Whole rows `rows` as one mutable slice.
+    ///
+    /// # Safety
+    /// No other thread may access the same rows during the borrow.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn rows_mut(&self, rows: Range<usize>) -> &mut [f32] {
+        let (start, end) = (rows.start * self.stride, rows.end * self.stride);
+        assert!(start <= end && end <= self.len);
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), end - start) }
+    }
+
     /// Row `t`, columns `cols`, as a mutable slice.
     ///
     /// # Safety
@@ -53,17 +64,57 @@ impl SharedOut {
     }
 }
 
-/// One query head's attention over cached positions: `keys` and `values`
-/// start at the first visible position's row for this KV head, rows
-/// `stride` apart; `q` is already scaled.
+/// A block of query rows that share one KV head, over a run of that head's
+/// cached positions. Query row i belongs to the token at position
+/// `first_query + i / rows_per_token` and sees the keys up to its own
+/// position (and, with a window, only the last `window` of them).
 #[derive(Clone, Copy)]
-pub struct HeadAttention<'a> {
-    pub q: &'a [f32],
+pub struct GroupAttention<'a> {
+    /// `[nq][head_dim]`, already scaled.
+    pub queries: &'a [f32],
+    pub head_dim: usize,
+    pub rows_per_token: usize,
+    pub first_query: usize,
+    /// Contiguous rows of `head_dim` for positions `first_key..=` the last
+    /// query's position.
     pub keys: &'a [f32],
     pub values: &'a [f32],
-    pub stride: usize,
-    pub positions: usize,
+    pub first_key: usize,
+    pub window: Option<usize>,
     pub softcap: Option<f32>,
+}
+
+impl GroupAttention<'_> {
+    pub fn n_keys(&self) -> usize {
+        self.keys.len() / self.head_dim
+    }
+
+    pub fn n_queries(&self) -> usize {
+        self.queries.len() / self.head_dim
+    }
+
+    /// The keys query row `i` may see, as indices into `keys`.
+    pub fn visible(&self, i: usize) -> Range<usize> {
+        let pos = self.first_query + i / self.rows_per_token;
+        let lo = self
+            .window
+            .map_or(0, |w| (pos + 1).saturating_sub(w))
+            .max(self.first_key);
+        (lo - self.first_key)..(pos + 1 - self.first_key)
+    }
+
+    /// Turns row `i`'s raw scores (one per key) into probabilities: zero
+    /// for keys it may not see, softcap and `softmax` over the rest.
+    pub fn probabilities(&self, i: usize, row: &mut [f32], softmax: impl Fn(&mut [f32])) {
+        let vis = self.visible(i);
+        row[..vis.start].fill(0.0);
+        row[vis.end..].fill(0.0);
+        let seen = &mut row[vis];
+        if let Some(cap) = self.softcap {
+            seen.iter_mut().for_each(|s| *s = ops::softcap(*s, cap));
+        }
+        softmax(seen);
+    }
 }
 
 pub trait MatKernels: Sync {
@@ -98,30 +149,26 @@ pub trait MatKernels: Sync {
         }
     }
 
-    /// One query head attending over its visible cached positions;
-    /// `scores` is scratch of at least `a.positions`.
-    fn attend(&self, a: &HeadAttention<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let HeadAttention {
-            q,
-            keys,
-            values,
-            stride,
-            positions: n,
-            softcap,
-        } = *a;
-        let hd = q.len();
-        let scores = &mut scores[..n];
-        for (p, s) in scores.iter_mut().enumerate() {
-            *s = dot(q, &keys[p * stride..p * stride + hd]);
-        }
-        if let Some(cap) = softcap {
-            scores.iter_mut().for_each(|s| *s = ops::softcap(*s, cap));
-        }
-        ops::softmax(scores);
-        out.fill(0.0);
-        for (p, &w) in scores.iter().enumerate() {
-            for (o, &v) in out.iter_mut().zip(&values[p * stride..p * stride + hd]) {
-                *o += w * v;
+    /// Attention of every query row of `a` into `out` (`[nq][head_dim]`);
+    /// `scratch` holds the scores and is reused across calls.
+    fn attend(&self, a: &GroupAttention<'_>, scratch: &mut Vec<f32>, out: &mut [f32]) {
+        let (hd, n_keys) = (a.head_dim, a.n_keys());
+        scratch.resize(n_keys, 0.0);
+        for (i, (q, o)) in a
+            .queries
+            .chunks_exact(hd)
+            .zip(out.chunks_exact_mut(hd))
+            .enumerate()
+        {
+            for (j, s) in scratch.iter_mut().enumerate() {
+                *s = dot(q, &a.keys[j * hd..(j + 1) * hd]);
+            }
+            a.probabilities(i, scratch, ops::softmax);
+            o.fill(0.0);
+            for (j, &w) in scratch.iter().enumerate() {
+                for (o, &v) in o.iter_mut().zip(&a.values[j * hd..(j + 1) * hd]) {
+                    *o += w * v;
+                }
             }
         }
     }

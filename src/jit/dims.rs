@@ -38,8 +38,7 @@ impl ModelDims {
         self.n_heads * self.head_dim
     }
 
-    /// Floats between consecutive positions of one KV-cache layer, in the
-    /// layout `[pos][kv_head][head_dim]`.
+    /// Width of the K and V projections (all KV heads of one position).
     pub fn kv_stride(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }

@@ -200,18 +200,6 @@ impl KernelSet {
         })
     }
 
-    pub fn rope(&self, head_dim: usize) -> Option<Rope<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::Rope { head_dim: d } if *d == head_dim))?;
-        // SAFETY: verified code with the RopeFn signature.
-        let f = unsafe { std::mem::transmute::<*const u8, RopeFn>(p) };
-        Some(Rope {
-            f,
-            name: &c.spec.name,
-            head_dim,
-        })
-    }
-
     pub fn geglu(&self, width: usize) -> Option<Geglu<'_>> {
         let (c, p) =
             self.find(|kind| matches!(kind, KernelKind::Geglu { width: w } if *w == width))?;
@@ -227,16 +215,12 @@ impl KernelSet {
     pub fn attn_scores(&self, head_dim: usize) -> Option<AttnScores<'_>> {
         let (c, p) =
             self.find(|kind| matches!(kind, KernelKind::AttnScores(g) if g.k == head_dim))?;
-        let KernelKind::AttnScores(g) = c.spec.kind else {
-            return None;
-        };
-        // SAFETY: verified code with the ScoresFn signature (scaled f32 GEMV).
-        let f = unsafe { std::mem::transmute::<*const u8, ScoresFn>(p) };
+        // SAFETY: verified code with the GemmFn signature (f32 "weights").
+        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(p) };
         Some(AttnScores {
             f,
             name: &c.spec.name,
             head_dim,
-            stride: g.row_stride,
         })
     }
 
@@ -251,19 +235,14 @@ impl KernelSet {
     }
 
     pub fn attn_wsum(&self, head_dim: usize) -> Option<AttnWsum<'_>> {
-        let (c, p) = self.find(
-            |kind| matches!(kind, KernelKind::AttnWsum { head_dim: d, .. } if *d == head_dim),
-        )?;
-        let KernelKind::AttnWsum { stride, .. } = c.spec.kind else {
-            return None;
-        };
+        let (c, p) = self
+            .find(|kind| matches!(kind, KernelKind::AttnWsum { head_dim: d } if *d == head_dim))?;
         // SAFETY: verified code with the WsumFn signature.
         let f = unsafe { std::mem::transmute::<*const u8, WsumFn>(p) };
         Some(AttnWsum {
             f,
             name: &c.spec.name,
             head_dim,
-            stride,
         })
     }
 }
@@ -276,15 +255,13 @@ pub type GemmFn =
 /// `(x, w, out, rows, eps)`.
 pub type RmsNormFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize, f32);
 /// `(x, cos, sin, n_heads)`, in place.
-pub type RopeFn = unsafe extern "sysv64" fn(*mut f32, *const f32, *const f32, usize);
 /// `(gate, up, out, rows)`.
 pub type GegluFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize);
 /// `(k_cache, q, scores, p0, p1, scale)`.
-pub type ScoresFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize, usize, f32);
 /// `(x, n)`, in place.
 pub type SoftmaxFn = unsafe extern "sysv64" fn(*mut f32, usize);
 /// `(p, v_cache, out, n_pos)`.
-pub type WsumFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize);
+pub type WsumFn = unsafe extern "sysv64" fn(*const f32, usize, *const f32, usize, *mut f32, usize);
 
 /// Rows `r < r1` of a `stride`-element row matrix must fit in `len` elements
 /// (the last row only needs `k`).
@@ -494,42 +471,6 @@ impl RmsNorm<'_> {
 }
 
 #[derive(Clone, Copy)]
-pub struct Rope<'a> {
-    f: RopeFn,
-    pub name: &'a str,
-    pub head_dim: usize,
-}
-
-impl Rope<'_> {
-    /// Rotates every head of `x` (a multiple of head_dim) in place.
-    pub fn run(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) -> Result<(), KernelError> {
-        let half = self.head_dim / 2;
-        if !x.len().is_multiple_of(self.head_dim) || cos.len() != half || sin.len() != half {
-            return Err(shape(
-                self.name,
-                format!(
-                    "x {}, cos {}, sin {} vs head_dim {}",
-                    x.len(),
-                    cos.len(),
-                    sin.len(),
-                    self.head_dim
-                ),
-            ));
-        }
-        // SAFETY: lengths checked.
-        unsafe {
-            (self.f)(
-                x.as_mut_ptr(),
-                cos.as_ptr(),
-                sin.as_ptr(),
-                x.len() / self.head_dim,
-            )
-        };
-        Ok(())
-    }
-}
-
-#[derive(Clone, Copy)]
 pub struct Geglu<'a> {
     f: GegluFn,
     pub name: &'a str,
@@ -560,48 +501,47 @@ impl Geglu<'_> {
 
 #[derive(Clone, Copy)]
 pub struct AttnScores<'a> {
-    f: ScoresFn,
+    f: GemmFn,
     pub name: &'a str,
     pub head_dim: usize,
-    pub stride: usize,
 }
 
 impl AttnScores<'_> {
-    /// `scores[p] = scale * q . K[p]` for p in `pos`; K rows `stride` apart
-    /// (`k_cache` starts at this KV head).
+    /// `scores[i*n_keys + j] = queries[i] . keys[j]` for every query row i
+    /// and key row j (rows of `head_dim`, contiguous).
     pub fn run(
         &self,
-        k_cache: &[f32],
-        q: &[f32],
+        keys: &[f32],
+        queries: &[f32],
         scores: &mut [f32],
-        pos: Range<usize>,
-        scale: f32,
     ) -> Result<(), KernelError> {
-        if q.len() != self.head_dim || pos.start > pos.end || scores.len() < pos.end {
-            return Err(shape(
-                self.name,
-                format!("q {}, scores {}, positions {pos:?}", q.len(), scores.len()),
-            ));
-        }
-        if !rows_fit(k_cache.len(), pos.end, self.stride, self.head_dim) {
+        let hd = self.head_dim;
+        let (n_keys, nq) = (keys.len() / hd, queries.len() / hd);
+        if !keys.len().is_multiple_of(hd)
+            || !queries.len().is_multiple_of(hd)
+            || scores.len() != nq * n_keys
+        {
             return Err(shape(
                 self.name,
                 format!(
-                    "K cache of {} floats has fewer than {} positions",
-                    k_cache.len(),
-                    pos.end
+                    "keys {}, queries {}, scores {} (head_dim {hd})",
+                    keys.len(),
+                    queries.len(),
+                    scores.len()
                 ),
             ));
         }
-        // SAFETY: lengths checked; the kernel reads f32 rows as its "weights".
+        // SAFETY: the GEMM reads key rows < n_keys and nq query rows of
+        // head_dim floats and writes scores[t*n_keys + r] (checked above).
         unsafe {
             (self.f)(
-                k_cache.as_ptr(),
-                q.as_ptr(),
+                keys.as_ptr().cast(),
+                queries.as_ptr(),
                 scores.as_mut_ptr(),
-                pos.start,
-                pos.end,
-                scale,
+                0,
+                n_keys,
+                nq,
+                n_keys,
             )
         };
         Ok(())
@@ -626,27 +566,50 @@ pub struct AttnWsum<'a> {
     f: WsumFn,
     pub name: &'a str,
     pub head_dim: usize,
-    pub stride: usize,
 }
 
 impl AttnWsum<'_> {
-    /// `out = sum_t p[t] * V[t]` over `p.len()` positions.
-    pub fn run(&self, p: &[f32], v_cache: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
-        if out.len() != self.head_dim
-            || !rows_fit(v_cache.len(), p.len(), self.stride, self.head_dim)
+    /// `out[i] = sum_j p[i*ldp + j] * V[j]` for every query row i of `out`
+    /// over the `values.len() / head_dim` rows of V.
+    pub fn run(
+        &self,
+        p: &[f32],
+        ldp: usize,
+        values: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let hd = self.head_dim;
+        let (n_keys, nq) = (values.len() / hd, out.len() / hd);
+        let p_fits = nq == 0
+            || ((nq - 1) * ldp)
+                .checked_add(n_keys)
+                .is_some_and(|n| n <= p.len());
+        if !values.len().is_multiple_of(hd)
+            || !out.len().is_multiple_of(hd)
+            || n_keys > ldp
+            || !p_fits
         {
             return Err(shape(
                 self.name,
                 format!(
-                    "out {}, V {} for {} positions",
-                    out.len(),
-                    v_cache.len(),
-                    p.len()
+                    "p {} (ldp {ldp}), V {}, out {} (head_dim {hd})",
+                    p.len(),
+                    values.len(),
+                    out.len()
                 ),
             ));
         }
-        // SAFETY: lengths checked.
-        unsafe { (self.f)(p.as_ptr(), v_cache.as_ptr(), out.as_mut_ptr(), p.len()) };
+        // SAFETY: lengths checked; out cannot alias the inputs (borrows).
+        unsafe {
+            (self.f)(
+                p.as_ptr(),
+                ldp,
+                values.as_ptr(),
+                n_keys,
+                out.as_mut_ptr(),
+                nq,
+            )
+        };
         Ok(())
     }
 }

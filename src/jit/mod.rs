@@ -11,11 +11,10 @@
 //! | `gemv(wt, k)` | `run(w, x, y, rows)`, `run_part(w, x, y_part, rows)` | `(w: *const u16, x: *const f32, y: *mut f32, r0, r1)` |
 //! | `gemm(wt, k)` | `run(w, x, tokens, y, ldy, rows)`, `unsafe run_unchecked` | `(w, x, y, r0, r1, tokens, ldy)` |
 //! | `rmsnorm(dim)` | `run(x, w, out, eps)`, `run_inplace(x, w, eps)` | `(x, w, out, rows, eps: f32)` |
-//! | `rope(head_dim)` | `run(x, cos, sin)` (in place, all heads in x) | `(x: *mut f32, cos, sin, n_heads)` |
 //! | `geglu(width)` | `run(gate, up, out)` (n >= 8) | `(gate, up, out, rows)` |
-//! | `attn_scores(head_dim)` | `run(k_cache, q, scores, pos, scale)` | `(k, q, scores, p0, p1, scale: f32)` |
+//! | `attn_scores(head_dim)` | `run(keys, queries, scores)` | the GEMM's, keys as f32 weights |
 //! | `softmax()` | `run(x)` (in place) | `(x: *mut f32, n)` |
-//! | `attn_wsum(head_dim)` | `run(p, v_cache, out)` | `(p, v, out, n_pos)` |
+//! | `attn_wsum(head_dim)` | `run(p, ldp, values, out)` | `(p, ldp, v, n_keys, out, nq)` |
 //!
 //! Row-range arguments let a thread pool split rows ([`plan::split_rows`]).
 

@@ -43,12 +43,20 @@ impl Default for PlanOptions {
 pub enum KernelKind {
     Gemv(GemvParams),
     Gemm(GemmParams),
-    RmsNorm { dim: usize, unroll: usize },
-    Rope { head_dim: usize },
-    Geglu { width: usize },
-    AttnScores(GemvParams),
+    RmsNorm {
+        dim: usize,
+        unroll: usize,
+    },
+    Geglu {
+        width: usize,
+    },
+    /// `q . k` for a block of queries over a run of cached keys: the GEMM
+    /// with f32 "weights" (the keys) and K = head_dim.
+    AttnScores(GemmParams),
     Softmax,
-    AttnWsum { head_dim: usize, stride: usize },
+    AttnWsum {
+        head_dim: usize,
+    },
 }
 
 impl KernelKind {
@@ -79,12 +87,13 @@ impl KernelKind {
                 )
             }
             KernelKind::RmsNorm { dim, unroll } => format!("rmsnorm_d{dim}_u{unroll}"),
-            KernelKind::Rope { head_dim } => format!("rope_hd{head_dim}"),
             KernelKind::Geglu { width } => format!("geglu_w{width}"),
-            KernelKind::AttnScores(p) => format!("attn_scores_hd{}_s{}", p.k, p.row_stride),
+            KernelKind::AttnScores(p) => {
+                format!("attn_scores_r{}t{}_hd{}", gemm::ROWS, gemm::TOKENS, p.k)
+            }
             KernelKind::Softmax => "softmax".to_string(),
-            KernelKind::AttnWsum { head_dim, stride } => {
-                format!("attn_wsum_hd{head_dim}_s{stride}")
+            KernelKind::AttnWsum { head_dim } => {
+                format!("attn_wsum_q{}_hd{head_dim}", emit::attention::WSUM_QUERIES)
             }
         }
     }
@@ -93,17 +102,14 @@ impl KernelKind {
     pub fn emit(&self) -> Result<Vec<u8>> {
         let name = self.name();
         match self {
-            KernelKind::Gemv(p) | KernelKind::AttnScores(p) => emit::gemv::emit(p, &name),
-            KernelKind::Gemm(p) => emit::gemm::emit(p, &name),
+            KernelKind::Gemv(p) => emit::gemv::emit(p, &name),
+            KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
             }
-            KernelKind::Rope { head_dim } => emit::elementwise::emit_rope(*head_dim, &name),
             KernelKind::Geglu { width } => emit::elementwise::emit_geglu(*width, &name),
             KernelKind::Softmax => emit::attention::emit_softmax(&name),
-            KernelKind::AttnWsum { head_dim, stride } => {
-                emit::attention::emit_wsum(*head_dim, *stride, &name)
-            }
+            KernelKind::AttnWsum { head_dim } => emit::attention::emit_wsum(*head_dim, &name),
         }
     }
 }
@@ -264,7 +270,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
     let mut norm_unroll = 2usize;
-    let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu", "rope"];
+    let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
         let kinds = build_kinds(
@@ -376,7 +382,6 @@ fn gemv_params(wt: WeightType, k: usize, unroll: usize, prefetch: usize) -> Gemv
         row_stride: k,
         unroll,
         prefetch,
-        scaled: false,
     }
 }
 
@@ -429,14 +434,6 @@ fn build_kinds(
         ));
     }
     let has = |op: &str| optional.contains(&op);
-    if has("rope") {
-        out.push((
-            KernelKind::Rope {
-                head_dim: dims.head_dim,
-            },
-            vec!["q and k heads".into()],
-        ));
-    }
     if has("geglu") {
         out.push((
             KernelKind::Geglu {
@@ -445,18 +442,13 @@ fn build_kinds(
             vec!["ffn activation".into()],
         ));
     }
-    let stride = dims.kv_stride();
-    if has("attn_scores") {
+    if has("attn_scores") && dims.head_dim >= LANES {
         out.push((
-            KernelKind::AttnScores(GemvParams {
+            KernelKind::AttnScores(GemmParams {
                 wt: WeightType::F32,
                 k: dims.head_dim,
-                row_stride: stride,
-                unroll: 1,
-                prefetch: 0,
-                scaled: true,
             }),
-            vec!["q . k over the KV cache".into()],
+            vec!["q . k of a query block over the KV cache".into()],
         ));
     }
     if has("softmax") {
@@ -466,7 +458,6 @@ fn build_kinds(
         out.push((
             KernelKind::AttnWsum {
                 head_dim: dims.head_dim,
-                stride,
             },
             vec!["probability-weighted sum of V".into()],
         ));

@@ -129,6 +129,7 @@ const ALLOWED: &[Mnemonic] = {
         Cmp,
         Test,
         Cmovb,
+        Ja,
         Jae,
         Jb,
         Je,

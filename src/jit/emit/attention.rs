@@ -1,9 +1,11 @@
-//! Attention over one query head: scores (a scaled f32 GEMV over the KV
-//! cache, see gemv.rs), softmax in place, and the probability-weighted sum of
-//! V rows. The KV cache layout is `[pos][kv_head][head_dim]`; the stride
-//! between positions is baked in.
+//! Attention kernels besides the scores (an f32 GEMM over the KV cache, see
+//! gemm.rs): softmax in place, and the probability-weighted sum of V rows for
+//! a block of queries. The KV cache keeps each KV head's rows contiguous
+//! (`[kv_head][pos][head_dim]`), so a block of queries sharing a KV head
+//! reads one dense run of rows.
 
-use super::{Asm, ExpRegs, LANES, count_mask, exp_ps, finish, hsum, lane_index, new_asm};
+use super::reg::*;
+use super::{Asm, ExpRegs, LANES, cmp_imm8, count_mask, exp_ps, finish, hsum, lane_index, new_asm};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -129,81 +131,153 @@ pub fn emit_softmax(name: &str) -> anyhow::Result<Vec<u8>> {
     finish(ops, name)
 }
 
-/// `extern "sysv64" fn(p, v, out, n_pos)`: `out[d] = sum_t p[t] * V[t][d]` for
-/// d < head_dim, V rows `stride` floats apart. Accumulates chunks of up to 64
-/// floats in eight registers; n_pos = 0 gives zeros.
-pub fn emit_wsum(head_dim: usize, stride: usize, name: &str) -> anyhow::Result<Vec<u8>> {
+/// Queries per register tile of the weighted sum.
+pub const WSUM_QUERIES: usize = 6;
+const WSUM_P_PTRS: [u8; WSUM_QUERIES] = [RBX, R11, R12, R13, R14, R15];
+
+/// `vbroadcastss ymm(dst), dword [base + index*4]`, hand-encoded (VEX.256.66.0F38.W0 18 /r):
+/// dynasm 5.1 encodes the ymm-from-memory form as the xmm one.
+fn broadcast_mem_x4(ops: &mut Asm, dst: u8, base: u8, index: u8) {
+    let inv = |bit: u8| !bit & 1;
+    ops.push(0xC4);
+    ops.push((inv(dst >> 3) << 7) | (inv(index >> 3) << 6) | (inv(base >> 3) << 5) | 0b00010);
+    ops.push(0x7D); // W0, vvvv unused (1111), L=256, pp=66
+    ops.push(0x18);
+    // mod=01 with a zero disp8 works for every base, rbp and r13 included.
+    ops.push(0b01_000_100 | ((dst & 7) << 3));
+    ops.push(0b10_000_000 | ((index & 7) << 3) | (base & 7));
+    ops.push(0);
+}
+
+/// `extern "sysv64" fn(p, ldp, v, n_keys, out, nq)`: for each of `nq`
+/// queries i, `out[i][d] = sum_j P[i*ldp + j] * V[j][d]` over `j < n_keys`,
+/// V and out rows `head_dim` floats long and contiguous.
+///
+/// Every query of a tile shares each V load: 6 queries x 16 dims in 12
+/// accumulators, per key two V vectors, six broadcast probabilities and 12
+/// FMAs (a single query would need a load per FMA). The grouped-query heads
+/// of a token and the tokens of a prefill chunk all read the same V rows.
+/// A partial last tile aliases its missing queries to the first one and
+/// stores only the real rows.
+///
+/// Registers: rdi = P of the tile, rsi = ldp in bytes, rdx = V, rcx =
+/// n_keys, r8 = out of the tile, r9 = queries left, r10 = V cursor, rbp =
+/// byte offset of the dims block, rax = key; rbx, r11..r15 = P rows.
+pub fn emit_wsum(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(
         head_dim.is_multiple_of(LANES),
         "{name}: head_dim {head_dim} must be a multiple of 8"
     );
-    const CHUNK: usize = 8 * LANES;
-    let full = head_dim / CHUNK;
-    let rest = (head_dim % CHUNK) / LANES;
-    let stride_b = (stride * 4) as i32;
+    let row_b = (head_dim * 4) as i32;
     let mut ops = new_asm();
-    // One chunk of `nv` vectors starting at byte offset r8 of V and out.
-    let chunk = |ops: &mut Asm, nv: usize| {
-        let tloop = ops.new_dynamic_label();
-        let store = ops.new_dynamic_label();
-        for a in 0..nv as u8 {
+    let done = ops.new_dynamic_label();
+    let tile = ops.new_dynamic_label();
+    dynasm!(ops
+        ; .arch x64
+        ; push rbx
+        ; push rbp
+        ; push r12
+        ; push r13
+        ; push r14
+        ; push r15
+        ; shl rsi, 2
+        ; test r9, r9
+        ; jz =>done
+    );
+    let tile_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>tile ; mov rbx, rdi);
+    for i in 1..WSUM_QUERIES {
+        let (prev, cur) = (WSUM_P_PTRS[i - 1], WSUM_P_PTRS[i]);
+        dynasm!(ops ; .arch x64 ; lea Rq(cur), [Rq(prev) + rsi]);
+    }
+    // Missing queries read the first one's row (in bounds); never stored.
+    for (i, &pr) in WSUM_P_PTRS.iter().enumerate().skip(1) {
+        cmp_imm8(&mut ops, R9, (i + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
+    }
+    dynasm!(ops ; .arch x64 ; xor ebp, ebp);
+    // One block of `nv` vectors (8 dims each) of every query in the tile.
+    let block = |ops: &mut Asm, nv: usize| {
+        let acc = |q: usize, v: usize| (q * nv + v) as u8;
+        let kloop = ops.new_dynamic_label();
+        let stored = ops.new_dynamic_label();
+        let sum = ops.new_dynamic_label();
+        for a in 0..(WSUM_QUERIES * nv) as u8 {
             dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
         }
         dynasm!(ops
             ; .arch x64
             ; test rcx, rcx
-            ; jz BYTE =>store
+            ; jz =>sum
+            ; lea r10, [rdx + rbp]
             ; xor eax, eax
-            ; lea r9, [rsi + r8]
         );
         let top = ops.offset();
-        dynasm!(ops
-            ; .arch x64
-            ; =>tloop
-            ; vmovss xmm8, [rdi + rax * 4]
-            ; vbroadcastss ymm8, xmm8
-        );
-        for a in 0..nv {
-            let r = a as u8;
-            match i8::try_from(a * 32) {
-                Ok(d) => dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(r), ymm8, [BYTE r9 + d]),
-                Err(_) => {
-                    dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(r), ymm8, [r9 + (a * 32) as i32])
-                }
+        dynasm!(ops ; .arch x64 ; =>kloop);
+        for v in 0..nv {
+            dynasm!(ops ; .arch x64 ; vmovups Ry(12 + v as u8), [BYTE r10 + (v * 32) as i8]);
+        }
+        for (q, &pr) in WSUM_P_PTRS.iter().enumerate() {
+            broadcast_mem_x4(ops, 14, pr, RAX);
+            for v in 0..nv {
+                dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(q, v)), Ry(12 + v as u8), ymm14);
             }
         }
         dynasm!(ops
             ; .arch x64
-            ; add r9, stride_b
+            ; add r10, row_b
             ; inc rax
             ; cmp rax, rcx
         );
-        jback!(ops, jb, tloop, top);
-        dynasm!(ops ; .arch x64 ; =>store);
-        for a in 0..nv {
-            let r = a as u8;
-            match i8::try_from(a * 32) {
-                Ok(d) => dynasm!(ops ; .arch x64 ; vmovups [BYTE rdx + r8 + d], Ry(r)),
-                Err(_) => dynasm!(ops ; .arch x64 ; vmovups [rdx + r8 + (a * 32) as i32], Ry(r)),
+        jback!(ops, jb, kloop, top);
+        dynasm!(ops ; .arch x64 ; =>sum ; lea rax, [r8 + rbp]);
+        for q in 0..WSUM_QUERIES {
+            if q > 0 {
+                cmp_imm8(ops, R9, (q + 1) as i8);
+                dynasm!(ops ; .arch x64 ; jb =>stored ; add rax, row_b);
+            }
+            for v in 0..nv {
+                dynasm!(ops ; .arch x64 ; vmovups [BYTE rax + (v * 32) as i8], Ry(acc(q, v)));
             }
         }
+        dynasm!(ops ; .arch x64 ; =>stored);
     };
-    dynasm!(ops ; .arch x64 ; xor r8d, r8d);
-    if full > 0 {
-        let cl = ops.new_dynamic_label();
+    let pairs = head_dim / (2 * LANES);
+    if pairs > 0 {
+        let dloop = ops.new_dynamic_label();
         let top = ops.offset();
-        dynasm!(ops ; .arch x64 ; =>cl);
-        chunk(&mut ops, 8);
+        dynasm!(ops ; .arch x64 ; =>dloop);
+        block(&mut ops, 2);
         dynasm!(ops
             ; .arch x64
-            ; add r8, (CHUNK * 4) as i32
-            ; cmp r8, (full * CHUNK * 4) as i32
+            ; add rbp, BYTE 64
+            ; cmp rbp, (pairs * 64) as i32
         );
-        jback!(ops, jb, cl, top);
+        jback!(ops, jb, dloop, top);
     }
-    if rest > 0 {
-        chunk(&mut ops, rest);
+    if !head_dim.is_multiple_of(2 * LANES) {
+        block(&mut ops, 1);
     }
-    dynasm!(ops ; .arch x64 ; vzeroupper ; ret);
+    // Next tile of queries.
+    dynasm!(ops
+        ; .arch x64
+        ; lea rdi, [rdi + rsi * 2]
+        ; lea rdi, [rdi + rsi * 4]
+        ; add r8, (WSUM_QUERIES as i32) * row_b
+        ; sub r9, BYTE WSUM_QUERIES as i8
+    );
+    jback!(ops, ja, tile, tile_top);
+    dynasm!(ops
+        ; .arch x64
+        ; =>done
+        ; pop r15
+        ; pop r14
+        ; pop r13
+        ; pop r12
+        ; pop rbp
+        ; pop rbx
+        ; vzeroupper
+        ; ret
+    );
     finish(ops, name)
 }

@@ -2,7 +2,7 @@
 //! Vector widths are baked in; tails use AVX2 masked loads/stores (f32 lanes)
 //! or, where the output cannot alias the input, an overlapping last vector.
 
-use super::{Asm, ExpRegs, LANES, add_rax, exp_ps, finish, hsum, lane_mask, new_asm};
+use super::{ExpRegs, LANES, add_rax, exp_ps, finish, hsum, lane_mask, new_asm};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -116,93 +116,6 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
         ; dec rcx
     );
     jback!(ops, jnz, row, row_top);
-    dynasm!(ops
-        ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
-    );
-    finish(ops, name)
-}
-
-/// `extern "sysv64" fn(x, cos, sin, n_heads)`: split-half RoPE in place on
-/// `n_heads` consecutive heads of `head_dim` floats; pairs are (i, i + half),
-/// cos/sin hold `half` values for the current position.
-pub fn emit_rope(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(
-        head_dim.is_multiple_of(2) && head_dim >= 2,
-        "{name}: head_dim must be even"
-    );
-    let half = head_dim / 2;
-    let main = (half / LANES * LANES) as i32;
-    let tail = half % LANES;
-    let h4 = (half * 4) as i32;
-    let mut ops = new_asm();
-    let done = ops.new_dynamic_label();
-    let head = ops.new_dynamic_label();
-    let lp = ops.new_dynamic_label();
-    dynasm!(ops
-        ; .arch x64
-        ; test rcx, rcx
-        ; jz =>done
-        ; lea r9, [rsi + main * 4]
-        ; lea r10, [rdx + main * 4]
-    );
-    if tail > 0 {
-        lane_mask(&mut ops, MASK, 0, tail);
-    }
-    let head_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>head ; lea r8, [rdi + main * 4]);
-    // rotate(a, b, c, s): a' = a*c - b*s, b' = b*c + a*s
-    let rotate = |ops: &mut Asm| {
-        dynasm!(ops
-            ; .arch x64
-            ; vmulps ymm4, ymm0, ymm2
-            ; vfnmadd231ps ymm4, ymm1, ymm3
-            ; vmulps ymm5, ymm1, ymm2
-            ; vfmadd231ps ymm5, ymm0, ymm3
-        );
-    };
-    if main > 0 {
-        dynasm!(ops
-            ; .arch x64
-            ; mov rax, -(main * 4)
-            ; =>lp
-            ; vmovups ymm0, [r8 + rax]
-            ; vmovups ymm1, [r8 + rax + h4]
-            ; vmovups ymm2, [r9 + rax]
-            ; vmovups ymm3, [r10 + rax]
-        );
-        rotate(&mut ops);
-        dynasm!(ops
-            ; .arch x64
-            ; vmovups [r8 + rax], ymm4
-            ; vmovups [r8 + rax + h4], ymm5
-            ; add rax, BYTE 32
-            ; jnz BYTE =>lp
-        );
-    }
-    if tail > 0 {
-        dynasm!(ops
-            ; .arch x64
-            ; vmaskmovps ymm0, Ry(MASK), [r8]
-            ; vmaskmovps ymm1, Ry(MASK), [r8 + h4]
-            ; vmaskmovps ymm2, Ry(MASK), [r9]
-            ; vmaskmovps ymm3, Ry(MASK), [r10]
-        );
-        rotate(&mut ops);
-        dynasm!(ops
-            ; .arch x64
-            ; vmaskmovps [r8], Ry(MASK), ymm4
-            ; vmaskmovps [r8 + h4], Ry(MASK), ymm5
-        );
-    }
-    dynasm!(ops
-        ; .arch x64
-        ; add rdi, (head_dim * 4) as i32
-        ; dec rcx
-    );
-    jback!(ops, jnz, head, head_top);
     dynasm!(ops
         ; .arch x64
         ; =>done

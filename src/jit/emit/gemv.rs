@@ -9,10 +9,9 @@
 //! exactly at K; the already-summed lanes of x are zeroed by a mask, so every
 //! load stays inside the row. This needs K >= 8, which the planner enforces.
 //!
-//! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, xmm0=scale (scores
-//! variant). r9/r10/r11/rbx = row pointers, r12 = rows left, r13 = biased x,
+//! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1. r9/r10/r11/rbx = row pointers, r12 = rows left, r13 = biased x,
 //! rax = K index counting up to 0. ymm0..7 accumulators, ymm8..11 x,
-//! ymm12 weights, ymm13 lane indices, ymm14 scale, ymm15 tail mask.
+//! ymm12 weights, ymm13 lane indices, ymm15 tail mask.
 
 use super::{
     Asm, LANES, add_rax, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4,
@@ -50,7 +49,7 @@ impl WeightType {
 pub struct GemvParams {
     pub wt: WeightType,
     pub k: usize,
-    /// Elements between row starts (K for a dense matrix; the KV stride for scores).
+    /// Elements between row starts (K for a dense matrix).
     pub row_stride: usize,
     /// 8-element vectors per loop iteration: 1, 2 or 4.
     pub unroll: usize,
@@ -61,15 +60,12 @@ pub struct GemvParams {
     /// region, one line per 64 bytes consumed. Short rows give the hardware
     /// prefetcher four short interleaved streams, which it handles poorly.
     pub prefetch: usize,
-    /// Multiply results by the f32 argument in xmm0 (attention scores).
-    pub scaled: bool,
 }
 
 pub const ROWS: usize = 4;
 const ROW_PTRS: [u8; ROWS] = [R9, R10, R11, RBX];
 const WT: u8 = 12;
 const IDX: u8 = 13;
-const SCALE: u8 = 14;
 const MASK: u8 = 15;
 
 /// Loads one weight vector (8 elements) at `[p + rax + disp]` (or `[p + disp]`
@@ -134,7 +130,7 @@ fn load_x(ops: &mut Asm, wt: WeightType, dst: u8, with_idx: bool, disp: i32) {
     }
 }
 
-/// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1[, scale])`.
+/// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1)`.
 pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(
         p.k >= LANES,
@@ -165,9 +161,6 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; push r12
         ; push r13
     );
-    if p.scaled {
-        dynasm!(ops ; .arch x64 ; vbroadcastss Ry(SCALE), xmm0);
-    }
     if tail > 0 {
         lane_mask(&mut ops, MASK, LANES - tail, tail);
     }
@@ -243,9 +236,6 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
     }
     reduce4(&mut ops, [0, 1, 2, 3], 8);
-    if p.scaled {
-        dynasm!(ops ; .arch x64 ; vmulps xmm0, xmm0, Rx(SCALE));
-    }
     // Store only the rows that exist (a masked store; once per 4 rows x K).
     count_mask(&mut ops, 8, IDX, R12);
     dynasm!(ops
