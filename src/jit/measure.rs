@@ -162,7 +162,8 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         for tokens in [48usize, crate::engine::fast::DEFAULT_PREFILL_CHUNK] {
             let x = vec![0.25f32; tokens * g.k];
             for threads in [1usize, 2] {
-                let mut outs: Vec<Vec<f32>> = (0..threads).map(|_| vec![0f32; tokens * rows]).collect();
+                let mut outs: Vec<Vec<f32>> =
+                    (0..threads).map(|_| vec![0f32; tokens * rows]).collect();
                 let mut err = None;
                 let secs = best_of(|| {
                     std::thread::scope(|s| {
