@@ -233,7 +233,7 @@ fn gemm_matches_reference() {
         for &k in &ks {
             let g = s.gemm(wt, k).unwrap();
             for rows in [1usize, 3, 4, 6, 9] {
-                for tokens in [1usize, 2, 3, 4, 5, 7] {
+                for tokens in [1usize, 2, 3, 4, 5, 6, 7, 12, 13] {
                     let misalign = (rows + tokens) % 2;
                     let wbuf: Vec<u16> = (0..rows * k + misalign)
                         .map(|_| to_u16(wt, rng.f()))
@@ -265,6 +265,43 @@ fn gemm_matches_reference() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Row ranges longer than one panel (`gemm::panel_rows`) reach the kernel as
+/// several calls; every row must still be written once and only its own.
+#[test]
+fn gemm_spans_several_panels() {
+    let mut rng = Rng(0xbeef);
+    let (wt, k, tokens) = (WeightType::F16, 1001usize, 5usize);
+    let panel = pulsar::jit::emit::gemm::panel_rows(k * 2);
+    let rows = 2 * panel + 7;
+    let s = set(&[KernelKind::Gemm(GemmParams { wt, k })]);
+    let g = s.gemm(wt, k).unwrap();
+    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+    let x = rng.vec(tokens * k, 1.0);
+    let ldy = rows + 1;
+    let range = 3..rows;
+    let mut y = vec![f32::NAN; tokens * ldy];
+    g.run(&w, &x, tokens, &mut y, ldy, range.clone()).unwrap();
+    for t in 0..tokens {
+        for r in 0..ldy {
+            let got = y[t * ldy + r];
+            if !range.contains(&r) {
+                assert!(got.is_nan(), "Y[{t},{r}] outside rows was written");
+                continue;
+            }
+            let p: Vec<f64> = (0..k)
+                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
+                .collect();
+            close(
+                got,
+                p.iter().sum(),
+                p.iter().map(|v| v.abs()).sum(),
+                k,
+                &format!("t{t} r{r}"),
+            );
         }
     }
 }

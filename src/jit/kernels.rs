@@ -420,8 +420,16 @@ impl Gemm<'_> {
         ldy: usize,
         rows: Range<usize>,
     ) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { (self.f)(w, x, y, rows.start, rows.end, tokens, ldy) }
+        // Panels of rows keep the weights the kernel streams per token tile
+        // in L2 (see emit::gemm); they start on tile boundaries of `rows`.
+        let panel = gemm::panel_rows(self.k * self.wt.bytes());
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = rows.end.min(r0.saturating_add(panel));
+            // SAFETY: guaranteed by the caller for all of `rows`.
+            unsafe { (self.f)(w, x, y, r0, r1, tokens, ldy) };
+            r0 = r1;
+        }
     }
 }
 

@@ -2,18 +2,34 @@
 //! t in [0, T). A 4-row x 3-token register tile: 12 accumulators, 3 activation
 //! vectors and one converted weight vector fill the 16 ymm registers.
 //!
-//! Rows outermost: a block of 4 weight rows stays in L1 while every token
-//! block streams past it. Partial tiles alias missing rows/tokens to the first
-//! of the tile and store only valid lanes (same scheme as GEMV). The K tail is
-//! the masked overlapping vector of GEMV, so K >= 8.
+//! Token tiles are the outer loop and row tiles the inner one: a token tile's
+//! x (3 x K f32) stays in L1 while the weight rows stream past it from L2,
+//! 64 B of f16 per 12 FMAs. Rows outermost keeps 4 weight rows in L1 instead
+//! and streams all of x past them, 96 B per 12 FMAs; on Zen 4 it measured
+//! 3-6% slower on one core (`tune --measure`) and 4-7% slower on two with
+//! the engine's row chunks. The streamed weights should stay in L2, so
+//! `kernels::Gemm` passes at most `panel_rows` rows per call (more are
+//! still computed correctly, only slower).
 //!
-//! Registers: rdi=W, rsi=X, rdx=Y, rcx=r, r8=t, r9=T, rbp=ldY in bytes,
-//! `[rsp]`=r1; rbx/r10/r11/r12 row pointers, r13/r14/r15 token pointers.
+//! Tile shapes measured and rejected (Zen 4, GFLOP/s; this tile: ~84 with
+//! everything in L1, 80-84 with the engine's row chunks): 2 rows x 6 tokens
+//! needs half the weight conversions per FMA, which are not the bottleneck,
+//! and 6 activation loads per 12 FMAs. With x through one register it
+//! reached 81 in L1 and 61-71 with the engine's chunks (70-79 with tokens
+//! outermost); with x as FMA memory operands, 12 loads per 12 FMAs, 66 in L1
+//! and 42-48 in `tune --measure`. 3 rows x 4 tokens matched this tile in L1
+//! and lost 2-13% with the engine's chunks.
+//!
+//! Partial tiles alias missing rows/tokens to the first of the tile and store
+//! only valid lanes (same scheme as GEMV). The K tail is the masked
+//! overlapping vector of GEMV, so K >= 8.
+//!
+//! Registers: rdi=W, rsi=X, rdx=Y, rcx=r, r8=t, r9=T, rbp=r1, `[rsp]`=r0,
+//! ldY (in elements) stays on the stack; rbx/r10/r11/r12 row pointers,
+//! r13/r14/r15 token pointers.
 
 use super::gemv::WeightType;
-use super::{
-    Asm, LANES, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4, reg::*,
-};
+use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_mask, new_asm, reduce4, reg::*};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -28,6 +44,21 @@ pub const TOKENS: usize = 3;
 const ROW_PTRS: [u8; ROWS] = [RBX, R10, R11, R12];
 const TOK_PTRS: [u8; TOKENS] = [R13, R14, R15];
 const W: u8 = 15;
+
+/// Weight bytes per call: well inside any L2 next to the x tile, and large
+/// enough that re-reading x once per panel costs nothing. 32 KiB to 128 KiB
+/// measured the same on Zen 4, 256 KiB slightly slower, and 4 MiB ranges in
+/// one call 6-11% slower (weights from L3).
+pub const PANEL_BYTES: usize = 64 << 10;
+
+/// Stack offset of the 7th argument (ldY, in elements) after the 6
+/// callee-saved pushes, the pushed r0 and the return address.
+const LDY: i8 = 64;
+
+/// Most rows per call for rows of `row_bytes`: a whole number of row tiles.
+pub fn panel_rows(row_bytes: usize) -> usize {
+    (PANEL_BYTES / row_bytes.max(1) / ROWS).max(1) * ROWS
+}
 
 fn acc(row: usize, tok: usize) -> u8 {
     (row * TOKENS + tok) as u8
@@ -92,8 +123,8 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
 
     let mut ops = new_asm();
     let done = ops.new_dynamic_label();
-    let row_block = ops.new_dynamic_label();
     let tok_block = ops.new_dynamic_label();
+    let row_block = ops.new_dynamic_label();
     let kloop = ops.new_dynamic_label();
     let stored = ops.new_dynamic_label();
     dynasm!(ops
@@ -104,38 +135,19 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; push r13
         ; push r14
         ; push r15
-        // 7th argument (ldY) sits above the 6 pushes and the return address.
-        ; mov rbp, [rsp + 56]
-        ; shl rbp, 2
-        ; push r8
-        ; cmp rcx, r8
+        ; push rcx
+        ; mov rbp, r8
+        ; cmp rcx, rbp
         ; jae =>done
         ; test r9, r9
         ; jz =>done
-    );
-    let row_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>row_block
         ; xor r8d, r8d
     );
     let tok_top = ops.offset();
+    // Missing tokens and rows alias the first of the tile: reads stay in bounds.
     dynasm!(ops
         ; .arch x64
         ; =>tok_block
-        ; mov rax, [rsp]
-        ; sub rax, rcx
-        ; imul rbx, rcx, wstride
-        ; lea rbx, [rdi + rbx + (kmain * eb) as i32]
-    );
-    // Missing rows and tokens alias the first of the tile: reads stay in bounds.
-    for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
-        dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
-        cmp_imm8(&mut ops, RAX, (i + 1) as i8);
-        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
-    }
-    dynasm!(ops
-        ; .arch x64
         ; mov rax, r9
         ; sub rax, r8
         ; imul r13, r8, xstride
@@ -146,9 +158,22 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         cmp_imm8(&mut ops, RAX, (j + 1) as i8);
         dynasm!(ops ; .arch x64 ; cmovb Rq(tp), r13);
     }
-    for a in 0..(ROWS * TOKENS) as u8 {
-        dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
+    dynasm!(ops ; .arch x64 ; mov rcx, [rsp]);
+    let row_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>row_block
+        ; mov rax, rbp
+        ; sub rax, rcx
+        ; imul rbx, rcx, wstride
+        ; lea rbx, [rdi + rbx + (kmain * eb) as i32]
+    );
+    for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
+        dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
+        cmp_imm8(&mut ops, RAX, (i + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
     }
+    zero_accumulators(&mut ops);
     dynasm!(ops ; .arch x64 ; mov rax, -((kmain * eb) as i32));
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>kloop);
@@ -171,46 +196,55 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         tile_step(&mut ops, p.wt, false, e * eb as i32);
     }
-    // Masked stores of the valid rows; r12 = tokens left, r11 = &Y[t, r].
-    lane_index(&mut ops, 14);
+    // Masked stores of the valid rows: r10 = rows left, r11 = element index
+    // of Y[t, r]. The token pointers stay live for the next row tile, so only
+    // the row pointers serve as scratch.
     dynasm!(ops
         ; .arch x64
-        ; mov r10, [rsp]
+        // Lane indices 0..3; the stores are 4 lanes wide, lanes 4..7 unused.
+        ; mov eax, 0x0302_0100
+        ; vmovd xmm14, eax
+        ; vpmovzxbd ymm14, xmm14
+        ; mov r10, rbp
         ; sub r10, rcx
-        ; mov r12, r9
-        ; sub r12, r8
         ; mov r11, r8
-        ; imul r11, rbp
-        ; add r11, rdx
-        ; lea r11, [r11 + rcx * 4]
+        ; imul r11, [BYTE rsp + LDY]
+        ; add r11, rcx
     );
     count_mask(&mut ops, W, 14, R10);
-    for tok in 0..TOKENS {
+    for (tok, &tp) in TOK_PTRS.iter().enumerate() {
         if tok > 0 {
-            cmp_imm8(&mut ops, R12, tok as i8 + 1);
-            dynasm!(ops ; .arch x64 ; jb BYTE =>stored ; add r11, rbp);
+            // A token past T had its pointer aliased to the tile's first
+            // (a valid one never equals it: xstride > 0), and so has every
+            // later one.
+            dynasm!(ops
+                ; .arch x64
+                ; cmp Rq(tp), r13
+                ; je BYTE =>stored
+                ; add r11, [BYTE rsp + LDY]
+            );
         }
         let a = [acc(0, tok), acc(1, tok), acc(2, tok), acc(3, tok)];
         reduce4(&mut ops, a, 13);
-        dynasm!(ops ; .arch x64 ; vmaskmovps [r11], Rx(W), Rx(a[0]));
+        dynasm!(ops ; .arch x64 ; vmaskmovps [rdx + r11 * 4], Rx(W), Rx(a[0]));
     }
     dynasm!(ops
         ; .arch x64
         ; =>stored
+        ; add rcx, BYTE ROWS as i8
+        ; cmp rcx, rbp
+    );
+    jback!(ops, jb, row_block, row_top);
+    dynasm!(ops
+        ; .arch x64
         ; add r8, BYTE TOKENS as i8
         ; cmp r8, r9
     );
     jback!(ops, jb, tok_block, tok_top);
     dynasm!(ops
         ; .arch x64
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, [rsp]
-    );
-    jback!(ops, jb, row_block, row_top);
-    dynasm!(ops
-        ; .arch x64
         ; =>done
-        ; pop r8
+        ; pop rcx
         ; pop r15
         ; pop r14
         ; pop r13
@@ -221,4 +255,27 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; ret
     );
     finish(ops, name)
+}
+
+/// Zeroes the 12 accumulators ymm0..11 (a VEX.128 xor clears the upper half
+/// too). Written out with fixed registers so that dynasm can pick the 4-byte
+/// VEX2 form, which it only does for registers it knows at compile time;
+/// ymm8..11 take xmm0 as source since VEX2 cannot name a high source register.
+fn zero_accumulators(ops: &mut Asm) {
+    const _: () = assert!(ROWS * TOKENS == 12);
+    dynasm!(ops
+        ; .arch x64
+        ; vxorps xmm0, xmm0, xmm0
+        ; vxorps xmm1, xmm1, xmm1
+        ; vxorps xmm2, xmm2, xmm2
+        ; vxorps xmm3, xmm3, xmm3
+        ; vxorps xmm4, xmm4, xmm4
+        ; vxorps xmm5, xmm5, xmm5
+        ; vxorps xmm6, xmm6, xmm6
+        ; vxorps xmm7, xmm7, xmm7
+        ; vxorps xmm8, xmm0, xmm0
+        ; vxorps xmm9, xmm0, xmm0
+        ; vxorps xmm10, xmm0, xmm0
+        ; vxorps xmm11, xmm0, xmm0
+    );
 }
