@@ -414,7 +414,15 @@ fn attention_scores_match_reference() {
             k: hd,
         })]);
         let k = s.attn_scores(hd).unwrap();
-        for (n_keys, nq) in [(1usize, 1usize), (2, 4), (3, 5), (5, 2), (17, 8), (33, 13)] {
+        for (n_keys, nq) in [
+            (1usize, 1usize),
+            (2, 4),
+            (3, 5),
+            (5, 2),
+            (17, 8),
+            (33, 13),
+            (150, 7),
+        ] {
             // Offset by one float: the kernel must not assume alignment.
             let kbuf = rng.vec(n_keys * hd + 1, 1.0);
             let keys = &kbuf[1..];

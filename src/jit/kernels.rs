@@ -218,7 +218,12 @@ impl KernelSet {
         // SAFETY: verified code with the GemmFn signature (f32 "weights").
         let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(p) };
         Some(AttnScores {
-            f,
+            gemm: Gemm {
+                f,
+                name: &c.spec.name,
+                k: head_dim,
+                wt: WeightType::F32,
+            },
             name: &c.spec.name,
             head_dim,
         })
@@ -509,7 +514,8 @@ impl Geglu<'_> {
 
 #[derive(Clone, Copy)]
 pub struct AttnScores<'a> {
-    f: GemmFn,
+    /// The GEMM with the keys as its f32 weight rows (panels and all).
+    gemm: Gemm<'a>,
     pub name: &'a str,
     pub head_dim: usize,
 }
@@ -542,14 +548,13 @@ impl AttnScores<'_> {
         // SAFETY: the GEMM reads key rows < n_keys and nq query rows of
         // head_dim floats and writes scores[t*n_keys + r] (checked above).
         unsafe {
-            (self.f)(
+            self.gemm.run_unchecked(
                 keys.as_ptr().cast(),
                 queries.as_ptr(),
-                scores.as_mut_ptr(),
-                0,
-                n_keys,
                 nq,
+                scores.as_mut_ptr(),
                 n_keys,
+                0..n_keys,
             )
         };
         Ok(())
