@@ -419,7 +419,12 @@ impl FastEngine {
         let shared = SharedOut::new(out, q_dim);
         let kern = &*self.kernels;
         self.pool.run(|_| {
-            let (mut queries, mut result, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+            // Sized for the largest unit up front: growing them would copy.
+            let rows = token_block * heads_per_part;
+            let max_keys = window.map_or(start + n, |w| (w + token_block).min(start + n));
+            let mut queries = Vec::with_capacity(rows * hd);
+            let mut result = Vec::with_capacity(rows * hd);
+            let mut scratch = Vec::with_capacity(rows * max_keys);
             loop {
                 let taken = next.fetch_add(1, Ordering::Relaxed);
                 if taken >= units {
