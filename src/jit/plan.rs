@@ -330,6 +330,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             let mut not_jitted: Vec<String> = vec![
                 "embedding lookup and scaling".into(),
                 "residual adds".into(),
+                "RoPE".into(),
                 "q4_k/q6_k dequantisation".into(),
                 "sampling".into(),
             ];
