@@ -220,6 +220,36 @@ fn gemv_with_prefetch_matches() {
     }
 }
 
+/// Checks `Y[t*ldy + r] = W[r] . x[t]` for r in `rows` against float64 and
+/// that no element outside `rows` was written (Y starts as NaN).
+fn check_gemm(
+    y: &[f32],
+    ldy: usize,
+    rows: &std::ops::Range<usize>,
+    (w, x, wt, k): (&[u16], &[f32], WeightType, usize),
+    name: &str,
+) {
+    for t in 0..y.len() / ldy {
+        for r in 0..ldy {
+            let got = y[t * ldy + r];
+            if !rows.contains(&r) {
+                assert!(got.is_nan(), "{name}: Y[{t},{r}] outside rows was written");
+                continue;
+            }
+            let p: Vec<f64> = (0..k)
+                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
+                .collect();
+            close(
+                got,
+                p.iter().sum(),
+                p.iter().map(|v| v.abs()).sum(),
+                k,
+                &format!("{name} t{t} r{r}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn gemm_matches_reference() {
     let mut rng = Rng(0xfeed);
@@ -244,25 +274,7 @@ fn gemm_matches_reference() {
                     let range = (rows / 3)..rows;
                     let mut y = vec![f32::NAN; tokens * ldy];
                     g.run(w, x, tokens, &mut y, ldy, range.clone()).unwrap();
-                    for t in 0..tokens {
-                        for r in 0..ldy {
-                            let got = y[t * ldy + r];
-                            if !range.contains(&r) {
-                                assert!(got.is_nan(), "Y[{t},{r}] outside rows was written");
-                                continue;
-                            }
-                            let p: Vec<f64> = (0..k)
-                                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
-                                .collect();
-                            close(
-                                got,
-                                p.iter().sum(),
-                                p.iter().map(|v| v.abs()).sum(),
-                                k,
-                                &format!("{} t{t} r{r}", g.name),
-                            );
-                        }
-                    }
+                    check_gemm(&y, ldy, &range, (w, x, wt, k), g.name);
                 }
             }
         }
@@ -285,25 +297,7 @@ fn gemm_spans_several_panels() {
     let range = 3..rows;
     let mut y = vec![f32::NAN; tokens * ldy];
     g.run(&w, &x, tokens, &mut y, ldy, range.clone()).unwrap();
-    for t in 0..tokens {
-        for r in 0..ldy {
-            let got = y[t * ldy + r];
-            if !range.contains(&r) {
-                assert!(got.is_nan(), "Y[{t},{r}] outside rows was written");
-                continue;
-            }
-            let p: Vec<f64> = (0..k)
-                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
-                .collect();
-            close(
-                got,
-                p.iter().sum(),
-                p.iter().map(|v| v.abs()).sum(),
-                k,
-                &format!("t{t} r{r}"),
-            );
-        }
-    }
+    check_gemm(&y, ldy, &range, (&w, &x, wt, k), g.name);
 }
 
 fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {

@@ -5,7 +5,10 @@
 //! reads one dense run of rows.
 
 use super::reg::*;
-use super::{Asm, ExpRegs, LANES, cmp_imm8, count_mask, exp_ps, finish, hsum, lane_index, new_asm};
+use super::{
+    Asm, ExpRegs, LANES, cmp_imm8, count_mask, exp_ps, finish, hsum, lane_index, new_asm,
+    restore_callee_saved_and_return, save_callee_saved,
+};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -172,14 +175,9 @@ pub fn emit_wsum(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     let mut ops = new_asm();
     let done = ops.new_dynamic_label();
     let tile = ops.new_dynamic_label();
+    save_callee_saved(&mut ops);
     dynasm!(ops
         ; .arch x64
-        ; push rbx
-        ; push rbp
-        ; push r12
-        ; push r13
-        ; push r14
-        ; push r15
         ; shl rsi, 2
         ; test r9, r9
         ; jz =>done
@@ -270,14 +268,7 @@ pub fn emit_wsum(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; =>done
-        ; pop r15
-        ; pop r14
-        ; pop r13
-        ; pop r12
-        ; pop rbp
-        ; pop rbx
-        ; vzeroupper
-        ; ret
     );
+    restore_callee_saved_and_return(&mut ops);
     finish(ops, name)
 }

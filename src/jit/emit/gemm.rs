@@ -29,7 +29,10 @@
 //! r13/r14/r15 token pointers.
 
 use super::gemv::WeightType;
-use super::{Asm, LANES, cmp_imm8, count_mask, finish, lane_mask, new_asm, reduce4, reg::*};
+use super::{
+    Asm, LANES, cmp_imm8, count_mask, finish, lane_mask, new_asm, reduce4, reg::*,
+    restore_callee_saved_and_return, save_callee_saved,
+};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -127,14 +130,9 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let row_block = ops.new_dynamic_label();
     let kloop = ops.new_dynamic_label();
     let stored = ops.new_dynamic_label();
+    save_callee_saved(&mut ops);
     dynasm!(ops
         ; .arch x64
-        ; push rbx
-        ; push rbp
-        ; push r12
-        ; push r13
-        ; push r14
-        ; push r15
         ; push rcx
         ; mov rbp, r8
         ; cmp rcx, rbp
@@ -245,15 +243,8 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         ; =>done
         ; pop rcx
-        ; pop r15
-        ; pop r14
-        ; pop r13
-        ; pop r12
-        ; pop rbp
-        ; pop rbx
-        ; vzeroupper
-        ; ret
     );
+    restore_callee_saved_and_return(&mut ops);
     finish(ops, name)
 }
 

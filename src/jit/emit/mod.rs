@@ -53,6 +53,36 @@ pub fn add_rax(ops: &mut Asm, imm: i32) {
     }
 }
 
+/// Saves the six callee-saved registers a kernel with many pointers uses
+/// (rbx, rbp, r12..r15); pair with [`restore_callee_saved_and_return`].
+pub fn save_callee_saved(ops: &mut Asm) {
+    dynasm!(ops
+        ; .arch x64
+        ; push rbx
+        ; push rbp
+        ; push r12
+        ; push r13
+        ; push r14
+        ; push r15
+    );
+}
+
+/// Restores what [`save_callee_saved`] pushed, clears the upper ymm
+/// halves for SSE callers and returns.
+pub fn restore_callee_saved_and_return(ops: &mut Asm) {
+    dynasm!(ops
+        ; .arch x64
+        ; pop r15
+        ; pop r14
+        ; pop r13
+        ; pop r12
+        ; pop rbp
+        ; pop rbx
+        ; vzeroupper
+        ; ret
+    );
+}
+
 /// Backward conditional jump to `label` defined at `top`: the 2-byte short
 /// form when it reaches, else the 6-byte near form.
 #[macro_export]
