@@ -194,3 +194,49 @@ impl MatKernels for PortableKernels {
         "portable".into()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block<'a>(keys: &'a [f32], first_key: usize, window: Option<usize>) -> GroupAttention<'a> {
+        GroupAttention {
+            queries: &[],
+            head_dim: 1,
+            rows_per_token: 2,
+            first_query: 10,
+            keys,
+            values: keys,
+            first_key,
+            window,
+            softcap: None,
+        }
+    }
+
+    #[test]
+    fn visible_keys_are_causal_and_windowed() {
+        let keys = [0.0f32; 8];
+        // Keys at positions 5..=12; queries at 10, 10, 11, 11, 12, 12.
+        let causal = block(&keys, 5, None);
+        assert_eq!(causal.visible(0), 0..6);
+        assert_eq!(causal.visible(1), 0..6);
+        assert_eq!(causal.visible(2), 0..7);
+        assert_eq!(causal.visible(5), 0..8);
+        // A window of 4: position 12 sees 9..=12.
+        let windowed = block(&keys, 5, Some(4));
+        assert_eq!(windowed.visible(0), 2..6);
+        assert_eq!(windowed.visible(4), 4..8);
+    }
+
+    #[test]
+    fn probabilities_are_zero_outside_and_sum_to_one_inside() {
+        let keys = [0.0f32; 8];
+        let a = block(&keys, 5, Some(4));
+        let mut row = [3.0f32, 1.0, 2.0, 0.5, 1.5, 2.5, 9.0, 9.0];
+        a.probabilities(1, &mut row, ops::softmax);
+        assert_eq!(&row[..2], &[0.0, 0.0]);
+        assert_eq!(&row[6..], &[0.0, 0.0]);
+        assert!((row[2..6].iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(row[2..6].iter().all(|&p| p > 0.0));
+    }
+}
