@@ -291,9 +291,25 @@ impl FastEngine {
         let mut act = vec![0.0f32; n * c.intermediate];
 
         // RoPE angles depend only on the position and the layer's (base,
-        // scale), of which a model has one or two: computed once per chunk.
+        // scale), of which a model has one or two: one table per distinct
+        // pair, per chunk, and each layer's index into them.
         type Angles = Vec<(Vec<f32>, Vec<f32>)>;
-        let mut rope_tables: Vec<((u32, u32), Angles)> = Vec::new();
+        let mut rope_tables: Vec<((f32, f32), Angles)> = Vec::new();
+        let rope_table_of: Vec<usize> = c
+            .layers
+            .iter()
+            .map(|l| {
+                let key = (l.rope_base, l.rope_scale);
+                let existing = rope_tables.iter().position(|(k, _)| *k == key);
+                existing.unwrap_or_else(|| {
+                    let angles = (start..start + n)
+                        .map(|pos| ops::rope_angles(pos, hd, key.0, key.1))
+                        .collect();
+                    rope_tables.push((key, angles));
+                    rope_tables.len() - 1
+                })
+            })
+            .collect();
         for li in 0..c.n_layers() {
             let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
             let kern = &*self.kernels;
@@ -304,19 +320,7 @@ impl FastEngine {
                 (&w.v, &normed, &mut v[..]),
             ]);
 
-            let layer = c.layers[li];
-            let key = (layer.rope_base.to_bits(), layer.rope_scale.to_bits());
-            if !rope_tables.iter().any(|(k, _)| *k == key) {
-                let angles = (start..start + n)
-                    .map(|pos| ops::rope_angles(pos, hd, layer.rope_base, layer.rope_scale))
-                    .collect();
-                rope_tables.push((key, angles));
-            }
-            let angles = &rope_tables
-                .iter()
-                .find(|(k, _)| *k == key)
-                .expect("just added")
-                .1;
+            let angles = &rope_tables[rope_table_of[li]].1;
             self.prepare_queries_keys(li, angles, &mut q, &mut k);
             for t in 0..n {
                 for head in 0..c.n_kv_heads {

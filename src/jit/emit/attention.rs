@@ -6,8 +6,8 @@
 
 use super::reg::*;
 use super::{
-    Asm, ExpRegs, LANES, cmp_imm8, count_mask, exp_ps, finish, hsum, lane_index, new_asm,
-    restore_callee_saved_and_return, save_callee_saved,
+    Asm, ExpRegs, LANES, alias_missing, cmp_imm8, count_mask, exp_ps, finish, hsum, lane_index,
+    new_asm, restore_callee_saved_and_return, save_callee_saved,
 };
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -188,11 +188,7 @@ pub fn emit_wsum(head_dim: usize, name: &str) -> anyhow::Result<Vec<u8>> {
         let (prev, cur) = (WSUM_P_PTRS[i - 1], WSUM_P_PTRS[i]);
         dynasm!(ops ; .arch x64 ; lea Rq(cur), [Rq(prev) + rsi]);
     }
-    // Missing queries read the first one's row (in bounds); never stored.
-    for (i, &pr) in WSUM_P_PTRS.iter().enumerate().skip(1) {
-        cmp_imm8(&mut ops, R9, (i + 1) as i8);
-        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
-    }
+    alias_missing(&mut ops, &WSUM_P_PTRS, R9);
     dynasm!(ops ; .arch x64 ; xor ebp, ebp);
     // One block of `nv` vectors (8 dims each) of every query in the tile.
     let block = |ops: &mut Asm, nv: usize| {

@@ -30,7 +30,7 @@
 
 use super::gemv::WeightType;
 use super::{
-    Asm, LANES, cmp_imm8, count_mask, finish, lane_mask, new_asm, reduce4, reg::*,
+    Asm, LANES, alias_missing, count_mask, finish, lane_mask, new_asm, reduce4, reg::*,
     restore_callee_saved_and_return, save_callee_saved,
 };
 use crate::jback;
@@ -153,9 +153,8 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
     );
     for (j, &tp) in TOK_PTRS.iter().enumerate().skip(1) {
         dynasm!(ops ; .arch x64 ; lea Rq(tp), [r13 + xstride * j as i32]);
-        cmp_imm8(&mut ops, RAX, (j + 1) as i8);
-        dynasm!(ops ; .arch x64 ; cmovb Rq(tp), r13);
     }
+    alias_missing(&mut ops, &TOK_PTRS, RAX);
     dynasm!(ops ; .arch x64 ; mov rcx, [rsp]);
     let row_top = ops.offset();
     dynasm!(ops
@@ -168,9 +167,8 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
     );
     for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
         dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
-        cmp_imm8(&mut ops, RAX, (i + 1) as i8);
-        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), rbx);
     }
+    alias_missing(&mut ops, &ROW_PTRS, RAX);
     zero_accumulators(&mut ops);
     dynasm!(ops ; .arch x64 ; mov rax, -((kmain * eb) as i32));
     let top = ops.offset();

@@ -14,8 +14,8 @@
 //! ymm12 weights, ymm13 lane indices, ymm15 tail mask.
 
 use super::{
-    Asm, LANES, add_rax, cmp_imm8, count_mask, finish, lane_index, lane_mask, new_asm, reduce4,
-    reg::*,
+    Asm, LANES, add_rax, alias_missing, count_mask, finish, lane_index, lane_mask, new_asm,
+    reduce4, reg::*,
 };
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -183,9 +183,8 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     // Rows past the end alias row 0 of the block: reads stay in bounds.
     for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
         dynasm!(ops ; .arch x64 ; lea Rq(pr), [r9 + stride_b * i as i32]);
-        cmp_imm8(&mut ops, R12, (i + 1) as i8);
-        dynasm!(ops ; .arch x64 ; cmovb Rq(pr), r9);
     }
+    alias_missing(&mut ops, &ROW_PTRS, R12);
     for a in 0..(ROWS * accs_per_row) as u8 {
         dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
     }

@@ -53,6 +53,16 @@ pub fn add_rax(ops: &mut Asm, imm: i32) {
     }
 }
 
+/// Makes a partial tile read in bounds: every pointer of `ptrs[1..]` at or
+/// past `count` (a register holding how many rows of the tile are real) is
+/// pointed back at `ptrs[0]`; what it then loads is never stored.
+pub fn alias_missing(ops: &mut Asm, ptrs: &[u8], count: u8) {
+    for (i, &p) in ptrs.iter().enumerate().skip(1) {
+        cmp_imm8(ops, count, (i + 1) as i8);
+        dynasm!(ops ; .arch x64 ; cmovb Rq(p), Rq(ptrs[0]));
+    }
+}
+
 /// Saves the six callee-saved registers a kernel with many pointers uses
 /// (rbx, rbp, r12..r15); pair with [`restore_callee_saved_and_return`].
 pub fn save_callee_saved(ops: &mut Asm) {
