@@ -159,8 +159,9 @@ struct GenerationCli {
     /// Worker threads, the caller included.
     #[arg(long, default_value_t = default_threads())]
     threads: usize,
-    /// Use 16-bit weights in place from the mapped file instead of copying
-    /// them into huge-page memory (loads faster; decodes slower here).
+    /// Use the weights of a `pulsar convert` file in place from the mapped
+    /// file instead of copying them into huge-page memory (loads faster;
+    /// decodes slower here). Other files are copied as usual.
     #[arg(long)]
     mmap: bool,
 }
@@ -283,8 +284,8 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// Use 16-bit weights in place from the mapped file instead of
-        /// copying them into huge-page memory.
+        /// Use the weights of a `pulsar convert` file in place from the
+        /// mapped file instead of copying them into huge-page memory.
         #[arg(long)]
         mmap: bool,
     },

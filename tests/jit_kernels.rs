@@ -7,6 +7,7 @@ use pulsar::jit::emit::gemm::GemmParams;
 use pulsar::jit::emit::gemv::{GemvParams, WeightType};
 use pulsar::jit::kernels::KernelSet;
 use pulsar::jit::plan::KernelKind;
+use pulsar::model::row_blocks;
 
 const EPS: f64 = f32::EPSILON as f64;
 
@@ -82,15 +83,7 @@ fn gemv_matches_reference() {
         for unroll in [1usize, 2, 4] {
             let kinds: Vec<KernelKind> = ks
                 .iter()
-                .map(|&k| {
-                    KernelKind::Gemv(GemvParams {
-                        wt,
-                        k,
-                        row_stride: k,
-                        unroll,
-                        prefetch: 0,
-                    })
-                })
+                .map(|&k| KernelKind::Gemv(GemvParams { wt, k, unroll }))
                 .collect();
             let s = set(&kinds);
             for &k in &ks {
@@ -98,16 +91,16 @@ fn gemv_matches_reference() {
                 for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
                     // One extra element in front makes pointers misaligned.
                     for misalign in [0usize, 1] {
-                        let wbuf: Vec<u16> = (0..rows * k + misalign)
-                            .map(|_| to_u16(wt, rng.f()))
-                            .collect();
+                        let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+                        let wbuf = blocked(&w, rows, k, misalign);
                         let xbuf = rng.vec(k + misalign, 2.0);
-                        let w = &wbuf[misalign..];
                         let x = &xbuf[misalign..];
-                        for range in [0..rows, (rows / 2)..rows, 0..(rows - rows / 3)] {
+                        // Ranges start on 4-row blocks.
+                        for range in [0..rows, ((rows / 2) & !3)..rows, 0..(rows - rows / 3)] {
                             let mut ybuf = vec![f32::NAN; rows + misalign];
                             let y = &mut ybuf[misalign..];
-                            g.run(w, x, y, range.clone()).expect("shape ok");
+                            g.run(&wbuf[misalign..], x, y, range.clone())
+                                .expect("shape ok");
                             for r in 0..rows {
                                 if !range.contains(&r) {
                                     assert!(y[r].is_nan(), "row {r} outside {range:?} was written");
@@ -139,16 +132,11 @@ fn gemv_matches_reference() {
 fn gemv_rows_split_across_threads_match_one_call() {
     use pulsar::jit::plan::split_rows;
     let (wt, k, rows) = (WeightType::Bf16, 203usize, 61usize);
-    let s = set(&[KernelKind::Gemv(GemvParams {
-        wt,
-        k,
-        row_stride: k,
-        unroll: 2,
-        prefetch: 0,
-    })]);
+    let s = set(&[KernelKind::Gemv(GemvParams { wt, k, unroll: 2 })]);
     let g = s.gemv(wt, k).unwrap();
     let mut rng = Rng(4242);
     let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+    let w = blocked(&w, rows, k, 0);
     let x = rng.vec(k, 1.0);
     let mut whole = vec![0f32; rows];
     g.run(&w, &x, &mut whole, 0..rows).unwrap();
@@ -174,9 +162,7 @@ fn gemv_rejects_bad_shapes() {
     let s = set(&[KernelKind::Gemv(GemvParams {
         wt: WeightType::F16,
         k: 16,
-        row_stride: 16,
         unroll: 1,
-        prefetch: 0,
     })]);
     let g = s.gemv(WeightType::F16, 16).unwrap();
     let w = vec![0u16; 16 * 4];
@@ -184,40 +170,17 @@ fn gemv_rejects_bad_shapes() {
     assert!(g.run(&w, &[0.0; 15], &mut y, 0..4).is_err());
     assert!(g.run(&w, &[0.0; 16], &mut y, 0..5).is_err());
     assert!(g.run(&w[..63], &[0.0; 16], &mut y, 0..4).is_err());
+    // A range must start on a 4-row block.
+    assert!(g.run(&w, &[0.0; 16], &mut y, 1..4).is_err());
     assert!(g.run(&w, &[0.0; 16], &mut y, 0..4).is_ok());
 }
 
-#[test]
-fn gemv_with_prefetch_matches() {
-    let k = 77;
-    let s = set(&[KernelKind::Gemv(GemvParams {
-        wt: WeightType::F16,
-        k,
-        row_stride: k,
-        unroll: 2,
-        prefetch: 256,
-    })]);
-    let g = s.gemv(WeightType::F16, k).unwrap();
-    let mut rng = Rng(99);
-    let rows = 6;
-    let w: Vec<u16> = (0..rows * k)
-        .map(|_| to_u16(WeightType::F16, rng.f()))
-        .collect();
-    let x = rng.vec(k, 1.0);
-    let mut y = vec![0f32; rows];
-    g.run(&w, &x, &mut y, 0..rows).unwrap();
-    for r in 0..rows {
-        let p: Vec<f64> = (0..k)
-            .map(|i| from_u16(WeightType::F16, w[r * k + i]) * x[i] as f64)
-            .collect();
-        close(
-            y[r],
-            p.iter().sum(),
-            p.iter().map(|v| v.abs()).sum(),
-            k,
-            "prefetch",
-        );
-    }
+/// A row-major matrix in the kernels' row-block layout, after `misalign`
+/// leading values.
+fn blocked(w: &[u16], rows: usize, k: usize, misalign: usize) -> Vec<u16> {
+    let mut out = vec![0u16; misalign];
+    out.extend(row_blocks::from_row_major(w, rows, k));
+    out
 }
 
 /// Checks `Y[t*ldy + r] = W[r] . x[t]` for r in `rows` against float64 and
@@ -265,16 +228,16 @@ fn gemm_matches_reference() {
             for rows in [1usize, 3, 4, 6, 9] {
                 for tokens in [1usize, 2, 3, 4, 5, 6, 7, 12, 13] {
                     let misalign = (rows + tokens) % 2;
-                    let wbuf: Vec<u16> = (0..rows * k + misalign)
-                        .map(|_| to_u16(wt, rng.f()))
-                        .collect();
+                    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+                    let wbuf = blocked(&w, rows, k, misalign);
                     let xbuf = rng.vec(tokens * k + misalign, 1.5);
-                    let (w, x) = (&wbuf[misalign..], &xbuf[misalign..]);
+                    let x = &xbuf[misalign..];
                     let ldy = rows + 3;
-                    let range = (rows / 3)..rows;
+                    let range = ((rows / 2) & !3)..rows;
                     let mut y = vec![f32::NAN; tokens * ldy];
-                    g.run(w, x, tokens, &mut y, ldy, range.clone()).unwrap();
-                    check_gemm(&y, ldy, &range, (w, x, wt, k), g.name);
+                    g.run(&wbuf[misalign..], x, tokens, &mut y, ldy, range.clone())
+                        .unwrap();
+                    check_gemm(&y, ldy, &range, (&w, x, wt, k), g.name);
                 }
             }
         }
@@ -294,9 +257,17 @@ fn gemm_spans_several_panels() {
     let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
     let x = rng.vec(tokens * k, 1.0);
     let ldy = rows + 1;
-    let range = 3..rows;
+    let range = 4..rows;
     let mut y = vec![f32::NAN; tokens * ldy];
-    g.run(&w, &x, tokens, &mut y, ldy, range.clone()).unwrap();
+    g.run(
+        &blocked(&w, rows, k, 0),
+        &x,
+        tokens,
+        &mut y,
+        ldy,
+        range.clone(),
+    )
+    .unwrap();
     check_gemm(&y, ldy, &range, (&w, &x, wt, k), g.name);
 }
 
@@ -528,7 +499,8 @@ fn planned_kernels_match_reference() {
                     let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
                     let x = rng.vec(g.k, 1.0);
                     let mut y = vec![0f32; rows];
-                    gemv.run(&w, &x, &mut y, 0..rows).unwrap();
+                    gemv.run(&blocked(&w, rows, g.k, 0), &x, &mut y, 0..rows)
+                        .unwrap();
                     for r in 0..rows {
                         let t: Vec<f64> = (0..g.k)
                             .map(|i| from_u16(g.wt, w[r * g.k + i]) * x[i] as f64)
@@ -548,7 +520,15 @@ fn planned_kernels_match_reference() {
                     let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
                     let x = rng.vec(tokens * g.k, 1.0);
                     let mut y = vec![0f32; tokens * rows];
-                    gemm.run(&w, &x, tokens, &mut y, rows, 0..rows).unwrap();
+                    gemm.run(
+                        &blocked(&w, rows, g.k, 0),
+                        &x,
+                        tokens,
+                        &mut y,
+                        rows,
+                        0..rows,
+                    )
+                    .unwrap();
                     for t in 0..tokens {
                         for r in 0..rows {
                             let v: Vec<f64> = (0..g.k)

@@ -1,7 +1,9 @@
 //! `pulsar convert`: writes a model in exactly the fast engine's layout —
-//! a GGUF v3 file whose matrices are row-major FP16 (or BF16) and whose
-//! norms are f32 final multipliers — so that it later loads zero-copy with
-//! mmap. Metadata GGUF has no key for (query_pre_attn_scalar, the local
+//! a GGUF v3 file whose matrices are FP16 (or BF16) in the kernels' row
+//! blocks and whose norms are f32 final multipliers — so that it later
+//! loads zero-copy with mmap. The row-block matrices (padding included)
+//! have a Pulsar-private GGML type (`F16_R4X8`, `BF16_R4X8`), so other GGUF
+//! readers refuse the file rather than misread it. Metadata GGUF has no key for (query_pre_attn_scalar, the local
 //! RoPE base, which layers are global) goes under `pulsar.*` keys.
 
 use crate::engine::packed::{PackedMatrix, WeightFormat};
@@ -10,6 +12,7 @@ use crate::model::dequant;
 use crate::model::dtype::DType;
 use crate::model::gguf::Value;
 use crate::model::gguf_write::{GgufWriter, RawTensor};
+use crate::model::row_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role, gguf_name};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -163,7 +166,10 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
         let (dtype, bytes) = if p.norm {
             (DType::F32, p.shape.iter().product::<usize>() * 4)
         } else {
-            (format.dtype(), p.shape.iter().product::<usize>() * 2)
+            (
+                format.row_blocked_dtype(),
+                row_blocks::padded_len(p.shape[0], p.shape[1]) * 2,
+            )
         };
         offset = offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
         w.add_raw_tensor(RawTensor {

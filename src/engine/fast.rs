@@ -5,7 +5,7 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
-use super::kernels::{GroupAttention, MatKernels, SharedOut};
+use super::kernels::{GroupAttention, MatKernels, SharedOut, merge_key_parts};
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
@@ -41,6 +41,10 @@ pub struct FastEngine {
 /// the heads sharing a KV head) share every K and V row they read, and the
 /// causal triangle computed and then masked inside a block stays small.
 const ATTENTION_TOKEN_BLOCK: usize = 16;
+
+/// Fewest keys per part when one decode token's keys are split between
+/// threads (see `decode_attention`); below it the query heads are split.
+const MIN_KEYS_PER_PART: usize = 4;
 
 /// Preallocated f32 keys and values: `[layer][kv_head][position][head_dim]`,
 /// so that one KV head's positions are a dense run of rows.
@@ -89,16 +93,17 @@ impl FastEngine {
         let c = &src.config;
         // One arena for every matrix that needs converting.
         let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let per_layer = [q * c.hidden, kv * c.hidden, kv * c.hidden, c.hidden * q]
+        let per_layer = [(q, c.hidden), (kv, c.hidden), (kv, c.hidden), (c.hidden, q)]
             .into_iter()
-            .chain([c.intermediate * c.hidden; 3])
-            .map(WeightArena::footprint)
+            .chain([(c.intermediate, c.hidden), (c.intermediate, c.hidden)])
+            .chain([(c.hidden, c.intermediate)])
+            .map(|(rows, cols)| WeightArena::footprint(rows, cols))
             .sum::<usize>();
         let arena = WeightArena::new(
-            per_layer * c.n_layers() + WeightArena::footprint(c.vocab_size * c.hidden),
+            per_layer * c.n_layers() + WeightArena::footprint(c.vocab_size, c.hidden),
         );
         let weights = ModelWeights::load(src, |_, t| {
-            if opts.in_place && t.dtype == format.dtype() {
+            if opts.in_place && t.dtype == format.row_blocked_dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
                 Ok(PackedMatrix::convert_into(&t, format, &arena))
@@ -410,6 +415,13 @@ impl FastEngine {
         let window = c.layers[li].window;
         let (keys, values) = (&self.kv.keys[li], &self.kv.values[li]);
         let threads = self.pool.threads();
+        if n == 1 {
+            let first_key = window.map_or(0, |w| (start + 1).saturating_sub(w));
+            let parts = threads.min((start + 1 - first_key) / MIN_KEYS_PER_PART);
+            if parts > 1 {
+                return self.decode_attention(li, start, q, out, parts);
+            }
+        }
         let token_block = if n == 1 { 1 } else { ATTENTION_TOKEN_BLOCK };
         let blocks = n.div_ceil(token_block);
         let head_parts = if blocks * c.n_kv_heads >= threads {
@@ -471,7 +483,7 @@ impl FastEngine {
                     softcap: c.attn_softcap,
                 };
                 result.resize(queries.len(), 0.0);
-                kern.attend(&block_attention, &mut scratch, &mut result);
+                kern.attend(&block_attention, &mut scratch, &mut result, None);
                 for (i, row) in result.chunks_exact(hd).enumerate() {
                     let (t, h) = (t0 + i / (h1 - h0), h0 + i % (h1 - h0));
                     let col = (kv_head * group + h) * hd;
@@ -480,6 +492,73 @@ impl FastEngine {
                 }
             }
         });
+    }
+
+    /// Attention of one token at `pos` with the keys split into `parts`:
+    /// each unit is a KV head and a part of its keys, for all the query
+    /// heads sharing that KV head. Splitting the query heads instead would
+    /// have every thread read all of the head's keys and values; here each
+    /// is read once. The parts' results are merged by their softmax mass.
+    fn decode_attention(&self, li: usize, pos: usize, q: &[f32], out: &mut [f32], parts: usize) {
+        let c = &self.config;
+        let (hd, group) = (c.head_dim, c.n_heads / c.n_kv_heads);
+        let window = c.layers[li].window;
+        let (keys, values) = (&self.kv.keys[li], &self.kv.values[li]);
+        let first_key = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let n_keys = pos + 1 - first_key;
+        let part_keys = |part: usize| first_key + n_keys * part / parts;
+        // Unit u = part * n_kv_heads + kv_head owns rows u*group.. of both.
+        let units = c.n_kv_heads * parts;
+        let mut partial = vec![0.0f32; units * group * hd];
+        let mut log_sums = vec![0.0f32; units * group];
+        let (partial_out, log_sums_out) = (
+            SharedOut::new(&mut partial, group * hd),
+            SharedOut::new(&mut log_sums, group),
+        );
+        let next = AtomicUsize::new(0);
+        let kern = &*self.kernels;
+        self.pool.run(|_| {
+            let mut scratch = Vec::with_capacity(group * n_keys.div_ceil(parts));
+            loop {
+                let unit = next.fetch_add(1, Ordering::Relaxed);
+                if unit >= units {
+                    break;
+                }
+                let (kv_head, part) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
+                let (k0, k1) = (part_keys(part), part_keys(part + 1));
+                let (lo, hi) = (self.kv.at(kv_head, k0, hd), self.kv.at(kv_head, k1, hd));
+                let a = GroupAttention {
+                    queries: &q[kv_head * group * hd..(kv_head + 1) * group * hd],
+                    head_dim: hd,
+                    rows_per_token: group,
+                    first_query: pos,
+                    keys: &keys[lo..hi],
+                    values: &values[lo..hi],
+                    first_key: k0,
+                    window,
+                    softcap: c.attn_softcap,
+                };
+                // SAFETY: row `unit` of both outputs belongs to this unit.
+                let (o, l) = unsafe {
+                    (
+                        partial_out.rows_mut(unit..unit + 1),
+                        log_sums_out.rows_mut(unit..unit + 1),
+                    )
+                };
+                kern.attend(&a, &mut scratch, o, Some(l));
+            }
+        });
+        for kv_head in 0..c.n_kv_heads {
+            let unit_rows = |p: usize| p * c.n_kv_heads + kv_head;
+            let part_out: Vec<&[f32]> = (0..parts)
+                .map(|p| &partial[unit_rows(p) * group * hd..(unit_rows(p) + 1) * group * hd])
+                .collect();
+            let part_sums: Vec<&[f32]> = (0..parts)
+                .map(|p| &log_sums[unit_rows(p) * group..(unit_rows(p) + 1) * group])
+                .collect();
+            let heads = kv_head * group * hd..(kv_head + 1) * group * hd;
+            merge_key_parts(&part_out, &part_sums, hd, &mut out[heads]);
+        }
     }
 
     /// GeGLU of `n` token rows, split over the pool when there are several.

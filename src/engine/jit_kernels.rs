@@ -130,14 +130,20 @@ impl MatKernels for JitKernels {
         }
     }
 
-    fn attend(&self, a: &GroupAttention<'_>, scratch: &mut Vec<f32>, out: &mut [f32]) {
+    fn attend(
+        &self,
+        a: &GroupAttention<'_>,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+        mut log_sums: Option<&mut [f32]>,
+    ) {
         let hd = a.head_dim;
         let (Some(scores), Some(softmax), Some(wsum)) = (
             self.set.attn_scores(hd),
             self.set.softmax(),
             self.set.attn_wsum(hd),
         ) else {
-            return PortableKernels.attend(a, scratch, out);
+            return PortableKernels.attend(a, scratch, out, log_sums);
         };
         // One GEMM for the whole block's scores, then each row masked and
         // normalised, then one pass over V shared by every row.
@@ -156,7 +162,8 @@ impl MatKernels for JitKernels {
             .run(a.keys, a.queries, scratch)
             .expect("attention scores sized by the engine");
         for (i, row) in scratch.chunks_exact_mut(n_keys).enumerate() {
-            a.probabilities(i, row, |p| softmax.run(p));
+            let log_sum = log_sums.as_deref_mut().map(|l| &mut l[i]);
+            a.probabilities(i, row, |p| softmax.run(p), log_sum);
         }
         wsum.run(scratch, n_keys, a.values, out)
             .expect("attention sum sized by the engine");

@@ -66,7 +66,7 @@ impl SharedOut {
 
 /// A block of query rows that share one KV head, over a run of that head's
 /// cached positions. Query row i belongs to the token at position
-/// `first_query + i / rows_per_token` and sees the keys up to its own
+/// `first_query + i / rows_per_token` and sees the given keys up to its own
 /// position (and, with a window, only the last `window` of them).
 #[derive(Clone, Copy)]
 pub struct GroupAttention<'a> {
@@ -75,8 +75,9 @@ pub struct GroupAttention<'a> {
     pub head_dim: usize,
     pub rows_per_token: usize,
     pub first_query: usize,
-    /// Contiguous rows of `head_dim` for positions `first_key..=` the last
-    /// query's position.
+    /// Contiguous rows of `head_dim` for positions from `first_key` on, up
+    /// to the last query's position or fewer (a part of the keys, whose
+    /// results are merged with [`merge_key_parts`]).
     pub keys: &'a [f32],
     pub values: &'a [f32],
     pub first_key: usize,
@@ -100,12 +101,21 @@ impl GroupAttention<'_> {
             .window
             .map_or(0, |w| (pos + 1).saturating_sub(w))
             .max(self.first_key);
-        (lo - self.first_key)..(pos + 1 - self.first_key)
+        let end = (pos + 1 - self.first_key).min(self.n_keys());
+        (lo - self.first_key).min(end)..end
     }
 
     /// Turns row `i`'s raw scores (one per key) into probabilities: zero
-    /// for keys it may not see, softcap and `softmax` over the rest.
-    pub fn probabilities(&self, i: usize, row: &mut [f32], softmax: impl Fn(&mut [f32])) {
+    /// for keys it may not see, softcap and `softmax` over the rest. With
+    /// `log_sum`, also stores ln(sum(exp(score))) over the keys seen, which
+    /// weighs this part of the keys against the others when merged.
+    pub fn probabilities(
+        &self,
+        i: usize,
+        row: &mut [f32],
+        softmax: impl Fn(&mut [f32]),
+        log_sum: Option<&mut f32>,
+    ) {
         let vis = self.visible(i);
         row[..vis.start].fill(0.0);
         row[vis.end..].fill(0.0);
@@ -113,7 +123,33 @@ impl GroupAttention<'_> {
         if let Some(cap) = self.softcap {
             seen.iter_mut().for_each(|s| *s = ops::softcap(*s, cap));
         }
+        if let Some(out) = log_sum {
+            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let sum: f32 = seen.iter().map(|&s| (s - max).exp()).sum();
+            *out = max + sum.ln();
+        }
         softmax(seen);
+    }
+}
+
+/// Merges attention computed over separate parts of the keys: `parts[p]`
+/// holds part p's normalised output rows (`head_dim` each) and
+/// `log_sums[p]` their ln(sum(exp(score))). Each part's rows are weighed
+/// by its share of the total exponential mass.
+pub fn merge_key_parts(parts: &[&[f32]], log_sums: &[&[f32]], head_dim: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    for (row, o) in out.chunks_exact_mut(head_dim).enumerate() {
+        let max = log_sums
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, l| m.max(l[row]));
+        let total: f32 = log_sums.iter().map(|l| (l[row] - max).exp()).sum();
+        for (part, l) in parts.iter().zip(log_sums) {
+            let weight = (l[row] - max).exp() / total;
+            let src = &part[row * head_dim..(row + 1) * head_dim];
+            for (o, &v) in o.iter_mut().zip(src) {
+                *o += weight * v;
+            }
+        }
     }
 }
 
@@ -150,8 +186,16 @@ pub trait MatKernels: Sync {
     }
 
     /// Attention of every query row of `a` into `out` (`[nq][head_dim]`);
-    /// `scratch` holds the scores and is reused across calls.
-    fn attend(&self, a: &GroupAttention<'_>, scratch: &mut Vec<f32>, out: &mut [f32]) {
+    /// `scratch` holds the scores and is reused across calls. With
+    /// `log_sums`, each row's ln(sum(exp(score))) goes there too (see
+    /// [`GroupAttention::probabilities`]).
+    fn attend(
+        &self,
+        a: &GroupAttention<'_>,
+        scratch: &mut Vec<f32>,
+        out: &mut [f32],
+        mut log_sums: Option<&mut [f32]>,
+    ) {
         let (hd, n_keys) = (a.head_dim, a.n_keys());
         scratch.resize(n_keys, 0.0);
         for (i, (q, o)) in a
@@ -163,7 +207,8 @@ pub trait MatKernels: Sync {
             for (j, s) in scratch.iter_mut().enumerate() {
                 *s = dot(q, &a.keys[j * hd..(j + 1) * hd]);
             }
-            a.probabilities(i, scratch, ops::softmax);
+            let log_sum = log_sums.as_deref_mut().map(|l| &mut l[i]);
+            a.probabilities(i, scratch, ops::softmax, log_sum);
             o.fill(0.0);
             for (j, &w) in scratch.iter().enumerate() {
                 for (o, &v) in o.iter_mut().zip(&a.values[j * hd..(j + 1) * hd]) {
@@ -233,10 +278,61 @@ mod tests {
         let keys = [0.0f32; 8];
         let a = block(&keys, 5, Some(4));
         let mut row = [3.0f32, 1.0, 2.0, 0.5, 1.5, 2.5, 9.0, 9.0];
-        a.probabilities(1, &mut row, ops::softmax);
+        a.probabilities(1, &mut row, ops::softmax, None);
         assert_eq!(&row[..2], &[0.0, 0.0]);
         assert_eq!(&row[6..], &[0.0, 0.0]);
         assert!((row[2..6].iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(row[2..6].iter().all(|&p| p > 0.0));
+    }
+
+    #[test]
+    fn a_part_of_the_keys_is_all_a_query_sees() {
+        let keys = [0.0f32; 3];
+        // Keys at 5..=7 only, while the queries sit at 10 and 11.
+        let part = block(&keys, 5, None);
+        assert_eq!(part.visible(0), 0..3);
+        assert_eq!(part.visible(3), 0..3);
+        // A window that starts past the part leaves nothing to see.
+        assert!(block(&keys, 5, Some(2)).visible(0).is_empty());
+    }
+
+    #[test]
+    fn merged_key_parts_equal_attention_over_all_keys() {
+        let hd = 4;
+        let mut seed = 7u32;
+        let mut rand = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        // Two query rows (heads) of one token at position 10; keys 0..=10.
+        let queries: Vec<f32> = (0..2 * hd).map(|_| 3.0 * rand()).collect();
+        let keys: Vec<f32> = (0..11 * hd).map(|_| rand()).collect();
+        let values: Vec<f32> = (0..11 * hd).map(|_| rand()).collect();
+        for (window, softcap) in [(None, None), (Some(9), Some(5.0))] {
+            let first = window.map_or(0, |w: usize| 11 - w);
+            let over = |k0: usize, k1: usize| GroupAttention {
+                queries: &queries,
+                head_dim: hd,
+                rows_per_token: 2,
+                first_query: 10,
+                keys: &keys[k0 * hd..k1 * hd],
+                values: &values[k0 * hd..k1 * hd],
+                first_key: k0,
+                window,
+                softcap,
+            };
+            let mut scratch = Vec::new();
+            let mut whole = vec![0.0; 2 * hd];
+            PortableKernels.attend(&over(first, 11), &mut scratch, &mut whole, None);
+            let (mut a, mut b) = (vec![0.0; 2 * hd], vec![0.0; 2 * hd]);
+            let (mut la, mut lb) = (vec![0.0; 2], vec![0.0; 2]);
+            PortableKernels.attend(&over(first, 6), &mut scratch, &mut a, Some(&mut la));
+            PortableKernels.attend(&over(6, 11), &mut scratch, &mut b, Some(&mut lb));
+            let mut merged = vec![0.0; 2 * hd];
+            merge_key_parts(&[&a, &b], &[&la, &lb], hd, &mut merged);
+            for (m, w) in merged.iter().zip(&whole) {
+                assert!((m - w).abs() < 1e-5, "{merged:?} vs {whole:?}");
+            }
+        }
     }
 }

@@ -1,9 +1,11 @@
-//! Weight matrices in the kernels' layout: row-major 16-bit floats, FP16 or
-//! BF16, either owned (converted at load) or borrowed zero-copy from a
-//! memory-mapped file that already stores them that way.
+//! Weight matrices in the kernels' layout: 16-bit floats, FP16 or BF16, in
+//! row blocks (`model::row_blocks`), either owned (converted at load) or
+//! borrowed zero-copy from a memory-mapped file that already stores them
+//! that way (written by `pulsar convert`).
 
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
+use crate::model::row_blocks;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use memmap2::MmapMut;
@@ -31,11 +33,19 @@ impl WeightFormat {
         }
     }
 
+    /// The file type of matrices already in this format and layout.
+    pub fn row_blocked_dtype(self) -> DType {
+        match self {
+            WeightFormat::F16 => DType::F16RowBlocks,
+            WeightFormat::BF16 => DType::BF16RowBlocks,
+        }
+    }
+
     /// The format a tensor of `dtype` is packed to by default: BF16 stays
     /// BF16 (lossless); everything else becomes FP16.
     pub fn default_for(dtype: DType) -> WeightFormat {
         match dtype {
-            DType::BF16 => WeightFormat::BF16,
+            DType::BF16 | DType::BF16RowBlocks => WeightFormat::BF16,
             _ => WeightFormat::F16,
         }
     }
@@ -126,16 +136,16 @@ impl WeightArena {
         })
     }
 
-    /// Bytes a matrix of `len` 16-bit values takes in the arena.
-    pub fn footprint(len: usize) -> usize {
-        (len * 2).next_multiple_of(64)
+    /// Bytes a `rows x cols` matrix takes in the arena.
+    pub fn footprint(rows: usize, cols: usize) -> usize {
+        (row_blocks::padded_len(rows, cols) * 2).next_multiple_of(64)
     }
 
-    /// A fresh, zeroed region for `len` values, 64-byte aligned.
-    fn alloc(&self, len: usize) -> *mut u16 {
+    /// A fresh, zeroed region for a `rows x cols` matrix, 64-byte aligned.
+    fn alloc(&self, rows: usize, cols: usize) -> *mut u16 {
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         let at = *next;
-        let size = Self::footprint(len);
+        let size = Self::footprint(rows, cols);
         assert!(at + size <= self.capacity, "weight arena sized too small");
         *next += size;
         // SAFETY: inside the map; each region is handed out once, and the
@@ -145,18 +155,20 @@ impl WeightArena {
 }
 
 impl PackedMatrix {
+    /// A matrix from row-major values.
     pub fn from_values(format: WeightFormat, rows: usize, cols: usize, data: Vec<u16>) -> Self {
-        assert_eq!(data.len(), rows * cols);
         let mut m = Self::zeroed(format, rows, cols);
-        m.values_mut().copy_from_slice(&data);
+        m.values_mut()
+            .copy_from_slice(&row_blocks::from_row_major(&data, rows, cols));
         m
     }
 
     /// A matrix of zeros in its own huge-page-advised memory, to be filled
     /// with [`PackedMatrix::values_mut`].
     pub fn zeroed(format: WeightFormat, rows: usize, cols: usize) -> Self {
-        let (mut map, start) = huge_page_map(rows * cols * 2);
-        map[start..start + rows * cols * 2].fill(0);
+        let bytes = row_blocks::padded_len(rows, cols) * 2;
+        let (mut map, start) = huge_page_map(bytes);
+        map[start..start + bytes].fill(0);
         PackedMatrix {
             format,
             rows,
@@ -165,9 +177,9 @@ impl PackedMatrix {
         }
     }
 
-    /// The values of an owned matrix, for filling it.
+    /// The values of an owned matrix in the row-block layout, for filling it.
     pub fn values_mut(&mut self) -> &mut [u16] {
-        let len = self.rows * self.cols;
+        let len = self.len();
         match &mut self.storage {
             // SAFETY: the map holds 2·len bytes from `start`, aligned.
             Storage::Owned { map, start } => unsafe {
@@ -193,10 +205,11 @@ impl PackedMatrix {
         arena: &Arc<WeightArena>,
     ) -> Self {
         let (rows, cols) = t.matrix_dims();
-        let ptr = arena.alloc(rows * cols);
-        // SAFETY: a fresh region of rows·cols values that nothing else
+        let ptr = arena.alloc(rows, cols);
+        // SAFETY: a fresh region of the matrix's values that nothing else
         // refers to yet.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr, rows * cols) };
+        let out =
+            unsafe { std::slice::from_raw_parts_mut(ptr, row_blocks::padded_len(rows, cols)) };
         fill_converted(t, format, out);
         PackedMatrix {
             format,
@@ -209,13 +222,15 @@ impl PackedMatrix {
         }
     }
 
-    /// Uses a tensor stored as FP16/BF16 inside a mapped file in place.
-    /// `owner` must own the memory `t` points into.
+    /// Uses a tensor stored in the row-block layout inside a mapped file in
+    /// place. `owner` must own the memory `t` points into.
     pub fn borrowed(owner: Arc<dyn Send + Sync>, t: &TensorView<'_>) -> Result<PackedMatrix> {
         let format = match t.dtype {
-            DType::F16 => WeightFormat::F16,
-            DType::BF16 => WeightFormat::BF16,
-            other => bail!("a {other} tensor cannot be used in place"),
+            DType::F16RowBlocks => WeightFormat::F16,
+            DType::BF16RowBlocks => WeightFormat::BF16,
+            other => bail!(
+                "a {other} tensor cannot be used in place (only files written by `pulsar convert` can)"
+            ),
         };
         if !(t.bytes.as_ptr() as usize).is_multiple_of(2) {
             bail!("tensor data is not 2-byte aligned");
@@ -237,9 +252,14 @@ impl PackedMatrix {
         matches!(self.storage, Storage::Mapped { .. })
     }
 
-    /// All `rows * cols` values, row-major.
+    /// Values in the layout, padding included.
+    fn len(&self) -> usize {
+        row_blocks::padded_len(self.rows, self.cols)
+    }
+
+    /// All values in the row-block layout, padding included.
     pub fn data(&self) -> &[u16] {
-        let len = self.rows * self.cols;
+        let len = self.len();
         let ptr: *const u16 = match &self.storage {
             // SAFETY: `start` is inside the map.
             Storage::Owned { map, start } => unsafe { map.as_ptr().add(*start).cast() },
@@ -250,19 +270,23 @@ impl PackedMatrix {
         unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 
-    pub fn row(&self, r: usize) -> &[u16] {
-        &self.data()[r * self.cols..(r + 1) * self.cols]
-    }
-
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        for (o, &b) in out.iter_mut().zip(self.row(r)) {
-            *o = self.format.to_f32(b);
+        let data = self.data();
+        for (g, part) in out[..self.cols]
+            .chunks_mut(row_blocks::GROUP_COLS)
+            .enumerate()
+        {
+            let at = row_blocks::index(r, g * row_blocks::GROUP_COLS, self.cols);
+            for (o, &b) in part.iter_mut().zip(&data[at..]) {
+                *o = self.format.to_f32(b);
+            }
         }
     }
 
+    /// Bytes a product streams: the values with their padding.
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols * 2
+        self.len() * 2
     }
 }
 
@@ -275,42 +299,61 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u16]) {
     if threads < 2 || rows * cols < 1 << 20 {
         return fill_rows(t, format, 0, out);
     }
-    let per = rows.div_ceil(threads);
+    // Parts of whole row blocks, which are contiguous in the layout.
+    let per = rows
+        .div_ceil(threads)
+        .next_multiple_of(row_blocks::BLOCK_ROWS);
+    let part_len = per * row_blocks::padded_cols(cols);
     std::thread::scope(|s| {
-        for (i, part) in out.chunks_mut(per * cols).enumerate() {
+        for (i, part) in out.chunks_mut(part_len).enumerate() {
             s.spawn(move || fill_rows(t, format, i * per, part));
         }
     });
 }
 
-/// Converts rows `first..` of `t` into `out` (whole rows), releasing the
-/// source pages as it goes so that peak memory stays near the size of the
-/// result.
+/// Converts rows `first_row..` of `t` into `out`, whole row blocks of the
+/// layout from `first_row` (a multiple of 4) on, releasing the source pages
+/// as it goes so that peak memory stays near the size of the result.
 fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &mut [u16]) {
     let (rows, cols) = t.matrix_dims();
     let row_bytes = t.bytes.len() / rows.max(1);
-    // Rows per release: about 4 MB of source at a time.
-    let group = ((4 << 20) / row_bytes.max(1)).max(1);
+    let block_len = row_blocks::BLOCK_ROWS * row_blocks::padded_cols(cols);
+    // Rows per release: about 4 MB of source at a time, whole blocks.
+    let group = ((4 << 20) / row_bytes.max(1)).next_multiple_of(row_blocks::BLOCK_ROWS);
     let mut row = vec![0.0f32; cols];
-    for (g, dst_rows) in out.chunks_mut(group * cols.max(1)).enumerate() {
+    let mut bits = vec![0u16; cols];
+    let group_len = group / row_blocks::BLOCK_ROWS * block_len.max(1);
+    for (g, dst) in out.chunks_mut(group_len).enumerate() {
         let first = first_row + g * group;
-        for (i, dst) in dst_rows.chunks_exact_mut(cols.max(1)).enumerate() {
-            let r = first + i;
-            if t.dtype == format.dtype() {
-                let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
-                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *d = u16::from_le_bytes([c[0], c[1]]);
-                }
-            } else {
-                dequant::row_into(t, r, &mut row);
-                for (d, &v) in dst.iter_mut().zip(&row) {
-                    *d = format.from_f32(v);
-                }
+        let last = (first + dst.len() / block_len.max(1) * row_blocks::BLOCK_ROWS).min(rows);
+        let source = if t.dtype == format.row_blocked_dtype() {
+            // Already in this layout: whole blocks, padding included.
+            let block_bytes = block_len * 2;
+            let blocks = first / row_blocks::BLOCK_ROWS * block_bytes
+                ..last.div_ceil(row_blocks::BLOCK_ROWS) * block_bytes;
+            for (d, c) in dst.iter_mut().zip(t.bytes[blocks.clone()].chunks_exact(2)) {
+                *d = u16::from_le_bytes([c[0], c[1]]);
             }
-        }
-        let done = first * row_bytes..(first + dst_rows.len() / cols.max(1)) * row_bytes;
+            blocks
+        } else {
+            for r in first..last {
+                if t.dtype == format.dtype() {
+                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    for (d, c) in bits.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = u16::from_le_bytes([c[0], c[1]]);
+                    }
+                } else {
+                    dequant::row_into(t, r, &mut row);
+                    for (d, &v) in bits.iter_mut().zip(&row) {
+                        *d = format.from_f32(v);
+                    }
+                }
+                row_blocks::scatter_row(dst, r - first, cols, &bits);
+            }
+            first * row_bytes..last * row_bytes
+        };
         TensorView {
-            bytes: &t.bytes[done],
+            bytes: &t.bytes[source],
             ..*t
         }
         .release_pages();

@@ -39,9 +39,6 @@ pub struct TuneArgs {
     /// Also time the GEMV kernels on synthetic weights (GB/s of weight traffic)
     #[arg(long, hide = true)]
     pub measure: bool,
-    /// With --measure: compare these GEMV prefetch distances (bytes) at the model's hidden K
-    #[arg(long, hide = true, value_delimiter = ',')]
-    pub prefetch_ab: Vec<usize>,
 }
 
 fn dims_for(model: &Option<PathBuf>) -> Result<(ModelDims, PathBuf)> {
@@ -256,17 +253,8 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
     print_plan(&mut out, &caps, &dims, &plan)?;
     write_stdout(&out)?;
     if args.measure {
-        if args.prefetch_ab.is_empty() {
-            super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
-            super::measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
-        } else {
-            super::measure::measure_prefetch(
-                &caps,
-                args.common.max_isa,
-                dims.hidden,
-                &args.prefetch_ab,
-            )?;
-        }
+        super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
+        super::measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
     }
     Ok(())
 }

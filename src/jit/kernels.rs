@@ -8,6 +8,7 @@ use super::emit::gemv::WeightType;
 use super::emit::{LANES, gemm};
 use super::plan::{KernelKind, KernelSpec, Plan};
 use super::verify::{self, Policy, Verified};
+use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use dynasmrt::mmap::{ExecutableBuffer, MutableBuffer};
 use std::ops::Range;
@@ -169,7 +170,6 @@ impl KernelSet {
             f,
             name: &c.spec.name,
             k,
-            stride: k,
             wt,
         })
     }
@@ -268,6 +268,17 @@ pub type SoftmaxFn = unsafe extern "sysv64" fn(*mut f32, usize);
 /// `(p, v_cache, out, n_pos)`.
 pub type WsumFn = unsafe extern "sysv64" fn(*const f32, usize, *const f32, usize, *mut f32, usize);
 
+/// Rows `r0..r1` of a row-block matrix of `k` columns must fit in `len`
+/// values (padding rows included), with `r0` on a block boundary.
+fn blocks_fit(len: usize, rows: &Range<usize>, k: usize) -> bool {
+    rows.start.is_multiple_of(row_blocks::BLOCK_ROWS)
+        && rows
+            .end
+            .next_multiple_of(row_blocks::BLOCK_ROWS)
+            .checked_mul(row_blocks::padded_cols(k))
+            .is_some_and(|need| need <= len)
+}
+
 /// Rows `r < r1` of a `stride`-element row matrix must fit in `len` elements
 /// (the last row only needs `k`).
 fn rows_fit(len: usize, r1: usize, stride: usize, k: usize) -> bool {
@@ -283,13 +294,13 @@ pub struct Gemv<'a> {
     f: GemvFn,
     pub name: &'a str,
     pub k: usize,
-    stride: usize,
     pub wt: WeightType,
 }
 
 impl Gemv<'_> {
-    /// `y[r] = sum_k W[r,k] x[k]` for r in `rows`; `w` is the whole row-major
-    /// matrix (u16 bits of f16 or bf16, as planned), `y` is indexed by row.
+    /// `y[r] = sum_k W[r,k] x[k]` for r in `rows`; `w` is the whole matrix
+    /// in the row-block layout (u16 bits of f16 or bf16, as planned) and
+    /// `rows` starts on a block; `y` is indexed by row.
     pub fn run(
         &self,
         w: &[u16],
@@ -309,11 +320,11 @@ impl Gemv<'_> {
                 format!("rows {rows:?} do not fit y of {}", y.len()),
             ));
         }
-        if !rows_fit(w.len(), rows.end, self.stride, self.k) {
+        if !blocks_fit(w.len(), &rows, self.k) {
             return Err(shape(
                 self.name,
                 format!(
-                    "W of {} elements has fewer than {} rows of {}",
+                    "W of {} values has fewer than {} rows of {} in 4-row blocks, or rows {rows:?} start inside a block",
                     w.len(),
                     rows.end,
                     self.k
@@ -341,7 +352,7 @@ impl Gemv<'_> {
                 format!("y part of {} does not match rows {rows:?}", y_part.len()),
             ));
         }
-        if x.len() != self.k || !rows_fit(w.len(), rows.end, self.stride, self.k) {
+        if x.len() != self.k || !blocks_fit(w.len(), &rows, self.k) {
             return Err(shape(
                 self.name,
                 format!(
@@ -398,10 +409,18 @@ impl Gemm<'_> {
                 ),
             ));
         }
-        if !rows_fit(w.len(), rows.end, self.k, self.k) {
+        let w_fits = match self.wt.bytes() {
+            2 => blocks_fit(w.len(), &rows, self.k),
+            _ => rows_fit(w.len(), rows.end, self.k, self.k),
+        };
+        if !w_fits {
             return Err(shape(
                 self.name,
-                format!("W of {} elements has fewer than {} rows", w.len(), rows.end),
+                format!(
+                    "W of {} elements has fewer than {} rows, or rows {rows:?} start inside a 4-row block",
+                    w.len(),
+                    rows.end
+                ),
             ));
         }
         // SAFETY: reads stay in W rows < rows.end and X; writes in Y[t*ldy + rows].

@@ -4,8 +4,10 @@
 //! read of the same bytes as the bandwidth reference.
 
 use super::cpu::{CpuCaps, Isa};
+use super::emit::gemv;
 use super::kernels::KernelSet;
 use super::plan::{KernelKind, Plan};
+use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use std::time::Instant;
 
@@ -56,12 +58,13 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         let gemv = set
             .gemv(g.wt, g.k)
             .context("planned GEMV missing from the kernel set")?;
-        let rows = WEIGHT_BYTES / (g.k * 2);
+        let rows = WEIGHT_BYTES / (row_blocks::padded_cols(g.k) * 2) / gemv::ROWS * gemv::ROWS;
+        let len = row_blocks::padded_len(rows, g.k);
         let x = vec![0.5f32; g.k];
         let mut y = vec![0f32; rows];
         let mut err = None;
         let secs = best_of(|| {
-            if let Err(e) = gemv.run(&w[..rows * g.k], &x, &mut y, 0..rows) {
+            if let Err(e) = gemv.run(&w[..len], &x, &mut y, 0..rows) {
                 err = Some(e);
             }
         });
@@ -77,14 +80,14 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         );
         if plan.threads > 1 {
             // Rows split as the engine would split them, one scoped thread each.
-            let parts = super::plan::split_rows(rows, plan.threads, super::emit::gemv::ROWS);
+            let parts = super::plan::split_rows(rows, plan.threads, gemv::ROWS);
             let secs = best_of(|| {
                 std::thread::scope(|sc| {
                     let mut rest: &mut [f32] = &mut y;
                     for r in parts.iter().cloned() {
                         let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
                         rest = tail;
-                        let (w, x) = (&w[..rows * g.k], &x);
+                        let (w, x) = (&w[..len], &x);
                         sc.spawn(move || gemv.run_part(w, x, part, r));
                     }
                 });
@@ -94,47 +97,6 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
                 spec.name,
                 (rows * g.k * 2) as f64 / secs / 1e9,
                 parts.len()
-            );
-        }
-    }
-    Ok(())
-}
-
-/// A/B of GEMV prefetch distances x unroll 1/2/4 for one K (hidden `tune --measure` helper).
-pub fn measure_prefetch(caps: &CpuCaps, max_isa: Isa, k: usize, distances: &[usize]) -> Result<()> {
-    use super::emit::gemv::{GemvParams, WeightType};
-    let kinds: Vec<KernelKind> = distances
-        .iter()
-        .flat_map(|&d| {
-            [1usize, 2, 4].map(|unroll| {
-                KernelKind::Gemv(GemvParams {
-                    wt: WeightType::F16,
-                    k,
-                    row_stride: k,
-                    unroll,
-                    prefetch: d,
-                })
-            })
-        })
-        .collect();
-    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
-        .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
-        .collect();
-    let rows = WEIGHT_BYTES / (k * 2);
-    let x = vec![0.5f32; k];
-    let mut y = vec![0f32; rows];
-    for round in 0..2 {
-        for kind in &kinds {
-            let set = KernelSet::from_kinds(std::slice::from_ref(kind), caps, max_isa)?;
-            let KernelKind::Gemv(g) = kind else { continue };
-            let gemv = &set.gemv(g.wt, g.k).context("kernel missing")?;
-            let secs = best_of(|| {
-                let _ = gemv.run(&w[..rows * k], &x, &mut y, 0..rows);
-            });
-            println!(
-                "prefetch round {round} {:<30} {:>6.1} GB/s",
-                kind.name(),
-                (rows * k * 2) as f64 / secs / 1e9
             );
         }
     }
@@ -155,7 +117,7 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             .gemm(g.wt, g.k)
             .context("planned GEMM missing from the kernel set")?;
         let rows = ((8usize << 20) / (g.k * 2)).max(8) / 8 * 8;
-        let w: Vec<u16> = (0..rows * g.k)
+        let w: Vec<u16> = (0..row_blocks::padded_len(rows, g.k))
             .map(|i| half::f16::from_f32((i % 5) as f32 * 0.01).to_bits())
             .collect();
         for tokens in [48usize, crate::engine::fast::DEFAULT_PREFILL_CHUNK] {

@@ -20,8 +20,6 @@ pub struct PlanOptions {
     /// Worker threads the rows are split across (0 = all cores).
     pub threads: usize,
     pub weights: WeightType,
-    /// GEMV prefetch distance in bytes; None = derive per K (see `prefetch_distance`).
-    pub prefetch: Option<usize>,
     pub budget: usize,
 }
 
@@ -31,7 +29,6 @@ impl Default for PlanOptions {
             max_isa: Isa::Avx512,
             threads: 0,
             weights: WeightType::F16,
-            prefetch: None,
             budget: BUDGET_BYTES,
         }
     }
@@ -64,13 +61,8 @@ impl KernelKind {
     pub fn name(&self) -> String {
         match self {
             KernelKind::Gemv(p) => {
-                let pf = if p.prefetch > 0 {
-                    format!("_pf{}", p.prefetch)
-                } else {
-                    String::new()
-                };
                 format!(
-                    "gemv_{}_r{}_u{}_k{}{pf}",
+                    "gemv_{}_r{}_u{}_k{}",
                     p.wt.name(),
                     gemv::ROWS,
                     p.unroll,
@@ -179,26 +171,6 @@ pub fn split_rows(n: usize, threads: usize, block: usize) -> Vec<Range<usize>> {
     out
 }
 
-/// GEMV prefetch distance along a block's contiguous 4-row region. Rows
-/// shorter than 8 KiB give the hardware prefetcher four short interleaved
-/// streams per block, which it follows poorly; prefetching the smallest
-/// whole number of blocks at least 12 KiB ahead measured best over
-/// huge-page-backed weights (1 thread, 512 MiB, best of 5, rows of 640 f16:
-/// 0 B 9.9, 5,120 B 23.1, 10,240 B 26.7-30.9, 15,360 B 27.4, 20,480 B
-/// 25.5 GB/s against a 32.6-34.7 GB/s plain read; rows of 2,048: 0 B 19.7,
-/// 8,192 B 18.7, 16,384 B 26.6, 32,768 B 17.5 GB/s). Long rows are plain
-/// long streams, which were slower with software prefetch here: distance 0.
-pub fn prefetch_distance(caps: &CpuCaps, row_bytes: usize) -> usize {
-    const AHEAD: usize = 12 * 1024;
-    let block = gemv::ROWS * row_bytes;
-    let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
-    if row_bytes >= 8192 || block == 0 {
-        return 0;
-    }
-    // Never so far ahead that the prefetched lines leave L1 before use.
-    (AHEAD.div_ceil(block) * block).min(l1 / 2 / block * block)
-}
-
 /// Elements of x per chunk so that a 3-token tile of x uses at most half of L1d.
 pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
     let l1 = if caps.l1d == 0 { 32 * 1024 } else { caps.l1d };
@@ -253,19 +225,6 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();
-    let eb = opts.weights.bytes();
-    let prefetch = |k: usize| {
-        opts.prefetch
-            .unwrap_or_else(|| prefetch_distance(caps, k * eb))
-    };
-    for &k in &ks {
-        notes.push(format!(
-            "K={k}: gemv prefetch distance {} B (row {} B, L1d {} KiB)",
-            prefetch(k),
-            k * eb,
-            caps.l1d / 1024
-        ));
-    }
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -273,15 +232,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
-        let kinds = build_kinds(
-            dims,
-            &ks,
-            opts.weights,
-            gemv_unroll,
-            norm_unroll,
-            &prefetch,
-            &optional,
-        );
+        let kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &optional);
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -307,8 +258,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     tensor,
                     rows,
                     k,
-                    gemv: KernelKind::Gemv(gemv_params(opts.weights, k, gemv_unroll, prefetch(k)))
-                        .name(),
+                    gemv: KernelKind::Gemv(GemvParams {
+                        wt: opts.weights,
+                        k,
+                        unroll: gemv_unroll,
+                    })
+                    .name(),
                     gemm: KernelKind::Gemm(GemmParams {
                         wt: opts.weights,
                         k,
@@ -376,23 +331,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     }
 }
 
-fn gemv_params(wt: WeightType, k: usize, unroll: usize, prefetch: usize) -> GemvParams {
-    GemvParams {
-        wt,
-        k,
-        row_stride: k,
-        unroll,
-        prefetch,
-    }
-}
-
 fn build_kinds(
     dims: &ModelDims,
     ks: &[usize],
     wt: WeightType,
     gemv_unroll: usize,
     norm_unroll: usize,
-    prefetch: &dyn Fn(usize) -> usize,
     optional: &[&str],
 ) -> Vec<(KernelKind, Vec<String>)> {
     let mut out = Vec::new();
@@ -411,7 +355,11 @@ fn build_kinds(
     };
     for &k in ks {
         out.push((
-            KernelKind::Gemv(gemv_params(wt, k, gemv_unroll, prefetch(k))),
+            KernelKind::Gemv(GemvParams {
+                wt,
+                k,
+                unroll: gemv_unroll,
+            }),
             uses_of_k(k),
         ));
     }
@@ -572,39 +520,6 @@ mod tests {
         };
         let err = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap_err();
         assert!(err.to_string().contains("reference engine"), "{err}");
-    }
-
-    #[test]
-    fn prefetch_only_for_short_rows() {
-        let caps = CpuCaps::zen4_like();
-        // 640 f16 = 1280 B rows: three 4-row blocks (the first >= 12 KiB).
-        assert_eq!(prefetch_distance(&caps, 1280), 15360);
-        assert_eq!(prefetch_distance(&caps, 2048), 16384);
-        assert_eq!(prefetch_distance(&caps, 4096), 16384);
-        // Rows of 8 KiB or more stream well on their own: 0 (measured faster).
-        assert_eq!(prefetch_distance(&caps, 8192), 0);
-        assert_eq!(prefetch_distance(&caps, 32768), 0);
-        // The distance stays within half of L1d, or there is none.
-        let small_l1 = CpuCaps {
-            l1d: 8192,
-            ..caps.clone()
-        };
-        assert_eq!(prefetch_distance(&small_l1, 2048), 0);
-        assert_eq!(prefetch_distance(&small_l1, 256), 4096);
-        // gemma-2b: rows of 2,048 get a distance, rows of 16,384 none.
-        let p = plan(&gemma2b(), &caps, &PlanOptions::default()).unwrap();
-        for k in &p.kernels {
-            if let KernelKind::Gemv(g) = &k.kind {
-                let want = if g.k == 2048 { 16384 } else { 0 };
-                assert_eq!(g.prefetch, want, "{}", k.name);
-            }
-        }
-        let forced = PlanOptions {
-            prefetch: Some(0),
-            ..PlanOptions::default()
-        };
-        let p = plan(&ModelDims::GEMMA3_270M, &caps, &forced).unwrap();
-        assert!(p.kernels.iter().all(|k| !k.name.contains("_pf")));
     }
 
     #[test]

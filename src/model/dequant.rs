@@ -5,6 +5,7 @@
 //! exactly one block into `out` (whose length is the block's element count).
 
 use super::dtype::{DType, TensorView};
+use super::row_blocks;
 use half::{bf16, f16};
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -126,7 +127,9 @@ fn q6_k(block: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Decodes `bytes` (a whole number of `dtype` blocks) into `out`.
+/// Decodes `bytes` (a whole number of `dtype` blocks) into `out`. Values
+/// of a row-block type come out in storage order; [`to_f32`] and
+/// [`row_into`] put them back in rows.
 ///
 /// Panics if the lengths disagree: callers size both from a validated shape.
 pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
@@ -144,12 +147,12 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
-        DType::F16 => {
+        DType::F16 | DType::F16RowBlocks => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        DType::BF16 => {
+        DType::BF16 | DType::BF16RowBlocks => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
@@ -163,6 +166,7 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 DType::Q5K => q5_k,
                 DType::Q6K => q6_k,
                 DType::F32 | DType::F16 | DType::BF16 => unreachable!(),
+                DType::F16RowBlocks | DType::BF16RowBlocks => unreachable!(),
             };
             for (block, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
                 decode(block, o);
@@ -174,13 +178,29 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 /// The whole tensor as f32.
 pub fn to_f32(t: &TensorView<'_>) -> Vec<f32> {
     let mut out = vec![0.0f32; t.elems()];
-    dequantize_into(t.dtype, t.bytes, &mut out);
+    if t.dtype.is_row_blocked() {
+        let (_, cols) = t.matrix_dims();
+        for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            row_into(t, r, row);
+        }
+    } else {
+        dequantize_into(t.dtype, t.bytes, &mut out);
+    }
     out
 }
 
 /// Row `row` of a matrix-shaped tensor as f32, into `out` (one row long).
 pub fn row_into(t: &TensorView<'_>, row: usize, out: &mut [f32]) {
     let (_, cols) = t.matrix_dims();
+    if t.dtype.is_row_blocked() {
+        // One row's values are spread over its block: decode them one
+        // 8-value group at a time.
+        for (g, part) in out.chunks_mut(row_blocks::GROUP_COLS).enumerate() {
+            let at = row_blocks::index(row, g * row_blocks::GROUP_COLS, cols) * 2;
+            dequantize_into(t.dtype, &t.bytes[at..at + part.len() * 2], part);
+        }
+        return;
+    }
     let rb = t.dtype.row_bytes(cols).expect("validated row length");
     dequantize_into(t.dtype, &t.bytes[row * rb..(row + 1) * rb], out);
 }

@@ -17,7 +17,17 @@ pub enum DType {
     Q4K,
     Q5K,
     Q6K,
+    /// FP16 in the kernels' row-block layout (`model::row_blocks`), written
+    /// by `pulsar convert`. A Pulsar-private GGML id: other readers refuse
+    /// the file instead of misreading it.
+    F16RowBlocks,
+    /// BF16 in the row-block layout, as [`DType::F16RowBlocks`].
+    BF16RowBlocks,
 }
+
+/// GGML type ids of the row-block types, far above GGML's own (under 64).
+const F16_ROW_BLOCKS_ID: u32 = 0x5055_0001;
+const BF16_ROW_BLOCKS_ID: u32 = 0x5055_0030;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -32,6 +42,8 @@ impl DType {
             13 => DType::Q5K,
             14 => DType::Q6K,
             30 => DType::BF16,
+            F16_ROW_BLOCKS_ID => DType::F16RowBlocks,
+            BF16_ROW_BLOCKS_ID => DType::BF16RowBlocks,
             _ => return None,
         })
     }
@@ -48,6 +60,23 @@ impl DType {
             DType::Q5K => 13,
             DType::Q6K => 14,
             DType::BF16 => 30,
+            DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
+            DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
+        }
+    }
+
+    /// Whether rows are stored in the row-block layout rather than one after
+    /// another.
+    pub fn is_row_blocked(self) -> bool {
+        matches!(self, DType::F16RowBlocks | DType::BF16RowBlocks)
+    }
+
+    /// The element type of a row-block type (itself for the others).
+    pub fn element(self) -> DType {
+        match self {
+            DType::F16RowBlocks => DType::F16,
+            DType::BF16RowBlocks => DType::BF16,
+            other => other,
         }
     }
 
@@ -75,6 +104,7 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F16RowBlocks | DType::BF16RowBlocks => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 32,
             DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
@@ -85,6 +115,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F16RowBlocks | DType::BF16RowBlocks => 2,
             DType::Q8_0 => 2 + 32,
             DType::Q4_0 => 2 + 16,
             DType::Q5_0 => 2 + 4 + 16,
@@ -116,6 +147,8 @@ impl fmt::Display for DType {
             DType::Q4K => "Q4_K",
             DType::Q5K => "Q5_K",
             DType::Q6K => "Q6_K",
+            DType::F16RowBlocks => "F16_R4X8",
+            DType::BF16RowBlocks => "BF16_R4X8",
         };
         f.write_str(name)
     }

@@ -8,6 +8,7 @@
 //! allocation.
 
 use super::dtype::{DType, TensorView};
+use super::row_blocks;
 use anyhow::{Context, Result};
 use memmap2::Mmap;
 use std::collections::HashMap;
@@ -299,15 +300,26 @@ impl GgufFile {
                 .try_fold(1usize, |acc, &d| acc.checked_mul(d))
                 .ok_or_else(|| tfail(format!("element count of shape {shape:?} overflows")))?;
             let row = *shape.last().unwrap_or(&1);
+            if dtype.is_row_blocked() && shape.len() != 2 {
+                return Err(tfail(format!(
+                    "a {dtype} tensor must be a matrix, not of shape {shape:?}"
+                )));
+            }
             let row_bytes = dtype.row_bytes(row).ok_or_else(|| {
                 tfail(format!(
                     "row length {row} is not a multiple of the {dtype} block size {}",
                     dtype.block_elems()
                 ))
             })?;
-            let len = (row_bytes as u64)
-                .checked_mul((elems / row) as u64)
-                .ok_or_else(|| tfail("byte size overflows".into()))?;
+            let len = if dtype.is_row_blocked() {
+                // Rows and columns padded to whole blocks and groups.
+                row_blocks::padded_len(elems / row.max(1), row)
+                    .checked_mul(dtype.block_bytes())
+                    .map(|n| n as u64)
+            } else {
+                (row_bytes as u64).checked_mul((elems / row.max(1)) as u64)
+            }
+            .ok_or_else(|| tfail("byte size overflows".into()))?;
             if offset % alignment != 0 {
                 return Err(tfail(format!(
                     "data offset {offset} is not a multiple of the alignment {alignment}"

@@ -20,13 +20,18 @@
 //! and 42-48 in `tune --measure`. 3 rows x 4 tokens matched this tile in L1
 //! and lost 2-13% with the engine's chunks.
 //!
-//! Partial tiles alias missing rows/tokens to the first of the tile and store
-//! only valid lanes (same scheme as GEMV). The K tail is the masked
-//! overlapping vector of GEMV, so K >= 8.
+//! 16-bit weights are read in the row-block layout (`model::row_blocks`):
+//! a row tile is one block, one sequential stream, with zero padding past
+//! the last row and column. f32 "weights" (the cached keys of attention)
+//! are plain rows: four row pointers, missing rows aliased to the first
+//! and a K tail computed with an overlapping vector whose already-summed
+//! lanes are masked, so K >= 8. Missing tokens alias the first of the tile
+//! too, and only valid lanes are stored.
 //!
 //! Registers: rdi=W, rsi=X, rdx=Y, rcx=r, r8=t, r9=T, rbp=r1, `[rsp]`=r0,
-//! ldY (in elements) stays on the stack; rbx/r10/r11/r12 row pointers,
-//! r13/r14/r15 token pointers.
+//! ldY (in elements) stays on the stack; rbx the block pointer (row
+//! blocks) or rbx/r10/r11/r12 the row pointers (plain rows), r13/r14/r15
+//! token pointers; rax counts x bytes up to 0.
 
 use super::gemv::WeightType;
 use super::{
@@ -34,6 +39,7 @@ use super::{
     restore_callee_saved_and_return, save_callee_saved,
 };
 use crate::jback;
+use crate::model::row_blocks;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -42,7 +48,7 @@ pub struct GemmParams {
     pub k: usize,
 }
 
-pub const ROWS: usize = 4;
+pub const ROWS: usize = row_blocks::BLOCK_ROWS;
 pub const TOKENS: usize = 3;
 const ROW_PTRS: [u8; ROWS] = [RBX, R10, R11, R12];
 const TOK_PTRS: [u8; TOKENS] = [R13, R14, R15];
@@ -67,26 +73,26 @@ fn acc(row: usize, tok: usize) -> u8 {
     (row * TOKENS + tok) as u8
 }
 
-fn load_w(ops: &mut Asm, wt: WeightType, p: u8, with_idx: bool, disp: i32) {
+/// Loads 8 weights of tile row `row` as f32 into ymm15. Row blocks: at
+/// `[rbx + rax*2 + 16*row]` in the loop (64 weight bytes per 32 x bytes),
+/// `[rbx + 16*row]` for the padded last group. Plain f32 rows: at
+/// `[p + rax]`, or `[p + disp]` for the tail.
+fn load_w(ops: &mut Asm, wt: WeightType, row: usize, with_idx: bool, disp: i32) {
+    let blocked = (16 * row) as i8;
+    let p = ROW_PTRS[row];
     let d8 = i8::try_from(disp).ok();
     match (wt, with_idx, d8) {
         (WeightType::F16, true, _) => {
-            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + rax + 0])
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE rbx + rax * 2 + blocked])
         }
-        (WeightType::F16, false, Some(d)) => {
-            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE Rq(p) + d])
-        }
-        (WeightType::F16, false, None) => {
-            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [Rq(p) + disp])
+        (WeightType::F16, false, _) => {
+            dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(W), [BYTE rbx + blocked])
         }
         (WeightType::Bf16, true, _) => {
-            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + rax + 0])
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE rbx + rax * 2 + blocked])
         }
-        (WeightType::Bf16, false, Some(d)) => {
-            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE Rq(p) + d])
-        }
-        (WeightType::Bf16, false, None) => {
-            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [Rq(p) + disp])
+        (WeightType::Bf16, false, _) => {
+            dynasm!(ops ; .arch x64 ; vpmovzxwd Ry(W), [BYTE rbx + blocked])
         }
         (WeightType::F32, true, _) => {
             dynasm!(ops ; .arch x64 ; vmovups Ry(W), [BYTE Rq(p) + rax + 0])
@@ -103,8 +109,8 @@ fn load_w(ops: &mut Asm, wt: WeightType, p: u8, with_idx: bool, disp: i32) {
 
 /// One 8-element step of the tile: x vectors must already be in ymm12..14.
 fn tile_step(ops: &mut Asm, wt: WeightType, with_idx: bool, wdisp: i32) {
-    for (row, &pr) in ROW_PTRS.iter().enumerate() {
-        load_w(ops, wt, pr, with_idx, wdisp);
+    for row in 0..ROWS {
+        load_w(ops, wt, row, with_idx, wdisp);
         for tok in 0..TOKENS {
             dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, tok)), Ry(W), Ry(12 + tok as u8));
         }
@@ -119,9 +125,22 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         p.k
     );
     let eb = p.wt.bytes();
+    let blocked = eb == 2;
     let kmain = p.k / LANES * LANES;
     let tail = p.k % LANES;
-    let wstride = (p.k * eb) as i32;
+    // Plain rows: bytes per row. Row blocks: bytes per block / 4, so that
+    // r * this is the block offset (r is a multiple of 4).
+    let wstride = if blocked {
+        (row_blocks::padded_cols(p.k) * 2) as i32
+    } else {
+        (p.k * eb) as i32
+    };
+    // Weight bytes the block pointer is biased by: the whole groups.
+    let wbias = if blocked {
+        (kmain * ROWS * 2) as i32
+    } else {
+        (kmain * eb) as i32
+    };
     let xstride = (p.k * 4) as i32;
 
     let mut ops = new_asm();
@@ -163,27 +182,32 @@ pub fn emit(p: &GemmParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; mov rax, rbp
         ; sub rax, rcx
         ; imul rbx, rcx, wstride
-        ; lea rbx, [rdi + rbx + (kmain * eb) as i32]
+        ; lea rbx, [rdi + rbx + wbias]
     );
-    for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
-        dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
+    if !blocked {
+        for (i, &pr) in ROW_PTRS.iter().enumerate().skip(1) {
+            dynasm!(ops ; .arch x64 ; lea Rq(pr), [rbx + wstride * i as i32]);
+        }
+        alias_missing(&mut ops, &ROW_PTRS, RAX);
     }
-    alias_missing(&mut ops, &ROW_PTRS, RAX);
     zero_accumulators(&mut ops);
-    dynasm!(ops ; .arch x64 ; mov rax, -((kmain * eb) as i32));
+    dynasm!(ops ; .arch x64 ; mov rax, -((kmain * 4) as i32));
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>kloop);
     for (j, &tp) in TOK_PTRS.iter().enumerate() {
-        if eb == 2 {
-            dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [BYTE Rq(tp) + rax * 2 + 0]);
-        } else {
-            dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [BYTE Rq(tp) + rax + 0]);
-        }
+        dynasm!(ops ; .arch x64 ; vmovups Ry(12 + j as u8), [BYTE Rq(tp) + rax + 0]);
     }
     tile_step(&mut ops, p.wt, true, 0);
-    dynasm!(ops ; .arch x64 ; add rax, BYTE (LANES * eb) as i8);
+    dynasm!(ops ; .arch x64 ; add rax, BYTE (LANES * 4) as i8);
     jback!(ops, jnz, kloop, top);
-    if tail > 0 {
+    if tail > 0 && blocked {
+        // The zero-padded last group; x lanes past K masked off at load.
+        lane_mask(&mut ops, W, 0, tail);
+        for (j, &tp) in TOK_PTRS.iter().enumerate() {
+            dynasm!(ops ; .arch x64 ; vmaskmovps Ry(12 + j as u8), Ry(W), [Rq(tp)]);
+        }
+        tile_step(&mut ops, p.wt, false, 0);
+    } else if tail > 0 {
         // Overlapping vector ending at K, already-summed lanes of x masked off.
         let e = (p.k - LANES) as i32 - kmain as i32;
         lane_mask(&mut ops, W, LANES - tail, tail);
