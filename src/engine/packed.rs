@@ -319,7 +319,9 @@ fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &m
     let row_bytes = t.bytes.len() / rows.max(1);
     let block_len = row_blocks::BLOCK_ROWS * row_blocks::padded_cols(cols);
     // Rows per release: about 4 MB of source at a time, whole blocks.
-    let group = ((4 << 20) / row_bytes.max(1)).next_multiple_of(row_blocks::BLOCK_ROWS);
+    let group = ((4 << 20) / row_bytes.max(1))
+        .max(1)
+        .next_multiple_of(row_blocks::BLOCK_ROWS);
     let mut row = vec![0.0f32; cols];
     let mut bits = vec![0u16; cols];
     let group_len = group / row_blocks::BLOCK_ROWS * block_len.max(1);
@@ -357,5 +359,49 @@ fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &m
             ..*t
         }
         .release_pages();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Converts an f32 matrix and reads every row back.
+    fn round_trip(rows: usize, cols: usize) {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 8.0)
+            .collect();
+        // The conversion releases source pages as it goes: keep the
+        // expectation apart from the bytes it reads.
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let shape = [rows, cols];
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &shape,
+            bytes: &bytes,
+        };
+        let m = PackedMatrix::convert(&t, WeightFormat::F16);
+        assert_eq!(m.bytes(), row_blocks::padded_len(rows, cols) * 2);
+        let mut row = vec![0.0f32; cols];
+        for r in 0..rows {
+            m.row_f32(r, &mut row);
+            for (c, (&got, &want)) in row.iter().zip(&values[r * cols..]).enumerate() {
+                // These values are multiples of 1/8 below 8: exact in f16.
+                assert_eq!(got, want, "{rows}x{cols}: row {r} column {c}");
+            }
+        }
+    }
+
+    #[test]
+    fn small_odd_matrices_convert_into_row_blocks() {
+        round_trip(6, 13);
+        round_trip(1, 1);
+    }
+
+    #[test]
+    fn large_matrices_convert_on_several_threads() {
+        // Over a million values (the threaded path), a row count that is
+        // not a multiple of 4, and columns that are not a multiple of 8.
+        round_trip(1030, 1021);
     }
 }

@@ -71,15 +71,6 @@ impl DType {
         matches!(self, DType::F16RowBlocks | DType::BF16RowBlocks)
     }
 
-    /// The element type of a row-block type (itself for the others).
-    pub fn element(self) -> DType {
-        match self {
-            DType::F16RowBlocks => DType::F16,
-            DType::BF16RowBlocks => DType::BF16,
-            other => other,
-        }
-    }
-
     /// Name of a GGML type id we do not support, for error messages.
     pub fn ggml_name(id: u32) -> &'static str {
         match id {
