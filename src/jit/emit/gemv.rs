@@ -95,6 +95,27 @@ fn load_w(ops: &mut Asm, wt: WeightType, indexed: bool, disp: i32) {
     }
 }
 
+/// The 4 rows of group `group` (counted from the block pointer) times the
+/// x vector in ymm`x`, into the accumulators `acc(row)`.
+fn group_step(
+    ops: &mut Asm,
+    wt: WeightType,
+    indexed: bool,
+    group: usize,
+    x: u8,
+    acc: impl Fn(usize) -> u8,
+) {
+    for row in 0..ROWS {
+        load_w(
+            ops,
+            wt,
+            indexed,
+            (group * GROUP_BYTES + row * LANES * 2) as i32,
+        );
+        dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row)), ymm12, Ry(x));
+    }
+}
+
 /// Loads x's 8 values at `[r11 + rax + disp]` (or `[r11 + disp]`).
 fn load_x(ops: &mut Asm, dst: u8, indexed: bool, disp: i32) {
     let d8 = i8::try_from(disp).ok();
@@ -163,15 +184,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
             load_x(&mut ops, 8 + j as u8, true, (j * LANES * 4) as i32);
         }
         for j in 0..p.unroll {
-            for row in 0..ROWS {
-                load_w(
-                    &mut ops,
-                    p.wt,
-                    true,
-                    (j * GROUP_BYTES + row * LANES * 2) as i32,
-                );
-                dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, j)), ymm12, Ry(8 + j as u8));
-            }
+            group_step(&mut ops, p.wt, true, j, 8 + j as u8, |row| acc(row, j));
         }
         add_rax(&mut ops, (p.unroll * LANES * 4) as i32);
         jback!(ops, jnz, kloop, top);
@@ -184,15 +197,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         } else {
             load_x(&mut ops, 8, false, x_at);
         }
-        for row in 0..ROWS {
-            load_w(
-                &mut ops,
-                p.wt,
-                false,
-                (v * GROUP_BYTES + row * LANES * 2) as i32,
-            );
-            dynasm!(ops ; .arch x64 ; vfmadd231ps Ry(acc(row, v)), ymm12, ymm8);
-        }
+        group_step(&mut ops, p.wt, false, v, 8, |row| acc(row, v));
     }
     if accs_per_row == 2 {
         for row in 0..ROWS as u8 {
