@@ -71,11 +71,12 @@ pub struct FastOptions {
     pub format: Option<WeightFormat>,
     /// Tokens per prefill GEMM.
     pub prefill_chunk: usize,
-    /// Use matrices a mapped file already stores in the kernels' format in
-    /// place (zero-copy) instead of copying them into the huge-page arena.
-    /// In place loads faster and shares the page cache, but decode measured
-    /// slower from 4 KiB page-cache pages (1 thread: 33.9 against 45 tok/s
-    /// on the 270M model at F16).
+    /// Use matrices a mapped file already stores in the kernels' format
+    /// and layout (a `pulsar convert` file) in place (zero-copy) instead of
+    /// copying them into the huge-page arena. In place loads faster and
+    /// shares the page cache, but decode from 4 KiB page-cache pages
+    /// measured slower (270M at F16, 1 thread: 46.6-51.0 against 51.3-56.2
+    /// tok/s; with row-major weights it was 33.9 against 45).
     pub in_place: bool,
 }
 
