@@ -382,6 +382,8 @@ pub struct Gemm<'a> {
 
 impl Gemm<'_> {
     /// `Y[t*ldy + r] = sum_k W[r,k] X[t*K + k]` for r in `rows`, t < tokens.
+    /// 16-bit W is in the row-block layout (`rows` starting on a block);
+    /// f32 W is plain rows.
     pub fn run(
         &self,
         w: &[u16],
@@ -432,8 +434,8 @@ impl Gemm<'_> {
     /// one Y (not expressible as disjoint slices).
     ///
     /// # Safety
-    /// `w` must hold rows `< rows.end` of K elements, `x` `tokens * K`
-    /// floats, and `Y[t*ldy + r]` must be writable for t < tokens, r in
+    /// `w` must hold rows `< rows.end` of K elements (16-bit: whole row
+    /// blocks, `rows.start` on a block), `x` `tokens * K` floats, and `Y[t*ldy + r]` must be writable for t < tokens, r in
     /// `rows`, with no other thread touching those elements.
     pub unsafe fn run_unchecked(
         &self,
