@@ -75,6 +75,13 @@ fn close(got: f32, exact: f64, magnitude: f64, k: usize, what: &str) {
     );
 }
 
+/// `close` for a sum of `terms`: the exact value is their sum and the
+/// error bound scales with the sum of their magnitudes.
+fn close_to_sum(got: f32, terms: &[f64], k: usize, what: &str) {
+    let magnitude = terms.iter().map(|v| v.abs()).sum();
+    close(got, terms.iter().sum(), magnitude, k, what);
+}
+
 #[test]
 fn gemv_matches_reference() {
     let mut rng = Rng(0x1234_5678);
@@ -202,13 +209,7 @@ fn check_gemm(
             let p: Vec<f64> = (0..k)
                 .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
                 .collect();
-            close(
-                got,
-                p.iter().sum(),
-                p.iter().map(|v| v.abs()).sum(),
-                k,
-                &format!("{name} t{t} r{r}"),
-            );
+            close_to_sum(got, &p, k, &format!("{name} t{t} r{r}"));
         }
     }
 }
@@ -399,10 +400,9 @@ fn attention_scores_match_reference() {
                     let terms: Vec<f64> = (0..hd)
                         .map(|d| keys[j * hd + d] as f64 * queries[i * hd + d] as f64)
                         .collect();
-                    close(
+                    close_to_sum(
                         sc[i * n_keys + j],
-                        terms.iter().sum(),
-                        terms.iter().map(|v| v.abs()).sum(),
+                        &terms,
                         hd + 1,
                         &format!("{} q{i} key{j}", k.name),
                     );
@@ -459,10 +459,9 @@ fn attention_weighted_sum_matches_reference() {
                     let terms: Vec<f64> = (0..n_keys)
                         .map(|j| p[i * ldp + j] as f64 * v[j * hd + d] as f64)
                         .collect();
-                    close(
+                    close_to_sum(
                         out[i * hd + d],
-                        terms.iter().sum(),
-                        terms.iter().map(|x| x.abs()).sum(),
+                        &terms,
                         n_keys,
                         &format!("{} q{i} keys{n_keys} d{d}", k.name),
                     );
@@ -505,13 +504,7 @@ fn planned_kernels_match_reference() {
                         let t: Vec<f64> = (0..g.k)
                             .map(|i| from_u16(g.wt, w[r * g.k + i]) * x[i] as f64)
                             .collect();
-                        close(
-                            y[r],
-                            t.iter().sum(),
-                            t.iter().map(|v| v.abs()).sum(),
-                            g.k,
-                            &spec.name,
-                        );
+                        close_to_sum(y[r], &t, g.k, &spec.name);
                     }
                 }
                 KernelKind::Gemm(g) => {
@@ -534,13 +527,7 @@ fn planned_kernels_match_reference() {
                             let v: Vec<f64> = (0..g.k)
                                 .map(|i| from_u16(g.wt, w[r * g.k + i]) * x[t * g.k + i] as f64)
                                 .collect();
-                            close(
-                                y[t * rows + r],
-                                v.iter().sum(),
-                                v.iter().map(|v| v.abs()).sum(),
-                                g.k,
-                                &spec.name,
-                            );
+                            close_to_sum(y[t * rows + r], &v, g.k, &spec.name);
                         }
                     }
                 }

@@ -3,8 +3,9 @@
 //! blocks and whose norms are f32 final multipliers — so that it later
 //! loads zero-copy with mmap. The row-block matrices (padding included)
 //! have a Pulsar-private GGML type (`F16_R4X8`, `BF16_R4X8`), so other GGUF
-//! readers refuse the file rather than misread it. Metadata GGUF has no key for (query_pre_attn_scalar, the local
-//! RoPE base, which layers are global) goes under `pulsar.*` keys.
+//! readers refuse the file rather than misread it. Metadata GGUF has no
+//! key for (query_pre_attn_scalar, the local RoPE base, which layers are
+//! global) goes under `pulsar.*` keys.
 
 use crate::engine::packed::{PackedMatrix, WeightFormat};
 use crate::model::config::{Family, ModelConfig};

@@ -43,7 +43,7 @@ pub struct FastEngine {
 const ATTENTION_TOKEN_BLOCK: usize = 16;
 
 /// Fewest keys per part when one decode token's keys are split between
-/// threads (see `decode_attention`); below it the query heads are split.
+/// threads (see `decode_attention`); fewer keys stay in one part.
 const MIN_KEYS_PER_PART: usize = 4;
 
 /// Preallocated f32 keys and values: `[layer][kv_head][position][head_dim]`,
@@ -406,8 +406,9 @@ impl FastEngine {
     /// Causal (and windowed) attention of `n` new queries at positions
     /// `start..start+n` over the cache. A unit of work is one KV head, a
     /// block of tokens and the query heads sharing that KV head (split when
-    /// a single token leaves too few units for the threads), so each K and V
-    /// row is read once per block rather than once per query head.
+    /// a short chunk leaves too few units for the threads), so each K and V
+    /// row is read once per block rather than once per query head. A single
+    /// token (decode) splits its keys instead: see `decode_attention`.
     fn attention(&self, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
         let c = &self.config;
         let hd = c.head_dim;
@@ -419,12 +420,9 @@ impl FastEngine {
         if n == 1 {
             let first_key = window.map_or(0, |w| (start + 1).saturating_sub(w));
             let parts = threads.min((start + 1 - first_key) / MIN_KEYS_PER_PART);
-            if parts > 1 {
-                return self.decode_attention(li, start, q, out, parts);
-            }
+            return self.decode_attention(li, start, q, out, parts.max(1));
         }
-        let token_block = if n == 1 { 1 } else { ATTENTION_TOKEN_BLOCK };
-        let blocks = n.div_ceil(token_block);
+        let blocks = n.div_ceil(ATTENTION_TOKEN_BLOCK);
         let head_parts = if blocks * c.n_kv_heads >= threads {
             1
         } else {
@@ -437,8 +435,8 @@ impl FastEngine {
         let kern = &*self.kernels;
         self.pool.run(|_| {
             // Sized for the largest unit up front: growing them would copy.
-            let rows = token_block * heads_per_part;
-            let max_keys = window.map_or(start + n, |w| (w + token_block).min(start + n));
+            let rows = ATTENTION_TOKEN_BLOCK * heads_per_part;
+            let max_keys = window.map_or(start + n, |w| (w + ATTENTION_TOKEN_BLOCK).min(start + n));
             let mut queries = Vec::with_capacity(rows * hd);
             let mut result = Vec::with_capacity(rows * hd);
             let mut scratch = Vec::with_capacity(rows * max_keys);
@@ -451,7 +449,10 @@ impl FastEngine {
                 let unit = units - 1 - taken;
                 let (kv_head, rest) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
                 let (block, part) = (rest / head_parts, rest % head_parts);
-                let (t0, t1) = (block * token_block, ((block + 1) * token_block).min(n));
+                let (t0, t1) = (
+                    block * ATTENTION_TOKEN_BLOCK,
+                    ((block + 1) * ATTENTION_TOKEN_BLOCK).min(n),
+                );
                 let (h0, h1) = (
                     part * heads_per_part,
                     ((part + 1) * heads_per_part).min(group),
@@ -508,7 +509,8 @@ impl FastEngine {
         let first_key = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n_keys = pos + 1 - first_key;
         let part_keys = |part: usize| first_key + n_keys * part / parts;
-        // Unit u = part * n_kv_heads + kv_head owns rows u*group.. of both.
+        // Unit u = kv_head * parts + part owns row u of both outputs, so a
+        // KV head's parts are adjacent.
         let units = c.n_kv_heads * parts;
         let mut partial = vec![0.0f32; units * group * hd];
         let mut log_sums = vec![0.0f32; units * group];
@@ -525,7 +527,7 @@ impl FastEngine {
                 if unit >= units {
                     break;
                 }
-                let (kv_head, part) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
+                let (kv_head, part) = (unit / parts, unit % parts);
                 let (k0, k1) = (part_keys(part), part_keys(part + 1));
                 let (lo, hi) = (self.kv.at(kv_head, k0, hd), self.kv.at(kv_head, k1, hd));
                 let a = GroupAttention {
@@ -549,16 +551,14 @@ impl FastEngine {
                 kern.attend(&a, &mut scratch, o, Some(l));
             }
         });
-        for kv_head in 0..c.n_kv_heads {
-            let unit_rows = |p: usize| p * c.n_kv_heads + kv_head;
-            let part_out: Vec<&[f32]> = (0..parts)
-                .map(|p| &partial[unit_rows(p) * group * hd..(unit_rows(p) + 1) * group * hd])
-                .collect();
-            let part_sums: Vec<&[f32]> = (0..parts)
-                .map(|p| &log_sums[unit_rows(p) * group..(unit_rows(p) + 1) * group])
-                .collect();
-            let heads = kv_head * group * hd..(kv_head + 1) * group * hd;
-            merge_key_parts(&part_out, &part_sums, hd, &mut out[heads]);
+        let heads = partial
+            .chunks_exact(parts * group * hd)
+            .zip(log_sums.chunks_exact(parts * group))
+            .zip(out.chunks_exact_mut(group * hd));
+        for ((head_parts, head_sums), head_out) in heads {
+            let part_out: Vec<&[f32]> = head_parts.chunks_exact(group * hd).collect();
+            let part_sums: Vec<&[f32]> = head_sums.chunks_exact(group).collect();
+            merge_key_parts(&part_out, &part_sums, hd, head_out);
         }
     }
 
