@@ -4,6 +4,7 @@
 
 use crate::engine::{Engine, LogitsWanted};
 use crate::sample::Sampler;
+use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use std::time::Instant;
@@ -12,6 +13,9 @@ use std::time::Instant;
 pub enum StopReason {
     /// A stop token (EOS or end of turn) was sampled; it was not fed.
     StopToken(u32),
+    /// A stop string was generated; it was not shown, and the token that
+    /// completed it was not fed.
+    StopString,
     /// `max_new` tokens were generated.
     Limit,
     /// The context is full.
@@ -65,6 +69,8 @@ pub struct Request<'a> {
     pub prompt: &'a [u32],
     pub max_new: usize,
     pub stop_ids: &'a [u32],
+    /// Text that ends generation when generated; never shown.
+    pub stop_strings: &'a [String],
     /// Checked before every step; `true` ends the reply.
     pub interrupted: &'a dyn Fn() -> bool,
 }
@@ -84,10 +90,29 @@ pub fn generate(
     let logits = engine.forward(req.prompt, LogitsWanted::Last)?;
     history.extend_from_slice(req.prompt);
     let prefill_secs = start.elapsed().as_secs_f64();
-    let mut stats = decode(engine, tok, sampler, logits, req, history, emit)?;
+    let mut stats = decode(engine, tok, sampler, logits, req, history, emit)?.stats;
     stats.prompt_tokens = req.prompt.len();
     stats.prefill_secs = prefill_secs;
     Ok(stats)
+}
+
+/// Where a stop string cut the generated text, so that a caller keeping
+/// the KV cache (chat) can take back what was fed past it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StopCut {
+    /// How many of the fed tokens lie wholly before the stop string.
+    pub tokens_before: usize,
+    /// Text between those tokens' end and the stop string (part of a token
+    /// that also began the stop string; usually empty).
+    pub text_between: String,
+}
+
+/// What [`decode`] did.
+#[derive(Clone, Debug)]
+pub struct Decoded {
+    pub stats: GenerationStats,
+    /// Set when a stop string ended the text.
+    pub cut: Option<StopCut>,
 }
 
 /// The decoding half of [`generate`], for a caller that fed the prompt
@@ -102,10 +127,29 @@ pub fn decode(
     req: &Request<'_>,
     history: &mut Vec<u32>,
     emit: &mut dyn FnMut(&str),
-) -> Result<GenerationStats> {
+) -> Result<Decoded> {
     let mut decoder = tok.stream_decoder();
+    let mut stops = StopStrings::new(req.stop_strings);
+    // The decoded text and where each generated token's text ends in it,
+    // to map a stop string's offset back to tokens.
+    let mut text = String::new();
+    let mut token_ends = Vec::new();
+    let mut cut_at = None;
     let start = Instant::now();
     let mut generated = 0;
+    let mut show = |piece: String, text: &mut String, emit: &mut dyn FnMut(&str)| {
+        text.push_str(&piece);
+        match stops.push(&piece) {
+            Scan::Go(shown) => {
+                emit(&shown);
+                None
+            }
+            Scan::Stop { text: shown, at } => {
+                emit(&shown);
+                Some(at)
+            }
+        }
+    };
     let stop = loop {
         if generated >= req.max_new {
             break StopReason::Limit;
@@ -118,21 +162,46 @@ pub fn decode(
         if req.stop_ids.contains(&next) {
             break StopReason::StopToken(next);
         }
-        emit(&decoder.push(next));
         generated += 1;
+        cut_at = show(decoder.push(next), &mut text, emit);
+        token_ends.push(text.len());
+        if cut_at.is_some() {
+            break StopReason::StopString;
+        }
         if engine.position() >= engine.capacity() {
             break StopReason::ContextFull;
         }
         logits = engine.forward(&[next], LogitsWanted::Last)?;
         history.push(next);
     };
-    emit(&decoder.finish());
-    Ok(GenerationStats {
-        prompt_tokens: 0,
-        prefill_secs: 0.0,
-        generated,
-        decode_secs: start.elapsed().as_secs_f64(),
-        stop,
+    let mut stop = stop;
+    if cut_at.is_none() {
+        // Bytes of an unfinished character, then whatever was held back
+        // as a possible start of a stop string.
+        cut_at = show(decoder.finish(), &mut text, emit);
+        if cut_at.is_some() {
+            stop = StopReason::StopString;
+        } else {
+            emit(&stops.finish());
+        }
+    }
+    let cut = cut_at.map(|at| {
+        let tokens_before = token_ends.iter().take_while(|&&end| end <= at).count();
+        let from = tokens_before.checked_sub(1).map_or(0, |i| token_ends[i]);
+        StopCut {
+            tokens_before,
+            text_between: text[from..at].to_string(),
+        }
+    });
+    Ok(Decoded {
+        stats: GenerationStats {
+            prompt_tokens: 0,
+            prefill_secs: 0.0,
+            generated,
+            decode_secs: start.elapsed().as_secs_f64(),
+            stop,
+        },
+        cut,
     })
 }
 
@@ -142,6 +211,12 @@ pub fn decode(
 pub struct StdoutStream {
     out: std::io::StdoutLock<'static>,
     error: Option<std::io::Error>,
+    /// A reply: white space at its start and end is not shown.
+    trim: bool,
+    /// Nothing but white space has come yet.
+    at_start: bool,
+    /// White space held back until more text follows it.
+    held_space: String,
 }
 
 impl Default for StdoutStream {
@@ -149,13 +224,49 @@ impl Default for StdoutStream {
         StdoutStream {
             out: std::io::stdout().lock(),
             error: None,
+            trim: false,
+            at_start: true,
+            held_space: String::new(),
         }
     }
 }
 
 impl StdoutStream {
+    /// A stream for a reply, which leaves out the white space around it:
+    /// after the dialogue format's `Assistant:` the model's first token is a
+    /// space, and before the `\nUser:` that ends it comes a line break.
+    pub fn reply() -> Self {
+        StdoutStream {
+            trim: true,
+            ..StdoutStream::default()
+        }
+    }
+
     pub fn write(&mut self, piece: &str) {
+        if !self.trim {
+            self.write_out(piece);
+            return;
+        }
+        let piece = if self.at_start {
+            piece.trim_start()
+        } else {
+            piece
+        };
+        let body = piece.trim_end();
+        if !body.is_empty() {
+            self.at_start = false;
+            let space = std::mem::take(&mut self.held_space);
+            self.write_out(&space);
+            self.write_out(body);
+        }
+        self.held_space.push_str(&piece[body.len()..]);
+    }
+
+    fn write_out(&mut self, piece: &str) {
         use std::io::Write;
+        if piece.is_empty() {
+            return;
+        }
         if self.error.is_none()
             && let Err(e) = self
                 .out
@@ -168,7 +279,7 @@ impl StdoutStream {
 
     /// Ends the text with `end` (e.g. a newline) and reports any write error.
     pub fn finish(mut self, end: &str) -> std::io::Result<()> {
-        self.write(end);
+        self.write_out(end);
         self.error.map_or(Ok(()), Err)
     }
 }

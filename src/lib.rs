@@ -11,4 +11,5 @@ pub mod generate;
 pub mod jit;
 pub mod model;
 pub mod sample;
+pub mod stop_strings;
 pub mod tokenizer;

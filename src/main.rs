@@ -95,7 +95,9 @@ struct SamplingArgs {
     /// Drop tokens below this fraction of the top token's probability (0 = off).
     #[arg(long, default_value_t = 0.05)]
     min_p: f32,
-    /// Penalize tokens seen in the last --repeat-last-n (1 = off).
+    /// Penalize tokens seen in the last --repeat-last-n (1 = off). Off by default: in the dialogue
+    /// format a penalty keeps a base model from writing the "\nUser:" that ends its reply, so
+    /// replies ran on and repeated more (tools/chat_defaults.py).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
     /// How many recent tokens the repetition penalty looks at.
@@ -150,9 +152,15 @@ struct GenerationCli {
     /// Instructions that open the first user turn (Gemma has no system role).
     #[arg(long)]
     system: Option<String>,
-    /// A chat template file (JSON, see templates/gemma.json).
-    #[arg(long)]
-    chat_template: Option<PathBuf>,
+    /// Turn format: `gemma` (instruction-tuned models), `dialogue` (User:/Assistant: lines, for
+    /// base models) or a JSON file like templates/gemma.json. Default: gemma when the model ships
+    /// a chat template or its name marks it instruction-tuned (-it), else dialogue.
+    #[arg(long, value_name = "NAME|FILE")]
+    chat_template: Option<String>,
+    /// Text that ends generation when generated (not printed; repeatable). The dialogue format
+    /// adds "\nUser:".
+    #[arg(long = "stop", value_name = "TEXT")]
+    stop: Vec<String>,
     /// The forward pass.
     #[arg(long, value_enum, default_value = "jit")]
     engine: EngineArg,
@@ -178,6 +186,7 @@ impl GenerationCli {
             context: self.context,
             system: self.system,
             chat_template: self.chat_template,
+            stop: self.stop,
             engine: self.engine.into(),
             threads: self.threads,
             in_place: self.mmap,

@@ -142,6 +142,7 @@ fn an_interrupted_reply_still_closes_its_turn() {
     let settings = ReplySettings {
         max_new: 200,
         stop_ids: &stops,
+        stop_strings: &[],
         model_end: &end,
         interrupted: &interrupted,
     };
@@ -193,4 +194,61 @@ fn an_interrupted_reply_still_closes_its_turn() {
     assert_eq!(report.stats.generated, 0);
     assert_eq!(conv.tokens(), held);
     assert_eq!(conv.exchanges(), 1);
+}
+
+#[test]
+fn a_reply_ended_by_a_stop_string_is_cut_there_in_the_cache() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::dialogue(), None, None).unwrap();
+    let mut engine = ReferenceEngine::load(&src).unwrap();
+    let mut conv = Conversation::new(enc.prefix(&tok), 4096);
+    let mut sampler = Sampler::new(SamplerConfig::greedy(), 0);
+    let (stops, end) = (enc.stop_ids(&tok), enc.model_end(&tok));
+    let stop_strings = enc.stop_strings(&[]);
+    let settings = ReplySettings {
+        max_new: 64,
+        stop_ids: &stops,
+        stop_strings: &stop_strings,
+        model_end: &end,
+        interrupted: &|| false,
+    };
+    let user = enc.user_turn(&tok, "What is the capital of France?", true);
+    let mut text = String::new();
+    let report = reply::reply(
+        &mut conv,
+        &mut engine,
+        &tok,
+        &mut sampler,
+        &user,
+        &settings,
+        &mut |_, _| {},
+        &mut |piece| text.push_str(piece),
+    )
+    .unwrap();
+    assert_eq!(report.stats.stop, StopReason::StopString, "{text:?}");
+    assert!(text.contains("Paris"), "{text:?}");
+    assert!(
+        !text.contains("User"),
+        "the stop string was shown: {text:?}"
+    );
+    // The cache holds the reply up to the stop string and the end of turn:
+    // the tokens that began "\nUser:" were taken back.
+    let held = tok.decode(conv.tokens());
+    assert!(
+        held.ends_with(&format!("Assistant:{text}\n")),
+        "{held:?} should end with the shown reply and the end of turn"
+    );
+    assert_eq!(engine.position(), conv.len());
+
+    // The next turn's logits, on the cut cache, equal a whole prefill.
+    let second = enc.user_turn(&tok, "And of Italy?", false);
+    conv.begin_exchange(&second);
+    let reused = conv.sync(&mut engine, LogitsWanted::All).unwrap();
+    assert_close(
+        &reused,
+        &fresh_rows(&src, conv.tokens(), second.len()),
+        "turn after a stop string",
+    );
 }

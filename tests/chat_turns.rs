@@ -1,8 +1,8 @@
-//! Chat messages to tokens with the Gemma template and the default model's
-//! tokenizer.
+//! Chat messages to tokens with the Gemma and dialogue templates and the
+//! default model's tokenizer, and which template a model gets.
 
 use pulsar::chat::turns::TurnEncoder;
-use pulsar::chat_template::ChatTemplate;
+use pulsar::chat_template::{ChatTemplate, TemplateChoice};
 use pulsar::commands::run::load_tokenizer;
 use pulsar::model::source::ModelSource;
 use pulsar::tokenizer::Tokenizer;
@@ -83,4 +83,92 @@ fn a_template_without_content_is_refused() {
     t.user_turn = "<start_of_turn>user\n".into();
     let err = TurnEncoder::new(t, None, None).err().expect("refused");
     assert!(err.to_string().contains("{content}"), "{err}");
+}
+
+#[test]
+fn dialogue_turns_match_the_template_text() {
+    let tok = tokenizer();
+    let t = ChatTemplate::dialogue();
+    let enc = TurnEncoder::new(t.clone(), None, None).unwrap();
+    let first = [enc.prefix(&tok), enc.user_turn(&tok, "Hi there", true)].concat();
+    assert_eq!(
+        tok.decode(&first),
+        format!("{}User: Hi there\nAssistant:", t.preamble)
+    );
+    assert_eq!(first[0], tok.bos_id());
+    assert_eq!(
+        tok.decode(&enc.user_turn(&tok, "Bye", false)),
+        "User: Bye\nAssistant:"
+    );
+    assert_eq!(enc.stop_strings(&["END".into()]), ["\nUser:", "END"]);
+}
+
+/// A Hugging Face folder: the tiny Gemma 3 weights from the oracle and the
+/// tiny tokenizer, with or without a chat template, under a folder name.
+fn hf_folder(name: &str, chat_template: bool) -> std::path::PathBuf {
+    let dir = std::env::temp_dir()
+        .join(format!("pulsar-template-{}", std::process::id()))
+        .join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let oracle =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle/tiny-gemma3-f16");
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny_hf");
+    for file in ["config.json", "model.safetensors"] {
+        let link = dir.join(file);
+        if !link.exists() {
+            std::os::unix::fs::symlink(oracle.join(file), link).unwrap();
+        }
+    }
+    std::fs::copy(data.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert!(
+        config.get("chat_template").is_some(),
+        "the fixture ships one"
+    );
+    if !chat_template {
+        config.as_object_mut().unwrap().remove("chat_template");
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+fn chosen(dir: &std::path::Path, requested: Option<&str>) -> TemplateChoice {
+    let src = ModelSource::open(dir).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    TemplateChoice::for_model(&src, &tok, requested).unwrap()
+}
+
+#[test]
+fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
+    let shipped = chosen(&hf_folder("tiny-base", true), None);
+    assert_eq!(shipped.template.name, "gemma");
+    assert!(
+        shipped.why.contains("ships a chat template"),
+        "{}",
+        shipped.why
+    );
+
+    let base = chosen(&hf_folder("tiny-base-plain", false), None);
+    assert_eq!(base.template.name, "dialogue");
+    assert!(
+        base.describe().contains("no chat template"),
+        "{}",
+        base.describe()
+    );
+
+    let named = chosen(&hf_folder("tiny-2b-it", false), None);
+    assert_eq!(named.template.name, "gemma");
+    assert!(named.why.contains("tiny-2b-it"), "{}", named.why);
+
+    let forced = chosen(&hf_folder("tiny-2b-it", false), Some("dialogue"));
+    assert_eq!(forced.template.name, "dialogue");
+
+    // The default model is a base model with no template in its file.
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    let default = TemplateChoice::for_model(&src, &tok, None).unwrap();
+    assert_eq!(default.template.name, "dialogue", "{}", default.why);
 }

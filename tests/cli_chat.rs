@@ -88,7 +88,7 @@ fn two_piped_turns_give_two_replies_and_two_stats_lines() {
     // fed right after it).
     let path = model();
     let tok = load_tokenizer(&ModelSource::open(&path).unwrap()).unwrap();
-    let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::dialogue(), None, None).unwrap();
     let turn = |m: &str, first: bool| enc.user_turn(&tok, m, first).len();
     assert_eq!(stats[0].0, turn("Hello, who are you?", true), "{stderr}");
     assert_eq!(
@@ -166,8 +166,19 @@ fn a_conversation_longer_than_the_context_keeps_going() {
     let input: String = (1..=8)
         .map(|i| format!("Tell me fact number {i} about the moon.\n"))
         .collect();
+    // In Gemma's turn format the base model never ends a reply, so every
+    // reply runs to -n and the exchanges have the sizes counted below.
     let out = chat_piped(
-        &["-t", "0", "-n", "40", "-c", "300"],
+        &[
+            "-t",
+            "0",
+            "-n",
+            "40",
+            "-c",
+            "300",
+            "--chat-template",
+            "gemma",
+        ],
         &format!("{input}/stats\n"),
     );
     let stderr = assert_ok(&out);
@@ -198,7 +209,18 @@ fn a_conversation_longer_than_the_context_keeps_going() {
     );
 
     let out = chat_piped(
-        &["-t", "0", "-n", "40", "-c", "160", "--context-full", "stop"],
+        &[
+            "-t",
+            "0",
+            "-n",
+            "40",
+            "-c",
+            "160",
+            "--context-full",
+            "stop",
+            "--chat-template",
+            "gemma",
+        ],
         &input,
     );
     let stderr = text(&out.stderr);
@@ -253,8 +275,14 @@ fn help_shows_the_chat_flags_and_defaults() {
 #[test]
 fn ctrl_c_mid_reply_returns_to_the_prompt_and_quit_exits_zero() {
     let message = "Once upon a time there was a dragon.";
+    // Gemma's turn format, in which the base model never ends its reply:
+    // Ctrl-C must come mid-reply.
+    let gemma = ["--chat-template", "gemma"];
     // The greedy reply's first words, to know when the reply is under way.
-    let head = chat_piped(&["-t", "0", "-n", "8"], &format!("{message}\n"));
+    let head = chat_piped(
+        &[&gemma[..], &["-t", "0", "-n", "8"]].concat(),
+        &format!("{message}\n"),
+    );
     assert_ok(&head);
     let head = text(&head.stdout);
     let first_line = head.trim_start().lines().next().unwrap_or("").to_string();
@@ -266,7 +294,9 @@ fn ctrl_c_mid_reply_returns_to_the_prompt_and_quit_exits_zero() {
     );
 
     let max_new = 4000;
-    let mut cmd = chat_command(&["-t", "0", "-n", &max_new.to_string(), "-c", "8192"]);
+    let max_new_text = max_new.to_string();
+    let mut cmd =
+        chat_command(&[&gemma[..], &["-t", "0", "-n", &max_new_text, "-c", "8192"]].concat());
     cmd.env("TERM", "xterm");
     // Generous: a guard against hanging forever, not a speed requirement.
     let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
@@ -310,4 +340,90 @@ fn ctrl_c_or_ctrl_d_at_the_prompt_exits_zero() {
             other => panic!("Ctrl-{key}: did not exit normally: {other:?}"),
         }
     }
+}
+
+/// The first line on stderr, which must say which chat format is used.
+fn format_line(stderr: &str) -> &str {
+    stderr.lines().next().unwrap_or("")
+}
+
+#[test]
+fn the_base_model_answers_in_the_dialogue_format_and_stops_at_the_next_user_line() {
+    let max_new = 64;
+    let out = chat_piped(
+        &["-t", "0", "-n", &max_new.to_string()],
+        "What is the capital of France?\nAnd what is the capital of Italy?\n",
+    );
+    let stderr = assert_ok(&out);
+    let first = format_line(&stderr);
+    assert!(
+        first.contains("chat format \"dialogue\"") && first.contains("no chat template"),
+        "{stderr}"
+    );
+    let stdout = text(&out.stdout);
+    let replies: Vec<&str> = stdout.lines().collect();
+    assert_eq!(replies.len(), 2, "one line per reply: {stdout:?}");
+    assert!(replies[0].contains("Paris"), "{stdout:?}");
+    assert!(!stdout.contains("User:"), "{stdout:?}");
+    let stats = stats_lines(&stderr);
+    assert_eq!(stats.len(), 2, "{stderr}");
+    // Each reply ended at the stop string, long before -n.
+    assert!(
+        stats
+            .iter()
+            .all(|&(_, generated)| (1..max_new / 2).contains(&generated)),
+        "{stderr}"
+    );
+    // The second turn was fed alone, on the kept cache.
+    let tok = load_tokenizer(&ModelSource::open(&model()).unwrap()).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::dialogue(), None, None).unwrap();
+    assert_eq!(
+        stats[1].0,
+        enc.user_turn(&tok, "And what is the capital of Italy?", false)
+            .len(),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn chat_template_gemma_restores_the_turn_format() {
+    let out = chat_piped(
+        &["-t", "0", "-n", "8", "--chat-template", "gemma"],
+        "Hello! Who are you?\n",
+    );
+    let stderr = assert_ok(&out);
+    assert!(
+        format_line(&stderr).contains("chat format \"gemma\"")
+            && format_line(&stderr).contains("--chat-template gemma"),
+        "{stderr}"
+    );
+    let tok = load_tokenizer(&ModelSource::open(&model()).unwrap()).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::gemma(), None, None).unwrap();
+    let stats = stats_lines(&stderr);
+    assert_eq!(
+        stats,
+        [(enc.user_turn(&tok, "Hello! Who are you?", true).len(), 8)],
+        "the Gemma turn, and (in this format) a reply that runs to -n: {stderr}"
+    );
+
+    let out = chat_command(&["--chat-template", "no-such-format", "-p", "Hi"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("binary runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("gemma, dialogue"), "{stderr}");
+}
+
+#[test]
+fn the_first_screen_names_the_model_and_the_format() {
+    let mut cmd = chat_command(&["-t", "0"]);
+    cmd.env("TERM", "xterm");
+    let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
+    let before = p.exp_string("> ").expect("first prompt");
+    assert!(before.contains("chat format \"dialogue\""), "{before}");
+    assert!(before.contains("Gemma 3 270m"), "{before}");
+    assert!(before.contains("gemma-3-270m-q4_k_m.gguf"), "{before}");
+    p.send_line("/quit").expect("send /quit");
+    p.exp_eof().expect("program ends");
 }

@@ -160,3 +160,64 @@ fn bad_prompts_are_refused_clearly() {
         );
     }
 }
+
+#[test]
+fn a_stop_string_split_across_tokens_ends_the_text_unprinted() {
+    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
+    let want = meta["greedy_text"].as_str().unwrap();
+    // " the capital of the country of France": "ntry of" starts inside
+    // the token "▁country" and ends in "▁of".
+    let stop = "ntry of";
+    let before = &want[..want.find(stop).unwrap()];
+    assert!(before.ends_with(" cou"), "{before:?}");
+    let out = pulsar(&[
+        "run",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "32",
+        "-t",
+        "0",
+        "--raw",
+        "--engine",
+        "reference",
+        "--stop",
+        "nothing like this",
+        "--stop",
+        stop,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{before}\n"));
+    // "▁the ▁capital ▁of ▁the ▁country" and "▁of", which completed it.
+    assert!(stderr.contains("generated 6 tok"), "{stderr}");
+}
+
+#[test]
+fn run_without_raw_uses_the_models_chat_format() {
+    let out = pulsar(&[
+        "run",
+        "-p",
+        "What is the capital of France?",
+        "-n",
+        "48",
+        "-t",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr
+            .lines()
+            .next()
+            .unwrap_or("")
+            .contains("chat format \"dialogue\""),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("Paris"), "{stdout:?}");
+    assert!(
+        !stdout.contains("User:") && !stdout.starts_with(' '),
+        "{stdout:?}"
+    );
+}

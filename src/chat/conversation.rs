@@ -235,6 +235,16 @@ impl Conversation {
         self.sync_to(engine, self.tokens.len(), wanted)
     }
 
+    /// Forgets the tokens from `len` on within the open exchange (the part
+    /// of a reply past a stop string); the cache forgets them at the next
+    /// sync.
+    pub fn take_back(&mut self, len: usize) {
+        let open_start = self.starts.last().copied().unwrap_or(self.prefix_len);
+        let len = len.max(open_start);
+        self.tokens.truncate(len);
+        self.cached = self.cached.min(len);
+    }
+
     /// Takes back the open exchange (a turn stopped before its reply
     /// began), leaving the conversation as it was before it.
     pub fn abandon_exchange(&mut self) {

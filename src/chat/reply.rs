@@ -17,6 +17,8 @@ pub const PREFILL_PIECE: usize = 128;
 pub struct ReplySettings<'a> {
     pub max_new: usize,
     pub stop_ids: &'a [u32],
+    /// Text that ends a reply (the dialogue template's `\nUser:`, `--stop`).
+    pub stop_strings: &'a [String],
     /// Closes the model's turn (`<end_of_turn>\n`).
     pub model_end: &'a [u32],
     pub interrupted: &'a dyn Fn() -> bool,
@@ -113,7 +115,7 @@ pub fn reply(
     // Leave room for the end of turn after the longest allowed reply.
     let room = limit.saturating_sub(conv.len() + settings.model_end.len());
     let max_new = settings.max_new.min(room);
-    let mut stats = generate::decode(
+    let decoded = generate::decode(
         engine,
         tok,
         sampler,
@@ -122,6 +124,7 @@ pub fn reply(
             prompt: &[],
             max_new,
             stop_ids: settings.stop_ids,
+            stop_strings: settings.stop_strings,
             interrupted: settings.interrupted,
         },
         &mut history,
@@ -130,9 +133,17 @@ pub fn reply(
     // `history` now also holds every reply token the loop fed; a stop
     // token it sampled was not fed and is not there.
     conv.push_fed(engine, &history[before..])?;
+    if let Some(cut) = &decoded.cut {
+        // The tokens that began the stop string were fed; the reply ends
+        // where the stop string began, so they are taken back and any
+        // text of the reply they also held is fed in their place.
+        conv.take_back(before + cut.tokens_before);
+        conv.push(&tok.encode_untrusted(&cut.text_between, false));
+    }
     conv.push(settings.model_end);
     conv.sync(engine, LogitsWanted::Last)?;
 
+    let mut stats = decoded.stats;
     stats.prompt_tokens = pending;
     stats.prefill_secs = prefill_secs;
     let cut_by_context = stats.stop == StopReason::ContextFull

@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 pub struct TurnEncoder {
     template: ChatTemplate,
     /// Text that opens the first user turn: system text and the document.
-    preamble: String,
+    opening: String,
 }
 
 impl TurnEncoder {
@@ -29,19 +29,19 @@ impl TurnEncoder {
                 template.name
             );
         }
-        let mut preamble = String::new();
+        let mut opening = String::new();
         if let Some(s) = system.filter(|s| !s.is_empty()) {
-            preamble.push_str(&template.system_prefix.replace("{system}", s));
+            opening.push_str(&template.system_prefix.replace("{system}", s));
         }
         if let Some(d) = document {
-            preamble.push_str(d.trim_end());
-            preamble.push_str("\n\n");
+            opening.push_str(d.trim_end());
+            opening.push_str("\n\n");
         }
-        Ok(TurnEncoder { template, preamble })
+        Ok(TurnEncoder { template, opening })
     }
 
-    /// What every conversation starts with: BOS, the opening of the first
-    /// user turn and the preamble. Being the same for every conversation,
+    /// What every conversation starts with: BOS, the template's preamble,
+    /// the opening of the first user turn and the system text and document. Being the same for every conversation,
     /// it can be fed once at startup and survives /reset in the cache.
     pub fn prefix(&self, tok: &Tokenizer) -> Vec<u32> {
         let mut ids = if self.template.bos {
@@ -49,9 +49,12 @@ impl TurnEncoder {
         } else {
             Vec::new()
         };
+        if !self.template.preamble.is_empty() {
+            ids.extend(tok.encode(&self.template.preamble, false));
+        }
         ids.extend(tok.encode(self.turn_parts().0, false));
-        if !self.preamble.is_empty() {
-            ids.extend(tok.encode_untrusted(&self.preamble, false));
+        if !self.opening.is_empty() {
+            ids.extend(tok.encode_untrusted(&self.opening, false));
         }
         ids
     }
@@ -84,6 +87,14 @@ impl TurnEncoder {
     /// What closes the model's turn, fed after every reply.
     pub fn model_end(&self, tok: &Tokenizer) -> Vec<u32> {
         tok.encode(&self.template.model_end, false)
+    }
+
+    /// Text that ends a reply: the template's own stop strings and the
+    /// user's `--stop` ones.
+    pub fn stop_strings(&self, extra: &[String]) -> Vec<String> {
+        let mut all = self.template.stop_strings.clone();
+        all.extend(extra.iter().cloned());
+        all
     }
 
     /// Ids that end a reply: EOS, `<end_of_turn>` and the template's stop pieces.

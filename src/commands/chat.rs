@@ -10,7 +10,7 @@ use crate::chat::interrupt::Interrupt;
 use crate::chat::reply::{self, ReplyReport, ReplySettings};
 use crate::chat::slash::{self, Line};
 use crate::chat::turns::TurnEncoder;
-use crate::chat_template::ChatTemplate;
+use crate::chat_template::TemplateChoice;
 use crate::engine::Engine;
 use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
@@ -89,6 +89,7 @@ struct Session<'a> {
     conv: Conversation,
     sampler: Sampler,
     stop_ids: Vec<u32>,
+    stop_strings: Vec<String>,
     model_end: Vec<u32>,
     interrupt: Interrupt,
     totals: Totals,
@@ -137,20 +138,17 @@ pub fn run(args: &ChatArgs) -> Result<()> {
 impl<'a> Session<'a> {
     fn open(args: &'a ChatArgs, document: Option<&str>) -> Result<Session<'a>> {
         let start = Instant::now();
-        let spinner = ProgressBar::new_spinner()
-            .with_message(format!("loading {}", args.common.model.display()));
-        spinner.enable_steady_tick(Duration::from_millis(120));
+        // Opening the file only maps it: the format line comes first.
         let src = ModelSource::open(&args.common.model)?;
         let tok = load_tokenizer(&src)?;
-        let template = match &args.common.chat_template {
-            Some(path) => ChatTemplate::from_file(path)?,
-            None => ChatTemplate::gemma(),
-        };
-        let encoder = TurnEncoder::new(template, args.common.system.as_deref(), document)?;
-        spinner.set_message(format!(
+        let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
+        eprintln!("pulsar: {}", choice.describe());
+        let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
+        let spinner = ProgressBar::new_spinner().with_message(format!(
             "preparing the {} engine (converting weights)",
             args.common.engine.name()
         ));
+        spinner.enable_steady_tick(Duration::from_millis(120));
         let mut engine = open_engine(
             src,
             args.common.engine,
@@ -197,6 +195,7 @@ impl<'a> Session<'a> {
         }
         Ok(Session {
             stop_ids: encoder.stop_ids(&tok),
+            stop_strings: encoder.stop_strings(&args.common.stop),
             model_end: encoder.model_end(&tok),
             sampler: Sampler::new(args.common.sampling, args.common.seed),
             interrupt: Interrupt::install()?,
@@ -229,6 +228,7 @@ impl<'a> Session<'a> {
         let settings = ReplySettings {
             max_new: self.args.common.max_new,
             stop_ids: &self.stop_ids,
+            stop_strings: &self.stop_strings,
             model_end: &self.model_end,
             interrupted: &interrupted,
         };
@@ -255,7 +255,7 @@ impl<'a> Session<'a> {
             }
         }
 
-        let mut out = StdoutStream::default();
+        let mut out = StdoutStream::reply();
         let mut bar: Option<ProgressBar> = None;
         self.interrupt.begin_reply();
         let result = reply::reply(

@@ -43,7 +43,10 @@ pub struct GenerationArgs {
     pub seed: u64,
     pub context: usize,
     pub system: Option<String>,
-    pub chat_template: Option<PathBuf>,
+    /// `--chat-template NAME|FILE`; without it the model decides.
+    pub chat_template: Option<String>,
+    /// `--stop TEXT`: text that ends generation, never printed.
+    pub stop: Vec<String>,
     pub engine: EngineKind,
     pub threads: usize,
     /// Use 16-bit weights in place from the mapped file (see

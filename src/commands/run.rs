@@ -2,7 +2,7 @@
 //! time and speeds on stderr.
 
 use super::{GenerationArgs, open_engine};
-use crate::chat_template::ChatTemplate;
+use crate::chat_template::TemplateChoice;
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
@@ -79,12 +79,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let load_start = Instant::now();
     let src = ModelSource::open(&args.common.model)?;
     let tok = load_tokenizer(&src)?;
-    let template = match &args.common.chat_template {
-        Some(path) => Some(ChatTemplate::from_file(path)?),
-        None if tok.chat_template().is_some() => Some(ChatTemplate::gemma()),
-        None => None,
+    let template = if args.raw {
+        None
+    } else {
+        let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
+        eprintln!("pulsar: {}; --raw for plain completion", choice.describe());
+        Some(choice.template)
     };
-    let prompt = match template.as_ref().filter(|_| !args.raw) {
+    let mut stop_strings = template
+        .as_ref()
+        .map_or(Vec::new(), |t| t.stop_strings.clone());
+    stop_strings.extend(args.common.stop.iter().cloned());
+    let prompt = match &template {
         Some(t) => tok.encode(
             &t.user_then_model(&text, args.common.system.as_deref()),
             t.bos,
@@ -132,7 +138,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
     let stops = generate::stop_ids(&tok);
-    let mut out = generate::StdoutStream::default();
+    let mut out = if template.is_some() {
+        generate::StdoutStream::reply()
+    } else {
+        generate::StdoutStream::default()
+    };
     let mut history = Vec::new();
     let stats = generate::generate(
         engine.as_mut(),
@@ -142,6 +152,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             prompt: &prompt,
             max_new,
             stop_ids: &stops,
+            stop_strings: &stop_strings,
             interrupted: &|| false,
         },
         &mut history,
