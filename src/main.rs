@@ -372,6 +372,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if pulsar::cancel::is_interrupted(&e) => {
+            eprintln!("pulsar: {e:#}");
+            ExitCode::from(pulsar::cancel::EXIT_ON_SIGINT)
+        }
         Err(e) => {
             eprintln!("pulsar: {e:#}");
             ExitCode::FAILURE

@@ -8,6 +8,7 @@
 //! global) goes under `pulsar.*` keys.
 
 use crate::engine::packed::{PackedMatrix, WeightFormat};
+use crate::fs_atomic::AtomicFile;
 use crate::model::config::{Family, ModelConfig};
 use crate::model::dequant;
 use crate::model::dtype::DType;
@@ -17,7 +18,7 @@ use crate::model::row_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role, gguf_name};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::path::Path;
 
 /// Data alignment of converted files: a cache line, so kernels may assume
@@ -188,16 +189,19 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
     if output.exists() && output.canonicalize().ok() == input.canonicalize().ok() {
         bail!("{}: the output would overwrite the input", output.display());
     }
-    let file = std::fs::File::create(output)
-        .with_context(|| format!("{}: cannot create", output.display()))?;
-    let mut out = BufWriter::with_capacity(1 << 22, file);
-    out.write_all(&header)?;
+    crate::cancel::install_ctrl_c_flag()?;
+    let mut out = Output {
+        file: AtomicFile::create(output)?,
+        written: 0,
+    };
+    out.write(&header)?;
     let bar = ProgressBar::new(offset).with_style(
         ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
             .expect("valid template")
             .progress_chars("=> "),
     );
     for (p, &at) in planned.iter().zip(&offsets) {
+        crate::cancel::check()?;
         let name = gguf_name(p.role);
         bar.set_message(name.clone());
         let t = src.tensor(p.role, &p.shape)?;
@@ -213,17 +217,14 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
                 .flat_map(|v| v.to_le_bytes())
                 .collect()
         };
-        let target = header.len() as u64 + at;
-        out.seek(SeekFrom::Start(target))
-            .with_context(|| format!("{}: cannot write", output.display()))?;
-        out.write_all(&bytes)
-            .with_context(|| format!("{}: cannot write {name}", output.display()))?;
+        out.pad_to(header.len() as u64 + at)?;
+        out.write(&bytes)?;
         bar.set_position(at + bytes.len() as u64);
     }
     let total = header.len() as u64 + offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
-    let file = out.into_inner().map_err(|e| e.into_error())?;
-    file.set_len(total)?;
-    file.sync_all()?;
+    out.pad_to(total)?;
+    crate::cancel::check()?;
+    out.file.commit()?;
     bar.finish_and_clear();
     eprintln!(
         "convert: wrote {} ({:.1} MB, {} weights, {} tensors)",
@@ -233,4 +234,38 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
         planned.len()
     );
     Ok(())
+}
+
+/// The converted file as it is written: in order, in chunks between which
+/// Ctrl-C is checked (the embedding alone is hundreds of MB).
+struct Output {
+    file: AtomicFile,
+    written: u64,
+}
+
+impl Output {
+    const CHUNK: usize = 1 << 20;
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        for chunk in bytes.chunks(Self::CHUNK) {
+            crate::cancel::check()?;
+            self.file
+                .write_all(chunk)
+                .map_err(|e| self.file.write_error(e))?;
+            self.written += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Zeros up to `at`: the alignment padding between tensors.
+    fn pad_to(&mut self, at: u64) -> Result<()> {
+        let gap = at.checked_sub(self.written).with_context(|| {
+            format!(
+                "{}: tensor data overlaps (at {at}, {} written); this is a bug in convert",
+                self.file.target().display(),
+                self.written
+            )
+        })?;
+        self.write(&vec![0u8; gap as usize])
+    }
 }

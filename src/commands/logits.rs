@@ -3,8 +3,9 @@
 use super::run::load_tokenizer;
 use super::{EngineKind, open_engine};
 use crate::engine::LogitsWanted;
+use crate::fs_atomic::write_atomic;
 use crate::model::source::ModelSource;
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use std::path::Path;
 
 pub struct LogitsArgs<'a> {
@@ -39,8 +40,7 @@ pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
     };
     let logits = engine.forward(&tokens, wanted)?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    std::fs::write(args.output, bytes)
-        .with_context(|| format!("{}: cannot write", args.output.display()))?;
+    write_atomic(args.output, &bytes)?;
     if args.all {
         eprintln!(
             "logits: f32 [{}, {vocab}] -> {}",

@@ -5,6 +5,7 @@ use super::dims::{ModelDims, load_dims};
 use super::kernels::{Compiled, emit_and_verify};
 use super::plan::{Plan, PlanOptions, plan};
 use super::verify::format_instr;
+use crate::fs_atomic::write_atomic;
 use crate::model::fetch::default_model_path;
 use anyhow::{Context, Result, bail};
 use iced_x86::{Decoder, DecoderOptions, Instruction};
@@ -190,10 +191,9 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
         .with_context(|| format!("cannot create --out directory {}", dir.display()))?;
     for k in kernels {
         let bin = dir.join(format!("{}.bin", k.spec.name));
-        std::fs::write(&bin, &k.code).with_context(|| format!("cannot write {}", bin.display()))?;
+        write_atomic(&bin, &k.code)?;
         let asm = dir.join(format!("{}.asm", k.spec.name));
-        std::fs::write(&asm, listing(&k.code))
-            .with_context(|| format!("cannot write {}", asm.display()))?;
+        write_atomic(&asm, listing(&k.code).as_bytes())?;
         eprintln!(
             "objdump -D -b binary -mi386:x86-64 -M intel {}",
             bin.display()

@@ -87,6 +87,12 @@ pub fn emit_and_verify_specs(
 /// Appends one line per kernel to `/tmp/perf-<pid>.map`, the file Linux
 /// `perf report` reads to name samples in JIT code (`PULSAR_PERF_MAP=1`).
 /// Profiling aid only: a failure to write is reported and otherwise ignored.
+///
+/// Not written through `fs_atomic`: the path is fixed by perf's protocol,
+/// the file belongs to this one process (its pid is in the name) and is
+/// appended to by design — each `KernelSet` of the process adds its lines,
+/// which a rename-over would drop. A torn last line from a crash only
+/// costs perf a symbol name; nobody keeps the file.
 fn write_perf_map(base: usize, kernels: &[Compiled]) {
     use std::io::Write;
     let path = format!("/tmp/perf-{}.map", std::process::id());

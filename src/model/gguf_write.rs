@@ -303,9 +303,9 @@ impl GgufWriter {
         out
     }
 
-    /// Writes the file to `path`.
-    pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        std::fs::write(path, self.to_bytes())
+    /// Writes the file to `path`, whole or not at all.
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        crate::fs_atomic::write_atomic(path, &self.to_bytes())
     }
 }
 
