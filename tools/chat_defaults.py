@@ -47,10 +47,11 @@ def main() -> int:
                     help="extra chat flags for one setting (repeatable)")
     args = ap.parse_args()
     print(f"{len(QUESTIONS)} questions x {args.seeds} seeds, -n {args.n}")
-    print("| setting | replies | repeating | run to -n | mean tokens |")
-    print("|---|---|---|---|---|")
+    print("| setting | format | replies | repeating | run to -n | mean tokens |")
+    print("|---|---|---|---|---|---|")
     for setting in args.setting or [""]:
         total = repeating = to_limit = tokens = 0
+        formats = set()
         for seed in range(1, args.seeds + 1):
             for question in QUESTIONS:
                 # `chat -p` is one fresh conversation of one turn.
@@ -60,11 +61,13 @@ def main() -> int:
                     cmd += ["-m", args.model]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 n = int(re.findall(r"generated (\d+) tok", out.stderr)[-1])
+                formats.update(re.findall(r'chat format "([^"]+)"', out.stderr))
                 total += 1
                 tokens += n
                 repeating += repeats(out.stdout)
                 to_limit += n >= args.n
-        print(f"| `{setting or '(defaults)'}` | {total} | {repeating} | {to_limit} | "
+        print(f"| `{setting or '(defaults)'}` | {', '.join(sorted(formats))} | {total} | "
+              f"{repeating} | {to_limit} | "
               f"{tokens / max(total, 1):.1f} |")
         sys.stdout.flush()
     return 0

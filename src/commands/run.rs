@@ -79,18 +79,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let load_start = Instant::now();
     let src = ModelSource::open(&args.common.model)?;
     let tok = load_tokenizer(&src)?;
-    let template = if args.raw {
+    let choice = if args.raw {
         None
     } else {
-        let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
-        eprintln!("pulsar: {}; --raw for plain completion", choice.describe());
-        Some(choice.template)
+        Some(TemplateChoice::for_model(
+            &src,
+            &tok,
+            args.common.chat_template.as_deref(),
+        )?)
     };
-    let mut stop_strings = template
-        .as_ref()
-        .map_or(Vec::new(), |t| t.stop_strings.clone());
+    let template = choice.as_ref().map(|c| &c.template);
+    let mut stop_strings = template.map_or(Vec::new(), |t| t.stop_strings.clone());
     stop_strings.extend(args.common.stop.iter().cloned());
-    let prompt = match &template {
+    let prompt = match template {
         Some(t) => tok.encode(
             &t.user_then_model(&text, args.common.system.as_deref()),
             t.bos,
@@ -121,6 +122,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // ends, whichever engine runs (the reference engine's own capacity is
     // the model maximum, not -c).
     let max_new = args.common.max_new.min(context - prompt.len());
+    // Said once the prompt is known to fit, so that a refusal stays one line.
+    if let Some(choice) = &choice {
+        eprintln!("pulsar: {}; --raw for plain completion", choice.describe());
+    }
     let mut engine = open_engine(
         src,
         args.common.engine,
