@@ -76,6 +76,27 @@ impl From<DtypeArg> for WeightFormat {
     }
 }
 
+/// `--dtype` of the commands that run a model.
+#[derive(Clone, Copy, ValueEnum)]
+enum RunDtypeArg {
+    /// The file's own types where a kernel reads them (the Q8_0 embedding and LM head), the rest FP16.
+    Native,
+    /// Every matrix widened to FP16.
+    F16,
+    /// Every matrix as BF16.
+    Bf16,
+}
+
+impl From<RunDtypeArg> for commands::Dtype {
+    fn from(d: RunDtypeArg) -> commands::Dtype {
+        match d {
+            RunDtypeArg::Native => commands::Dtype::Native,
+            RunDtypeArg::F16 => commands::Dtype::F16,
+            RunDtypeArg::Bf16 => commands::Dtype::Bf16,
+        }
+    }
+}
+
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -167,6 +188,9 @@ struct GenerationCli {
     /// Worker threads, the caller included.
     #[arg(long, default_value_t = default_threads())]
     threads: usize,
+    /// Formats of the fast engine's matrices.
+    #[arg(long, value_enum, default_value = "native")]
+    dtype: RunDtypeArg,
     /// Use the weights of a `pulsar convert` file in place from the mapped
     /// file instead of copying them into huge-page memory (loads faster;
     /// decodes slower here). Other files are copied as usual.
@@ -190,6 +214,7 @@ impl GenerationCli {
             engine: self.engine.into(),
             threads: self.threads,
             in_place: self.mmap,
+            dtype: self.dtype.into(),
         })
     }
 }
@@ -255,6 +280,9 @@ enum Command {
         engine: EngineArg,
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
+        /// Formats of the fast engine's matrices.
+        #[arg(long, value_enum, default_value = "native")]
+        dtype: RunDtypeArg,
     },
     /// Plan, emit and verify the JIT kernels for a model and print them.
     Dump(DumpArgs),
@@ -279,9 +307,9 @@ enum Command {
         /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m).
         #[arg(long)]
         shape: Option<String>,
-        /// Packed weight format (default: bf16 checkpoints stay bf16, the rest f16).
-        #[arg(long, value_enum)]
-        dtype: Option<DtypeArg>,
+        /// Formats of the matrices (random weights: native means f16).
+        #[arg(long, value_enum, default_value = "native")]
+        dtype: RunDtypeArg,
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
         /// Prompt tokens for the prefill measurement.
@@ -324,6 +352,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             output,
             engine,
             threads,
+            dtype,
         } => commands::logits::run(&commands::logits::LogitsArgs {
             model: &commands::resolve_model(model.as_deref())?,
             tokens: &tokens,
@@ -332,6 +361,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             output: &output,
             engine: engine.into(),
             threads,
+            dtype: dtype.into(),
         }),
         Command::Dump(a) => run_dump_command(&a),
         Command::Tune(a) => run_tune_command(&a),
@@ -352,7 +382,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         } => commands::bench_command(
             model.as_deref(),
             shape.as_deref(),
-            dtype.map(Into::into),
+            dtype.into(),
             threads,
             mmap,
             &commands::bench::BenchArgs {

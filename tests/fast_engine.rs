@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use pulsar::engine::fast::{FastEngine, FastOptions};
+use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::kernels::{MatKernels, PortableKernels};
 use pulsar::engine::packed::WeightFormat;
@@ -21,7 +21,7 @@ type MakeKernels = fn(&ModelConfig, WeightFormat) -> Box<dyn MatKernels>;
 fn kernel_sets() -> Vec<(&'static str, MakeKernels)> {
     vec![
         ("jit", |c, f| {
-            Box::new(JitKernels::build(c, f, 2).expect("JIT builds on this CPU"))
+            Box::new(JitKernels::build(c, WeightFormats::uniform(f), 2).expect("JIT builds on this CPU"))
         }),
         ("portable", |_, _| Box::new(PortableKernels)),
     ]
@@ -50,6 +50,7 @@ fn check(fixture: &str, reference: &str, dtype: &str, tolerance: f32) {
                 // in place falls back to converting (tests/convert.rs
                 // covers the zero-copy load of a converted file).
                 in_place: threads == 2,
+                keep_q8_0: false,
             };
             let format = FastEngine::weight_format_for(&src, &opts).unwrap();
             let mut engine =
@@ -112,6 +113,7 @@ fn context_overflow_is_an_error() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
+        keep_q8_0: false,
     };
     let mut engine = FastEngine::load(&src, Box::new(PortableKernels), &opts).unwrap();
     engine.forward(&[2, 5, 6], LogitsWanted::Last).unwrap();
@@ -132,10 +134,11 @@ fn real_model_jit_logits_within_fp16_yardstick() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
+        keep_q8_0: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     assert_eq!(format, WeightFormat::F16);
-    let kernels = Box::new(JitKernels::build(&src.config, format, 2).unwrap());
+    let kernels = Box::new(JitKernels::build(&src.config, WeightFormats::uniform(format), 2).unwrap());
     let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
     assert!(engine.kernels_name().starts_with("jit"));
     let logits = engine.forward(&prompt, LogitsWanted::Last).unwrap();
@@ -171,9 +174,10 @@ fn jit_matches_portable_on_awkward_shapes() {
             format: Some(WeightFormat::F16),
             prefill_chunk: 4,
             in_place: false,
+            keep_q8_0: false,
         };
         let jit =
-            Box::new(JitKernels::build(&src.config, WeightFormat::F16, 2).expect("JIT builds"));
+            Box::new(JitKernels::build(&src.config, WeightFormats::uniform(WeightFormat::F16), 2).expect("JIT builds"));
         let mut a = FastEngine::load(&src, jit, &opts).unwrap();
         let mut b = FastEngine::load(&src, Box::new(PortableKernels), &opts).unwrap();
         let la = a.forward(&fx.input, LogitsWanted::All).unwrap();

@@ -3,7 +3,7 @@
 //! (f32 accumulation everywhere, 16-bit weights).
 
 use pulsar::commands::jit_kernels;
-use pulsar::engine::fast::{FastEngine, FastOptions};
+use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::model::fetch::default_model_path;
 use pulsar::model::source::ModelSource;
@@ -19,9 +19,10 @@ fn logits_stay_finite_over_4096_tokens() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
+        keep_q8_0: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
-    let kernels = jit_kernels(&src.config, format, 2).unwrap();
+    let kernels = jit_kernels(&src.config, WeightFormats::uniform(format), 2).unwrap();
     let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
     let vocab = src.config.vocab_size;
     // A repetitive but varied text: ids spread over the vocabulary.

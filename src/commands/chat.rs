@@ -155,6 +155,7 @@ impl<'a> Session<'a> {
             args.common.threads,
             args.common.context,
             args.common.in_place,
+            args.common.dtype,
         )?;
         spinner.finish_and_clear();
 

@@ -141,6 +141,14 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
             .unwrap_or(WeightFormat::F16)
     });
 
+    // The file types convert writes: 16-bit row blocks. (Q8_0 row blocks
+    // have no private file type yet.)
+    let Some(matrix_dtype) = format.row_blocked_dtype() else {
+        bail!(
+            "convert writes f16 or bf16 row blocks; --dtype {} is not a file format yet",
+            format.name()
+        );
+    };
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
     write_config(&mut w, &c, format);
@@ -169,7 +177,7 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
             (DType::F32, p.shape.iter().product::<usize>() * 4)
         } else {
             (
-                format.row_blocked_dtype(),
+                matrix_dtype,
                 row_blocks::padded_len(p.shape[0], p.shape[1]) * 2,
             )
         };
@@ -211,11 +219,7 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
                 .flat_map(|v| (v + c.norm_weight_offset).to_le_bytes())
                 .collect()
         } else {
-            PackedMatrix::convert(&t, format)
-                .data()
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect()
+            PackedMatrix::convert(&t, format).raw().to_vec()
         };
         out.pad_to(header.len() as u64 + at)?;
         out.write(&bytes)?;

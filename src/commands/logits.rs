@@ -1,7 +1,7 @@
 //! `pulsar logits`: raw logits of a token sequence, for comparing engines.
 
 use super::run::load_tokenizer;
-use super::{EngineKind, open_engine};
+use super::{Dtype, EngineKind, open_engine};
 use crate::engine::LogitsWanted;
 use crate::fs_atomic::write_atomic;
 use crate::model::source::ModelSource;
@@ -17,6 +17,7 @@ pub struct LogitsArgs<'a> {
     pub output: &'a Path,
     pub engine: EngineKind,
     pub threads: usize,
+    pub dtype: Dtype,
 }
 
 pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
@@ -32,7 +33,14 @@ pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary (size {vocab})");
     }
-    let mut engine = open_engine(src, args.engine, args.threads, tokens.len(), false)?;
+    let mut engine = open_engine(
+        src,
+        args.engine,
+        args.threads,
+        tokens.len(),
+        false,
+        args.dtype,
+    )?;
     let wanted = if args.all {
         LogitsWanted::All
     } else {

@@ -8,7 +8,7 @@ pub mod run;
 pub mod tokenize;
 
 use crate::engine::Engine;
-use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions};
+use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions, WeightFormats};
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
@@ -52,6 +52,8 @@ pub struct GenerationArgs {
     /// Use 16-bit weights in place from the mapped file (see
     /// [`FastOptions::in_place`]).
     pub in_place: bool,
+    /// The formats the fast engine keeps its matrices in.
+    pub dtype: Dtype,
 }
 
 /// Which forward pass to run.
@@ -72,6 +74,41 @@ impl EngineKind {
     }
 }
 
+/// `--dtype`: the formats the fast engine keeps its matrices in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dtype {
+    /// The file's own types where a kernel reads them (today the Q8_0
+    /// embedding and LM head); the rest as FP16 (BF16 checkpoints as BF16).
+    #[default]
+    Native,
+    /// Every matrix as FP16.
+    F16,
+    /// Every matrix as BF16.
+    Bf16,
+}
+
+impl Dtype {
+    /// The packed 16-bit format asked for, if one is.
+    pub fn format(self) -> Option<WeightFormat> {
+        match self {
+            Dtype::Native => None,
+            Dtype::F16 => Some(WeightFormat::F16),
+            Dtype::Bf16 => Some(WeightFormat::BF16),
+        }
+    }
+
+    pub fn fast_options(self, threads: usize, context: usize, in_place: bool) -> FastOptions {
+        FastOptions {
+            threads,
+            context,
+            format: self.format(),
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            in_place,
+            keep_q8_0: self == Dtype::Native,
+        }
+    }
+}
+
 /// Builds the chosen engine for an opened model. A CPU the JIT cannot
 /// serve gets the reason on stderr and the reference engine; a kernel that
 /// fails verification stops the program.
@@ -81,19 +118,14 @@ pub fn open_engine(
     threads: usize,
     context: usize,
     in_place: bool,
+    dtype: Dtype,
 ) -> Result<Box<dyn Engine>> {
     if kind == EngineKind::Reference {
         return Ok(Box::new(ReferenceEngine::load(&src)?));
     }
-    let opts = FastOptions {
-        threads,
-        context,
-        format: None,
-        prefill_chunk: DEFAULT_PREFILL_CHUNK,
-        in_place,
-    };
-    let format = FastEngine::weight_format_for(&src, &opts)?;
-    match JitKernels::for_this_cpu(&src.config, format, threads)? {
+    let opts = dtype.fast_options(threads, context, in_place);
+    let formats = FastEngine::weight_formats(&src, &opts)?;
+    match JitKernels::for_this_cpu(&src.config, formats, threads)? {
         Some(kernels) => Ok(Box::new(FastEngine::load(
             &Arc::new(src),
             Box::new(kernels),
@@ -106,29 +138,23 @@ pub fn open_engine(
 /// The JIT's kernels for this model on this CPU.
 pub fn jit_kernels(
     config: &ModelConfig,
-    format: WeightFormat,
+    formats: WeightFormats,
     threads: usize,
 ) -> Result<Box<dyn MatKernels>> {
-    Ok(Box::new(JitKernels::build(config, format, threads)?))
+    Ok(Box::new(JitKernels::build(config, formats, threads)?))
 }
 
 /// `pulsar bench`: a real model, or a known shape on random weights.
 pub fn bench_command(
     model: Option<&Path>,
     shape: Option<&str>,
-    format: Option<WeightFormat>,
+    dtype: Dtype,
     threads: usize,
     in_place: bool,
     args: &bench::BenchArgs,
 ) -> Result<()> {
     let context = args.prompt_tokens + args.generate_tokens + 2;
-    let opts = FastOptions {
-        threads,
-        context,
-        format,
-        prefill_chunk: DEFAULT_PREFILL_CHUNK,
-        in_place,
-    };
+    let opts = dtype.fast_options(threads, context, in_place);
     let (mut engine, name) = match shape {
         Some(name) => {
             let Some(config) = presets::shape(name) else {
@@ -138,9 +164,9 @@ pub fn bench_command(
                 );
             };
             eprintln!("bench: making random {name} weights");
-            let format = format.unwrap_or(WeightFormat::F16);
+            let format = dtype.format().unwrap_or(WeightFormat::F16);
             let weights = synthetic::random_weights(&config, format, 1);
-            let kernels = jit_kernels(&config, format, threads)?;
+            let kernels = jit_kernels(&config, WeightFormats::uniform(format), threads)?;
             (
                 FastEngine::new(config, weights, kernels, &opts)?,
                 format!("{name} (random weights)"),
@@ -149,19 +175,15 @@ pub fn bench_command(
         None => {
             let path = resolve_model(model)?;
             let src = Arc::new(ModelSource::open(&path)?);
-            let format = FastEngine::weight_format_for(&src, &opts)?;
-            let kernels = jit_kernels(&src.config, format, threads)?;
+            let formats = FastEngine::weight_formats(&src, &opts)?;
+            let kernels = jit_kernels(&src.config, formats, threads)?;
             (
                 FastEngine::load(&src, kernels, &opts)?,
                 path.display().to_string(),
             )
         }
     };
-    let dtype = engine_weights_name(&engine);
+    let dtype = engine.formats().describe();
     let report = bench::run(&mut engine, &name, &dtype, args)?;
     bench::print(&report, args.json)
-}
-
-fn engine_weights_name(engine: &FastEngine) -> String {
-    engine.weight_format().name().to_string()
 }

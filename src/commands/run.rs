@@ -132,6 +132,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         args.common.threads,
         context,
         args.common.in_place,
+        args.common.dtype,
     )?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",

@@ -8,9 +8,12 @@
 use super::kernels::{GroupAttention, MatKernels, SharedOut, merge_key_parts};
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
+use super::q8_input::Q8Input;
 use super::pool::{ThreadPool, split_range};
 use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
+use crate::model::dtype::DType;
+use crate::model::q8_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LayerWeights, ModelWeights};
 use anyhow::{Result, bail};
@@ -62,6 +65,34 @@ impl FlatKv {
     }
 }
 
+/// The packed formats of an engine's matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightFormats {
+    /// Every layer matrix (the 16-bit kernels are planned for one format).
+    pub layers: WeightFormat,
+    /// The tied embedding and LM head.
+    pub head: WeightFormat,
+}
+
+impl WeightFormats {
+    /// All matrices in one format.
+    pub fn uniform(format: WeightFormat) -> WeightFormats {
+        WeightFormats {
+            layers: format,
+            head: format,
+        }
+    }
+
+    /// "f16", or "f16 + q8_0 LM head".
+    pub fn describe(&self) -> String {
+        if self.head == self.layers {
+            self.layers.name().to_string()
+        } else {
+            format!("{} + {} LM head", self.layers.name(), self.head.name())
+        }
+    }
+}
+
 /// Options for building the fast engine.
 pub struct FastOptions {
     pub threads: usize,
@@ -71,6 +102,10 @@ pub struct FastOptions {
     pub format: Option<WeightFormat>,
     /// Tokens per prefill GEMM.
     pub prefill_chunk: usize,
+    /// Keep a Q8_0 embedding (the tied LM head) in Q8_0 for the integer
+    /// kernels instead of widening it to `format`: half the bytes a decode
+    /// step streams for it, and the same values.
+    pub keep_q8_0: bool,
     /// Use matrices a mapped file already stores in the kernels' format
     /// and layout (a `pulsar convert` file) in place (zero-copy) instead of
     /// copying them into the huge-page arena. In place loads faster and
@@ -90,7 +125,7 @@ impl FastEngine {
         opts: &FastOptions,
     ) -> Result<Self> {
         let owner: Arc<dyn Send + Sync> = src.clone();
-        let format = Self::weight_format_for(src, opts)?;
+        let formats = Self::weight_formats(src, opts)?;
         let c = &src.config;
         // One arena for every matrix that needs converting.
         let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
@@ -98,19 +133,43 @@ impl FastEngine {
             .into_iter()
             .chain([(c.intermediate, c.hidden), (c.intermediate, c.hidden)])
             .chain([(c.hidden, c.intermediate)])
-            .map(|(rows, cols)| WeightArena::footprint(rows, cols))
+            .map(|(rows, cols)| WeightArena::footprint(formats.layers, rows, cols))
             .sum::<usize>();
         let arena = WeightArena::new(
-            per_layer * c.n_layers() + WeightArena::footprint(c.vocab_size, c.hidden),
+            per_layer * c.n_layers()
+                + WeightArena::footprint(formats.head, c.vocab_size, c.hidden),
         );
-        let weights = ModelWeights::load(src, |_, t| {
-            if opts.in_place && t.dtype == format.row_blocked_dtype() {
+        let weights = ModelWeights::load(src, |role, t| {
+            let format = if role == Role::Embedding {
+                formats.head
+            } else {
+                formats.layers
+            };
+            if opts.in_place && Some(t.dtype) == format.row_blocked_dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
                 Ok(PackedMatrix::convert_into(&t, format, &arena))
             }
         })?;
         Self::new(src.config.clone(), weights, kernels, opts)
+    }
+
+    /// The packed formats of a model's matrices, decided once: the layers'
+    /// (see [`FastEngine::weight_format_for`]) and the embedding's, which
+    /// stays Q8_0 when the file stores it so and `keep_q8_0` is set.
+    pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
+        let layers = Self::weight_format_for(src, opts)?;
+        let c = &src.config;
+        let embedding = src.tensor(Role::Embedding, &[c.vocab_size, c.hidden])?;
+        let head = if opts.keep_q8_0
+            && embedding.dtype == DType::Q8_0
+            && q8_blocks::fits(c.hidden)
+        {
+            WeightFormat::Q8_0
+        } else {
+            layers
+        };
+        Ok(WeightFormats { layers, head })
     }
 
     /// The one packed format all matrices get (the kernels are planned for
@@ -173,9 +232,12 @@ impl FastEngine {
             })
     }
 
-    /// The packed format of the layer weights.
-    pub fn weight_format(&self) -> WeightFormat {
-        self.weights.embedding.format
+    /// The packed formats of the matrices.
+    pub fn formats(&self) -> WeightFormats {
+        WeightFormats {
+            layers: self.weights.layers.first().map_or(self.weights.embedding.format, |l| l.q.format),
+            head: self.weights.embedding.format,
+        }
     }
 
     pub fn kernels_name(&self) -> String {
@@ -218,7 +280,10 @@ impl FastEngine {
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
-            work.push((w, x, SharedOut::new(y, w.rows)));
+            // An integer kernel's input is quantized once, here, for every
+            // thread's chunk of rows.
+            let q8 = (w.format == WeightFormat::Q8_0).then(|| Q8Input::quantize(x, w.cols));
+            work.push((w, x, q8, SharedOut::new(y, w.rows)));
         }
         // Rows are handed out from a shared counter rather than split evenly
         // up front, so a thread slowed by anything (another process, a
@@ -232,8 +297,9 @@ impl FastEngine {
         let threads = self.pool.threads();
         let next: Vec<AtomicUsize> = work.iter().map(|_| AtomicUsize::new(0)).collect();
         self.pool.run(|_| {
-            for ((w, x, out), next) in work.iter().zip(&next) {
-                let min_rows = (MIN_CHUNK_BYTES / (w.cols * 2).max(1))
+            for ((w, x, q8, out), next) in work.iter().zip(&next) {
+                let row_bytes = w.bytes() / w.rows.next_multiple_of(ROW_GRANULE).max(1);
+                let min_rows = (MIN_CHUNK_BYTES / row_bytes.max(1))
                     .max(1)
                     .next_multiple_of(ROW_GRANULE);
                 let mut r0 = next.load(Ordering::Relaxed);
@@ -250,8 +316,12 @@ impl FastEngine {
                         Ordering::Relaxed,
                     ) {
                         Ok(_) => {
+                            let rows = r0..r0 + size;
                             // SAFETY: each chunk of rows goes to exactly one thread.
-                            unsafe { self.kernels.gemm(w, x, r0..r0 + size, *out) };
+                            match q8 {
+                                Some(q8) => unsafe { self.kernels.gemm_q8(w, q8, rows, *out) },
+                                None => unsafe { self.kernels.gemm(w, x, rows, *out) },
+                            }
                             r0 = next.load(Ordering::Relaxed);
                         }
                         Err(now) => r0 = now,

@@ -2,23 +2,26 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
-use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut};
+use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut, gemm_q8_portable};
 use super::packed::{PackedMatrix, WeightFormat};
+use super::q8_input::Q8Input;
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::KernelSet;
 use crate::jit::plan::PlanOptions;
+use super::fast::WeightFormats;
 use crate::model::config::ModelConfig;
 use anyhow::{Result, bail};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 use std::ops::Range;
 
+/// The 16-bit kernels' weight type; Q8_0 matrices have kernels of their own.
 fn weight_type(f: WeightFormat) -> WeightType {
     match f {
-        WeightFormat::F16 => WeightType::F16,
         WeightFormat::BF16 => WeightType::Bf16,
+        _ => WeightType::F16,
     }
 }
 
@@ -37,12 +40,17 @@ impl JitKernels {
     /// program rather than run unverified code.
     pub fn for_this_cpu(
         config: &ModelConfig,
-        format: WeightFormat,
+        formats: WeightFormats,
         threads: usize,
     ) -> Result<Option<JitKernels>> {
         let opts = PlanOptions {
             threads,
-            weights: weight_type(format),
+            weights: weight_type(formats.layers),
+            q8_0_ks: if formats.head == WeightFormat::Q8_0 {
+                vec![config.hidden]
+            } else {
+                Vec::new()
+            },
             ..PlanOptions::default()
         };
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
@@ -60,8 +68,12 @@ impl JitKernels {
 
     /// Like [`JitKernels::for_this_cpu`], but a CPU without the JIT's
     /// baseline is an error too (benchmarks and tests need the JIT).
-    pub fn build(config: &ModelConfig, format: WeightFormat, threads: usize) -> Result<JitKernels> {
-        match Self::for_this_cpu(config, format, threads)? {
+    pub fn build(
+        config: &ModelConfig,
+        formats: WeightFormats,
+        threads: usize,
+    ) -> Result<JitKernels> {
+        match Self::for_this_cpu(config, formats, threads)? {
             Some(k) => Ok(k),
             None => bail!("this CPU cannot run the JIT kernels (AVX2, F16C and FMA are needed)"),
         }
@@ -97,6 +109,22 @@ impl MatKernels for JitKernels {
         } else {
             // A K the plan did not cover: keep going, correctly, in Rust.
             unsafe { PortableKernels.gemm(w, x, rows, y) };
+        }
+    }
+
+    unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
+        let Some(k) = self.set.gemv_q8(w.cols) else {
+            // A K the plan did not cover: keep going, correctly, in Rust.
+            return unsafe { gemm_q8_portable(w, x, rows, y) };
+        };
+        // One pass over the rows per token: the LM head at prefill wants
+        // only the last token's logits, so several tokens here are rare
+        // (`logits --all`, perplexity).
+        for t in 0..x.tokens() {
+            // SAFETY: the caller owns columns `rows` of y.
+            let part = unsafe { y.cells(t, rows.clone()) };
+            k.run_part(w.raw(), x.token(t), part, rows.clone())
+                .expect("Q8_0 GEMV arguments sized by the engine");
         }
     }
 

@@ -4,6 +4,8 @@
 
 use super::ops::{self, dot};
 use super::packed::PackedMatrix;
+use super::q8_input::{Q8Input, dot_i8};
+use crate::model::q8_blocks;
 use std::ops::Range;
 
 /// A row-major `[tokens, stride]` f32 output that several threads write
@@ -161,6 +163,16 @@ pub trait MatKernels: Sync {
     /// No other thread may touch columns `rows` of `y` meanwhile.
     unsafe fn gemm(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut);
 
+    /// `y[t][r] = W[r,:] · x[t,:]` for Q8_0 weights and inputs quantized
+    /// to 8 bits (integer dot products per 32-value block, each scaled by
+    /// the two blocks' scales).
+    ///
+    /// # Safety
+    /// No other thread may touch columns `rows` of `y` meanwhile.
+    unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
+        unsafe { gemm_q8_portable(w, x, rows, y) }
+    }
+
     /// A short name for reports ("jit avx2", "portable").
     fn name(&self) -> String;
 
@@ -215,6 +227,28 @@ pub trait MatKernels: Sync {
                     *o += w * v;
                 }
             }
+        }
+    }
+}
+
+/// The integer Q8_0 product in plain Rust: the arithmetic the JIT's kernel
+/// performs, in another order of the f32 sums.
+///
+/// # Safety
+/// No other thread may touch columns `rows` of `y` meanwhile.
+pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
+    let data = w.raw();
+    let groups = w.cols / q8_blocks::GROUP_COLS;
+    for r in rows {
+        for t in 0..x.tokens() {
+            let mut sum = 0.0f32;
+            for g in 0..groups {
+                let (dw, qw) = q8_blocks::group(data, r, g, w.cols);
+                let (dx, qx) = x.group(t, g);
+                sum += dot_i8(qw, qx) as f32 * (dw * dx);
+            }
+            // SAFETY: the caller owns columns `rows` of y.
+            unsafe { y.cells(t, r..r + 1)[0] = sum };
         }
     }
 }

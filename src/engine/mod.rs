@@ -8,6 +8,7 @@ pub mod membench;
 pub mod ops;
 pub mod packed;
 pub mod pool;
+pub mod q8_input;
 pub mod reference;
 pub mod synthetic;
 

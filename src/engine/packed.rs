@@ -1,21 +1,25 @@
 //! Weight matrices in the kernels' layout: 16-bit floats, FP16 or BF16, in
-//! row blocks (`model::row_blocks`), either owned (converted at load) or
-//! borrowed zero-copy from a memory-mapped file that already stores them
+//! row blocks (`model::row_blocks`), or the file's own Q8_0 blocks regrouped
+//! into row blocks (`model::q8_blocks`); either owned (converted at load)
+//! or borrowed zero-copy from a memory-mapped file that already stores them
 //! that way (written by `pulsar convert`).
 
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
-use crate::model::row_blocks;
+use crate::model::{q8_blocks, row_blocks};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use memmap2::MmapMut;
 use std::sync::Arc;
 
-/// The 16-bit format of packed weights.
+/// The format of packed weights: 16-bit floats, or Q8_0 blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     F16,
     BF16,
+    /// GGUF's Q8_0 (8-bit quants, an f16 scale per 32), read by the
+    /// integer kernels.
+    Q8_0,
 }
 
 impl WeightFormat {
@@ -23,6 +27,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => "f16",
             WeightFormat::BF16 => "bf16",
+            WeightFormat::Q8_0 => "q8_0",
         }
     }
 
@@ -30,14 +35,30 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => DType::F16,
             WeightFormat::BF16 => DType::BF16,
+            WeightFormat::Q8_0 => DType::Q8_0,
         }
     }
 
-    /// The file type of matrices already in this format and layout.
-    pub fn row_blocked_dtype(self) -> DType {
+    /// Whether values are stored one 16-bit float each.
+    pub fn is_16bit(self) -> bool {
+        matches!(self, WeightFormat::F16 | WeightFormat::BF16)
+    }
+
+    /// The file type of matrices already in this format and layout, which
+    /// can be used in place (Q8_0 row blocks have no file type yet).
+    pub fn row_blocked_dtype(self) -> Option<DType> {
         match self {
-            WeightFormat::F16 => DType::F16RowBlocks,
-            WeightFormat::BF16 => DType::BF16RowBlocks,
+            WeightFormat::F16 => Some(DType::F16RowBlocks),
+            WeightFormat::BF16 => Some(DType::BF16RowBlocks),
+            WeightFormat::Q8_0 => None,
+        }
+    }
+
+    /// Bytes a `rows x cols` matrix takes in this format's layout.
+    pub fn matrix_bytes(self, rows: usize, cols: usize) -> usize {
+        match self {
+            WeightFormat::Q8_0 => q8_blocks::matrix_bytes(rows, cols),
+            _ => row_blocks::padded_len(rows, cols) * 2,
         }
     }
 
@@ -50,17 +71,19 @@ impl WeightFormat {
         }
     }
 
+    /// One 16-bit value (BF16 bits for BF16, FP16 bits otherwise).
     pub fn to_f32(self, bits: u16) -> f32 {
         match self {
-            WeightFormat::F16 => f16::from_bits(bits).to_f32(),
             WeightFormat::BF16 => bf16::from_bits(bits).to_f32(),
+            _ => f16::from_bits(bits).to_f32(),
         }
     }
 
+    /// The 16-bit bits of `v` (BF16 for BF16, FP16 otherwise).
     pub fn from_f32(self, v: f32) -> u16 {
         match self {
-            WeightFormat::F16 => f16::from_f32(v).to_bits(),
             WeightFormat::BF16 => bf16::from_f32(v).to_bits(),
+            _ => f16::from_f32(v).to_bits(),
         }
     }
 }
@@ -75,14 +98,14 @@ enum Storage {
     Arena {
         /// Held only to keep the arena alive.
         _arena: Arc<WeightArena>,
-        ptr: *const u16,
+        ptr: *const u8,
     },
     /// Zero-copy: values inside a mapped model file that already stores
     /// them in this layout.
     Mapped {
         /// Held only to keep the mapping alive.
         _owner: Arc<dyn Send + Sync>,
-        ptr: *const u16,
+        ptr: *const u8,
     },
 }
 
@@ -136,21 +159,21 @@ impl WeightArena {
         })
     }
 
-    /// Bytes a `rows x cols` matrix takes in the arena.
-    pub fn footprint(rows: usize, cols: usize) -> usize {
-        (row_blocks::padded_len(rows, cols) * 2).next_multiple_of(64)
+    /// Bytes a `rows x cols` matrix of `format` takes in the arena.
+    pub fn footprint(format: WeightFormat, rows: usize, cols: usize) -> usize {
+        format.matrix_bytes(rows, cols).next_multiple_of(64)
     }
 
     /// A fresh, zeroed region for a `rows x cols` matrix, 64-byte aligned.
-    fn alloc(&self, rows: usize, cols: usize) -> *mut u16 {
+    fn alloc(&self, format: WeightFormat, rows: usize, cols: usize) -> *mut u8 {
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         let at = *next;
-        let size = Self::footprint(rows, cols);
+        let size = Self::footprint(format, rows, cols);
         assert!(at + size <= self.capacity, "weight arena sized too small");
         *next += size;
         // SAFETY: inside the map; each region is handed out once, and the
         // map's memory is not otherwise borrowed.
-        unsafe { self.map.as_ptr().add(self.start + at) as *mut u16 }
+        unsafe { self.map.as_ptr().add(self.start + at) as *mut u8 }
     }
 }
 
@@ -164,9 +187,10 @@ impl PackedMatrix {
     }
 
     /// A matrix of zeros in its own huge-page-advised memory, to be filled
-    /// with [`PackedMatrix::values_mut`].
+    /// with [`PackedMatrix::values_mut`] (16-bit) or
+    /// [`PackedMatrix::bytes_mut`].
     pub fn zeroed(format: WeightFormat, rows: usize, cols: usize) -> Self {
-        let bytes = row_blocks::padded_len(rows, cols) * 2;
+        let bytes = format.matrix_bytes(rows, cols);
         let (mut map, start) = huge_page_map(bytes);
         map[start..start + bytes].fill(0);
         PackedMatrix {
@@ -177,13 +201,22 @@ impl PackedMatrix {
         }
     }
 
-    /// The values of an owned matrix in the row-block layout, for filling it.
+    /// The values of an owned 16-bit matrix in the row-block layout, for
+    /// filling it.
     pub fn values_mut(&mut self) -> &mut [u16] {
-        let len = self.len();
+        assert!(self.format.is_16bit(), "values of a {} matrix", self.format.name());
+        let len = self.byte_len() / 2;
+        // SAFETY: the bytes start 2 MiB-aligned, so they are u16-aligned.
+        unsafe { std::slice::from_raw_parts_mut(self.bytes_mut().as_mut_ptr().cast(), len) }
+    }
+
+    /// The bytes of an owned matrix in its layout, for filling it.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.byte_len();
         match &mut self.storage {
-            // SAFETY: the map holds 2·len bytes from `start`, aligned.
+            // SAFETY: the map holds `len` bytes from `start`.
             Storage::Owned { map, start } => unsafe {
-                std::slice::from_raw_parts_mut(map.as_mut_ptr().add(*start).cast(), len)
+                std::slice::from_raw_parts_mut(map.as_mut_ptr().add(*start), len)
             },
             _ => panic!("only an owned matrix can be filled"),
         }
@@ -193,7 +226,7 @@ impl PackedMatrix {
     pub fn convert(t: &TensorView<'_>, format: WeightFormat) -> PackedMatrix {
         let (rows, cols) = t.matrix_dims();
         let mut m = Self::zeroed(format, rows, cols);
-        fill_converted(t, format, m.values_mut());
+        fill_converted(t, format, m.bytes_mut());
         m
     }
 
@@ -205,11 +238,10 @@ impl PackedMatrix {
         arena: &Arc<WeightArena>,
     ) -> Self {
         let (rows, cols) = t.matrix_dims();
-        let ptr = arena.alloc(rows, cols);
-        // SAFETY: a fresh region of the matrix's values that nothing else
+        let ptr = arena.alloc(format, rows, cols);
+        // SAFETY: a fresh region of the matrix's bytes that nothing else
         // refers to yet.
-        let out =
-            unsafe { std::slice::from_raw_parts_mut(ptr, row_blocks::padded_len(rows, cols)) };
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr, format.matrix_bytes(rows, cols)) };
         fill_converted(t, format, out);
         PackedMatrix {
             format,
@@ -252,26 +284,38 @@ impl PackedMatrix {
         matches!(self.storage, Storage::Mapped { .. })
     }
 
-    /// Values in the layout, padding included.
-    fn len(&self) -> usize {
-        row_blocks::padded_len(self.rows, self.cols)
+    /// Bytes in the layout, padding included.
+    fn byte_len(&self) -> usize {
+        self.format.matrix_bytes(self.rows, self.cols)
     }
 
-    /// All values in the row-block layout, padding included.
-    pub fn data(&self) -> &[u16] {
-        let len = self.len();
-        let ptr: *const u16 = match &self.storage {
+    /// The matrix's bytes in its layout, padding included.
+    pub fn raw(&self) -> &[u8] {
+        let ptr: *const u8 = match &self.storage {
             // SAFETY: `start` is inside the map.
-            Storage::Owned { map, start } => unsafe { map.as_ptr().add(*start).cast() },
+            Storage::Owned { map, start } => unsafe { map.as_ptr().add(*start) },
             Storage::Arena { ptr, .. } | Storage::Mapped { ptr, .. } => *ptr,
         };
-        // SAFETY: every storage holds `len` aligned u16 values that live as
-        // long as `self` (the Arcs keep arenas and mappings alive).
-        unsafe { std::slice::from_raw_parts(ptr, len) }
+        // SAFETY: every storage holds the layout's bytes, which live as long
+        // as `self` (the Arcs keep arenas and mappings alive).
+        unsafe { std::slice::from_raw_parts(ptr, self.byte_len()) }
+    }
+
+    /// All values of a 16-bit matrix in the row-block layout, padding
+    /// included.
+    pub fn data(&self) -> &[u16] {
+        assert!(self.format.is_16bit(), "values of a {} matrix", self.format.name());
+        let raw = self.raw();
+        // SAFETY: 16-bit matrices start 2-byte aligned (arena regions are
+        // 64-byte aligned, mapped ones are checked at load).
+        unsafe { std::slice::from_raw_parts(raw.as_ptr().cast(), raw.len() / 2) }
     }
 
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        if self.format == WeightFormat::Q8_0 {
+            return q8_blocks::dequant_row(self.raw(), r, self.cols, out);
+        }
         let data = self.data();
         for (g, part) in out[..self.cols]
             .chunks_mut(row_blocks::GROUP_COLS)
@@ -286,29 +330,67 @@ impl PackedMatrix {
 
     /// Bytes a product streams: the values with their padding.
     pub fn bytes(&self) -> usize {
-        self.len() * 2
+        self.byte_len()
     }
 }
 
 /// Writes `t` converted to `format` into `out` (a tensor already in that
 /// format is copied bit for bit), on every core for large tensors.
-fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u16]) {
+fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
+    let fill = |first_row: usize, part: &mut [u8]| {
+        if format == WeightFormat::Q8_0 {
+            fill_q8_rows(t, first_row, part);
+        } else {
+            // SAFETY: arena regions and owned maps start 64-byte aligned and
+            // every part is whole row blocks of u16 values.
+            let values = unsafe {
+                std::slice::from_raw_parts_mut(part.as_mut_ptr().cast::<u16>(), part.len() / 2)
+            };
+            fill_rows(t, format, first_row, values);
+        }
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Below a million values a thread costs more than it saves.
     if threads < 2 || rows * cols < 1 << 20 {
-        return fill_rows(t, format, 0, out);
+        return fill(0, out);
     }
-    // Parts of whole row blocks, which are contiguous in the layout.
+    // Parts of whole row blocks, which are contiguous in both layouts.
     let per = rows
         .div_ceil(threads)
         .next_multiple_of(row_blocks::BLOCK_ROWS);
-    let part_len = per * row_blocks::padded_cols(cols);
+    let part_len = format.matrix_bytes(per, cols);
     std::thread::scope(|s| {
         for (i, part) in out.chunks_mut(part_len).enumerate() {
-            s.spawn(move || fill_rows(t, format, i * per, part));
+            s.spawn(move || fill(i * per, part));
         }
     });
+}
+
+/// Regroups rows `first_row..` of a Q8_0 tensor into Q8_0 row blocks (bit
+/// for bit), releasing the source pages as it goes.
+fn fill_q8_rows(t: &TensorView<'_>, first_row: usize, out: &mut [u8]) {
+    let (rows, cols) = t.matrix_dims();
+    assert_eq!(t.dtype, DType::Q8_0, "only Q8_0 tensors are kept as Q8_0");
+    let row_bytes = t.bytes.len() / rows.max(1);
+    let block_bytes = q8_blocks::block_bytes(cols);
+    // About 4 MB of source per release, whole row blocks.
+    let group = ((4 << 20) / row_bytes.max(1))
+        .max(1)
+        .next_multiple_of(q8_blocks::BLOCK_ROWS);
+    for (g, dst) in out.chunks_mut(group / q8_blocks::BLOCK_ROWS * block_bytes).enumerate() {
+        let first = first_row + g * group;
+        let last = (first + dst.len() / block_bytes * q8_blocks::BLOCK_ROWS).min(rows);
+        for r in first..last {
+            let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+            q8_blocks::scatter_row(dst, r - first, cols, src);
+        }
+        TensorView {
+            bytes: &t.bytes[first * row_bytes..last * row_bytes],
+            ..*t
+        }
+        .release_pages();
+    }
 }
 
 /// Converts rows `first_row..` of `t` into `out`, whole row blocks of the
@@ -328,7 +410,7 @@ fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &m
     for (g, dst) in out.chunks_mut(group_len).enumerate() {
         let first = first_row + g * group;
         let last = (first + dst.len() / block_len.max(1) * row_blocks::BLOCK_ROWS).min(rows);
-        let source = if t.dtype == format.row_blocked_dtype() {
+        let source = if Some(t.dtype) == format.row_blocked_dtype() {
             // Already in this layout: whole blocks, padding included.
             let block_bytes = block_len * 2;
             let blocks = first / row_blocks::BLOCK_ROWS * block_bytes

@@ -180,6 +180,18 @@ impl KernelSet {
         })
     }
 
+    /// Integer GEMV for `k` columns of Q8_0 weights.
+    pub fn gemv_q8(&self, k: usize) -> Option<GemvQ8<'_>> {
+        let (c, p) = self.find(|kind| matches!(kind, KernelKind::GemvQ8(g) if g.k == k))?;
+        // SAFETY: verified code with the GemvQ8Fn signature (see emit::gemv_q8).
+        let f = unsafe { std::mem::transmute::<*const u8, GemvQ8Fn>(p) };
+        Some(GemvQ8 {
+            f,
+            name: &c.spec.name,
+            k,
+        })
+    }
+
     /// Prefill GEMM for `k` columns of `wt` weights.
     pub fn gemm(&self, wt: WeightType, k: usize) -> Option<Gemm<'_>> {
         let (c, p) =
@@ -373,6 +385,59 @@ impl Gemv<'_> {
         // makes that y_part[r - start]. Only in-bounds addresses are written.
         let base = y_part.as_mut_ptr().wrapping_sub(rows.start);
         // SAFETY: as in `run`; writes land in y_part exactly.
+        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end) };
+        Ok(())
+    }
+}
+
+type GemvQ8Fn = unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize);
+
+#[derive(Clone, Copy)]
+pub struct GemvQ8<'a> {
+    f: GemvQ8Fn,
+    pub name: &'a str,
+    pub k: usize,
+}
+
+impl GemvQ8<'_> {
+    /// `y_part[i] = W[rows.start + i, :] · x` for Q8_0 row blocks `w` (the
+    /// whole matrix) and one token's 8-bit input `x` (K quants, then K/32
+    /// f32 scales); `rows` starts on a block.
+    pub fn run_part(
+        &self,
+        w: &[u8],
+        x: &[u8],
+        y_part: &mut [f32],
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        let block_bytes = crate::model::q8_blocks::block_bytes(self.k);
+        let x_bytes = self.k + self.k / crate::model::q8_blocks::GROUP_COLS * 4;
+        if rows.start > rows.end || y_part.len() != rows.len() {
+            return Err(shape(
+                self.name,
+                format!("y part of {} does not match rows {rows:?}", y_part.len()),
+            ));
+        }
+        let blocks_in_w = w.len() / block_bytes.max(1);
+        if x.len() != x_bytes
+            || !rows.start.is_multiple_of(crate::model::q8_blocks::BLOCK_ROWS)
+            || rows.end.div_ceil(crate::model::q8_blocks::BLOCK_ROWS) > blocks_in_w
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "x of {} bytes (want {x_bytes}) or W of {} bytes too small for K {} and rows {rows:?}, or rows start inside a block",
+                    x.len(),
+                    w.len(),
+                    self.k
+                ),
+            ));
+        }
+        // The kernel writes y[r] for r in rows; shifting the base by -start
+        // makes that y_part[r - start]. Only in-bounds addresses are written.
+        let base = y_part.as_mut_ptr().wrapping_sub(rows.start);
+        // SAFETY: every block read is inside `w`, x holds the K quants and
+        // scales, and only y_part is written (checked above).
         unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end) };
         Ok(())
     }

@@ -7,6 +7,7 @@ use super::cpu::{CpuCaps, Isa};
 use super::dims::ModelDims;
 use super::emit::gemm::{self, GemmParams};
 use super::emit::gemv::{self, GemvParams, WeightType};
+use super::emit::gemv_q8::{self, GemvQ8Params};
 use super::emit::{self, LANES};
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -20,6 +21,9 @@ pub struct PlanOptions {
     /// Worker threads the rows are split across (0 = all cores).
     pub threads: usize,
     pub weights: WeightType,
+    /// K of every matrix kept in Q8_0 (the tied embedding and LM head of a
+    /// Q8_0 file): each gets an integer GEMV.
+    pub q8_0_ks: Vec<usize>,
     pub budget: usize,
 }
 
@@ -29,6 +33,7 @@ impl Default for PlanOptions {
             max_isa: Isa::Avx512,
             threads: 0,
             weights: WeightType::F16,
+            q8_0_ks: Vec::new(),
             budget: BUDGET_BYTES,
         }
     }
@@ -39,6 +44,8 @@ impl Default for PlanOptions {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum KernelKind {
     Gemv(GemvParams),
+    /// Integer GEMV over Q8_0 weights and 8-bit inputs.
+    GemvQ8(GemvQ8Params),
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -69,6 +76,7 @@ impl KernelKind {
                     p.k
                 )
             }
+            KernelKind::GemvQ8(p) => format!("gemv_q8_0_r{}_k{}", gemv_q8::ROWS, p.k),
             KernelKind::Gemm(p) => {
                 format!(
                     "gemm_{}_r{}t{}_k{}",
@@ -95,6 +103,7 @@ impl KernelKind {
         let name = self.name();
         match self {
             KernelKind::Gemv(p) => emit::gemv::emit(p, &name),
+            KernelKind::GemvQ8(p) => emit::gemv_q8::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
@@ -225,6 +234,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();
+    let mut q8_ks = opts.q8_0_ks.clone();
+    q8_ks.sort_unstable();
+    q8_ks.dedup();
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -232,7 +244,13 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
-        let kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &optional);
+        let mut kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &optional);
+        kinds.extend(q8_ks.iter().map(|&k| {
+            (
+                KernelKind::GemvQ8(GemvQ8Params { k }),
+                vec!["Q8_0 matrices: the tied embedding / LM head".to_string()],
+            )
+        }));
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -258,12 +276,16 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     tensor,
                     rows,
                     k,
-                    gemv: KernelKind::Gemv(GemvParams {
-                        wt: opts.weights,
-                        k,
-                        unroll: gemv_unroll,
-                    })
-                    .name(),
+                    gemv: if tensor == "output(lm_head)" && q8_ks.contains(&k) {
+                        KernelKind::GemvQ8(GemvQ8Params { k }).name()
+                    } else {
+                        KernelKind::Gemv(GemvParams {
+                            wt: opts.weights,
+                            k,
+                            unroll: gemv_unroll,
+                        })
+                        .name()
+                    },
                     gemm: KernelKind::Gemm(GemmParams {
                         wt: opts.weights,
                         k,
@@ -287,6 +309,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "residual adds".into(),
                 "RoPE".into(),
                 "q4_k/q6_k dequantisation".into(),
+                "quantizing Q8_0 matrices' inputs to 8 bits".into(),
                 "sampling".into(),
             ];
             not_jitted.extend(

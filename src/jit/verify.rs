@@ -179,6 +179,15 @@ const ALLOWED: &[Mnemonic] = {
         Vfmadd231ps,
         Vfmadd213ps,
         Vfnmadd231ps,
+        // Integer dot products of 8-bit blocks (Q8_0 GEMV).
+        Vmovdqu,
+        Vpsignb,
+        Vpabsb,
+        Vpmaddubsw,
+        Vpmaddwd,
+        Vcvtdq2ps,
+        Vinsertf128,
+        Vpermilps,
     ]
 };
 

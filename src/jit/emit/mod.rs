@@ -13,6 +13,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemv;
+pub mod gemv_q8;
 
 use dynasmrt::{DynasmApi, dynasm};
 

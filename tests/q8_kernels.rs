@@ -1,0 +1,238 @@
+//! Q8_0 weights read natively: the row-block repack, the JIT's integer
+//! GEMV against exact arithmetic, and the fast engine with a Q8_0 LM head
+//! on the default model against the reference.
+//!
+//! The tolerance comes from the one approximation the integer path makes,
+//! quantizing the input to 8 bits per 32 values: each input value moves by
+//! at most half a step, `d_x / 2` with `d_x = max|x_block| / 127`, so an
+//! output row moves by at most `sum_blocks d_x / 2 * sum |w|` over the
+//! block. The tests check every row against that bound computed for it,
+//! plus f32 rounding.
+
+mod common;
+
+use common::*;
+use half::f16;
+use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
+use pulsar::engine::jit_kernels::JitKernels;
+use pulsar::engine::kernels::{SharedOut, gemm_q8_portable};
+use pulsar::engine::packed::{PackedMatrix, WeightFormat};
+use pulsar::engine::q8_input::Q8Input;
+use pulsar::engine::reference::ReferenceEngine;
+use pulsar::engine::{Engine, LogitsWanted};
+use pulsar::jit::cpu::{CpuCaps, Isa};
+use pulsar::jit::emit::gemv_q8::GemvQ8Params;
+use pulsar::jit::kernels::KernelSet;
+use pulsar::jit::plan::KernelKind;
+use pulsar::model::dtype::{DType, TensorView};
+use pulsar::model::source::ModelSource;
+
+/// A made-up Q8_0 tensor (GGUF bytes) with quants over the whole range,
+/// -128 included, and scales of several sizes.
+fn q8_file(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+    let mut s = seed;
+    let mut next = || {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        s >> 8
+    };
+    let mut out = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32((next() % 1000) as f32 / 1000.0 * 0.05 + 1e-4);
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend((0..32).map(|_| (next() % 256) as u8));
+    }
+    out
+}
+
+fn inputs(tokens: usize, k: usize) -> Vec<f32> {
+    (0..tokens * k)
+        .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 3.0 * (1.0 + (i % 5) as f32))
+        .collect()
+}
+
+/// Row `r` of `w` times token `t` of `x` in f64, and the bound on how far
+/// the 8-bit input may move it.
+fn exact_and_bound(w: &PackedMatrix, x: &[f32], r: usize) -> (f64, f64) {
+    let mut row = vec![0.0f32; w.cols];
+    w.row_f32(r, &mut row);
+    let exact = row.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum();
+    let bound = row
+        .chunks(32)
+        .zip(x.chunks(32))
+        .map(|(wb, xb)| {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            amax / 127.0 / 2.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+        })
+        .sum();
+    (exact, bound)
+}
+
+fn packed(rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
+    let shape = [rows, cols];
+    PackedMatrix::convert(
+        &TensorView {
+            dtype: DType::Q8_0,
+            shape: &shape,
+            bytes: file,
+        },
+        WeightFormat::Q8_0,
+    )
+}
+
+#[test]
+fn the_integer_gemv_stays_within_the_input_rounding_bound() {
+    let caps = CpuCaps::detect();
+    for (rows, k) in [(37, 640), (8, 32), (13, 96), (64, 2048)] {
+        let file = q8_file(rows, k, (rows * k) as u32);
+        let w = packed(rows, k, &file);
+        assert_eq!(w.bytes(), rows.next_multiple_of(4) * k / 32 * 34);
+        let x = inputs(1, k);
+        let q = Q8Input::quantize(&x, k);
+        let set = KernelSet::from_kinds(&[KernelKind::GemvQ8(GemvQ8Params { k })], &caps, Isa::Avx2)
+            .expect("emit + verify");
+        let kernel = set.gemv_q8(k).expect("the kernel is in the set");
+        // All rows at once, and in pieces starting on blocks.
+        let mut y = vec![0.0f32; rows];
+        kernel.run_part(w.raw(), q.token(0), &mut y, 0..rows).unwrap();
+        let mut pieces = vec![0.0f32; rows];
+        let mid = (rows / 2).next_multiple_of(4).min(rows);
+        let (a, b) = pieces.split_at_mut(mid);
+        kernel.run_part(w.raw(), q.token(0), a, 0..mid).unwrap();
+        kernel.run_part(w.raw(), q.token(0), b, mid..rows).unwrap();
+        assert_eq!(y, pieces, "{rows}x{k}: split calls");
+
+        let mut portable = vec![0.0f32; rows];
+        // SAFETY: one thread owns all of `portable`.
+        unsafe { gemm_q8_portable(&w, &q, 0..rows, SharedOut::new(&mut portable, rows)) };
+        for r in 0..rows {
+            let (exact, bound) = exact_and_bound(&w, &x, r);
+            let slack = 1e-5 * (exact.abs() + bound) + 1e-6;
+            assert!(
+                (y[r] as f64 - exact).abs() <= bound + slack,
+                "{rows}x{k} row {r}: jit {} exact {exact} bound {bound}",
+                y[r]
+            );
+            // Same integers and scales; only the order of the f32 sums differs.
+            assert!(
+                (y[r] - portable[r]).abs() <= 1e-5 * (portable[r].abs() + 1.0),
+                "{rows}x{k} row {r}: jit {} portable {}",
+                y[r],
+                portable[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn the_gemv_refuses_arguments_that_do_not_fit() {
+    let (rows, k) = (8, 64);
+    let w = packed(rows, k, &q8_file(rows, k, 3));
+    let q = Q8Input::quantize(&inputs(1, k), k);
+    let set = KernelSet::from_kinds(
+        &[KernelKind::GemvQ8(GemvQ8Params { k })],
+        &CpuCaps::detect(),
+        Isa::Avx2,
+    )
+    .unwrap();
+    let kernel = set.gemv_q8(k).unwrap();
+    let mut y = vec![0.0f32; rows];
+    assert!(kernel.run_part(w.raw(), q.token(0), &mut y[..4], 2..6).is_err());
+    assert!(kernel.run_part(w.raw(), &q.token(0)[1..], &mut y, 0..rows).is_err());
+    let mut long = vec![0.0f32; 12];
+    assert!(kernel.run_part(w.raw(), q.token(0), &mut long, 0..12).is_err());
+    // A K that is not whole blocks cannot be emitted.
+    assert!(KernelKind::GemvQ8(GemvQ8Params { k: 40 }).emit().is_err());
+}
+
+#[test]
+fn the_default_model_with_a_q8_0_head_tracks_the_reference() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
+    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
+    let input = ids(&meta["input_ids"]);
+    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let logits_of = |keep_q8_0: bool| {
+        let opts = FastOptions {
+            threads: 2,
+            context: 64,
+            format: None,
+            prefill_chunk: 126,
+            in_place: false,
+            keep_q8_0,
+        };
+        let formats = FastEngine::weight_formats(&src, &opts).unwrap();
+        assert_eq!(
+            formats.head == WeightFormat::Q8_0,
+            keep_q8_0,
+            "the default model's embedding is Q8_0"
+        );
+        let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
+        let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
+        let bytes = engine.bytes_per_token();
+        (engine.forward(&input, LogitsWanted::Last).unwrap(), bytes)
+    };
+    let (native, native_bytes) = logits_of(true);
+    let (widened, widened_bytes) = logits_of(false);
+    // The head is 262,144 x 640: 335.5 MB as FP16, 178.3 MB as Q8_0.
+    assert_eq!(
+        widened_bytes - native_bytes,
+        262_144 * 640 * 2 - 262_144 * 640 / 32 * 34
+    );
+    // FP16 holds every Q8_0 value, so the widened head is exact and both
+    // runs share every layer: they differ only by the 8-bit input of the
+    // head. Its bound per row, from the reference's final hidden state
+    // (the fast engine's differs from it by the layers' FP16 rounding,
+    // covered by a 5% margin on the block maxima).
+    let mut reference = ReferenceEngine::load(&src).unwrap();
+    let (_, trace) = reference.forward_traced(&input).unwrap();
+    let hidden = trace.last().and_then(|t| t.last()).expect("final hidden");
+    let head = packed_head(&src);
+    let mut row = vec![0.0f32; head.cols];
+    let mut worst = 0.0f64;
+    for r in 0..head.rows {
+        head.row_f32(r, &mut row);
+        let bound: f64 = row
+            .chunks(32)
+            .zip(hidden.chunks(32))
+            .map(|(wb, hb)| {
+                let amax = hb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64 * 1.05;
+                amax / 127.0 / 2.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+            })
+            .sum();
+        let diff = (native[r] - widened[r]).abs() as f64;
+        let slack = 1e-5 * widened[r].abs() as f64 + 1e-4;
+        assert!(
+            diff <= bound + slack,
+            "row {r}: q8_0 head {} f16 head {} bound {bound}",
+            native[r],
+            widened[r]
+        );
+        worst = worst.max(diff / bound.max(1e-9));
+    }
+    let (d_native, _) = max_abs_diff(&native, &expected);
+    let (d_widened, _) = max_abs_diff(&widened, &expected);
+    println!(
+        "max |logit - reference|: q8_0 head {d_native}, f16 head {d_widened}; \
+         largest share of its bound a row used: {worst:.3}"
+    );
+    let top = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+            .unwrap()
+    };
+    assert_eq!(top(&native), top(&expected));
+}
+
+/// The default model's embedding as Q8_0 row blocks.
+fn packed_head(src: &ModelSource) -> PackedMatrix {
+    let c = &src.config;
+    let t = src
+        .tensor(
+            pulsar::model::source::Role::Embedding,
+            &[c.vocab_size, c.hidden],
+        )
+        .unwrap();
+    PackedMatrix::convert(&t, WeightFormat::Q8_0)
+}
