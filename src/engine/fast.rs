@@ -280,9 +280,11 @@ impl FastEngine {
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
-            // An integer kernel's input is quantized once, here, for every
-            // thread's chunk of rows.
-            let q8 = (w.format == WeightFormat::Q8_0).then(|| Q8Input::quantize(x, w.cols));
+            // An integer GEMV's input is quantized once, here, for every
+            // thread's chunk of rows. Several tokens go to a GEMM, which
+            // widens quantized weights instead (see `MatKernels::gemm`).
+            let q8 = (w.format == WeightFormat::Q8_0 && x.len() == w.cols)
+                .then(|| Q8Input::quantize(x, w.cols));
             work.push((w, x, q8, SharedOut::new(y, w.rows)));
         }
         // Rows are handed out from a shared counter rather than split evenly
