@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use pulsar::chat::conversation::ContextPolicy;
 use pulsar::commands::{self, EngineKind};
 use pulsar::engine::packed::WeightFormat;
-use pulsar::jit::dump::{DumpArgs, TuneArgs, run_dump_command, run_tune_command};
+use pulsar::jit::cpu::Isa;
 use pulsar::sample::SamplerConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -238,6 +238,42 @@ impl ChatCli {
     }
 }
 
+/// The flags `dump` and `tune` share.
+#[derive(Args)]
+struct DumpCli {
+    /// Model .gguf, HF folder or a bare HF config.json (shape only); default: the cached gemma-3-270m
+    #[arg(short = 'm', long = "model")]
+    model: Option<PathBuf>,
+    /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print a JSON summary instead of listings
+    #[arg(long)]
+    json: bool,
+    /// Highest ISA the kernels may use
+    #[arg(long = "max-isa", default_value = "avx512")]
+    max_isa: Isa,
+    /// Worker threads to plan for (0 = all cores)
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Formats the engine keeps the matrices in (plans their kernels).
+    #[arg(long, value_enum, default_value = "native")]
+    dtype: RunDtypeArg,
+}
+
+impl From<DumpCli> for commands::dump::DumpArgs {
+    fn from(d: DumpCli) -> commands::dump::DumpArgs {
+        commands::dump::DumpArgs {
+            model: d.model,
+            out: d.out,
+            json: d.json,
+            max_isa: d.max_isa,
+            threads: d.threads,
+            dtype: d.dtype.into(),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Chat in turns (the default): replies stream, the KV cache is kept between turns.
@@ -285,9 +321,15 @@ enum Command {
         dtype: RunDtypeArg,
     },
     /// Plan, emit and verify the JIT kernels for a model and print them.
-    Dump(DumpArgs),
+    Dump(DumpCli),
     /// Show the CPU that was detected and the kernel plan for a model.
-    Tune(TuneArgs),
+    Tune {
+        #[command(flatten)]
+        common: DumpCli,
+        /// Also time the GEMV and GEMM kernels on synthetic weights.
+        #[arg(long, hide = true)]
+        measure: bool,
+    },
     /// Write a model in the fast engine's layout (GGUF, FP16/BF16), loadable zero-copy.
     Convert {
         /// The model to convert: a .gguf file or a Hugging Face folder.
@@ -363,8 +405,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             threads,
             dtype: dtype.into(),
         }),
-        Command::Dump(a) => run_dump_command(&a),
-        Command::Tune(a) => run_tune_command(&a),
+        Command::Dump(a) => commands::dump::run_dump_command(&a.into()),
+        Command::Tune { common, measure } => {
+            commands::dump::run_tune_command(&commands::dump::TuneArgs {
+                common: common.into(),
+                measure,
+            })
+        }
         Command::Convert {
             input,
             output,

@@ -21,7 +21,9 @@ type MakeKernels = fn(&ModelConfig, WeightFormat) -> Box<dyn MatKernels>;
 fn kernel_sets() -> Vec<(&'static str, MakeKernels)> {
     vec![
         ("jit", |c, f| {
-            Box::new(JitKernels::build(c, WeightFormats::uniform(f), 2).expect("JIT builds on this CPU"))
+            Box::new(
+                JitKernels::build(c, WeightFormats::uniform(f), 2).expect("JIT builds on this CPU"),
+            )
         }),
         ("portable", |_, _| Box::new(PortableKernels)),
     ]
@@ -138,7 +140,8 @@ fn real_model_jit_logits_within_fp16_yardstick() {
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     assert_eq!(format, WeightFormat::F16);
-    let kernels = Box::new(JitKernels::build(&src.config, WeightFormats::uniform(format), 2).unwrap());
+    let kernels =
+        Box::new(JitKernels::build(&src.config, WeightFormats::uniform(format), 2).unwrap());
     let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
     assert!(engine.kernels_name().starts_with("jit"));
     let logits = engine.forward(&prompt, LogitsWanted::Last).unwrap();
@@ -176,8 +179,10 @@ fn jit_matches_portable_on_awkward_shapes() {
             in_place: false,
             keep_q8_0: false,
         };
-        let jit =
-            Box::new(JitKernels::build(&src.config, WeightFormats::uniform(WeightFormat::F16), 2).expect("JIT builds"));
+        let jit = Box::new(
+            JitKernels::build(&src.config, WeightFormats::uniform(WeightFormat::F16), 2)
+                .expect("JIT builds"),
+        );
         let mut a = FastEngine::load(&src, jit, &opts).unwrap();
         let mut b = FastEngine::load(&src, Box::new(PortableKernels), &opts).unwrap();
         let la = a.forward(&fx.input, LogitsWanted::All).unwrap();

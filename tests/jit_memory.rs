@@ -2,8 +2,8 @@
 //! the kernels are built, /proc/self/maps shows no mapping with both `w` and
 //! `x`, and the kernels' own mapping is read+execute.
 
-use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::fast::WeightFormats;
+use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::packed::WeightFormat;
 use pulsar::model::presets;
 
@@ -21,7 +21,10 @@ fn generated_code_is_never_writable_and_executable() {
     let mut sets = Vec::new();
     for config in [presets::gemma3_270m(), presets::gemma_2b()] {
         for format in [WeightFormat::F16, WeightFormat::BF16] {
-            sets.push(JitKernels::build(&config, WeightFormats::uniform(format), 2).expect("JIT builds on this CPU"));
+            sets.push(
+                JitKernels::build(&config, WeightFormats::uniform(format), 2)
+                    .expect("JIT builds on this CPU"),
+            );
         }
     }
     let after = executable_mappings();

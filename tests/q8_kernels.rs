@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use half::f16;
-use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
+use pulsar::engine::fast::{FastEngine, FastOptions};
 use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::kernels::{SharedOut, gemm_q8_portable};
 use pulsar::engine::packed::{PackedMatrix, WeightFormat};
@@ -88,12 +88,15 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         assert_eq!(w.bytes(), rows.next_multiple_of(4) * k / 32 * 34);
         let x = inputs(1, k);
         let q = Q8Input::quantize(&x, k);
-        let set = KernelSet::from_kinds(&[KernelKind::GemvQ8(GemvQ8Params { k })], &caps, Isa::Avx2)
-            .expect("emit + verify");
+        let set =
+            KernelSet::from_kinds(&[KernelKind::GemvQ8(GemvQ8Params { k })], &caps, Isa::Avx2)
+                .expect("emit + verify");
         let kernel = set.gemv_q8(k).expect("the kernel is in the set");
         // All rows at once, and in pieces starting on blocks.
         let mut y = vec![0.0f32; rows];
-        kernel.run_part(w.raw(), q.token(0), &mut y, 0..rows).unwrap();
+        kernel
+            .run_part(w.raw(), q.token(0), &mut y, 0..rows)
+            .unwrap();
         let mut pieces = vec![0.0f32; rows];
         let mid = (rows / 2).next_multiple_of(4).min(rows);
         let (a, b) = pieces.split_at_mut(mid);
@@ -136,10 +139,22 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
     .unwrap();
     let kernel = set.gemv_q8(k).unwrap();
     let mut y = vec![0.0f32; rows];
-    assert!(kernel.run_part(w.raw(), q.token(0), &mut y[..4], 2..6).is_err());
-    assert!(kernel.run_part(w.raw(), &q.token(0)[1..], &mut y, 0..rows).is_err());
+    assert!(
+        kernel
+            .run_part(w.raw(), q.token(0), &mut y[..4], 2..6)
+            .is_err()
+    );
+    assert!(
+        kernel
+            .run_part(w.raw(), &q.token(0)[1..], &mut y, 0..rows)
+            .is_err()
+    );
     let mut long = vec![0.0f32; 12];
-    assert!(kernel.run_part(w.raw(), q.token(0), &mut long, 0..12).is_err());
+    assert!(
+        kernel
+            .run_part(w.raw(), q.token(0), &mut long, 0..12)
+            .is_err()
+    );
     // A K that is not whole blocks cannot be emitted.
     assert!(KernelKind::GemvQ8(GemvQ8Params { k: 40 }).emit().is_err());
 }

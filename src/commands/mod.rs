@@ -3,9 +3,11 @@
 pub mod bench;
 pub mod chat;
 pub mod convert;
+pub mod dump;
 pub mod logits;
 pub mod run;
 pub mod tokenize;
+pub mod tune_measure;
 
 use crate::engine::Engine;
 use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions, WeightFormats};

@@ -8,8 +8,8 @@
 use super::kernels::{GroupAttention, MatKernels, SharedOut, merge_key_parts};
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
-use super::q8_input::Q8Input;
 use super::pool::{ThreadPool, split_range};
+use super::q8_input::Q8Input;
 use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
@@ -136,8 +136,7 @@ impl FastEngine {
             .map(|(rows, cols)| WeightArena::footprint(formats.layers, rows, cols))
             .sum::<usize>();
         let arena = WeightArena::new(
-            per_layer * c.n_layers()
-                + WeightArena::footprint(formats.head, c.vocab_size, c.hidden),
+            per_layer * c.n_layers() + WeightArena::footprint(formats.head, c.vocab_size, c.hidden),
         );
         let weights = ModelWeights::load(src, |role, t| {
             let format = if role == Role::Embedding {
@@ -161,9 +160,7 @@ impl FastEngine {
         let layers = Self::weight_format_for(src, opts)?;
         let c = &src.config;
         let embedding = src.tensor(Role::Embedding, &[c.vocab_size, c.hidden])?;
-        let head = if opts.keep_q8_0
-            && embedding.dtype == DType::Q8_0
-            && q8_blocks::fits(c.hidden)
+        let head = if opts.keep_q8_0 && embedding.dtype == DType::Q8_0 && q8_blocks::fits(c.hidden)
         {
             WeightFormat::Q8_0
         } else {
@@ -235,7 +232,11 @@ impl FastEngine {
     /// The packed formats of the matrices.
     pub fn formats(&self) -> WeightFormats {
         WeightFormats {
-            layers: self.weights.layers.first().map_or(self.weights.embedding.format, |l| l.q.format),
+            layers: self
+                .weights
+                .layers
+                .first()
+                .map_or(self.weights.embedding.format, |l| l.q.format),
             head: self.weights.embedding.format,
         }
     }

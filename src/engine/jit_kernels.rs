@@ -2,6 +2,7 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
+use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut, gemm_q8_portable};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
@@ -11,7 +12,6 @@ use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::KernelSet;
 use crate::jit::plan::PlanOptions;
-use super::fast::WeightFormats;
 use crate::model::config::ModelConfig;
 use crate::model::row_blocks;
 use anyhow::{Result, bail};
@@ -23,6 +23,22 @@ fn weight_type(f: WeightFormat) -> WeightType {
     match f {
         WeightFormat::BF16 => WeightType::Bf16,
         _ => WeightType::F16,
+    }
+}
+
+/// The plan options for a model whose matrices have `formats`: the one
+/// place the engine and `pulsar dump`/`tune` get them from, so the plan
+/// shown is the plan run.
+pub fn plan_options(config: &ModelConfig, formats: WeightFormats, threads: usize) -> PlanOptions {
+    PlanOptions {
+        threads,
+        weights: weight_type(formats.layers),
+        q8_0_ks: if formats.head == WeightFormat::Q8_0 {
+            vec![config.hidden]
+        } else {
+            Vec::new()
+        },
+        ..PlanOptions::default()
     }
 }
 
@@ -44,16 +60,7 @@ impl JitKernels {
         formats: WeightFormats,
         threads: usize,
     ) -> Result<Option<JitKernels>> {
-        let opts = PlanOptions {
-            threads,
-            weights: weight_type(formats.layers),
-            q8_0_ks: if formats.head == WeightFormat::Q8_0 {
-                vec![config.hidden]
-            } else {
-                Vec::new()
-            },
-            ..PlanOptions::default()
-        };
+        let opts = plan_options(config, formats, threads);
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
                 set: kernels,

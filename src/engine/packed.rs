@@ -204,7 +204,11 @@ impl PackedMatrix {
     /// The values of an owned 16-bit matrix in the row-block layout, for
     /// filling it.
     pub fn values_mut(&mut self) -> &mut [u16] {
-        assert!(self.format.is_16bit(), "values of a {} matrix", self.format.name());
+        assert!(
+            self.format.is_16bit(),
+            "values of a {} matrix",
+            self.format.name()
+        );
         let len = self.byte_len() / 2;
         // SAFETY: the bytes start 2 MiB-aligned, so they are u16-aligned.
         unsafe { std::slice::from_raw_parts_mut(self.bytes_mut().as_mut_ptr().cast(), len) }
@@ -304,7 +308,11 @@ impl PackedMatrix {
     /// All values of a 16-bit matrix in the row-block layout, padding
     /// included.
     pub fn data(&self) -> &[u16] {
-        assert!(self.format.is_16bit(), "values of a {} matrix", self.format.name());
+        assert!(
+            self.format.is_16bit(),
+            "values of a {} matrix",
+            self.format.name()
+        );
         let raw = self.raw();
         // SAFETY: 16-bit matrices start 2-byte aligned (arena regions are
         // 64-byte aligned, mapped ones are checked at load).
@@ -378,7 +386,10 @@ fn fill_q8_rows(t: &TensorView<'_>, first_row: usize, out: &mut [u8]) {
     let group = ((4 << 20) / row_bytes.max(1))
         .max(1)
         .next_multiple_of(q8_blocks::BLOCK_ROWS);
-    for (g, dst) in out.chunks_mut(group / q8_blocks::BLOCK_ROWS * block_bytes).enumerate() {
+    for (g, dst) in out
+        .chunks_mut(group / q8_blocks::BLOCK_ROWS * block_bytes)
+        .enumerate()
+    {
         let first = first_row + g * group;
         let last = (first + dst.len() / block_bytes * q8_blocks::BLOCK_ROWS).min(rows);
         for r in first..last {

@@ -91,7 +91,9 @@ mod tests {
 
     #[test]
     fn quantized_values_are_within_half_a_step() {
-        let x: Vec<f32> = (0..128).map(|i| ((i * 29 % 71) as f32 - 35.0) / 7.0).collect();
+        let x: Vec<f32> = (0..128)
+            .map(|i| ((i * 29 % 71) as f32 - 35.0) / 7.0)
+            .collect();
         let q = Q8Input::quantize(&x, 64);
         assert_eq!(q.tokens(), 2);
         for t in 0..2 {

@@ -2,9 +2,7 @@
 //! kernels are generated, taken from the full `ModelConfig`.
 
 use crate::model::config::ModelConfig;
-use crate::model::source::ModelSource;
-use anyhow::{Context, Result, bail};
-use std::path::Path;
+use anyhow::{Result, bail};
 
 /// The shape numbers that decide which kernels are generated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,21 +79,6 @@ impl ModelDims {
 /// Reads dims from anything `-m` accepts: a `.gguf` file, a Hugging Face
 /// folder, or a bare `config.json` (shape only: no weights needed), through
 /// the same model description the engines use.
-pub fn load_dims(path: &Path) -> Result<ModelDims> {
-    let is_json = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    let config = if is_json {
-        ModelConfig::from_hf_config(path)?
-    } else {
-        ModelSource::open(path)?.config
-    };
-    let dims = ModelDims::from(&config);
-    dims.validate()
-        .with_context(|| format!("in {}", path.display()))?;
-    Ok(dims)
-}
-
 impl From<&ModelConfig> for ModelDims {
     fn from(c: &ModelConfig) -> ModelDims {
         ModelDims {

@@ -420,7 +420,9 @@ impl GemvQ8<'_> {
         }
         let blocks_in_w = w.len() / block_bytes.max(1);
         if x.len() != x_bytes
-            || !rows.start.is_multiple_of(crate::model::q8_blocks::BLOCK_ROWS)
+            || !rows
+                .start
+                .is_multiple_of(crate::model::q8_blocks::BLOCK_ROWS)
             || rows.end.div_ceil(crate::model::q8_blocks::BLOCK_ROWS) > blocks_in_w
         {
             return Err(shape(

@@ -1,5 +1,7 @@
-//! The JIT: cpu -> plan -> emit -> verify -> dump, and the kernel registry
-//! that maps verified code and hands out typed entry points.
+//! The JIT: cpu -> plan -> emit -> verify, and the kernel registry that
+//! maps verified code and hands out typed entry points. It reads no model
+//! file and parses no command line: `commands::dump` and `commands::tune`
+//! show what it plans.
 //!
 //! Flow: [`cpu::CpuCaps::detect`] -> [`plan::plan`] (pure; trades unrolling
 //! and optional ops against the 5,120-byte budget) ->
@@ -9,6 +11,7 @@
 //! | handle | safe call | machine-code signature (`extern "sysv64"`) |
 //! | --- | --- | --- |
 //! | `gemv(wt, k)` | `run(w, x, y, rows)`, `run_part(w, x, y_part, rows)` | `(w: *const u16, x: *const f32, y: *mut f32, r0, r1)` |
+//! | `gemv_q8(k)` | `run_part(w, x, y_part, rows)` | `(w: *const u8, x: *const u8, y: *mut f32, r0, r1)` |
 //! | `gemm(wt, k)` | `run(w, x, tokens, y, ldy, rows)`, `unsafe run_unchecked` | `(w, x, y, r0, r1, tokens, ldy)` |
 //! | `rmsnorm(dim)` | `run(x, w, out, eps)`, `run_inplace(x, w, eps)` | `(x, w, out, rows, eps: f32)` |
 //! | `geglu(width)` | `run(gate, up, out)` (n >= 8) | `(gate, up, out, rows)` |
@@ -21,9 +24,7 @@
 pub mod backend;
 pub mod cpu;
 pub mod dims;
-pub mod dump;
 pub mod emit;
 pub mod kernels;
-pub mod measure;
 pub mod plan;
 pub mod verify;

@@ -187,7 +187,7 @@ const ALLOWED: &[Mnemonic] = {
         Vpmaddwd,
         Vcvtdq2ps,
         Vinsertf128,
-        Vpermilps,
+        Vphaddd,
     ]
 };
 

@@ -104,7 +104,12 @@ mod tests {
             let mut packed = vec![0u8; matrix_bytes(rows, cols)];
             assert!(packed.len() <= file.len() + 3 * row_bytes, "padding only");
             for r in 0..rows {
-                scatter_row(&mut packed, r, cols, &file[r * row_bytes..(r + 1) * row_bytes]);
+                scatter_row(
+                    &mut packed,
+                    r,
+                    cols,
+                    &file[r * row_bytes..(r + 1) * row_bytes],
+                );
             }
             let shape = [rows, cols];
             let t = TensorView {
@@ -116,7 +121,10 @@ mod tests {
             for r in 0..rows {
                 dequant::row_into(&t, r, &mut want);
                 dequant_row(&packed, r, cols, &mut got);
-                let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{rows}x{cols} row {r}");
             }
             // Padding rows are zero.

@@ -1,12 +1,19 @@
-//! `pulsar dump` and `pulsar tune`: show what the JIT plans and generates.
+//! `pulsar dump` and `pulsar tune`: show what the JIT plans and generates
+//! for a model, with the plan options the engine itself would use.
 
-use super::cpu::{CpuCaps, Isa};
-use super::dims::{ModelDims, load_dims};
-use super::kernels::{Compiled, emit_and_verify};
-use super::plan::{Plan, PlanOptions, plan};
-use super::verify::format_instr;
+use super::tune_measure;
+use crate::engine::fast::{FastEngine, WeightFormats};
+use crate::engine::jit_kernels::plan_options;
+use crate::engine::packed::WeightFormat;
 use crate::fs_atomic::write_atomic;
+use crate::jit::cpu::{CpuCaps, Isa};
+use crate::jit::dims::ModelDims;
+use crate::jit::kernels::{Compiled, emit_and_verify};
+use crate::jit::plan::{Plan, PlanOptions, plan};
+use crate::jit::verify::format_instr;
+use crate::model::config::ModelConfig;
 use crate::model::fetch::default_model_path;
+use crate::model::source::ModelSource;
 use anyhow::{Context, Result, bail};
 use iced_x86::{Decoder, DecoderOptions, Instruction};
 use std::fmt::Write as _;
@@ -14,35 +21,65 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[derive(Debug, Clone, clap::Args)]
+/// What `dump` and `tune` share.
+#[derive(Debug, Clone)]
 pub struct DumpArgs {
-    /// Model .gguf or a bare HF config.json (shape only); default: the cached gemma-3-270m
-    #[arg(short = 'm', long = "model")]
+    /// A .gguf file, a Hugging Face folder, or a bare config.json (shape
+    /// only); `None`: the default model.
     pub model: Option<PathBuf>,
-    /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
-    #[arg(long)]
+    /// Write KERNEL.bin and KERNEL.asm for every kernel into this folder.
     pub out: Option<PathBuf>,
-    /// Print a JSON summary instead of listings
-    #[arg(long)]
+    /// A JSON summary instead of listings.
     pub json: bool,
-    /// Highest ISA the kernels may use
-    #[arg(long = "max-isa", default_value = "avx512")]
+    /// Highest ISA the kernels may use.
     pub max_isa: Isa,
-    /// Worker threads to plan for (0 = all cores)
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads to plan for (0 = all cores).
     pub threads: usize,
+    /// The formats the engine would keep the matrices in.
+    pub dtype: super::Dtype,
 }
 
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone)]
 pub struct TuneArgs {
-    #[command(flatten)]
     pub common: DumpArgs,
-    /// Also time the GEMV kernels on synthetic weights (GB/s of weight traffic)
-    #[arg(long, hide = true)]
+    /// Also time the GEMV and GEMM kernels on synthetic weights.
     pub measure: bool,
 }
 
-fn dims_for(model: &Option<PathBuf>) -> Result<(ModelDims, PathBuf)> {
+/// The model's shape and the plan options the engine would use for it: a
+/// model file gets its weight formats from `FastEngine::weight_formats`; a
+/// bare config.json has no weights, so FP16 is assumed.
+fn plan_inputs(args: &DumpArgs) -> Result<(ModelDims, PlanOptions, PathBuf)> {
+    let path = model_path(&args.model)?;
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let threads = if args.threads == 0 {
+        CpuCaps::detect().cores.max(1)
+    } else {
+        args.threads
+    };
+    let (config, formats) = if is_json {
+        let config = ModelConfig::from_hf_config(&path)?;
+        let format = args.dtype.format().unwrap_or(WeightFormat::F16);
+        (config, WeightFormats::uniform(format))
+    } else {
+        let src = ModelSource::open(&path)?;
+        let opts = args.dtype.fast_options(threads, 1, false);
+        let formats = FastEngine::weight_formats(&src, &opts)?;
+        (src.config, formats)
+    };
+    let dims = ModelDims::from(&config);
+    dims.validate()
+        .with_context(|| format!("in {}", path.display()))?;
+    let opts = PlanOptions {
+        max_isa: args.max_isa,
+        ..plan_options(&config, formats, threads)
+    };
+    Ok((dims, opts, path))
+}
+
+fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
     let path = match model {
         Some(p) => p.clone(),
         None => default_model_path()?,
@@ -58,15 +95,7 @@ fn dims_for(model: &Option<PathBuf>) -> Result<(ModelDims, PathBuf)> {
             }
         );
     }
-    Ok((load_dims(&path)?, path))
-}
-
-fn options(a: &DumpArgs) -> PlanOptions {
-    PlanOptions {
-        max_isa: a.max_isa,
-        threads: a.threads,
-        ..PlanOptions::default()
-    }
+    Ok(path)
 }
 
 /// Intel-syntax listing: offset, bytes, instruction.
@@ -91,7 +120,7 @@ struct JsonKernel<'a> {
     name: &'a str,
     bytes: usize,
     instructions: usize,
-    spec: &'a super::plan::KernelSpec,
+    spec: &'a crate::jit::plan::KernelSpec,
 }
 
 #[derive(serde::Serialize)]
@@ -119,9 +148,9 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
     if let Some(msg) = caps.baseline_message() {
         bail!("{msg}; there is no JIT code to dump on this CPU");
     }
-    let (dims, path) = dims_for(&args.model)?;
+    let (dims, opts, path) = plan_inputs(args)?;
     let t0 = Instant::now();
-    let plan = plan(&dims, &caps, &options(args))?;
+    let plan = plan(&dims, &caps, &opts)?;
     let emitted = emit_and_verify(&plan, &caps, args.max_isa)?;
     let elapsed = t0.elapsed();
     let kernels = &emitted.kernels;
@@ -248,13 +277,13 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
         writeln!(out, "cpu: {caps}\n{msg}")?;
         return write_stdout(&out);
     }
-    let (dims, _) = dims_for(&args.common.model)?;
-    let plan = plan(&dims, &caps, &options(&args.common))?;
+    let (dims, opts, _) = plan_inputs(&args.common)?;
+    let plan = plan(&dims, &caps, &opts)?;
     print_plan(&mut out, &caps, &dims, &plan)?;
     write_stdout(&out)?;
     if args.measure {
-        super::measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
-        super::measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
+        tune_measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
+        tune_measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
     }
     Ok(())
 }

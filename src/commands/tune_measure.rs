@@ -3,10 +3,10 @@
 //! Best of several calls (the machine may be shared), next to a plain Rust
 //! read of the same bytes as the bandwidth reference.
 
-use super::cpu::{CpuCaps, Isa};
-use super::emit::gemv;
-use super::kernels::KernelSet;
-use super::plan::{KernelKind, Plan};
+use crate::jit::cpu::{CpuCaps, Isa};
+use crate::jit::emit::gemv;
+use crate::jit::kernels::KernelSet;
+use crate::jit::plan::{KernelKind, Plan};
 use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use std::time::Instant;
@@ -80,7 +80,7 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         );
         if plan.threads > 1 {
             // Rows split as the engine would split them, one scoped thread each.
-            let parts = super::plan::split_rows(rows, plan.threads, gemv::ROWS);
+            let parts = crate::jit::plan::split_rows(rows, plan.threads, gemv::ROWS);
             let secs = best_of(|| {
                 std::thread::scope(|sc| {
                     let mut rest: &mut [f32] = &mut y;
