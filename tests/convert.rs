@@ -83,7 +83,7 @@ fn awkward_config_survives_and_loads_zero_copy() {
         format: None,
         prefill_chunk: 64,
         in_place: true,
-        keep_q8_0: false,
+        native: false,
     };
     let mut engine = FastEngine::load(&converted, Box::new(PortableKernels), &opts).unwrap();
     assert!(
@@ -96,7 +96,7 @@ fn awkward_config_survives_and_loads_zero_copy() {
     let f16_opts = FastOptions {
         format: Some(WeightFormat::F16),
         in_place: false,
-        keep_q8_0: false,
+        native: false,
         ..opts
     };
     let mut direct =

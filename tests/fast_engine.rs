@@ -52,7 +52,7 @@ fn check(fixture: &str, reference: &str, dtype: &str, tolerance: f32) {
                 // in place falls back to converting (tests/convert.rs
                 // covers the zero-copy load of a converted file).
                 in_place: threads == 2,
-                keep_q8_0: false,
+                native: false,
             };
             let format = FastEngine::weight_format_for(&src, &opts).unwrap();
             let mut engine =
@@ -115,7 +115,7 @@ fn context_overflow_is_an_error() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
-        keep_q8_0: false,
+        native: false,
     };
     let mut engine = FastEngine::load(&src, Box::new(PortableKernels), &opts).unwrap();
     engine.forward(&[2, 5, 6], LogitsWanted::Last).unwrap();
@@ -136,7 +136,7 @@ fn real_model_jit_logits_within_fp16_yardstick() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
-        keep_q8_0: false,
+        native: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     assert_eq!(format, WeightFormat::F16);
@@ -177,7 +177,7 @@ fn jit_matches_portable_on_awkward_shapes() {
             format: Some(WeightFormat::F16),
             prefill_chunk: 4,
             in_place: false,
-            keep_q8_0: false,
+            native: false,
         };
         let jit = Box::new(
             JitKernels::build(&src.config, WeightFormats::uniform(WeightFormat::F16), 2)

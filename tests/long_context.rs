@@ -19,7 +19,7 @@ fn logits_stay_finite_over_4096_tokens() {
         format: None,
         prefill_chunk: 64,
         in_place: false,
-        keep_q8_0: false,
+        native: false,
     };
     let format = FastEngine::weight_format_for(&src, &opts).unwrap();
     let kernels = jit_kernels(&src.config, WeightFormats::uniform(format), 2).unwrap();

@@ -74,7 +74,7 @@ fn plan_inputs(args: &DumpArgs) -> Result<(ModelDims, PlanOptions, PathBuf)> {
         .with_context(|| format!("in {}", path.display()))?;
     let opts = PlanOptions {
         max_isa: args.max_isa,
-        ..plan_options(&config, formats, threads)
+        ..plan_options(&config, &formats, threads)
     };
     Ok((dims, opts, path))
 }

@@ -106,7 +106,7 @@ impl Dtype {
             format: self.format(),
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             in_place,
-            keep_q8_0: self == Dtype::Native,
+            native: self == Dtype::Native,
         }
     }
 }

@@ -11,11 +11,11 @@ use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::q8_input::Q8Input;
 use super::{Engine, LogitsWanted};
+use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
-use crate::model::dtype::DType;
-use crate::model::q8_blocks;
+use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
-use crate::model::weights::{LayerWeights, ModelWeights};
+use crate::model::weights::{LAYER_MATRICES, LayerWeights, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -65,31 +65,97 @@ impl FlatKv {
     }
 }
 
-/// The packed formats of an engine's matrices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The packed format of each of an engine's matrices, decided once per
+/// model.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WeightFormats {
-    /// Every layer matrix (the 16-bit kernels are planned for one format).
-    pub layers: WeightFormat,
+    /// The 16-bit format of every matrix not kept quantized (the 16-bit
+    /// kernels are planned for one).
+    pub wide: WeightFormat,
     /// The tied embedding and LM head.
     pub head: WeightFormat,
+    /// Each layer's matrices in the order of `LAYER_MATRICES`; empty when
+    /// every layer matrix is `wide`.
+    pub layers: Vec<[WeightFormat; 7]>,
 }
 
 impl WeightFormats {
-    /// All matrices in one format.
+    /// All matrices in one 16-bit format.
     pub fn uniform(format: WeightFormat) -> WeightFormats {
         WeightFormats {
-            layers: format,
+            wide: format,
             head: format,
+            layers: Vec::new(),
         }
     }
 
-    /// "f16", or "f16 + q8_0 LM head".
-    pub fn describe(&self) -> String {
-        if self.head == self.layers {
-            self.layers.name().to_string()
-        } else {
-            format!("{} + {} LM head", self.layers.name(), self.head.name())
+    /// The format of a matrix.
+    pub fn of(&self, role: Role) -> WeightFormat {
+        match role {
+            Role::Embedding => self.head,
+            Role::Layer(i, r) => LAYER_MATRICES
+                .iter()
+                .position(|&(m, _)| m == r)
+                .and_then(|m| self.layers.get(i).map(|l| l[m]))
+                .unwrap_or(self.wide),
+            Role::FinalNorm => self.wide,
         }
+    }
+
+    /// The quantized matrices by the plan's name, type and K, once each.
+    pub fn quantized(&self, c: &ModelConfig) -> Vec<QuantizedMatrix> {
+        let mut out: Vec<QuantizedMatrix> = Vec::new();
+        let mut add = |tensor: &'static str, format: WeightFormat, k: usize| {
+            if let Some(q) = format.quant() {
+                let m = QuantizedMatrix { tensor, q, k };
+                if !out.contains(&m) {
+                    out.push(m);
+                }
+            }
+        };
+        add("output(lm_head)", self.head, c.hidden);
+        for layer in &self.layers {
+            for (&(role, name), &format) in LAYER_MATRICES.iter().zip(layer) {
+                add(name, format, layer_matrix_shape(role, c)[1]);
+            }
+        }
+        out
+    }
+
+    /// The plan's names of the matrices kept in the 16-bit format in at
+    /// least one place.
+    pub fn wide_tensors(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.head.is_16bit() {
+            out.push("output(lm_head)");
+        }
+        for (i, &(_, name)) in LAYER_MATRICES.iter().enumerate() {
+            let wide = self.layers.is_empty() || self.layers.iter().any(|l| l[i].is_16bit());
+            if wide {
+                out.push(name);
+            }
+        }
+        out
+    }
+
+    /// "f16", or "f16 + q8_0 LM head + q5_0 (126 of 126 layer matrices)".
+    pub fn describe(&self) -> String {
+        let mut text = self.wide.name().to_string();
+        if self.head != self.wide {
+            text += &format!(" + {} LM head", self.head.name());
+        }
+        let mut counts: Vec<(WeightFormat, usize)> = Vec::new();
+        for &f in self.layers.iter().flatten().filter(|&&f| f != self.wide) {
+            match counts.iter_mut().find(|(g, _)| *g == f) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((f, 1)),
+            }
+        }
+        let total = self.layers.len() * LAYER_MATRICES.len();
+        for (f, n) in counts {
+            text += &format!(" + {} ({n} of {total} layer matrices)", f.name());
+        }
+        text
     }
 }
 
@@ -102,10 +168,11 @@ pub struct FastOptions {
     pub format: Option<WeightFormat>,
     /// Tokens per prefill GEMM.
     pub prefill_chunk: usize,
-    /// Keep a Q8_0 embedding (the tied LM head) in Q8_0 for the integer
-    /// kernels instead of widening it to `format`: half the bytes a decode
-    /// step streams for it, and the same values.
-    pub keep_q8_0: bool,
+    /// Keep matrices in the file's own quantized type where a kernel
+    /// family reads it (Q8_0, Q5_0) instead of widening them to `format`:
+    /// the bytes a decode step streams shrink to the file's, and the
+    /// values stay the same.
+    pub native: bool,
     /// Use matrices a mapped file already stores in the kernels' format
     /// and layout (a `pulsar convert` file) in place (zero-copy) instead of
     /// copying them into the huge-page arena. In place loads faster and
@@ -128,22 +195,17 @@ impl FastEngine {
         let formats = Self::weight_formats(src, opts)?;
         let c = &src.config;
         // One arena for every matrix that needs converting.
-        let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let per_layer = [(q, c.hidden), (kv, c.hidden), (kv, c.hidden), (c.hidden, q)]
-            .into_iter()
-            .chain([(c.intermediate, c.hidden), (c.intermediate, c.hidden)])
-            .chain([(c.hidden, c.intermediate)])
-            .map(|(rows, cols)| WeightArena::footprint(formats.layers, rows, cols))
-            .sum::<usize>();
-        let arena = WeightArena::new(
-            per_layer * c.n_layers() + WeightArena::footprint(formats.head, c.vocab_size, c.hidden),
-        );
+        let mut arena_bytes = WeightArena::footprint(formats.head, c.vocab_size, c.hidden);
+        for i in 0..c.n_layers() {
+            for &(role, _) in &LAYER_MATRICES {
+                let [rows, cols] = layer_matrix_shape(role, c);
+                let format = formats.of(Role::Layer(i, role));
+                arena_bytes += WeightArena::footprint(format, rows, cols);
+            }
+        }
+        let arena = WeightArena::new(arena_bytes);
         let weights = ModelWeights::load(src, |role, t| {
-            let format = if role == Role::Embedding {
-                formats.head
-            } else {
-                formats.layers
-            };
+            let format = formats.of(role);
             if opts.in_place && Some(t.dtype) == format.row_blocked_dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
@@ -153,20 +215,30 @@ impl FastEngine {
         Self::new(src.config.clone(), weights, kernels, opts)
     }
 
-    /// The packed formats of a model's matrices, decided once: the layers'
-    /// (see [`FastEngine::weight_format_for`]) and the embedding's, which
-    /// stays Q8_0 when the file stores it so and `keep_q8_0` is set.
+    /// The packed format of each matrix, decided once: with `native`, a
+    /// matrix the file stores in a type a kernel family reads stays in it;
+    /// every other one gets the 16-bit format of
+    /// [`FastEngine::weight_format_for`].
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
-        let layers = Self::weight_format_for(src, opts)?;
+        let wide = Self::weight_format_for(src, opts)?;
         let c = &src.config;
-        let embedding = src.tensor(Role::Embedding, &[c.vocab_size, c.hidden])?;
-        let head = if opts.keep_q8_0 && embedding.dtype == DType::Q8_0 && q8_blocks::fits(c.hidden)
-        {
-            WeightFormat::Q8_0
-        } else {
-            layers
+        let keep = |role: Role, shape: [usize; 2]| -> Result<WeightFormat> {
+            if !opts.native || !quant_blocks::fits(shape[1]) {
+                return Ok(wide);
+            }
+            let dtype = src.tensor(role, &shape)?.dtype;
+            Ok(WeightFormat::native(dtype).unwrap_or(wide))
         };
-        Ok(WeightFormats { layers, head })
+        let head = keep(Role::Embedding, [c.vocab_size, c.hidden])?;
+        let mut layers = Vec::with_capacity(c.n_layers());
+        for i in 0..c.n_layers() {
+            let mut formats = [wide; 7];
+            for (f, &(role, _)) in formats.iter_mut().zip(&LAYER_MATRICES) {
+                *f = keep(Role::Layer(i, role), layer_matrix_shape(role, c))?;
+            }
+            layers.push(formats);
+        }
+        Ok(WeightFormats { wide, head, layers })
     }
 
     /// The one packed format all matrices get (the kernels are planned for
@@ -222,22 +294,38 @@ impl FastEngine {
     /// Whether every matrix is used in place from a mapped file.
     pub fn all_weights_borrowed(&self) -> bool {
         self.weights.embedding.is_borrowed()
-            && self.weights.layers.iter().all(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .all(|m| m.is_borrowed())
-            })
+            && self
+                .weights
+                .layers
+                .iter()
+                .all(|l| l.matrices().all(PackedMatrix::is_borrowed))
     }
 
     /// The packed formats of the matrices.
     pub fn formats(&self) -> WeightFormats {
+        let layers: Vec<[WeightFormat; 7]> = self
+            .weights
+            .layers
+            .iter()
+            .map(|l| {
+                let mut formats = [WeightFormat::F16; 7];
+                for (f, m) in formats.iter_mut().zip(l.matrices()) {
+                    *f = m.format;
+                }
+                formats
+            })
+            .collect();
+        let wide = layers
+            .iter()
+            .flatten()
+            .copied()
+            .chain([self.weights.embedding.format])
+            .find(|f| f.is_16bit())
+            .unwrap_or(WeightFormat::F16);
         WeightFormats {
-            layers: self
-                .weights
-                .layers
-                .first()
-                .map_or(self.weights.embedding.format, |l| l.q.format),
+            wide,
             head: self.weights.embedding.format,
+            layers,
         }
     }
 
@@ -260,12 +348,7 @@ impl FastEngine {
             .weights
             .layers
             .iter()
-            .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|m| m.bytes())
-                    .sum::<usize>()
-            })
+            .map(|l| l.matrices().map(PackedMatrix::bytes).sum::<usize>())
             .sum();
         layers + self.weights.embedding.bytes()
     }
@@ -284,7 +367,7 @@ impl FastEngine {
             // An integer GEMV's input is quantized once, here, for every
             // thread's chunk of rows. Several tokens go to a GEMM, which
             // widens quantized weights instead (see `MatKernels::gemm`).
-            let q8 = (w.format == WeightFormat::Q8_0 && x.len() == w.cols)
+            let q8 = (w.format.quant().is_some() && x.len() == w.cols)
                 .then(|| Q8Input::quantize(x, w.cols));
             work.push((w, x, q8, SharedOut::new(y, w.rows)));
         }

@@ -29,15 +29,12 @@ fn weight_type(f: WeightFormat) -> WeightType {
 /// The plan options for a model whose matrices have `formats`: the one
 /// place the engine and `pulsar dump`/`tune` get them from, so the plan
 /// shown is the plan run.
-pub fn plan_options(config: &ModelConfig, formats: WeightFormats, threads: usize) -> PlanOptions {
+pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usize) -> PlanOptions {
     PlanOptions {
         threads,
-        weights: weight_type(formats.layers),
-        q8_0_ks: if formats.head == WeightFormat::Q8_0 {
-            vec![config.hidden]
-        } else {
-            Vec::new()
-        },
+        weights: weight_type(formats.wide),
+        quantized: formats.quantized(config),
+        wide_tensors: Some(formats.wide_tensors()),
         ..PlanOptions::default()
     }
 }
@@ -60,7 +57,7 @@ impl JitKernels {
         formats: WeightFormats,
         threads: usize,
     ) -> Result<Option<JitKernels>> {
-        let opts = plan_options(config, formats, threads);
+        let opts = plan_options(config, &formats, threads);
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
                 set: kernels,
@@ -182,7 +179,11 @@ impl MatKernels for JitKernels {
     }
 
     unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
-        let Some(k) = self.set.gemv_q8(w.cols) else {
+        let Some(k) = w
+            .format
+            .quant()
+            .and_then(|q| self.set.gemv_quant(q, w.cols))
+        else {
             // A K the plan did not cover: keep going, correctly, in Rust.
             return unsafe { gemm_q8_portable(w, x, rows, y) };
         };
@@ -193,7 +194,7 @@ impl MatKernels for JitKernels {
             // SAFETY: the caller owns columns `rows` of y.
             let part = unsafe { y.cells(t, rows.clone()) };
             k.run_part(w.raw(), x.token(t), part, rows.clone())
-                .expect("Q8_0 GEMV arguments sized by the engine");
+                .expect("quantized GEMV arguments sized by the engine");
         }
     }
 

@@ -5,7 +5,7 @@
 use super::ops::{self, dot};
 use super::packed::PackedMatrix;
 use super::q8_input::{Q8Input, dot_i8};
-use crate::model::q8_blocks;
+use crate::model::quant_blocks;
 use std::ops::Range;
 
 /// A row-major `[tokens, stride]` f32 output that several threads write
@@ -231,21 +231,26 @@ pub trait MatKernels: Sync {
     }
 }
 
-/// The integer Q8_0 product in plain Rust: the arithmetic the JIT's kernel
-/// performs, in another order of the f32 sums.
+/// The integer product of quantized weights (Q8_0, Q5_0) and 8-bit inputs
+/// in plain Rust: the arithmetic the JIT's kernels perform, in another
+/// order of the f32 sums.
 ///
 /// # Safety
 /// No other thread may touch columns `rows` of `y` meanwhile.
 pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
     let data = w.raw();
-    let groups = w.cols / q8_blocks::GROUP_COLS;
+    let q = w
+        .format
+        .quant()
+        .expect("an integer product needs quantized weights");
+    let groups = w.cols / quant_blocks::GROUP_COLS;
     for r in rows {
         for t in 0..x.tokens() {
             let mut sum = 0.0f32;
             for g in 0..groups {
-                let (dw, qw) = q8_blocks::group(data, r, g, w.cols);
+                let (dw, payload) = quant_blocks::group(q, data, r, g, w.cols);
                 let (dx, qx) = x.group(t, g);
-                sum += dot_i8(qw, qx) as f32 * (dw * dx);
+                sum += dot_i8(&q.values(payload), qx) as f32 * (dw * dx);
             }
             // SAFETY: the caller owns columns `rows` of y.
             unsafe { y.cells(t, r..r + 1)[0] = sum };

@@ -1,12 +1,13 @@
 //! Weight matrices in the kernels' layout: 16-bit floats, FP16 or BF16, in
 //! row blocks (`model::row_blocks`), or the file's own Q8_0 blocks regrouped
-//! into row blocks (`model::q8_blocks`); either owned (converted at load)
+//! into row blocks (`model::quant_blocks`); either owned (converted at load)
 //! or borrowed zero-copy from a memory-mapped file that already stores them
 //! that way (written by `pulsar convert`).
 
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
-use crate::model::{q8_blocks, row_blocks};
+use crate::model::quant_blocks::{self, QuantType};
+use crate::model::row_blocks;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use memmap2::MmapMut;
@@ -20,6 +21,9 @@ pub enum WeightFormat {
     /// GGUF's Q8_0 (8-bit quants, an f16 scale per 32), read by the
     /// integer kernels.
     Q8_0,
+    /// GGUF's Q5_0 (5-bit quants, an f16 scale per 32), read by the
+    /// integer kernels.
+    Q5_0,
 }
 
 impl WeightFormat {
@@ -28,6 +32,7 @@ impl WeightFormat {
             WeightFormat::F16 => "f16",
             WeightFormat::BF16 => "bf16",
             WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q5_0 => "q5_0",
         }
     }
 
@@ -36,6 +41,26 @@ impl WeightFormat {
             WeightFormat::F16 => DType::F16,
             WeightFormat::BF16 => DType::BF16,
             WeightFormat::Q8_0 => DType::Q8_0,
+            WeightFormat::Q5_0 => DType::Q5_0,
+        }
+    }
+
+    /// The quantized block type of this format, if it is one.
+    pub fn quant(self) -> Option<QuantType> {
+        match self {
+            WeightFormat::Q8_0 => Some(QuantType::Q8_0),
+            WeightFormat::Q5_0 => Some(QuantType::Q5_0),
+            _ => None,
+        }
+    }
+
+    /// The format that keeps a tensor of `dtype` as it is, where a kernel
+    /// family reads it.
+    pub fn native(dtype: DType) -> Option<WeightFormat> {
+        match dtype {
+            DType::Q8_0 => Some(WeightFormat::Q8_0),
+            DType::Q5_0 => Some(WeightFormat::Q5_0),
+            _ => None,
         }
     }
 
@@ -50,15 +75,15 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => Some(DType::F16RowBlocks),
             WeightFormat::BF16 => Some(DType::BF16RowBlocks),
-            WeightFormat::Q8_0 => None,
+            WeightFormat::Q8_0 | WeightFormat::Q5_0 => None,
         }
     }
 
     /// Bytes a `rows x cols` matrix takes in this format's layout.
     pub fn matrix_bytes(self, rows: usize, cols: usize) -> usize {
-        match self {
-            WeightFormat::Q8_0 => q8_blocks::matrix_bytes(rows, cols),
-            _ => row_blocks::padded_len(rows, cols) * 2,
+        match self.quant() {
+            Some(q) => q.matrix_bytes(rows, cols),
+            None => row_blocks::padded_len(rows, cols) * 2,
         }
     }
 
@@ -321,8 +346,8 @@ impl PackedMatrix {
 
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        if self.format == WeightFormat::Q8_0 {
-            return q8_blocks::dequant_row(self.raw(), r, self.cols, out);
+        if let Some(q) = self.format.quant() {
+            return quant_blocks::dequant_row(q, self.raw(), r, self.cols, out);
         }
         let data = self.data();
         for (g, part) in out[..self.cols]
@@ -347,8 +372,8 @@ impl PackedMatrix {
 fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
     let fill = |first_row: usize, part: &mut [u8]| {
-        if format == WeightFormat::Q8_0 {
-            fill_q8_rows(t, first_row, part);
+        if let Some(q) = format.quant() {
+            fill_quant_rows(t, q, first_row, part);
         } else {
             // SAFETY: arena regions and owned maps start 64-byte aligned and
             // every part is whole row blocks of u16 values.
@@ -375,26 +400,33 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
     });
 }
 
-/// Regroups rows `first_row..` of a Q8_0 tensor into Q8_0 row blocks (bit
-/// for bit), releasing the source pages as it goes.
-fn fill_q8_rows(t: &TensorView<'_>, first_row: usize, out: &mut [u8]) {
+/// Regroups rows `first_row..` of a quantized tensor into row blocks of
+/// the same type (nothing requantized), releasing the source pages as it
+/// goes.
+fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
-    assert_eq!(t.dtype, DType::Q8_0, "only Q8_0 tensors are kept as Q8_0");
+    assert_eq!(
+        WeightFormat::native(t.dtype).and_then(WeightFormat::quant),
+        Some(q),
+        "a {} tensor is kept as {}",
+        t.dtype,
+        q.name()
+    );
     let row_bytes = t.bytes.len() / rows.max(1);
-    let block_bytes = q8_blocks::block_bytes(cols);
+    let block_bytes = q.block_bytes(cols);
     // About 4 MB of source per release, whole row blocks.
     let group = ((4 << 20) / row_bytes.max(1))
         .max(1)
-        .next_multiple_of(q8_blocks::BLOCK_ROWS);
+        .next_multiple_of(quant_blocks::BLOCK_ROWS);
     for (g, dst) in out
-        .chunks_mut(group / q8_blocks::BLOCK_ROWS * block_bytes)
+        .chunks_mut(group / quant_blocks::BLOCK_ROWS * block_bytes)
         .enumerate()
     {
         let first = first_row + g * group;
-        let last = (first + dst.len() / block_bytes * q8_blocks::BLOCK_ROWS).min(rows);
+        let last = (first + dst.len() / block_bytes * quant_blocks::BLOCK_ROWS).min(rows);
         for r in first..last {
             let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
-            q8_blocks::scatter_row(dst, r - first, cols, src);
+            quant_blocks::scatter_row(q, dst, r - first, cols, src);
         }
         TensorView {
             bytes: &t.bytes[first * row_bytes..last * row_bytes],

@@ -7,10 +7,12 @@
 //! every thread's chunk of rows reads the same quantized input.
 //!
 //! Per token the bytes are the K quants, then the K/32 scales (f32, little
-//! endian): the kernel reads a group's 32 quants with one load and its
-//! scale with another.
+//! endian), then the K/32 sums of each block's quants (i32), which a weight
+//! format stored with an offset needs (Q5_0: w = v - 16, so w · x = v · x -
+//! 16 · sum(x)). The kernel reads a group's 32 quants with one load, its
+//! scale and its sum with one each.
 
-use crate::model::q8_blocks::GROUP_COLS;
+use crate::model::quant_blocks::GROUP_COLS;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
@@ -21,7 +23,7 @@ pub struct Q8Input {
 impl Q8Input {
     /// Bytes one token takes.
     pub fn token_bytes(k: usize) -> usize {
-        k + k / GROUP_COLS * 4
+        k + k / GROUP_COLS * 8
     }
 
     /// Quantizes `x` (`[tokens, k]`, row-major); `k` must be a multiple of 32.
@@ -35,11 +37,13 @@ impl Q8Input {
         let stride = Self::token_bytes(k);
         let mut bytes = vec![0u8; tokens * stride];
         for (row, out) in x.chunks_exact(k).zip(bytes.chunks_exact_mut(stride)) {
-            let (quants, scales) = out.split_at_mut(k);
-            for ((block, q), s) in row
+            let (quants, rest) = out.split_at_mut(k);
+            let (scales, sums) = rest.split_at_mut(k / GROUP_COLS * 4);
+            for (((block, q), s), sum) in row
                 .chunks_exact(GROUP_COLS)
                 .zip(quants.chunks_exact_mut(GROUP_COLS))
                 .zip(scales.chunks_exact_mut(4))
+                .zip(sums.chunks_exact_mut(4))
             {
                 let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let d = amax / 127.0;
@@ -49,6 +53,8 @@ impl Q8Input {
                     *q = ((v * inv).round() as i8) as u8;
                 }
                 s.copy_from_slice(&d.to_le_bytes());
+                let total: i32 = q.iter().map(|&b| i32::from(b as i8)).sum();
+                sum.copy_from_slice(&total.to_le_bytes());
             }
         }
         Q8Input { bytes, k, tokens }
@@ -77,11 +83,13 @@ impl Q8Input {
     }
 }
 
-/// The integer dot product of two groups of 32 signed bytes.
-pub fn dot_i8(a: &[u8], b: &[u8]) -> i32 {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| i32::from(x as i8) * i32::from(y as i8))
+/// The integer dot product of a group's weight values and its input
+/// quants (signed bytes stored as u8).
+pub fn dot_i8(weights: &[i8], quants: &[u8]) -> i32 {
+    weights
+        .iter()
+        .zip(quants)
+        .map(|(&w, &q)| i32::from(w) * i32::from(q as i8))
         .sum()
 }
 

@@ -8,6 +8,7 @@ use super::emit::gemv::WeightType;
 use super::emit::{LANES, gemm};
 use super::plan::{KernelKind, KernelSpec, Plan};
 use super::verify::{self, Policy, Verified};
+use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use dynasmrt::mmap::{ExecutableBuffer, MutableBuffer};
@@ -180,14 +181,17 @@ impl KernelSet {
         })
     }
 
-    /// Integer GEMV for `k` columns of Q8_0 weights.
-    pub fn gemv_q8(&self, k: usize) -> Option<GemvQ8<'_>> {
-        let (c, p) = self.find(|kind| matches!(kind, KernelKind::GemvQ8(g) if g.k == k))?;
-        // SAFETY: verified code with the GemvQ8Fn signature (see emit::gemv_q8).
-        let f = unsafe { std::mem::transmute::<*const u8, GemvQ8Fn>(p) };
-        Some(GemvQ8 {
+    /// Integer GEMV for `k` columns of `q` weights.
+    pub fn gemv_quant(&self, q: QuantType, k: usize) -> Option<GemvQuant<'_>> {
+        let (c, p) =
+            self.find(|kind| matches!(kind, KernelKind::GemvQuant(g) if g.q == q && g.k == k))?;
+        // SAFETY: verified code with the GemvQuantFn signature (see
+        // emit::gemv_quant).
+        let f = unsafe { std::mem::transmute::<*const u8, GemvQuantFn>(p) };
+        Some(GemvQuant {
             f,
             name: &c.spec.name,
+            q,
             k,
         })
     }
@@ -390,19 +394,20 @@ impl Gemv<'_> {
     }
 }
 
-type GemvQ8Fn = unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize);
+type GemvQuantFn = unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize);
 
 #[derive(Clone, Copy)]
-pub struct GemvQ8<'a> {
-    f: GemvQ8Fn,
+pub struct GemvQuant<'a> {
+    f: GemvQuantFn,
     pub name: &'a str,
+    pub q: QuantType,
     pub k: usize,
 }
 
-impl GemvQ8<'_> {
-    /// `y_part[i] = W[rows.start + i, :] · x` for Q8_0 row blocks `w` (the
-    /// whole matrix) and one token's 8-bit input `x` (K quants, then K/32
-    /// f32 scales); `rows` starts on a block.
+impl GemvQuant<'_> {
+    /// `y_part[i] = W[rows.start + i, :] · x` for quantized row blocks `w`
+    /// (the whole matrix) and one token's 8-bit input `x` (K quants, K/32
+    /// f32 scales, K/32 i32 sums); `rows` starts on a block.
     pub fn run_part(
         &self,
         w: &[u8],
@@ -410,8 +415,8 @@ impl GemvQ8<'_> {
         y_part: &mut [f32],
         rows: Range<usize>,
     ) -> Result<(), KernelError> {
-        let block_bytes = crate::model::q8_blocks::block_bytes(self.k);
-        let x_bytes = self.k + self.k / crate::model::q8_blocks::GROUP_COLS * 4;
+        let block_bytes = self.q.block_bytes(self.k);
+        let x_bytes = self.k + self.k / quant_blocks::GROUP_COLS * 8;
         if rows.start > rows.end || y_part.len() != rows.len() {
             return Err(shape(
                 self.name,
@@ -420,10 +425,8 @@ impl GemvQ8<'_> {
         }
         let blocks_in_w = w.len() / block_bytes.max(1);
         if x.len() != x_bytes
-            || !rows
-                .start
-                .is_multiple_of(crate::model::q8_blocks::BLOCK_ROWS)
-            || rows.end.div_ceil(crate::model::q8_blocks::BLOCK_ROWS) > blocks_in_w
+            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
+            || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > blocks_in_w
         {
             return Err(shape(
                 self.name,

@@ -7,8 +7,9 @@ use super::cpu::{CpuCaps, Isa};
 use super::dims::ModelDims;
 use super::emit::gemm::{self, GemmParams};
 use super::emit::gemv::{self, GemvParams, WeightType};
-use super::emit::gemv_q8::{self, GemvQ8Params};
+use super::emit::gemv_quant::{self, GemvQuantParams};
 use super::emit::{self, LANES};
+use crate::model::quant_blocks::QuantType;
 use anyhow::{Result, bail};
 use std::ops::Range;
 
@@ -21,9 +22,13 @@ pub struct PlanOptions {
     /// Worker threads the rows are split across (0 = all cores).
     pub threads: usize,
     pub weights: WeightType,
-    /// K of every matrix kept in Q8_0 (the tied embedding and LM head of a
-    /// Q8_0 file): each gets an integer GEMV.
-    pub q8_0_ks: Vec<usize>,
+    /// The matrices kept quantized, by type and K: each pair gets an
+    /// integer GEMV. Their several-token products widen panels to the
+    /// 16-bit GEMM of the same K, which the plan always has.
+    pub quantized: Vec<QuantizedMatrix>,
+    /// The tensors stored in the 16-bit format in at least one layer
+    /// (`None`: all of them). A K none of them has gets no 16-bit GEMV.
+    pub wide_tensors: Option<Vec<&'static str>>,
     pub budget: usize,
 }
 
@@ -33,10 +38,20 @@ impl Default for PlanOptions {
             max_isa: Isa::Avx512,
             threads: 0,
             weights: WeightType::F16,
-            q8_0_ks: Vec::new(),
+            quantized: Vec::new(),
+            wide_tensors: None,
             budget: BUDGET_BYTES,
         }
     }
+}
+
+/// A matrix of the model kept quantized (in some or all layers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantizedMatrix {
+    /// The plan's name for it: "attn_q", "output(lm_head)", ...
+    pub tensor: &'static str,
+    pub q: QuantType,
+    pub k: usize,
 }
 
 /// What one kernel computes; dims and strides here become immediates.
@@ -44,8 +59,8 @@ impl Default for PlanOptions {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum KernelKind {
     Gemv(GemvParams),
-    /// Integer GEMV over Q8_0 weights and 8-bit inputs.
-    GemvQ8(GemvQ8Params),
+    /// Integer GEMV over quantized weights and 8-bit inputs.
+    GemvQuant(GemvQuantParams),
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -76,7 +91,9 @@ impl KernelKind {
                     p.k
                 )
             }
-            KernelKind::GemvQ8(p) => format!("gemv_q8_0_r{}_k{}", gemv_q8::ROWS, p.k),
+            KernelKind::GemvQuant(p) => {
+                format!("gemv_{}_r{}_k{}", p.q.name(), gemv_quant::ROWS, p.k)
+            }
             KernelKind::Gemm(p) => {
                 format!(
                     "gemm_{}_r{}t{}_k{}",
@@ -103,7 +120,7 @@ impl KernelKind {
         let name = self.name();
         match self {
             KernelKind::Gemv(p) => emit::gemv::emit(p, &name),
-            KernelKind::GemvQ8(p) => emit::gemv_q8::emit(p, &name),
+            KernelKind::GemvQuant(p) => emit::gemv_quant::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
@@ -234,9 +251,35 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();
-    let mut q8_ks = opts.q8_0_ks.clone();
-    q8_ks.sort_unstable();
-    q8_ks.dedup();
+    // A 16-bit GEMV only where some 16-bit matrix is multiplied.
+    let gemv_ks: Vec<usize> = ks
+        .iter()
+        .copied()
+        .filter(|&k| {
+            mats.iter().any(|&(tensor, _, mk)| {
+                mk == k
+                    && opts
+                        .wide_tensors
+                        .as_ref()
+                        .is_none_or(|wide| wide.contains(&tensor))
+            })
+        })
+        .collect();
+    if gemv_ks.len() < ks.len() {
+        notes.push(format!(
+            "no 16-bit GEMV for K in {:?}: every matrix with that K is quantized",
+            ks.iter()
+                .filter(|k| !gemv_ks.contains(k))
+                .collect::<Vec<_>>()
+        ));
+    }
+    let mut quant_kinds: Vec<GemvQuantParams> = opts
+        .quantized
+        .iter()
+        .map(|m| GemvQuantParams { q: m.q, k: m.k })
+        .collect();
+    quant_kinds.sort_by_key(|p| (p.q.name(), p.k));
+    quant_kinds.dedup();
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -244,12 +287,24 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
     loop {
-        let mut kinds = build_kinds(dims, &ks, opts.weights, gemv_unroll, norm_unroll, &optional);
-        kinds.extend(q8_ks.iter().map(|&k| {
-            (
-                KernelKind::GemvQ8(GemvQ8Params { k }),
-                vec!["Q8_0 matrices: the tied embedding / LM head".to_string()],
-            )
+        let mut kinds = build_kinds(
+            dims,
+            &ks,
+            &gemv_ks,
+            opts.weights,
+            gemv_unroll,
+            norm_unroll,
+            &optional,
+        );
+        kinds.extend(quant_kinds.iter().map(|&p| {
+            let used_for = opts
+                .quantized
+                .iter()
+                .filter(|m| m.q == p.q && m.k == p.k)
+                .map(|m| m.tensor)
+                .collect::<Vec<_>>()
+                .join(", ");
+            (KernelKind::GemvQuant(p), vec![used_for])
         }));
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
@@ -276,8 +331,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     tensor,
                     rows,
                     k,
-                    gemv: if tensor == "output(lm_head)" && q8_ks.contains(&k) {
-                        KernelKind::GemvQ8(GemvQ8Params { k }).name()
+                    gemv: if let Some(m) = opts
+                        .quantized
+                        .iter()
+                        .find(|m| m.tensor == tensor && m.k == k)
+                    {
+                        KernelKind::GemvQuant(GemvQuantParams { q: m.q, k }).name()
                     } else {
                         KernelKind::Gemv(GemvParams {
                             wt: opts.weights,
@@ -354,9 +413,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn build_kinds(
     dims: &ModelDims,
     ks: &[usize],
+    gemv_ks: &[usize],
     wt: WeightType,
     gemv_unroll: usize,
     norm_unroll: usize,
@@ -376,7 +437,7 @@ fn build_kinds(
         }
         u
     };
-    for &k in ks {
+    for &k in gemv_ks {
         out.push((
             KernelKind::Gemv(GemvParams {
                 wt,

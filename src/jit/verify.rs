@@ -188,6 +188,15 @@ const ALLOWED: &[Mnemonic] = {
         Vcvtdq2ps,
         Vinsertf128,
         Vphaddd,
+        // Unpacking 5-bit values (Q5_0 GEMV) and their offset's correction.
+        Vpsrlw,
+        Vpsllw,
+        Vinserti128,
+        Vpand,
+        Vpor,
+        Vpsrlvd,
+        Vpshufd,
+        Vpsubd,
     ]
 };
 

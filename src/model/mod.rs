@@ -8,7 +8,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod gguf_write;
 pub mod presets;
-pub mod q8_blocks;
+pub mod quant_blocks;
 pub mod row_blocks;
 pub mod safetensors;
 pub mod source;

@@ -2,10 +2,38 @@
 //! config. Generic over the matrix storage so each engine keeps weights in
 //! its own layout (f32 for the reference pass, FP16/BF16 for the kernels).
 
+use super::config::ModelConfig;
 use super::dequant;
 use super::dtype::TensorView;
 use super::source::{LayerRole, ModelSource, Role};
 use anyhow::Result;
+
+/// The seven matrices of a layer, in the order the forward pass uses them,
+/// with the name the plan and reports give them: the one list every place
+/// that walks a layer's matrices iterates.
+pub const LAYER_MATRICES: [(LayerRole, &str); 7] = [
+    (LayerRole::Q, "attn_q"),
+    (LayerRole::K, "attn_k"),
+    (LayerRole::V, "attn_v"),
+    (LayerRole::O, "attn_output"),
+    (LayerRole::Gate, "ffn_gate"),
+    (LayerRole::Up, "ffn_up"),
+    (LayerRole::Down, "ffn_down"),
+];
+
+/// `[rows, cols]` of a layer matrix.
+pub fn layer_matrix_shape(role: LayerRole, c: &ModelConfig) -> [usize; 2] {
+    let q_rows = c.n_heads * c.head_dim;
+    let kv_rows = c.n_kv_heads * c.head_dim;
+    match role {
+        LayerRole::Q => [q_rows, c.hidden],
+        LayerRole::K | LayerRole::V => [kv_rows, c.hidden],
+        LayerRole::O => [c.hidden, q_rows],
+        LayerRole::Gate | LayerRole::Up => [c.intermediate, c.hidden],
+        LayerRole::Down => [c.hidden, c.intermediate],
+        other => panic!("{other:?} is not a layer matrix"),
+    }
+}
 
 /// RMSNorm weights are kept as the final multiplier (the `1 + w` of HF
 /// checkpoints already added).
@@ -25,6 +53,27 @@ pub struct LayerWeights<M> {
     pub gate: M,
     pub up: M,
     pub down: M,
+}
+
+impl<M> LayerWeights<M> {
+    /// The matrix of a role of [`LAYER_MATRICES`].
+    pub fn matrix(&self, role: LayerRole) -> &M {
+        match role {
+            LayerRole::Q => &self.q,
+            LayerRole::K => &self.k,
+            LayerRole::V => &self.v,
+            LayerRole::O => &self.o,
+            LayerRole::Gate => &self.gate,
+            LayerRole::Up => &self.up,
+            LayerRole::Down => &self.down,
+            other => panic!("{other:?} is not a layer matrix"),
+        }
+    }
+
+    /// The seven matrices in the order of [`LAYER_MATRICES`].
+    pub fn matrices(&self) -> impl Iterator<Item = &M> {
+        LAYER_MATRICES.iter().map(|&(role, _)| self.matrix(role))
+    }
 }
 
 pub struct ModelWeights<M> {
@@ -56,22 +105,20 @@ impl<M> ModelWeights<M> {
                 Ok(None)
             }
         };
-        let q_rows = c.n_heads * c.head_dim;
-        let kv_rows = c.n_kv_heads * c.head_dim;
         let mut layers = Vec::with_capacity(c.n_layers());
         for i in 0..c.n_layers() {
             let l = |r: LayerRole| Role::Layer(i, r);
-            let mut mat = |r: LayerRole, rows: usize, cols: usize| -> Result<M> {
-                matrix(l(r), src.tensor(l(r), &[rows, cols])?)
+            let mut mat = |r: LayerRole| -> Result<M> {
+                matrix(l(r), src.tensor(l(r), &layer_matrix_shape(r, c))?)
             };
             layers.push(LayerWeights {
-                q: mat(LayerRole::Q, q_rows, c.hidden)?,
-                k: mat(LayerRole::K, kv_rows, c.hidden)?,
-                v: mat(LayerRole::V, kv_rows, c.hidden)?,
-                o: mat(LayerRole::O, c.hidden, q_rows)?,
-                gate: mat(LayerRole::Gate, c.intermediate, c.hidden)?,
-                up: mat(LayerRole::Up, c.intermediate, c.hidden)?,
-                down: mat(LayerRole::Down, c.hidden, c.intermediate)?,
+                q: mat(LayerRole::Q)?,
+                k: mat(LayerRole::K)?,
+                v: mat(LayerRole::V)?,
+                o: mat(LayerRole::O)?,
+                gate: mat(LayerRole::Gate)?,
+                up: mat(LayerRole::Up)?,
+                down: mat(LayerRole::Down)?,
                 attn_norm: norm(l(LayerRole::AttnNorm), c.hidden)?,
                 ffn_norm: norm(l(LayerRole::FfnNorm), c.hidden)?,
                 attn_post_norm: optional_norm(

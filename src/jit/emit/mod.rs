@@ -13,7 +13,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemv;
-pub mod gemv_q8;
+pub mod gemv_quant;
 
 use dynasmrt::{DynasmApi, dynasm};
 

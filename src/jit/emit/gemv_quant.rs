@@ -1,0 +1,201 @@
+//! Integer GEMV for quantized weights (Q8_0, Q5_0): `y[r] = sum_g d_w[r,g]
+//! * d_x[g] * (v_w[r,g] · q_x[g])` for r in `r0..r1`, W in quantized row
+//! blocks (`model::quant_blocks`: per 32-column group, the 4 rows' f16
+//! scales, then their 4 payloads) and x quantized to 8 bits per 32 values
+//! (`engine::q8_input`: K quants, K/32 f32 scales, K/32 i32 sums).
+//!
+//! One emitter for every type: the frame (pointers, scales, the fold of
+//! the 4 rows' sums, the store) is shared, and each type adds how one
+//! row's payload becomes 8 lane sums of products ([`row_products`]).
+//!
+//! Products use AVX2's `vpmaddubsw`, which multiplies unsigned by signed
+//! bytes:
+//! - Q8_0 quants are signed, so the sign trick makes them unsigned:
+//!   |w| · (x · sign(w)) = w · x. A pair sum is at most 2 · 127 · 127 =
+//!   32258 (2 · 128 · 127 = 32512 for a -128), inside i16.
+//! - Q5_0 values are stored as v = w + 16 in 0..31, already unsigned: the
+//!   products of v are taken as they are (pairs at most 2 · 31 · 128 =
+//!   7936) and 16 · sum(x) is subtracted per group, from the sums the input
+//!   carries ("block sums where a weight format needs them").
+//!
+//! `vpmaddwd` against ones widens the pairs to 8 lane sums in i32. Two
+//! rounds of `vphaddd` fold the 4 rows' lane sums into one register, each
+//! 128-bit half holding the 4 rows' partial sums, which are converted to
+//! f32 and accumulated, times the rows' scales and x's, in one FMA per
+//! group (against one convert, shuffle and FMA per row: 60 bytes less,
+//! which keeps the 16-bit GEMVs' unrolling inside the byte budget). The
+//! two halves are added once per row block.
+//!
+//! K and the block size are immediates; K is a multiple of 32. r0 must be
+//! a multiple of 4; the last block may be partial, its padding rows are
+//! zeros and only valid rows are stored.
+//!
+//! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=W group
+//! pointer, r10=x scale pointer, r11=end of x quants, rax=x quant index
+//! counting up to 0. ymm0 accumulator, ymm4 the 4 rows' scales times x's
+//! (in both halves), ymm5 x quants, ymm6..9 the rows' products, ymm10 and
+//! ymm11 temporaries, ymm12 bytes of 1 and ymm13 bytes of 15 (Q5_0), ymm14
+//! lane indices, ymm15 16-bit ones.
+
+use super::{Asm, broadcast_const, count_mask, finish, lane_index, new_asm};
+use crate::jback;
+use crate::model::quant_blocks::{self, BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct GemvQuantParams {
+    pub q: QuantType,
+    pub k: usize,
+}
+
+pub const ROWS: usize = BLOCK_ROWS;
+const TEMP: u8 = 10;
+const CORRECTION: u8 = 11;
+const BYTE_ONES: u8 = 12;
+const LOW_NIBBLES: u8 = 13;
+const IDX: u8 = 14;
+const ONES: u8 = 15;
+
+/// Row `row`'s 32 products with x (in ymm5) as 8 i32 lane sums in
+/// ymm`dst`, its payload at `[r9 + at]`.
+fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
+    match q {
+        QuantType::Q8_0 => dynasm!(ops
+            ; .arch x64
+            ; vmovdqu Ry(dst), [BYTE r9 + at]
+            ; vpsignb Ry(TEMP), ymm5, Ry(dst)
+            ; vpabsb Ry(dst), Ry(dst)
+            ; vpmaddubsw Ry(dst), Ry(dst), Ry(TEMP)
+        ),
+        QuantType::Q5_0 => dynasm!(ops
+            ; .arch x64
+            // Low nibbles: bytes 0..15 of the vector from the low halves
+            // of the 16 bytes, bytes 16..31 from their high halves.
+            ; vmovdqu Rx(dst), [BYTE r9 + at + 4]
+            ; vpsrlw Rx(TEMP), Rx(dst), 4
+            ; vinserti128 Ry(dst), Ry(dst), Rx(TEMP), 1
+            ; vpand Ry(dst), Ry(dst), Ry(LOW_NIBBLES)
+            // High bits: lane i shifted right by i puts value j's bit at
+            // bit 0 of byte j (see QuantType::Q5_0), then to bit 4.
+            ; vmovd Rx(TEMP), [BYTE r9 + at]
+            ; vpbroadcastd Ry(TEMP), Rx(TEMP)
+            ; vpsrlvd Ry(TEMP), Ry(TEMP), Ry(IDX)
+            ; vpand Ry(TEMP), Ry(TEMP), Ry(BYTE_ONES)
+            ; vpsllw Ry(TEMP), Ry(TEMP), 4
+            ; vpor Ry(dst), Ry(dst), Ry(TEMP)
+            ; vpmaddubsw Ry(dst), Ry(dst), ymm5
+        ),
+    }
+    dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
+}
+
+/// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1)`.
+pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    anyhow::ensure!(
+        quant_blocks::fits(p.k),
+        "{name}: K = {} is not a whole number of 32-value blocks",
+        p.k
+    );
+    let q = p.q;
+    let k = p.k as i32;
+    // r is a multiple of 4, so r * (block bytes / 4) is its block's offset.
+    let per_row = (q.block_bytes(p.k) / ROWS) as i32;
+    // From a group's x scale to its x sum: past the K/32 scales.
+    let sums_from_scales = (p.k / GROUP_COLS * 4) as i32;
+
+    let mut ops = new_asm();
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let group = ops.new_dynamic_label();
+    lane_index(&mut ops, IDX);
+    broadcast_const(&mut ops, ONES, 0x0001_0001);
+    if q == QuantType::Q5_0 {
+        broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101);
+        broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; lea r11, [rsi + k]
+        ; cmp rcx, r8
+        ; jae =>done
+    );
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>block
+        ; imul r9, rcx, per_row
+        ; add r9, rdi
+        ; mov r10, r11
+        ; mov rax, -k
+        ; vxorps ymm0, ymm0, ymm0
+    );
+    let group_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>group
+        // The 4 rows' f16 scales (lanes 0..3; the other 4 lanes read the
+        // first payload and are never used), times x's scale, then copied
+        // to the upper half, which holds the other 4 lanes of each sum.
+        ; vcvtph2ps ymm4, [r9]
+        ; vmovss xmm5, [r10]
+        ; vpbroadcastd ymm5, xmm5
+        ; vmulps ymm4, ymm4, ymm5
+        ; vinsertf128 ymm4, ymm4, xmm4, 1
+        ; vmovdqu ymm5, [r11 + rax]
+    );
+    for row in 0..ROWS {
+        let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
+        row_products(&mut ops, q, 6 + row as u8, at);
+    }
+    dynasm!(ops
+        ; .arch x64
+        // [r0 r0 r1 r1 | r0 r0 r1 r1], [r2 r2 r3 r3 | ...], then
+        // [r0 r1 r2 r3 | r0 r1 r2 r3]: each half sums 4 of the 8 lanes.
+        ; vphaddd ymm6, ymm6, ymm7
+        ; vphaddd ymm8, ymm8, ymm9
+        ; vphaddd ymm6, ymm6, ymm8
+    );
+    if q == QuantType::Q5_0 {
+        // 16 · sum(x) off each row, in the lower half only (a 128-bit
+        // shuffle zeroes the upper one).
+        dynasm!(ops
+            ; .arch x64
+            ; vmovd Rx(CORRECTION), [r10 + sums_from_scales]
+            ; vpslld Rx(CORRECTION), Rx(CORRECTION), 4
+            ; vpshufd Rx(CORRECTION), Rx(CORRECTION), 0
+            ; vpsubd ymm6, ymm6, Ry(CORRECTION)
+        );
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; vcvtdq2ps ymm6, ymm6
+        ; vfmadd231ps ymm0, ymm6, ymm4
+        ; add r9, q.group_bytes() as i32
+        ; add r10, BYTE 4
+        ; add rax, BYTE GROUP_COLS as i8
+    );
+    jback!(ops, jnz, group, group_top);
+    // Both halves' partial sums of the 4 rows, then only valid rows stored.
+    dynasm!(ops
+        ; .arch x64
+        ; vextractf128 xmm1, ymm0, 1
+        ; vaddps xmm0, xmm0, xmm1
+        ; mov r10, r8
+        ; sub r10, rcx
+    );
+    count_mask(&mut ops, 8, IDX, super::reg::R10);
+    dynasm!(ops
+        ; .arch x64
+        ; vmaskmovps [rdx + rcx * 4], xmm8, xmm0
+        ; add rcx, BYTE ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops
+        ; .arch x64
+        ; =>done
+        ; vzeroupper
+        ; ret
+    );
+    finish(ops, name)
+}

@@ -1,0 +1,226 @@
+//! Quantized weights in row blocks: GGUF's 32-value blocks (Q8_0, Q5_0)
+//! regrouped so that an integer GEMV reads 4 rows as one sequential stream,
+//! like the 16-bit row blocks of `row_blocks`, with not one byte more than
+//! the file.
+//!
+//! A GGUF row of these types is a run of blocks: an f16 scale `d`, then
+//! the block's payload of packed quants. Here rows come in blocks of 4, and
+//! inside a row block each 32-column group holds the 4 rows' scales side by
+//! side (8 bytes), then the 4 rows' payloads one after the other: exactly
+//! the 4 file blocks it came from. One group step of a kernel loads its 4
+//! scales at once, then each row's payload. Rows past the last one (up to a
+//! multiple of 4) are zero: scale 0.
+//!
+//! Payloads are the file's bytes, except where a kernel unpacks another
+//! order with fewer instructions (Q5_0's high bits, see [`QuantType::Q5_0`]).
+//! Repacking is exact: a repacked block dequantizes to the very f32 values
+//! the file's block does.
+
+use half::f16;
+
+/// Rows per block (as for the 16-bit layout).
+pub const BLOCK_ROWS: usize = 4;
+/// Columns per quantized block.
+pub const GROUP_COLS: usize = 32;
+/// Offset of the first row's payload inside a group (after the 4 scales).
+pub const PAYLOADS_AT: usize = BLOCK_ROWS * 2;
+
+/// The block types kept quantized, with what differs between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuantType {
+    /// 32 signed bytes; value = d * q.
+    Q8_0,
+    /// 32 five-bit values offset by 16: 16 bytes of low nibbles (value j
+    /// in the low nibble of byte j for j < 16, in the high nibble of byte
+    /// j - 16 otherwise) and 32 high bits. The file stores high bit j at
+    /// bit j; here it sits at bit `8 * (j % 4) + j / 4`, so that a kernel
+    /// broadcasting the 32 bits to 8 dword lanes and shifting lane i right
+    /// by i finds value j's bit at bit 0 of byte j (byte `j % 4` of lane
+    /// `j / 4`). The high bits come first (4 bytes), then the nibbles.
+    Q5_0,
+}
+
+impl QuantType {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Q8_0 => "q8_0",
+            QuantType::Q5_0 => "q5_0",
+        }
+    }
+
+    /// Bytes of one row's packed quants in a group.
+    pub fn payload_bytes(self) -> usize {
+        match self {
+            QuantType::Q8_0 => 32,
+            QuantType::Q5_0 => 20,
+        }
+    }
+
+    /// Bytes of one file block: f16 scale and payload.
+    pub fn file_block_bytes(self) -> usize {
+        2 + self.payload_bytes()
+    }
+
+    /// Bytes of one group of a row block: 4 scales, then 4 payloads.
+    pub fn group_bytes(self) -> usize {
+        BLOCK_ROWS * self.file_block_bytes()
+    }
+
+    /// Bytes of one row block of `cols` columns.
+    pub fn block_bytes(self, cols: usize) -> usize {
+        cols / GROUP_COLS * self.group_bytes()
+    }
+
+    /// Bytes a `rows x cols` matrix takes, padding rows included.
+    pub fn matrix_bytes(self, rows: usize, cols: usize) -> usize {
+        rows.div_ceil(BLOCK_ROWS) * self.block_bytes(cols)
+    }
+
+    /// The file payload of one block in this layout's order.
+    fn repack_payload(self, file: &[u8], out: &mut [u8]) {
+        match self {
+            QuantType::Q8_0 => out.copy_from_slice(file),
+            QuantType::Q5_0 => {
+                let qh = u32::from_le_bytes([file[0], file[1], file[2], file[3]]);
+                let mut moved = 0u32;
+                for j in 0..32 {
+                    moved |= ((qh >> j) & 1) << (8 * (j % 4) + j / 4);
+                }
+                out[..4].copy_from_slice(&moved.to_le_bytes());
+                out[4..].copy_from_slice(&file[4..]);
+            }
+        }
+    }
+
+    /// The 32 integer values of a payload in this layout (for Q5_0 already
+    /// offset by -16).
+    pub fn values(self, payload: &[u8]) -> [i8; GROUP_COLS] {
+        let mut v = [0i8; GROUP_COLS];
+        match self {
+            QuantType::Q8_0 => {
+                for (v, &b) in v.iter_mut().zip(payload) {
+                    *v = b as i8;
+                }
+            }
+            QuantType::Q5_0 => {
+                let qh = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                let qs = &payload[4..20];
+                for (j, v) in v.iter_mut().enumerate() {
+                    let low = if j < 16 {
+                        qs[j] & 0x0f
+                    } else {
+                        qs[j - 16] >> 4
+                    };
+                    let high = ((qh >> (8 * (j % 4) + j / 4)) & 1) as u8;
+                    *v = (low | high << 4) as i8 - 16;
+                }
+            }
+        }
+        v
+    }
+}
+
+/// Whether a row of `cols` can be stored: rows are whole blocks.
+pub fn fits(cols: usize) -> bool {
+    cols > 0 && cols.is_multiple_of(GROUP_COLS)
+}
+
+/// Where row `r`'s scale and payload of group `g` sit.
+fn scale_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
+    r / BLOCK_ROWS * q.block_bytes(cols) + g * q.group_bytes() + r % BLOCK_ROWS * 2
+}
+
+fn payload_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
+    r / BLOCK_ROWS * q.block_bytes(cols)
+        + g * q.group_bytes()
+        + PAYLOADS_AT
+        + r % BLOCK_ROWS * q.payload_bytes()
+}
+
+/// Copies one GGUF row (`cols / 32` file blocks) into row `r` of a matrix
+/// in the layout. Nothing is requantized.
+pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_row: &[u8]) {
+    for (g, block) in file_row.chunks_exact(q.file_block_bytes()).enumerate() {
+        let s = scale_at(q, r, g, cols);
+        data[s..s + 2].copy_from_slice(&block[..2]);
+        let p = payload_at(q, r, g, cols);
+        q.repack_payload(&block[2..], &mut data[p..p + q.payload_bytes()]);
+    }
+}
+
+/// Row `r`'s scale and payload of group `g`.
+pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> (f32, &[u8]) {
+    let s = scale_at(q, r, g, cols);
+    let d = f16::from_bits(u16::from_le_bytes([data[s], data[s + 1]])).to_f32();
+    let p = payload_at(q, r, g, cols);
+    (d, &data[p..p + q.payload_bytes()])
+}
+
+/// Row `r` of a matrix in the layout, dequantized exactly as the file's
+/// blocks dequantize: `f16(d) as f32 * value`.
+pub fn dequant_row(q: QuantType, data: &[u8], r: usize, cols: usize, out: &mut [f32]) {
+    for (g, part) in out[..cols].chunks_exact_mut(GROUP_COLS).enumerate() {
+        let (d, payload) = group(q, data, r, g, cols);
+        for (o, v) in part.iter_mut().zip(q.values(payload)) {
+            *o = d * f32::from(v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::dequant;
+    use crate::model::dtype::{DType, TensorView};
+
+    /// GGUF bytes for a `rows x cols` matrix of made-up blocks.
+    fn file_bytes(q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..rows * cols / GROUP_COLS {
+            let d = f16::from_f32(0.01 + i as f32 * 0.003);
+            out.extend_from_slice(&d.to_bits().to_le_bytes());
+            out.extend((0..q.payload_bytes()).map(|j| ((i * 37 + j * 11) % 256) as u8));
+        }
+        out
+    }
+
+    #[test]
+    fn repacking_keeps_the_size_and_dequantizes_bit_for_bit() {
+        for (q, dtype) in [
+            (QuantType::Q8_0, DType::Q8_0),
+            (QuantType::Q5_0, DType::Q5_0),
+        ] {
+            for (rows, cols) in [(4, 64), (7, 96), (1, 32), (9, 640)] {
+                let file = file_bytes(q, rows, cols);
+                let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
+                let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
+                assert_eq!(packed.len(), rows.next_multiple_of(4) * row_bytes);
+                for r in 0..rows {
+                    let src = &file[r * row_bytes..(r + 1) * row_bytes];
+                    scatter_row(q, &mut packed, r, cols, src);
+                }
+                let shape = [rows, cols];
+                let t = TensorView {
+                    dtype,
+                    shape: &shape,
+                    bytes: &file,
+                };
+                let (mut want, mut got) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+                for r in 0..rows {
+                    dequant::row_into(&t, r, &mut want);
+                    dequant_row(q, &packed, r, cols, &mut got);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{q:?} {rows}x{cols} row {r}");
+                }
+                if rows % BLOCK_ROWS != 0 {
+                    dequant_row(q, &packed, rows, cols, &mut got);
+                    assert!(got.iter().all(|&v| v == 0.0), "padding rows are zero");
+                }
+            }
+        }
+    }
+}
