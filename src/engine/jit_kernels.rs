@@ -6,6 +6,7 @@ use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut, gemm_q8_portable};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
+use super::widen::widen_rows;
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
@@ -91,9 +92,7 @@ const WIDENED_PANEL_ROWS: usize = 64;
 
 thread_local! {
     /// Each pool thread's panel of widened weights, reused across calls.
-    static WIDENED: std::cell::RefCell<(Vec<u16>, Vec<f32>)> = const {
-        std::cell::RefCell::new((Vec::new(), Vec::new()))
-    };
+    static WIDENED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl JitKernels {
@@ -109,21 +108,16 @@ impl JitKernels {
         };
         let tokens = x.len() / w.cols;
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
-        WIDENED.with_borrow_mut(|(panel, row)| {
+        WIDENED.with_borrow_mut(|panel| {
             panel.resize(row_blocks::padded_len(WIDENED_PANEL_ROWS, w.cols), 0);
-            row.resize(w.cols, 0.0);
-            let mut bits = vec![0u16; w.cols];
             let mut r0 = rows.start;
             while r0 < rows.end {
                 let n = (rows.end - r0).min(WIDENED_PANEL_ROWS);
-                panel.fill(0);
-                for i in 0..n {
-                    w.row_f32(r0 + i, row);
-                    for (b, &v) in bits.iter_mut().zip(row.iter()) {
-                        *b = WeightFormat::F16.from_f32(v);
-                    }
-                    row_blocks::scatter_row(panel, i, w.cols, &bits);
+                if !n.is_multiple_of(row_blocks::BLOCK_ROWS) {
+                    // The last block's padding rows must read as zeros.
+                    panel.fill(0);
                 }
+                widen_rows(w, r0..r0 + n, panel);
                 // SAFETY: the panel holds rows 0..n of K values in row
                 // blocks; Y's base moves to column r0, so the kernel writes
                 // columns r0..r0 + n, which the caller owns.
