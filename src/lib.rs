@@ -12,6 +12,7 @@ pub mod fuzz_checks;
 pub mod generate;
 pub mod jit;
 pub mod model;
+pub mod perplexity;
 pub mod sample;
 pub mod stop_strings;
 pub mod tokenizer;

@@ -320,6 +320,35 @@ enum Command {
         #[arg(long, value_enum, default_value = "native")]
         dtype: RunDtypeArg,
     },
+    /// Perplexity of a text the way llama-perplexity measures it; with --kl-base, the KL
+    /// divergence from a run saved with --save-logits.
+    Perplexity {
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        /// The UTF-8 text to score.
+        #[arg(short, long)]
+        file: PathBuf,
+        /// Tokens per window; the second half of each window is scored.
+        #[arg(short = 'c', long = "ctx-size", default_value_t = 512)]
+        context: usize,
+        /// Score at most this many windows (default: all whole windows; with --kl-base, the
+        /// base's).
+        #[arg(long)]
+        chunks: Option<usize>,
+        /// Save the top log-probabilities of every scored position for a later --kl-base.
+        #[arg(long, value_name = "FILE", conflicts_with = "kl_base")]
+        save_logits: Option<PathBuf>,
+        /// Compare with a file saved by --save-logits: KL divergence, top-1 agreement.
+        #[arg(long, value_name = "FILE")]
+        kl_base: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "jit")]
+        engine: EngineArg,
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+        /// Formats of the fast engine's matrices (compare `native` against `f16`).
+        #[arg(long, value_enum, default_value = "native")]
+        dtype: RunDtypeArg,
+    },
     /// Plan, emit and verify the JIT kernels for a model and print them.
     Dump(DumpCli),
     /// Show the CPU that was detected and the kernel plan for a model.
@@ -401,6 +430,27 @@ fn run(command: Command) -> anyhow::Result<()> {
             prompt: prompt.as_deref(),
             all,
             output: &output,
+            engine: engine.into(),
+            threads,
+            dtype: dtype.into(),
+        }),
+        Command::Perplexity {
+            model,
+            file,
+            context,
+            chunks,
+            save_logits,
+            kl_base,
+            engine,
+            threads,
+            dtype,
+        } => commands::perplexity::run(&commands::perplexity::PerplexityArgs {
+            model: commands::resolve_model(model.as_deref())?,
+            file,
+            context,
+            chunks,
+            save_logits,
+            kl_base,
             engine: engine.into(),
             threads,
             dtype: dtype.into(),

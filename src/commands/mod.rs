@@ -5,6 +5,7 @@ pub mod chat;
 pub mod convert;
 pub mod dump;
 pub mod logits;
+pub mod perplexity;
 pub mod run;
 pub mod tokenize;
 pub mod tune_measure;

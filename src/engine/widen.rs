@@ -25,8 +25,7 @@ pub fn widen_rows(w: &PackedMatrix, rows: Range<usize>, out: &mut [u16]) {
         .expect("only quantized matrices are widened");
     assert!(out.len() >= row_blocks::padded_len(rows.len(), w.cols));
     assert!(rows.end <= w.rows.next_multiple_of(quant_blocks::BLOCK_ROWS));
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
-    {
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: the CPU has AVX2 and F16C (checked just above), and the
         // slices are sized as asserted.
         unsafe { avx2::widen_rows(q, w, rows, out) }
