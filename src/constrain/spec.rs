@@ -33,7 +33,10 @@ impl ConstraintSpec {
         let path = Path::new(arg);
         let (text, origin) = if path.is_file() {
             let text = std::fs::read_to_string(path).with_context(|| {
-                format!("--json-schema: cannot read {} as UTF-8 text", path.display())
+                format!(
+                    "--json-schema: cannot read {} as UTF-8 text",
+                    path.display()
+                )
             })?;
             (text, path.display().to_string())
         } else {
@@ -162,7 +165,8 @@ mod tests {
 
     #[test]
     fn user_options_win_over_the_whitespace_rule() {
-        let mine = serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": false}});
+        let mine =
+            serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": false}});
         assert_eq!(with_json_options(mine.clone()), mine);
         let plain = with_json_options(serde_json::json!({"type": "object"}));
         assert!(plain["x-guidance"]["whitespace_pattern"].is_string());

@@ -42,31 +42,49 @@ pub fn token_bytes(tok: &Tokenizer, id: u32) -> Vec<u8> {
     }
 }
 
-/// Builds llguidance's token trie over the whole vocabulary. `end_ids` are
-/// the tokens that end generation (EOS first, then `<end_of_turn>` and the
-/// like): the matcher allows them exactly when the constraint is complete.
-pub fn token_env(tok: &Tokenizer, end_ids: &[u32]) -> Result<TokEnv> {
-    let vocab_size = tok.vocab_size();
-    let Ok(size) = u32::try_from(vocab_size) else {
-        bail!("a vocabulary of {vocab_size} tokens is too large for the constraint engine");
-    };
-    let Some(&eos) = end_ids.first() else {
-        bail!("internal error: a constraint needs at least one end-of-generation token");
-    };
-    let words: Vec<Vec<u8>> = (0..size).map(|id| token_bytes(tok, id)).collect();
-    let info = TokRxInfo {
-        vocab_size: size,
-        tok_eos: eos,
-        tok_bos: Some(tok.bos_id()),
-        tok_pad: tok.special_ids().pad,
-        tok_unk: tok.special_ids().unk,
-        tok_end_of_turn: tok.id_of("<end_of_turn>"),
-    };
-    let trie = TokTrie::from(&info, &words).with_eos_tokens(end_ids);
-    // Greedy re-tokenization is enough: llguidance only tokenizes text to
-    // force tokens, which the generation loop does not use (it samples
-    // every token under the mask).
-    Ok(Arc::new(ApproximateTokEnv::new(trie)))
+/// The vocabulary as bytes, gathered from a [`Tokenizer`] (quick) so that
+/// the slow part, [`VocabBytes::into_token_env`], can run on another thread
+/// without borrowing the tokenizer.
+pub struct VocabBytes {
+    words: Vec<Vec<u8>>,
+    info: TokRxInfo,
+    end_ids: Vec<u32>,
+}
+
+impl VocabBytes {
+    /// `end_ids` are the tokens that end generation (EOS first, then
+    /// `<end_of_turn>` and the like): the matcher allows them exactly when
+    /// the constraint is complete.
+    pub fn of(tok: &Tokenizer, end_ids: &[u32]) -> Result<VocabBytes> {
+        let vocab_size = tok.vocab_size();
+        let Ok(size) = u32::try_from(vocab_size) else {
+            bail!("a vocabulary of {vocab_size} tokens is too large for the constraint engine");
+        };
+        let Some(&eos) = end_ids.first() else {
+            bail!("internal error: a constraint needs at least one end-of-generation token");
+        };
+        Ok(VocabBytes {
+            words: (0..size).map(|id| token_bytes(tok, id)).collect(),
+            info: TokRxInfo {
+                vocab_size: size,
+                tok_eos: eos,
+                tok_bos: Some(tok.bos_id()),
+                tok_pad: tok.special_ids().pad,
+                tok_unk: tok.special_ids().unk,
+                tok_end_of_turn: tok.id_of("<end_of_turn>"),
+            },
+            end_ids: end_ids.to_vec(),
+        })
+    }
+
+    /// Builds llguidance's token trie over the whole vocabulary.
+    pub fn into_token_env(self) -> TokEnv {
+        let trie = TokTrie::from(&self.info, &self.words).with_eos_tokens(&self.end_ids);
+        // Greedy re-tokenization is enough: llguidance only tokenizes text
+        // to force tokens, which the generation loop does not use (it
+        // samples every token under the mask).
+        Arc::new(ApproximateTokEnv::new(trie))
+    }
 }
 
 #[cfg(test)]
@@ -121,7 +139,7 @@ mod tests {
     #[test]
     fn trie_knows_special_and_end_tokens() {
         let tok = vocab();
-        let env = token_env(&tok, &[1]).unwrap();
+        let env = VocabBytes::of(&tok, &[1]).unwrap().into_token_env();
         let trie = env.tok_trie();
         assert_eq!(trie.vocab_size(), 11);
         assert!(trie.is_special_token(1));
