@@ -1,7 +1,11 @@
 //! The generation loop shared by `pulsar run` and `pulsar chat`: prefill the
 //! prompt, then sample, stream and feed one token at a time until a stop
-//! token, the token limit, the context's end or an interrupt.
+//! token, the token limit, the context's end, an interrupt or, under an
+//! output constraint, the constraint's end.
 
+use crate::constrain::lookahead::{ConstraintReport, MaskLookahead, overlap_from_env};
+use crate::constrain::mask::mask_logits;
+use crate::constrain::{CompiledConstraint, NextTokens};
 use crate::engine::{Engine, LogitsWanted};
 use crate::sample::Sampler;
 use crate::stop_strings::{Scan, StopStrings};
@@ -22,6 +26,11 @@ pub enum StopReason {
     ContextFull,
     /// The caller's interrupt flag was raised.
     Interrupted,
+    /// The output constraint is complete: nothing more may follow.
+    ConstraintComplete,
+    /// No token could continue the text under the output constraint; the
+    /// reason is in [`Decoded::constraint`].
+    ConstraintDeadEnd,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -73,6 +82,9 @@ pub struct Request<'a> {
     pub stop_strings: &'a [String],
     /// Checked before every step; `true` ends the reply.
     pub interrupted: &'a dyn Fn() -> bool,
+    /// The output must satisfy this (`--json`, `--json-schema`, `--regex`,
+    /// `--grammar`); each generation starts it afresh.
+    pub constraint: Option<&'a CompiledConstraint>,
 }
 
 /// Runs one generation. `history` holds every token in the engine's cache
@@ -85,15 +97,15 @@ pub fn generate(
     req: &Request<'_>,
     history: &mut Vec<u32>,
     emit: &mut dyn FnMut(&str),
-) -> Result<GenerationStats> {
+) -> Result<Decoded> {
     let start = Instant::now();
     let logits = engine.forward(req.prompt, LogitsWanted::Last)?;
     history.extend_from_slice(req.prompt);
     let prefill_secs = start.elapsed().as_secs_f64();
-    let mut stats = decode(engine, tok, sampler, logits, req, history, emit)?.stats;
-    stats.prompt_tokens = req.prompt.len();
-    stats.prefill_secs = prefill_secs;
-    Ok(stats)
+    let mut decoded = decode(engine, tok, sampler, logits, req, history, emit)?;
+    decoded.stats.prompt_tokens = req.prompt.len();
+    decoded.stats.prefill_secs = prefill_secs;
+    Ok(decoded)
 }
 
 /// Where a stop string cut the generated text, so that a caller keeping
@@ -113,6 +125,8 @@ pub struct Decoded {
     pub stats: GenerationStats,
     /// Set when a stop string ended the text.
     pub cut: Option<StopCut>,
+    /// How the output constraint went, when there was one.
+    pub constraint: Option<ConstraintReport>,
 }
 
 /// The decoding half of [`generate`], for a caller that fed the prompt
@@ -150,6 +164,9 @@ pub fn decode(
             }
         }
     };
+    let mut lookahead = req
+        .constraint
+        .map(|c| MaskLookahead::new(c.start(), overlap_from_env()));
     let stop = loop {
         if generated >= req.max_new {
             break StopReason::Limit;
@@ -157,10 +174,30 @@ pub fn decode(
         if (req.interrupted)() {
             break StopReason::Interrupted;
         }
+        if let Some(lookahead) = &mut lookahead {
+            match lookahead.next_tokens() {
+                NextTokens::Complete => break StopReason::ConstraintComplete,
+                NextTokens::DeadEnd(why) => {
+                    lookahead.record_dead_end(why);
+                    break StopReason::ConstraintDeadEnd;
+                }
+                NextTokens::Allowed(mask) => {
+                    let masking = Instant::now();
+                    mask_logits(&mut logits, &mask);
+                    lookahead.add_wait(masking.elapsed().as_secs_f64());
+                }
+            }
+        }
         let window = sampler.config().repeat_last_n.min(history.len());
         let next = sampler.sample(&logits, &history[history.len() - window..]);
         if req.stop_ids.contains(&next) {
             break StopReason::StopToken(next);
+        }
+        if let Some(lookahead) = &mut lookahead
+            && let Err(why) = lookahead.take(next)
+        {
+            lookahead.record_dead_end(why);
+            break StopReason::ConstraintDeadEnd;
         }
         generated += 1;
         cut_at = show(decoder.push(next), &mut text, emit);
@@ -171,7 +208,11 @@ pub fn decode(
         if engine.position() >= engine.capacity() {
             break StopReason::ContextFull;
         }
-        logits = engine.forward(&[next], LogitsWanted::Last)?;
+        let mut forward = || engine.forward(&[next], LogitsWanted::Last);
+        logits = match &mut lookahead {
+            Some(lookahead) => lookahead.alongside(forward)?,
+            None => forward()?,
+        };
         history.push(next);
     };
     let mut stop = stop;
@@ -202,6 +243,7 @@ pub fn decode(
             stop,
         },
         cut,
+        constraint: lookahead.map(MaskLookahead::into_report),
     })
 }
 

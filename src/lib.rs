@@ -5,6 +5,7 @@ pub mod cancel;
 pub mod chat;
 pub mod chat_template;
 pub mod commands;
+pub mod constrain;
 pub mod engine;
 pub mod fs_atomic;
 #[doc(hidden)]

@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use pulsar::chat::conversation::ContextPolicy;
 use pulsar::commands::{self, EngineKind};
+use pulsar::constrain::ConstraintSpec;
 use pulsar::engine::packed::WeightFormat;
 use pulsar::jit::cpu::Isa;
 use pulsar::sample::SamplerConfig;
@@ -196,10 +197,48 @@ struct GenerationCli {
     /// decodes slower here). Other files are copied as usual.
     #[arg(long)]
     mmap: bool,
+    /// Constrain the output to a JSON object (any keys and values). Generation ends when the
+    /// object is complete.
+    #[arg(long, help_heading = "Structured output")]
+    json: bool,
+    /// Constrain the output to JSON valid against this JSON schema: a path to a file, else the
+    /// schema text itself.
+    #[arg(long, value_name = "FILE|TEXT", help_heading = "Structured output",
+          conflicts_with_all = ["json", "regex", "grammar"])]
+    json_schema: Option<String>,
+    /// Constrain the output to text that this regular expression matches in full.
+    #[arg(long, value_name = "TEXT", help_heading = "Structured output",
+          conflicts_with_all = ["json", "grammar"])]
+    regex: Option<String>,
+    /// Constrain the output to the language of this Lark grammar file (rule `start`).
+    #[arg(
+        long,
+        value_name = "FILE",
+        help_heading = "Structured output",
+        conflicts_with = "json"
+    )]
+    grammar: Option<PathBuf>,
 }
 
 impl GenerationCli {
+    /// The output constraint asked for, if any; clap has already refused
+    /// more than one.
+    fn constraint(&self) -> anyhow::Result<Option<ConstraintSpec>> {
+        Ok(if self.json {
+            Some(ConstraintSpec::AnyJsonObject)
+        } else if let Some(schema) = &self.json_schema {
+            Some(ConstraintSpec::json_schema(schema)?)
+        } else if let Some(pattern) = &self.regex {
+            Some(ConstraintSpec::regex(pattern)?)
+        } else if let Some(path) = &self.grammar {
+            Some(ConstraintSpec::lark_file(path)?)
+        } else {
+            None
+        })
+    }
+
     fn resolve(self) -> anyhow::Result<commands::GenerationArgs> {
+        let constraint = self.constraint()?;
         Ok(commands::GenerationArgs {
             model: commands::resolve_model(self.model.as_deref())?,
             prompt: self.prompt,
@@ -215,6 +254,7 @@ impl GenerationCli {
             threads: self.threads,
             in_place: self.mmap,
             dtype: self.dtype.into(),
+            constraint,
         })
     }
 }

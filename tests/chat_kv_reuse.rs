@@ -145,6 +145,7 @@ fn an_interrupted_reply_still_closes_its_turn() {
         stop_strings: &[],
         model_end: &end,
         interrupted: &interrupted,
+        constraint: None,
     };
     let user = enc.user_turn(&tok, "Once upon a time there was a dragon.", true);
     let mut text = String::new();
@@ -176,6 +177,7 @@ fn an_interrupted_reply_still_closes_its_turn() {
     let held = conv.tokens().to_vec();
     let settings = ReplySettings {
         interrupted: &|| true,
+        constraint: None,
         ..settings
     };
     let user = enc.user_turn(&tok, "Go on.", false);
@@ -213,6 +215,7 @@ fn a_reply_ended_by_a_stop_string_is_cut_there_in_the_cache() {
         stop_strings: &stop_strings,
         model_end: &end,
         interrupted: &|| false,
+        constraint: None,
     };
     let user = enc.user_turn(&tok, "What is the capital of France?", true);
     let mut text = String::new();

@@ -3,6 +3,8 @@
 //! cache holds a well-formed conversation even after an interrupt.
 
 use super::conversation::Conversation;
+use crate::constrain::CompiledConstraint;
+use crate::constrain::lookahead::ConstraintReport;
 use crate::engine::{Engine, LogitsWanted};
 use crate::generate::{self, GenerationStats, Request, StopReason};
 use crate::sample::Sampler;
@@ -22,9 +24,11 @@ pub struct ReplySettings<'a> {
     /// Closes the model's turn (`<end_of_turn>\n`).
     pub model_end: &'a [u32],
     pub interrupted: &'a dyn Fn() -> bool,
+    /// What every reply must be; each reply starts it afresh.
+    pub constraint: Option<&'a CompiledConstraint>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ReplyReport {
     /// Prompt tokens fed (the new turn, plus kept turns fed again after a
     /// drop, plus the previous end of turn) and generation speeds.
@@ -33,6 +37,8 @@ pub struct ReplyReport {
     pub cut_by_context: bool,
     /// Ctrl-C came before the reply began: the turn was taken back.
     pub abandoned: bool,
+    /// How the output constraint went, when there was one.
+    pub constraint: Option<ConstraintReport>,
 }
 
 /// Tokens a user turn needs free before it starts: the turn, room for a
@@ -106,6 +112,7 @@ pub fn reply(
             },
             cut_by_context: false,
             abandoned: true,
+            constraint: None,
         });
     };
     let prefill_secs = start.elapsed().as_secs_f64();
@@ -126,6 +133,7 @@ pub fn reply(
             stop_ids: settings.stop_ids,
             stop_strings: settings.stop_strings,
             interrupted: settings.interrupted,
+            constraint: settings.constraint,
         },
         &mut history,
         emit,
@@ -152,5 +160,6 @@ pub fn reply(
         stats,
         cut_by_context,
         abandoned: false,
+        constraint: decoded.constraint,
     })
 }

@@ -3,7 +3,7 @@
 //! command output) goes to stderr so that stdout holds only the replies.
 
 use super::run::{load_tokenizer, read_text_file};
-use super::{GenerationArgs, open_engine};
+use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
 use crate::chat::conversation::{ContextPolicy, Conversation};
 use crate::chat::input::Input;
 use crate::chat::interrupt::Interrupt;
@@ -11,6 +11,7 @@ use crate::chat::reply::{self, ReplyReport, ReplySettings};
 use crate::chat::slash::{self, Line};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
+use crate::constrain::CompiledConstraint;
 use crate::engine::Engine;
 use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
@@ -76,7 +77,7 @@ impl Totals {
         self.prefill_secs += r.stats.prefill_secs;
         self.generated += r.stats.generated;
         self.decode_secs += r.stats.decode_secs;
-        self.last = Some(*r);
+        self.last = Some(r.clone());
     }
 }
 
@@ -91,6 +92,8 @@ struct Session<'a> {
     stop_ids: Vec<u32>,
     stop_strings: Vec<String>,
     model_end: Vec<u32>,
+    /// What every reply must be (`--json`…); each reply starts it afresh.
+    constraint: Option<CompiledConstraint>,
     interrupt: Interrupt,
     totals: Totals,
 }
@@ -144,6 +147,15 @@ impl<'a> Session<'a> {
         let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
         eprintln!("pulsar: {}", choice.describe());
         let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
+        let stop_ids = encoder.stop_ids(&tok);
+        let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
+        // Under a constraint the constraint decides where a reply ends; the
+        // template's stop strings (the dialogue's "\nUser:") would only cut a
+        // valid reply short. The user's own --stop strings still apply.
+        let stop_strings = match constraint_build {
+            Some(_) => args.common.stop.clone(),
+            None => encoder.stop_strings(&args.common.stop),
+        };
         let spinner = ProgressBar::new_spinner().with_message(format!(
             "preparing the {} engine (converting weights)",
             args.common.engine.name()
@@ -158,6 +170,7 @@ impl<'a> Session<'a> {
             args.common.dtype,
         )?;
         spinner.finish_and_clear();
+        let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
 
         let limit = args.common.context.min(engine.capacity());
         if limit < args.common.context {
@@ -195,8 +208,9 @@ impl<'a> Session<'a> {
             );
         }
         Ok(Session {
-            stop_ids: encoder.stop_ids(&tok),
-            stop_strings: encoder.stop_strings(&args.common.stop),
+            stop_ids,
+            stop_strings,
+            constraint,
             model_end: encoder.model_end(&tok),
             sampler: Sampler::new(args.common.sampling, args.common.seed),
             interrupt: Interrupt::install()?,
@@ -232,6 +246,7 @@ impl<'a> Session<'a> {
             stop_strings: &self.stop_strings,
             model_end: &self.model_end,
             interrupted: &interrupted,
+            constraint: self.constraint.as_ref(),
         };
         let need = reply::room_needed(&self.conv, &user_turn, &settings);
         match self.conv.make_room(need, self.args.policy) {
@@ -291,6 +306,11 @@ impl<'a> Session<'a> {
                 report.stats.generated
             );
         }
+        report_constraint(
+            report.stats.stop,
+            report.constraint.as_ref(),
+            self.constraint.as_ref(),
+        );
         eprintln!("pulsar: {}", report.stats.summary());
         self.totals.add(&report);
         Ok(())

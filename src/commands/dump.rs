@@ -283,6 +283,7 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
     write_stdout(&out)?;
     if args.measure {
         tune_measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
+        tune_measure::measure_gemv_quant(&plan, &caps, args.common.max_isa)?;
         tune_measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
     }
     Ok(())

@@ -10,6 +10,8 @@ pub mod run;
 pub mod tokenize;
 pub mod tune_measure;
 
+use crate::constrain::lookahead::ConstraintReport;
+use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
 use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions, WeightFormats};
 use crate::engine::jit_kernels::JitKernels;
@@ -17,10 +19,12 @@ use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
 use crate::engine::reference::ReferenceEngine;
 use crate::engine::synthetic;
+use crate::generate::StopReason;
 use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
 use crate::sample::SamplerConfig;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -57,6 +61,9 @@ pub struct GenerationArgs {
     pub in_place: bool,
     /// The formats the fast engine keeps its matrices in.
     pub dtype: Dtype,
+    /// `--json`, `--json-schema`, `--regex` or `--grammar`: what every
+    /// reply must be.
+    pub constraint: Option<ConstraintSpec>,
 }
 
 /// Which forward pass to run.
@@ -189,4 +196,77 @@ pub fn bench_command(
     let dtype = engine.formats().describe();
     let report = bench::run(&mut engine, &name, &dtype, args)?;
     bench::print(&report, args.json)
+}
+/// The output constraint's compiler, indexing the vocabulary on a helper
+/// thread (about a second for Gemma's vocabulary) while the model loads.
+pub struct ConstraintBuild {
+    spec: ConstraintSpec,
+    vocab_size: usize,
+    indexing: std::thread::JoinHandle<Result<GrammarCompiler>>,
+}
+
+/// Starts building the output constraint, when one was asked for. The
+/// constraint is first compiled over a byte-level vocabulary, so that an
+/// invalid schema, regex or grammar fails at once, before the model loads.
+/// `end_ids` are the tokens that end a reply.
+pub fn start_constraint(
+    spec: Option<&ConstraintSpec>,
+    tok: &Tokenizer,
+    end_ids: &[u32],
+) -> Result<Option<ConstraintBuild>> {
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    GrammarCompiler::byte_level()?.compile(spec)?;
+    let vocab = VocabBytes::of(tok, end_ids)?;
+    Ok(Some(ConstraintBuild {
+        spec: spec.clone(),
+        vocab_size: tok.vocab_size(),
+        indexing: std::thread::spawn(move || GrammarCompiler::build(vocab)),
+    }))
+}
+
+impl ConstraintBuild {
+    /// Waits for the index, compiles the constraint and says on stderr how
+    /// long each took (one line).
+    pub fn finish(self) -> Result<CompiledConstraint> {
+        let compiler = self.indexing.join().map_err(|_| {
+            anyhow::anyhow!(
+                "{}: the constraint engine failed while indexing the vocabulary",
+                self.spec.flag()
+            )
+        })??;
+        let compiled = compiler.compile(&self.spec)?;
+        eprintln!(
+            "pulsar: {} constraint: vocabulary of {} tokens indexed in {:.0} ms (beside the model load), compiled in {:.1} ms",
+            self.spec.flag(),
+            self.vocab_size,
+            compiler.build_secs() * 1e3,
+            compiled.compile_secs() * 1e3
+        );
+        Ok(compiled)
+    }
+}
+
+/// Says on stderr how an output constraint ended a reply when that needs
+/// saying: a dead end, or a token limit that cut the output short.
+pub fn report_constraint(
+    stop: StopReason,
+    report: Option<&ConstraintReport>,
+    constraint: Option<&CompiledConstraint>,
+) {
+    let (Some(report), Some(flag)) = (report, constraint.map(CompiledConstraint::flag)) else {
+        return;
+    };
+    match stop {
+        StopReason::ConstraintDeadEnd => eprintln!(
+            "pulsar: generation stopped: no token can continue the output under {}",
+            report.dead_end.as_deref().unwrap_or(flag)
+        ),
+        StopReason::Limit | StopReason::ContextFull => eprintln!(
+            "pulsar: the output is incomplete under {flag}: the token limit came first; raise -n"
+        ),
+        _ => {}
+    }
+    eprintln!("pulsar: {}", report.summary(flag));
 }

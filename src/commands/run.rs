@@ -1,7 +1,7 @@
 //! `pulsar run`: one prompt in, generated text streamed to stdout; load
 //! time and speeds on stderr.
 
-use super::{GenerationArgs, open_engine};
+use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
 use crate::chat_template::TemplateChoice;
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
@@ -89,7 +89,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )?)
     };
     let template = choice.as_ref().map(|c| &c.template);
-    let mut stop_strings = template.map_or(Vec::new(), |t| t.stop_strings.clone());
+    let stops = generate::stop_ids(&tok);
+    let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
+    // Under a constraint the constraint decides where the output ends; the
+    // template's stop strings (the dialogue's "\nUser:") would only cut a
+    // valid output short. The user's own --stop strings still apply.
+    let mut stop_strings = match (template, &constraint_build) {
+        (Some(t), None) => t.stop_strings.clone(),
+        _ => Vec::new(),
+    };
     stop_strings.extend(args.common.stop.iter().cloned());
     let prompt = match template {
         Some(t) => tok.encode(
@@ -134,6 +142,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         args.common.in_place,
         args.common.dtype,
     )?;
+    let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
         args.common.model.display(),
@@ -143,14 +152,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     );
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
-    let stops = generate::stop_ids(&tok);
     let mut out = if template.is_some() {
         generate::StdoutStream::reply()
     } else {
         generate::StdoutStream::default()
     };
     let mut history = Vec::new();
-    let stats = generate::generate(
+    let decoded = generate::generate(
         engine.as_mut(),
         &tok,
         &mut sampler,
@@ -160,11 +168,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
             stop_ids: &stops,
             stop_strings: &stop_strings,
             interrupted: &|| false,
+            constraint: constraint.as_ref(),
         },
         &mut history,
         &mut |piece| out.write(piece),
     )?;
     out.finish("\n").context("cannot write to stdout")?;
-    eprintln!("pulsar: {}", stats.summary());
+    report_constraint(
+        decoded.stats.stop,
+        decoded.constraint.as_ref(),
+        constraint.as_ref(),
+    );
+    eprintln!("pulsar: {}", decoded.stats.summary());
     Ok(())
 }

@@ -103,6 +103,74 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     Ok(())
 }
 
+/// Integer GEMV throughput for each planned quantized type and K, on
+/// synthetic blocks (random quants, small scales) as large as the 16-bit
+/// measurement's weights: GB/s of quantized weight bytes, on 1 thread and
+/// on the plan's threads.
+pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
+    let set = KernelSet::build(plan, caps, max_isa)?;
+    for spec in &plan.kernels {
+        let KernelKind::GemvQuant(g) = &spec.kind else {
+            continue;
+        };
+        let gemv = set
+            .gemv_quant(g.q, g.k)
+            .context("planned GEMV missing from the kernel set")?;
+        let block = g.q.block_bytes(g.k);
+        let rows = WEIGHT_BYTES / block * crate::model::quant_blocks::BLOCK_ROWS;
+        let mut seed = 0x9E37_79B9u32;
+        let w: Vec<u8> = (0..rows / crate::model::quant_blocks::BLOCK_ROWS * block)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                // Bytes in 8..56 make every f16 scale a normal number
+                // (exponent 2..13): no subnormal slows the arithmetic.
+                8 + (seed >> 24) as u8 % 48
+            })
+            .collect();
+        let x: Vec<f32> = (0..g.k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+        let xq = crate::engine::q8_input::Q8Input::quantize(&x, g.k);
+        let mut y = vec![0f32; rows];
+        let parts = crate::jit::plan::split_rows(rows, plan.threads, gemv_quant_rows());
+        for threads in [1, parts.len()] {
+            let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
+            let mut err = None;
+            let secs = best_of(|| {
+                std::thread::scope(|sc| {
+                    let mut rest: &mut [f32] = &mut y;
+                    let mut handles = Vec::new();
+                    for r in parts.iter().cloned() {
+                        let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                        rest = tail;
+                        let (w, x) = (&w[..], xq.token(0));
+                        handles.push(sc.spawn(move || gemv.run_part(w, x, part, r)));
+                    }
+                    for h in handles {
+                        if let Ok(Err(e)) = h.join() {
+                            err = Some(e);
+                        }
+                    }
+                });
+            });
+            if let Some(e) = err {
+                return Err(e.into());
+            }
+            println!(
+                "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {}, {:.2} ms/call, {threads} thread{})",
+                spec.name,
+                w.len() as f64 / secs / 1e9,
+                g.k,
+                secs * 1e3,
+                if threads == 1 { "" } else { "s" }
+            );
+        }
+    }
+    Ok(())
+}
+
+fn gemv_quant_rows() -> usize {
+    crate::jit::emit::gemv_quant::ROWS
+}
+
 /// Prefill GEMM throughput (GFLOP/s) for each planned K, at the engine's
 /// prefill chunk and at a small token count, on 1 and 2 threads (each
 /// thread takes half the rows): shows how far the kernel is from the FMA

@@ -20,7 +20,7 @@ mod specials;
 mod vocab;
 
 pub use decode::StreamDecoder;
-pub use vocab::{SPACE_MARK, TokenKind};
+pub use vocab::{SPACE_MARK, TokenKind, parse_byte_piece};
 
 use bpe::MergeRule;
 use specials::{Segment, SpecialMatcher};
@@ -221,5 +221,35 @@ impl Tokenizer {
     /// The Jinja chat template shipped with the model, if any.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+}
+
+#[cfg(test)]
+impl Tokenizer {
+    /// A tokenizer over the given pieces, for unit tests elsewhere in the
+    /// crate: SentencePiece merge rule, `<bos>` and `<eos>` looked up by text
+    /// (each must be among the pieces).
+    pub(crate) fn for_tests(pieces: &[(&str, TokenKind)]) -> Tokenizer {
+        let id = |text: &str| {
+            let at = pieces.iter().position(|(p, _)| *p == text);
+            at.expect("test vocabulary needs <bos> and <eos>") as u32
+        };
+        Tokenizer::assemble(Parts {
+            pieces: pieces.iter().map(|(p, _)| *p).collect(),
+            scores: vec![0.0; pieces.len()],
+            kinds: pieces.iter().map(|(_, k)| *k).collect(),
+            rule: MergeRule::Scores,
+            ids: SpecialIds {
+                bos: id("<bos>"),
+                eos: id("<eos>"),
+                unk: None,
+                pad: None,
+            },
+            add_bos: true,
+            add_space_prefix: false,
+            chat_template: None,
+            source: "test vocabulary".to_string(),
+        })
+        .expect("test vocabulary is well formed")
     }
 }

@@ -56,7 +56,7 @@ pub(crate) struct Vocab {
 }
 
 /// Parses the text of a byte piece, `<0xNN>` with two hex digits.
-pub(crate) fn parse_byte_piece(piece: &str) -> Option<u8> {
+pub fn parse_byte_piece(piece: &str) -> Option<u8> {
     let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
     if hex.len() != 2 {
         return None;
