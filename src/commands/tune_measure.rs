@@ -11,7 +11,15 @@ use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use std::time::Instant;
 
-const WEIGHT_BYTES: usize = 256 << 20;
+/// Bytes of synthetic weights: larger than L3, so DRAM streaming is timed.
+/// `PULSAR_MEASURE_KIB` sets another size, e.g. 512 (L2-resident) to time
+/// the kernels' arithmetic alone.
+fn weight_bytes() -> usize {
+    std::env::var("PULSAR_MEASURE_KIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(256 << 20, |kib| kib.max(64) << 10)
+}
 const REPS: usize = 7;
 
 fn best_of(mut f: impl FnMut()) -> f64 {
@@ -39,7 +47,7 @@ fn read_all(w: &[u16]) -> u64 {
 
 pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
-    let w: Vec<u16> = (0..WEIGHT_BYTES / 2)
+    let w: Vec<u16> = (0..weight_bytes() / 2)
         .map(|i| half::f16::from_f32((i % 7) as f32 * 0.01).to_bits())
         .collect();
     let mut sink = 0u64;
@@ -47,8 +55,8 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     println!(
         "measure {:<28} {:>6.1} GB/s  (plain Rust read of {} MiB, 1 thread; checksum {})",
         "baseline_read",
-        WEIGHT_BYTES as f64 / secs / 1e9,
-        WEIGHT_BYTES >> 20,
+        weight_bytes() as f64 / secs / 1e9,
+        weight_bytes() >> 20,
         sink % 10
     );
     for spec in &plan.kernels {
@@ -58,7 +66,7 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         let gemv = set
             .gemv(g.wt, g.k)
             .context("planned GEMV missing from the kernel set")?;
-        let rows = WEIGHT_BYTES / (row_blocks::padded_cols(g.k) * 2) / gemv::ROWS * gemv::ROWS;
+        let rows = weight_bytes() / (row_blocks::padded_cols(g.k) * 2) / gemv::ROWS * gemv::ROWS;
         let len = row_blocks::padded_len(rows, g.k);
         let x = vec![0.5f32; g.k];
         let mut y = vec![0f32; rows];
@@ -117,7 +125,7 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
             .gemv_quant(g.q, g.k)
             .context("planned GEMV missing from the kernel set")?;
         let block = g.q.block_bytes(g.k);
-        let rows = WEIGHT_BYTES / block * crate::model::quant_blocks::BLOCK_ROWS;
+        let rows = weight_bytes() / block * crate::model::quant_blocks::BLOCK_ROWS;
         let mut seed = 0x9E37_79B9u32;
         let w: Vec<u8> = (0..rows / crate::model::quant_blocks::BLOCK_ROWS * block)
             .map(|_| {
@@ -135,6 +143,13 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
             let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
             let mut err = None;
             let secs = best_of(|| {
+                if threads == 1 {
+                    // In this thread: a spawn would weigh on small sizes.
+                    if let Err(e) = gemv.run_part(&w, xq.token(0), &mut y, 0..rows) {
+                        err = Some(e);
+                    }
+                    return;
+                }
                 std::thread::scope(|sc| {
                     let mut rest: &mut [f32] = &mut y;
                     let mut handles = Vec::new();
