@@ -131,12 +131,28 @@ fn default_model_dumps_within_budget() {
         let j = dump_json(&args);
         check_dump(&j, isa);
         let n = names(&j);
+        // The default model's matrices are read in the file's own types:
+        // one integer GEMV per type (K is an argument), a 16-bit GEMM per K
+        // for several tokens.
+        for kernel in ["gemv_q8_0_r4", "gemv_q5_0_r4"] {
+            assert!(n.iter().any(|s| s == kernel), "{kernel} in {n:?}");
+        }
         for k in ["_k640", "_k1024", "_k2048"] {
             assert!(
-                n.iter().any(|s| s.starts_with("gemv_") && s.contains(k)),
+                n.iter()
+                    .any(|s| s.starts_with("gemm_f16") && s.ends_with(k)),
                 "{k} in {n:?}"
             );
         }
+        let f16 = dump_json(&[&args[..], &["--dtype", "f16"]].concat());
+        let n = names(&f16);
+        for k in ["_k640", "_k1024", "_k2048"] {
+            assert!(
+                n.iter().any(|s| s.starts_with("gemv_f16") && s.contains(k)),
+                "--dtype f16: {k} in {n:?}"
+            );
+        }
+        assert!(!n.iter().any(|s| s.starts_with("gemv_q")), "{n:?}");
         assert!(
             n.iter().any(|s| s.starts_with("rmsnorm_d256")),
             "q/k norm kernel in {n:?}"

@@ -100,7 +100,7 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         let x = inputs(1, k);
         let xq = Q8Input::quantize(&x, k);
         let set = KernelSet::from_kinds(
-            &[KernelKind::GemvQuant(GemvQuantParams { q, k })],
+            &[KernelKind::GemvQuant(GemvQuantParams { q })],
             &caps,
             Isa::Avx2,
         )
@@ -146,7 +146,7 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
     let w = packed(q, rows, k, &quant_file(q, rows, k, 3));
     let xq = Q8Input::quantize(&inputs(1, k), k);
     let set = KernelSet::from_kinds(
-        &[KernelKind::GemvQuant(GemvQuantParams { q, k })],
+        &[KernelKind::GemvQuant(GemvQuantParams { q })],
         &CpuCaps::detect(),
         Isa::Avx2,
     )
@@ -169,13 +169,8 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
             .run_part(w.raw(), xq.token(0), &mut long, 0..12)
             .is_err()
     );
-    // A K that is not whole blocks cannot be emitted.
-    let k = 40;
-    assert!(
-        KernelKind::GemvQuant(GemvQuantParams { q, k })
-            .emit()
-            .is_err()
-    );
+    // A K that is not whole blocks of 32 gets no kernel handle.
+    assert!(set.gemv_quant(q, 40).is_none());
 }
 
 #[test]
@@ -230,11 +225,11 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
         native_bytes * 10 < widened_bytes * 6,
         "{native_bytes} against {widened_bytes}"
     );
-    // The two runs differ by the embedding lookup only (exact Q8_0 values
-    // against their FP16 roundings) before the head: within the layers'
-    // FP16 yardstick.
+    // Prefill in both runs goes through the FP16 GEMM; the native one's
+    // weights are the file's values, except the Q4_K/Q6_K matrices,
+    // requantized to Q8_0 (each value within half a step, see below).
     let (d, _) = max_abs_diff(&all_rows[0], &all_rows[1]);
-    assert!(d < 0.03, "Q8_0 against FP16 embedding rows: {d}");
+    assert!(d < 0.5, "native against FP16 rows of every position: {d}");
 
     // In the Q8_0 run the last token's logits come from the integer GEMV
     // (8-bit input, exact weights) and, with every position's, from the
@@ -309,11 +304,13 @@ fn packed_head(src: &ModelSource) -> PackedMatrix {
 
 /// Teacher-forced decode of the reference's greedy chain for prompt a in
 /// the file's own types and widened to FP16. The native run's logits move
-/// by the 8-bit inputs of every integer GEMV (18 layers and the head):
-/// measured here up to 0.41 for some of the 262,144 logits of a step, but
-/// the top two move together, so the chain is kept wherever the
-/// reference's margin is clear: at least `CLEAR_MARGIN` (25 of the 32
-/// steps; the misses seen were at margins of 0.014 and 0.093).
+/// by the 8-bit inputs of every integer GEMV (18 layers and the head) and
+/// by the Q4_K/Q6_K matrices requantized to Q8_0: measured here up to 0.65
+/// for some of the 262,144 logits of a step (0.41 before the
+/// requantization), but the top two move together, so the chain is kept
+/// wherever the reference's margin is clear: at least `CLEAR_MARGIN` (25
+/// of the 32 steps; all 32 were kept in the last runs, misses seen earlier
+/// were at margins of 0.014 and 0.093).
 #[test]
 fn decoding_in_the_files_types_follows_the_reference_chain() {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
@@ -364,8 +361,57 @@ fn decoding_in_the_files_types_follows_the_reference_chain() {
         }
     }
     println!("largest logit difference {worst}");
-    assert!(worst < 0.6, "native logits moved by {worst}");
+    assert!(worst < 1.0, "native logits moved by {worst}");
 }
 
 /// A reference margin this large is kept by the native run (see above).
 const CLEAR_MARGIN: f64 = 0.25;
+
+/// Types no kernel reads yet (Q4_K, Q6_K) become Q8_0 at load, said on
+/// stderr with the size change, and each value moves by at most half a
+/// Q8_0 step of its block.
+#[test]
+fn types_without_a_kernel_become_q8_0_within_half_a_step() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let opts = FastOptions {
+        threads: 2,
+        context: 64,
+        format: None,
+        prefill_chunk: 126,
+        in_place: false,
+        native: true,
+    };
+    let formats = FastEngine::weight_formats(&src, &opts).unwrap();
+    let note = formats
+        .conversion_note()
+        .expect("the default model has Q4_K and Q6_K");
+    for needle in ["attn_output x18 Q4_K -> q8_0", "ffn_down x9 Q6_K -> q8_0"] {
+        assert!(note.contains(needle), "{note}");
+    }
+    let c = &src.config;
+    for layer in [0, 1] {
+        let role =
+            pulsar::model::source::Role::Layer(layer, pulsar::model::source::LayerRole::Down);
+        let t = src.tensor(role, &[c.hidden, c.intermediate]).unwrap();
+        assert!(matches!(t.dtype, DType::Q4K | DType::Q6K), "{}", t.dtype);
+        let w = PackedMatrix::convert(&t, WeightFormat::Q8_0);
+        let (mut exact, mut got) = (vec![0.0f32; c.intermediate], vec![0.0f32; c.intermediate]);
+        for r in (0..c.hidden).step_by(37) {
+            pulsar::model::dequant::row_into(&t, r, &mut exact);
+            w.row_f32(r, &mut got);
+            for (b, (e, g)) in exact.chunks(32).zip(got.chunks(32)).enumerate() {
+                let amax = e.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                // Half a step of d = amax / 127, plus d's own f16 rounding
+                // (2^-11 relative) over up to 127 steps.
+                let bound = amax / 254.0 + amax / 2048.0 + 1e-7;
+                for (x, y) in e.iter().zip(g) {
+                    assert!(
+                        (x - y).abs() <= bound,
+                        "layer {layer} row {r} block {b}: {x} -> {y}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -135,6 +135,9 @@ pub fn open_engine(
     }
     let opts = dtype.fast_options(threads, context, in_place);
     let formats = FastEngine::weight_formats(&src, &opts)?;
+    if let Some(note) = formats.conversion_note() {
+        eprintln!("pulsar: {note}");
+    }
     match JitKernels::for_this_cpu(&src.config, formats, threads)? {
         Some(kernels) => Ok(Box::new(FastEngine::load(
             &Arc::new(src),
@@ -186,6 +189,9 @@ pub fn bench_command(
             let path = resolve_model(model)?;
             let src = Arc::new(ModelSource::open(&path)?);
             let formats = FastEngine::weight_formats(&src, &opts)?;
+            if let Some(note) = formats.conversion_note() {
+                eprintln!("bench: {note}");
+            }
             let kernels = jit_kernels(&src.config, formats, threads)?;
             (
                 FastEngine::load(&src, kernels, &opts)?,

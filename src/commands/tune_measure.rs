@@ -121,6 +121,31 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         let KernelKind::GemvQuant(g) = &spec.kind else {
             continue;
         };
+        // Each K a matrix of the plan multiplies with this kernel.
+        let mut ks: Vec<usize> = plan
+            .matrices
+            .iter()
+            .filter(|m| m.gemv == spec.name)
+            .map(|m| m.k)
+            .collect();
+        ks.sort_unstable();
+        ks.dedup();
+        for k in ks {
+            measure_one_quant(&set, spec, g.q, k, plan.threads)?;
+        }
+    }
+    Ok(())
+}
+
+fn measure_one_quant(
+    set: &KernelSet,
+    spec: &crate::jit::plan::KernelSpec,
+    q: crate::model::quant_blocks::QuantType,
+    k: usize,
+    threads: usize,
+) -> Result<()> {
+    {
+        let g = GemvShape { q, k };
         let gemv = set
             .gemv_quant(g.q, g.k)
             .context("planned GEMV missing from the kernel set")?;
@@ -138,7 +163,7 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         let x: Vec<f32> = (0..g.k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let xq = crate::engine::q8_input::Q8Input::quantize(&x, g.k);
         let mut y = vec![0f32; rows];
-        let parts = crate::jit::plan::split_rows(rows, plan.threads, gemv_quant_rows());
+        let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
         for threads in [1, parts.len()] {
             let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
             let mut err = None;
@@ -180,6 +205,11 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         }
     }
     Ok(())
+}
+
+struct GemvShape {
+    q: crate::model::quant_blocks::QuantType,
+    k: usize,
 }
 
 fn gemv_quant_rows() -> usize {

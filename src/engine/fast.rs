@@ -13,6 +13,7 @@ use super::q8_input::Q8Input;
 use super::{Engine, LogitsWanted};
 use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
+use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, LayerWeights, ModelWeights, layer_matrix_shape};
@@ -77,6 +78,30 @@ pub struct WeightFormats {
     /// Each layer's matrices in the order of `LAYER_MATRICES`; empty when
     /// every layer matrix is `wide`.
     pub layers: Vec<[WeightFormat; 7]>,
+    /// Quantized types no kernel family reads yet, converted to the
+    /// nearest one that has one (never silently to FP16).
+    pub converted: Vec<Conversion>,
+}
+
+/// Matrices of one name and file type converted to another format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conversion {
+    pub tensor: &'static str,
+    pub from: DType,
+    pub to: WeightFormat,
+    pub count: usize,
+    pub file_bytes: usize,
+    pub bytes: usize,
+}
+
+/// The format a quantized type without a kernel family becomes: Q8_0,
+/// whose 8-bit grid holds the 4- to 6-bit types' values to within half a
+/// step of max/127 per 32 values, far below their own rounding.
+fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
+    match dtype {
+        DType::Q4_0 | DType::Q4K | DType::Q5K | DType::Q6K => Some(WeightFormat::Q8_0),
+        _ => None,
+    }
 }
 
 impl WeightFormats {
@@ -86,7 +111,34 @@ impl WeightFormats {
             wide: format,
             head: format,
             layers: Vec::new(),
+            converted: Vec::new(),
         }
+    }
+
+    /// One line naming the converted tensors, types and the size change.
+    pub fn conversion_note(&self) -> Option<String> {
+        if self.converted.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .converted
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} x{} {} -> {} ({:.1} -> {:.1} MB)",
+                    c.tensor,
+                    c.count,
+                    c.from,
+                    c.to.name(),
+                    c.file_bytes as f64 / 1e6,
+                    c.bytes as f64 / 1e6
+                )
+            })
+            .collect();
+        Some(format!(
+            "no integer kernel reads these types yet, so they were converted: {}",
+            parts.join(", ")
+        ))
     }
 
     /// The format of a matrix.
@@ -222,23 +274,55 @@ impl FastEngine {
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
         let wide = Self::weight_format_for(src, opts)?;
         let c = &src.config;
-        let keep = |role: Role, shape: [usize; 2]| -> Result<WeightFormat> {
-            if !opts.native || !quant_blocks::fits(shape[1]) {
-                return Ok(wide);
-            }
-            let dtype = src.tensor(role, &shape)?.dtype;
-            Ok(WeightFormat::native(dtype).unwrap_or(wide))
-        };
-        let head = keep(Role::Embedding, [c.vocab_size, c.hidden])?;
+        let mut converted: Vec<Conversion> = Vec::new();
+        let mut keep =
+            |role: Role, name: &'static str, shape: [usize; 2]| -> Result<WeightFormat> {
+                if !opts.native || !quant_blocks::fits(shape[1]) {
+                    return Ok(wide);
+                }
+                let t = src.tensor(role, &shape)?;
+                if let Some(format) = WeightFormat::native(t.dtype) {
+                    return Ok(format);
+                }
+                let Some(to) = nearest_with_kernel(t.dtype) else {
+                    return Ok(wide);
+                };
+                let bytes = to.matrix_bytes(shape[0], shape[1]);
+                match converted
+                    .iter_mut()
+                    .find(|c| c.tensor == name && c.from == t.dtype)
+                {
+                    Some(c) => {
+                        c.count += 1;
+                        c.file_bytes += t.bytes.len();
+                        c.bytes += bytes;
+                    }
+                    None => converted.push(Conversion {
+                        tensor: name,
+                        from: t.dtype,
+                        to,
+                        count: 1,
+                        file_bytes: t.bytes.len(),
+                        bytes,
+                    }),
+                }
+                Ok(to)
+            };
+        let head = keep(Role::Embedding, "output(lm_head)", [c.vocab_size, c.hidden])?;
         let mut layers = Vec::with_capacity(c.n_layers());
         for i in 0..c.n_layers() {
             let mut formats = [wide; 7];
-            for (f, &(role, _)) in formats.iter_mut().zip(&LAYER_MATRICES) {
-                *f = keep(Role::Layer(i, role), layer_matrix_shape(role, c))?;
+            for (f, &(role, name)) in formats.iter_mut().zip(&LAYER_MATRICES) {
+                *f = keep(Role::Layer(i, role), name, layer_matrix_shape(role, c))?;
             }
             layers.push(formats);
         }
-        Ok(WeightFormats { wide, head, layers })
+        Ok(WeightFormats {
+            wide,
+            head,
+            layers,
+            converted,
+        })
     }
 
     /// The one packed format all matrices get (the kernels are planned for
@@ -326,6 +410,7 @@ impl FastEngine {
             wide,
             head: self.weights.embedding.format,
             layers,
+            converted: Vec::new(),
         }
     }
 

@@ -6,6 +6,7 @@
 
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
+use crate::model::gguf_write::q8_0_bytes;
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Result, bail};
@@ -405,13 +406,16 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
 /// goes.
 fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
-    assert_eq!(
-        WeightFormat::native(t.dtype).and_then(WeightFormat::quant),
-        Some(q),
-        "a {} tensor is kept as {}",
+    // The file's own blocks are copied; another type (one no kernel reads)
+    // is requantized to Q8_0 from its exact f32 values.
+    let same_type = WeightFormat::native(t.dtype).and_then(WeightFormat::quant) == Some(q);
+    assert!(
+        same_type || q == QuantType::Q8_0,
+        "a {} tensor cannot become {}",
         t.dtype,
         q.name()
     );
+    let mut values = vec![0.0f32; if same_type { 0 } else { cols }];
     let row_bytes = t.bytes.len() / rows.max(1);
     let block_bytes = q.block_bytes(cols);
     // About 4 MB of source per release, whole row blocks.
@@ -425,8 +429,14 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
         let first = first_row + g * group;
         let last = (first + dst.len() / block_bytes * quant_blocks::BLOCK_ROWS).min(rows);
         for r in first..last {
-            let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
-            quant_blocks::scatter_row(q, dst, r - first, cols, src);
+            if same_type {
+                let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                quant_blocks::scatter_row(q, dst, r - first, cols, src);
+            } else {
+                dequant::row_into(t, r, &mut values);
+                let blocks = q8_0_bytes(&values);
+                quant_blocks::scatter_row(q, dst, r - first, cols, &blocks);
+            }
         }
         TensorView {
             bytes: &t.bytes[first * row_bytes..last * row_bytes],

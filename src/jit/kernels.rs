@@ -181,10 +181,13 @@ impl KernelSet {
         })
     }
 
-    /// Integer GEMV for `k` columns of `q` weights.
+    /// Integer GEMV for `k` columns of `q` weights (the kernel takes K as
+    /// an argument; the handle fixes it).
     pub fn gemv_quant(&self, q: QuantType, k: usize) -> Option<GemvQuant<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::GemvQuant(g) if g.q == q && g.k == k))?;
+        if !quant_blocks::fits(k) {
+            return None;
+        }
+        let (c, p) = self.find(|kind| matches!(kind, KernelKind::GemvQuant(g) if g.q == q))?;
         // SAFETY: verified code with the GemvQuantFn signature (see
         // emit::gemv_quant).
         let f = unsafe { std::mem::transmute::<*const u8, GemvQuantFn>(p) };
@@ -394,7 +397,7 @@ impl Gemv<'_> {
     }
 }
 
-type GemvQuantFn = unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize);
+type GemvQuantFn = unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize, usize);
 
 #[derive(Clone, Copy)]
 pub struct GemvQuant<'a> {
@@ -443,7 +446,7 @@ impl GemvQuant<'_> {
         let base = y_part.as_mut_ptr().wrapping_sub(rows.start);
         // SAFETY: every block read is inside `w`, x holds the K quants and
         // scales, and only y_part is written (checked above).
-        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end) };
+        unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end, self.k) };
         Ok(())
     }
 }

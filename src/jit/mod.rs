@@ -11,7 +11,7 @@
 //! | handle | safe call | machine-code signature (`extern "sysv64"`) |
 //! | --- | --- | --- |
 //! | `gemv(wt, k)` | `run(w, x, y, rows)`, `run_part(w, x, y_part, rows)` | `(w: *const u16, x: *const f32, y: *mut f32, r0, r1)` |
-//! | `gemv_q8(k)` | `run_part(w, x, y_part, rows)` | `(w: *const u8, x: *const u8, y: *mut f32, r0, r1)` |
+//! | `gemv_quant(q, k)` | `run_part(w, x, y_part, rows)` | `(w: *const u8, x: *const u8, y: *mut f32, r0, r1, k)` |
 //! | `gemm(wt, k)` | `run(w, x, tokens, y, ldy, rows)`, `unsafe run_unchecked` | `(w, x, y, r0, r1, tokens, ldy)` |
 //! | `rmsnorm(dim)` | `run(x, w, out, eps)`, `run_inplace(x, w, eps)` | `(x, w, out, rows, eps: f32)` |
 //! | `geglu(width)` | `run(gate, up, out)` (n >= 8) | `(gate, up, out, rows)` |

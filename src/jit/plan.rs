@@ -92,7 +92,7 @@ impl KernelKind {
                 )
             }
             KernelKind::GemvQuant(p) => {
-                format!("gemv_{}_r{}_k{}", p.q.name(), gemv_quant::ROWS, p.k)
+                format!("gemv_{}_r{}", p.q.name(), gemv_quant::ROWS)
             }
             KernelKind::Gemm(p) => {
                 format!(
@@ -276,9 +276,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut quant_kinds: Vec<GemvQuantParams> = opts
         .quantized
         .iter()
-        .map(|m| GemvQuantParams { q: m.q, k: m.k })
+        .map(|m| GemvQuantParams { q: m.q })
         .collect();
-    quant_kinds.sort_by_key(|p| (p.q.name(), p.k));
+    quant_kinds.sort_by_key(|p| p.q.name());
     quant_kinds.dedup();
 
     // Candidate unroll levels, most aggressive first.
@@ -300,8 +300,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             let used_for = opts
                 .quantized
                 .iter()
-                .filter(|m| m.q == p.q && m.k == p.k)
-                .map(|m| m.tensor)
+                .filter(|m| m.q == p.q)
+                .map(|m| format!("{} (K {})", m.tensor, m.k))
                 .collect::<Vec<_>>()
                 .join(", ");
             (KernelKind::GemvQuant(p), vec![used_for])
@@ -336,7 +336,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         .iter()
                         .find(|m| m.tensor == tensor && m.k == k)
                     {
-                        KernelKind::GemvQuant(GemvQuantParams { q: m.q, k }).name()
+                        KernelKind::GemvQuant(GemvQuantParams { q: m.q }).name()
                     } else {
                         KernelKind::Gemv(GemvParams {
                             wt: opts.weights,

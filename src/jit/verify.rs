@@ -124,6 +124,7 @@ const ALLOWED: &[Mnemonic] = {
         Xor,
         And,
         Shl,
+        Shr,
         Inc,
         Dec,
         Cmp,

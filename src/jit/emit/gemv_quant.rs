@@ -26,26 +26,31 @@
 //! which keeps the 16-bit GEMVs' unrolling inside the byte budget). The
 //! two halves are added once per row block.
 //!
-//! K and the block size are immediates; K is a multiple of 32. r0 must be
-//! a multiple of 4; the last block may be partial, its padding rows are
+//! K comes as an argument, a multiple of 32: it only sizes pointers, so an
+//! immediate would buy nothing but a copy of the kernel per K (308 bytes
+//! each for Q8_0, which the default model needs at 3 K's). r0 must be a
+//! multiple of 4; the last block may be partial, its padding rows are
 //! zeros and only valid rows are stored.
 //!
-//! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=W group
-//! pointer, r10=x scale pointer, r11=end of x quants, rax=x quant index
-//! counting up to 0. ymm0 accumulator, ymm4 the 4 rows' scales times x's
+//! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=K on entry,
+//! then the W group pointer, r10=x scale pointer, r11=end of x quants,
+//! rax=x quant index counting up to 0, rbx=K, rbp=bytes of W per row of a
+//! block, r12=bytes from x's scales to its sums. ymm0 accumulator, ymm4 the 4 rows' scales times x's
 //! (in both halves), ymm5 x quants, ymm6..9 the rows' products, ymm10 and
 //! ymm11 temporaries, ymm12 bytes of 1 and ymm13 bytes of 15 (Q5_0), ymm14
 //! lane indices, ymm15 16-bit ones.
 
-use super::{Asm, broadcast_const, count_mask, finish, lane_index, new_asm};
+use super::{
+    Asm, broadcast_const, count_mask, finish, lane_index, new_asm, restore_callee_saved_and_return,
+    save_callee_saved,
+};
 use crate::jback;
-use crate::model::quant_blocks::{self, BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
+use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct GemvQuantParams {
     pub q: QuantType,
-    pub k: usize,
 }
 
 pub const ROWS: usize = BLOCK_ROWS;
@@ -89,21 +94,11 @@ fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
     dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
 }
 
-/// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1)`.
+/// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1, k)`.
 pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    anyhow::ensure!(
-        quant_blocks::fits(p.k),
-        "{name}: K = {} is not a whole number of 32-value blocks",
-        p.k
-    );
     let q = p.q;
-    let k = p.k as i32;
-    // r is a multiple of 4, so r * (block bytes / 4) is its block's offset.
-    let per_row = (q.block_bytes(p.k) / ROWS) as i32;
-    // From a group's x scale to its x sum: past the K/32 scales.
-    let sums_from_scales = (p.k / GROUP_COLS * 4) as i32;
-
     let mut ops = new_asm();
+    save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
     let block = ops.new_dynamic_label();
     let group = ops.new_dynamic_label();
@@ -115,7 +110,16 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     }
     dynasm!(ops
         ; .arch x64
-        ; lea r11, [rsi + k]
+        // rbp: r is a multiple of 4, so r * (K / 32 * one file block) is
+        // its row block's offset; r12: from a group's x scale to its x sum,
+        // past the K/32 scales.
+        ; mov rbx, r9
+        ; mov rbp, r9
+        ; shr rbp, 5
+        ; imul rbp, rbp, q.file_block_bytes() as i32
+        ; mov r12, r9
+        ; shr r12, 3
+        ; lea r11, [rsi + rbx]
         ; cmp rcx, r8
         ; jae =>done
     );
@@ -123,10 +127,12 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; =>block
-        ; imul r9, rcx, per_row
+        ; mov r9, rcx
+        ; imul r9, rbp
         ; add r9, rdi
         ; mov r10, r11
-        ; mov rax, -k
+        ; xor eax, eax
+        ; sub rax, rbx
         ; vxorps ymm0, ymm0, ymm0
     );
     let group_top = ops.offset();
@@ -160,7 +166,7 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         // shuffle zeroes the upper one).
         dynasm!(ops
             ; .arch x64
-            ; vmovd Rx(CORRECTION), [r10 + sums_from_scales]
+            ; vmovd Rx(CORRECTION), [r10 + r12]
             ; vpslld Rx(CORRECTION), Rx(CORRECTION), 4
             ; vpshufd Rx(CORRECTION), Rx(CORRECTION), 0
             ; vpsubd ymm6, ymm6, Ry(CORRECTION)
@@ -191,11 +197,7 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; cmp rcx, r8
     );
     jback!(ops, jb, block, block_top);
-    dynasm!(ops
-        ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
-    );
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
     finish(ops, name)
 }
