@@ -100,7 +100,7 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         let x = inputs(1, k);
         let xq = Q8Input::quantize(&x, k);
         let set = KernelSet::from_kinds(
-            &[KernelKind::GemvQuant(GemvQuantParams { q })],
+            &[KernelKind::GemvQuant(GemvQuantParams { q, prefetch: 8192 })],
             &caps,
             Isa::Avx2,
         )
@@ -146,7 +146,7 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
     let w = packed(q, rows, k, &quant_file(q, rows, k, 3));
     let xq = Q8Input::quantize(&inputs(1, k), k);
     let set = KernelSet::from_kinds(
-        &[KernelKind::GemvQuant(GemvQuantParams { q })],
+        &[KernelKind::GemvQuant(GemvQuantParams { q, prefetch: 8192 })],
         &CpuCaps::detect(),
         Isa::Avx2,
     )

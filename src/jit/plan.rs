@@ -13,6 +13,10 @@ use crate::model::quant_blocks::QuantType;
 use anyhow::{Result, bail};
 use std::ops::Range;
 
+/// Bytes ahead the quantized GEMVs prefetch by default (measured, see
+/// `GemvQuantParams::prefetch`).
+pub const QUANT_PREFETCH_BYTES: usize = 8 << 10;
+
 /// Total machine-code bytes allowed for one model's kernels.
 pub const BUDGET_BYTES: usize = 5120;
 
@@ -29,6 +33,8 @@ pub struct PlanOptions {
     /// The tensors stored in the 16-bit format in at least one layer
     /// (`None`: all of them). A K none of them has gets no 16-bit GEMV.
     pub wide_tensors: Option<Vec<&'static str>>,
+    /// Bytes ahead the quantized GEMVs prefetch (see `GemvQuantParams`).
+    pub quant_prefetch: usize,
     pub budget: usize,
 }
 
@@ -40,6 +46,7 @@ impl Default for PlanOptions {
             weights: WeightType::F16,
             quantized: Vec::new(),
             wide_tensors: None,
+            quant_prefetch: QUANT_PREFETCH_BYTES,
             budget: BUDGET_BYTES,
         }
     }
@@ -92,7 +99,7 @@ impl KernelKind {
                 )
             }
             KernelKind::GemvQuant(p) => {
-                format!("gemv_{}_r{}", p.q.name(), gemv_quant::ROWS)
+                format!("gemv_{}_r{}_pf{}", p.q.name(), gemv_quant::ROWS, p.prefetch)
             }
             KernelKind::Gemm(p) => {
                 format!(
@@ -276,7 +283,10 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut quant_kinds: Vec<GemvQuantParams> = opts
         .quantized
         .iter()
-        .map(|m| GemvQuantParams { q: m.q })
+        .map(|m| GemvQuantParams {
+            q: m.q,
+            prefetch: opts.quant_prefetch,
+        })
         .collect();
     quant_kinds.sort_by_key(|p| p.q.name());
     quant_kinds.dedup();
@@ -336,7 +346,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         .iter()
                         .find(|m| m.tensor == tensor && m.k == k)
                     {
-                        KernelKind::GemvQuant(GemvQuantParams { q: m.q }).name()
+                        KernelKind::GemvQuant(GemvQuantParams {
+                            q: m.q,
+                            prefetch: opts.quant_prefetch,
+                        })
+                        .name()
                     } else {
                         KernelKind::Gemv(GemvParams {
                             wt: opts.weights,
