@@ -50,6 +50,7 @@ impl QuantType {
     }
 
     /// Bytes of one row's packed quants in a group.
+    #[inline]
     pub fn payload_bytes(self) -> usize {
         match self {
             QuantType::Q8_0 => 32,
@@ -58,16 +59,19 @@ impl QuantType {
     }
 
     /// Bytes of one file block: f16 scale and payload.
+    #[inline]
     pub fn file_block_bytes(self) -> usize {
         2 + self.payload_bytes()
     }
 
     /// Bytes of one group of a row block: 4 scales, then 4 payloads.
+    #[inline]
     pub fn group_bytes(self) -> usize {
         BLOCK_ROWS * self.file_block_bytes()
     }
 
     /// Bytes of one row block of `cols` columns.
+    #[inline]
     pub fn block_bytes(self, cols: usize) -> usize {
         cols / GROUP_COLS * self.group_bytes()
     }
@@ -127,10 +131,12 @@ pub fn fits(cols: usize) -> bool {
 }
 
 /// Where row `r`'s scale and payload of group `g` sit.
+#[inline]
 fn scale_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
     r / BLOCK_ROWS * q.block_bytes(cols) + g * q.group_bytes() + r % BLOCK_ROWS * 2
 }
 
+#[inline]
 fn payload_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
     r / BLOCK_ROWS * q.block_bytes(cols)
         + g * q.group_bytes()
@@ -150,6 +156,7 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
 }
 
 /// Row `r`'s scale and payload of group `g`.
+#[inline]
 pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> (f32, &[u8]) {
     let s = scale_at(q, r, g, cols);
     let d = f16::from_bits(u16::from_le_bytes([data[s], data[s + 1]])).to_f32();
