@@ -386,7 +386,7 @@ fn types_without_a_kernel_become_q8_0_within_half_a_step() {
     let note = formats
         .conversion_note()
         .expect("the default model has Q4_K and Q6_K");
-    for needle in ["attn_output x18 Q4_K -> q8_0", "ffn_down x9 Q6_K -> q8_0"] {
+    for needle in ["attn_output x18 Q4_K to q8_0", "ffn_down x9 Q6_K to q8_0"] {
         assert!(note.contains(needle), "{note}");
     }
     let c = &src.config;

@@ -180,12 +180,11 @@ fn twenty_schemas_give_valid_json() {
     );
 }
 
-/// The comparison for the table: how many of the same prompts give
-/// valid JSON without the constraint. Informational (prints the count);
-/// run with `cargo test --release --test structured_output -- --ignored --nocapture`.
+/// The same prompts without the constraint, the schema written into the
+/// prompt instead: the constraint is what makes every output valid (the
+/// base model measured 0 of 20 here). Prints the count (`-- --nocapture`).
 #[test]
-#[ignore = "slow; measures the unconstrained baseline for the report"]
-fn unconstrained_baseline() {
+fn unconstrained_outputs_are_not_all_valid() {
     let cases = cases();
     let mut valid = 0;
     for (prompt, schema) in &cases {
@@ -196,6 +195,10 @@ fn unconstrained_baseline() {
         valid += usize::from(why.is_none());
     }
     println!("unconstrained: {valid} of {} valid", cases.len());
+    assert!(
+        valid < cases.len(),
+        "every unconstrained output was valid: the comparison shows nothing"
+    );
 }
 
 #[test]

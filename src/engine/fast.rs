@@ -124,8 +124,9 @@ impl WeightFormats {
             .converted
             .iter()
             .map(|c| {
+                // No "->": "> " is the chat prompt a terminal waits for.
                 format!(
-                    "{} x{} {} -> {} ({:.1} -> {:.1} MB)",
+                    "{} x{} {} to {} ({:.1} MB to {:.1} MB)",
                     c.tensor,
                     c.count,
                     c.from,
