@@ -182,14 +182,7 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
     let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
     let mut all_rows = Vec::new();
     let mut logits_of = |native: bool| {
-        let opts = FastOptions {
-            threads: 2,
-            context: 64,
-            format: None,
-            prefill_chunk: 126,
-            in_place: false,
-            native,
-        };
+        let opts = options(native);
         let formats = FastEngine::weight_formats(&src, &opts).unwrap();
         assert_eq!(
             formats.head == WeightFormat::Q8_0,
@@ -203,8 +196,7 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
                 formats.describe()
             );
         }
-        let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
-        let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
+        let mut engine = jit_engine(&src, &opts);
         let bytes = engine.bytes_per_token();
         let last = engine.forward(&input, LogitsWanted::Last).unwrap();
         engine.truncate(0);
@@ -320,17 +312,8 @@ fn decoding_in_the_files_types_follows_the_reference_chain() {
     let chain = ids(&meta["greedy_ids"]);
     let steps = meta["greedy_steps"].as_array().expect("greedy_steps");
     let run = |native: bool| -> Vec<Vec<f32>> {
-        let opts = FastOptions {
-            threads: 2,
-            context: 64,
-            format: None,
-            prefill_chunk: 126,
-            in_place: false,
-            native,
-        };
-        let formats = FastEngine::weight_formats(&src, &opts).unwrap();
-        let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
-        let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
+        let opts = options(native);
+        let mut engine = jit_engine(&src, &opts);
         let mut rows = vec![engine.forward(&input, LogitsWanted::Last).unwrap()];
         for &t in &chain[..chain.len() - 1] {
             rows.push(engine.forward(&[t], LogitsWanted::Last).unwrap());
@@ -374,14 +357,7 @@ const CLEAR_MARGIN: f64 = 0.25;
 fn types_without_a_kernel_become_q8_0_within_half_a_step() {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
     let src = ModelSource::open(&path).unwrap();
-    let opts = FastOptions {
-        threads: 2,
-        context: 64,
-        format: None,
-        prefill_chunk: 126,
-        in_place: false,
-        native: true,
-    };
+    let opts = options(true);
     let formats = FastEngine::weight_formats(&src, &opts).unwrap();
     let note = formats
         .conversion_note()
@@ -414,4 +390,24 @@ fn types_without_a_kernel_become_q8_0_within_half_a_step() {
             }
         }
     }
+}
+
+/// The fast engine's options for the default model in these tests: 2
+/// threads, the file's own types or every matrix widened.
+fn options(native: bool) -> FastOptions {
+    FastOptions {
+        threads: 2,
+        context: 64,
+        format: None,
+        prefill_chunk: 126,
+        in_place: false,
+        native,
+    }
+}
+
+/// The fast engine on the JIT's kernels for `opts`.
+fn jit_engine(src: &std::sync::Arc<ModelSource>, opts: &FastOptions) -> FastEngine {
+    let formats = FastEngine::weight_formats(src, opts).unwrap();
+    let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
+    FastEngine::load(src, kernels, opts).unwrap()
 }

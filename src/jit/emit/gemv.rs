@@ -17,11 +17,14 @@
 //! no read leaves x.
 //!
 //! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=block
-//! pointer, r10=rows left, r11=biased x, rax=x byte index counting up to 0.
+//! pointer, r10=rows left (at the store), r11=biased x, rax=x byte index
+//! counting up to 0.
 //! ymm0..7 accumulators, ymm8..11 x, ymm12 weights, ymm13 lane indices,
 //! ymm15 tail mask.
 
-use super::{Asm, LANES, add_rax, count_mask, finish, lane_index, lane_mask, new_asm, reduce4};
+use super::{
+    Asm, LANES, add_rax, finish, lane_index, lane_mask, new_asm, reduce4, store_rows_and_next_block,
+};
 use crate::jback;
 use crate::model::row_blocks;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -168,8 +171,6 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; =>block
-        ; mov r10, r8
-        ; sub r10, rcx
         ; imul r9, rcx, per_row
         ; lea r9, [rdi + r9 + (looped * GROUP_BYTES) as i32]
     );
@@ -205,15 +206,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
     }
     reduce4(&mut ops, [0, 1, 2, 3], 8);
-    // Store only the rows that exist (a masked store; once per 4 rows x K).
-    count_mask(&mut ops, 8, IDX, super::reg::R10);
-    dynasm!(ops
-        ; .arch x64
-        ; vmaskmovps [rdx + rcx * 4], xmm8, xmm0
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
+    store_rows_and_next_block(&mut ops, 8, IDX, block, block_top);
     dynasm!(ops
         ; .arch x64
         ; =>done

@@ -41,8 +41,8 @@
 //! lane indices, ymm15 16-bit ones.
 
 use super::{
-    Asm, broadcast_const, count_mask, finish, lane_index, new_asm, restore_callee_saved_and_return,
-    save_callee_saved,
+    Asm, broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
+    save_callee_saved, store_rows_and_next_block,
 };
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
@@ -197,17 +197,8 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         ; vextractf128 xmm1, ymm0, 1
         ; vaddps xmm0, xmm0, xmm1
-        ; mov r10, r8
-        ; sub r10, rcx
     );
-    count_mask(&mut ops, 8, IDX, super::reg::R10);
-    dynasm!(ops
-        ; .arch x64
-        ; vmaskmovps [rdx + rcx * 4], xmm8, xmm0
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
+    store_rows_and_next_block(&mut ops, 8, IDX, block, block_top);
     dynasm!(ops ; .arch x64 ; =>done);
     restore_callee_saved_and_return(&mut ops);
     finish(ops, name)

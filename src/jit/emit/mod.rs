@@ -15,7 +15,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod gemv_quant;
 
-use dynasmrt::{DynasmApi, dynasm};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 /// Emission target: a plain byte vector with label support. Relocations are
 /// all relative, so the bytes can be copied to any executable page.
@@ -178,6 +178,34 @@ pub fn count_mask(ops: &mut Asm, ymm: u8, idx: u8, count: u8) {
         ; vpbroadcastd Ry(ymm), Rx(ymm)
         ; vpcmpgtd Ry(ymm), Ry(ymm), Ry(idx)
     );
+}
+
+/// The end of a GEMV's row-block loop, shared by the 16-bit and the
+/// quantized GEMVs: stores xmm0's 4 row sums to `y[rcx..]` for the rows that
+/// exist (`r8 - rcx`, at most 4; a masked store, once per 4 rows x K), then
+/// steps rcx to the next block and loops to `block` while rcx < r8.
+/// Registers: rdx=y, rcx=r, r8=r1; clobbers r10 and ymm`mask`; `idx` holds
+/// the lane indices.
+pub fn store_rows_and_next_block(
+    ops: &mut Asm,
+    mask: u8,
+    idx: u8,
+    block: dynasmrt::DynamicLabel,
+    block_top: dynasmrt::AssemblyOffset,
+) {
+    dynasm!(ops
+        ; .arch x64
+        ; mov r10, r8
+        ; sub r10, rcx
+    );
+    count_mask(ops, mask, idx, reg::R10);
+    dynasm!(ops
+        ; .arch x64
+        ; vmaskmovps [rdx + rcx * 4], Rx(mask), xmm0
+        ; add rcx, BYTE 4
+        ; cmp rcx, r8
+    );
+    crate::jback!(ops, jb, block, block_top);
 }
 
 /// Register numbers (dynasm encoding order).
