@@ -206,7 +206,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
     }
     reduce4(&mut ops, [0, 1, 2, 3], 8);
-    store_rows_and_next_block(&mut ops, 8, IDX, block, block_top);
+    store_rows_and_next_block(&mut ops, IDX, block, block_top);
     dynasm!(ops
         ; .arch x64
         ; =>done

@@ -198,7 +198,7 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vextractf128 xmm1, ymm0, 1
         ; vaddps xmm0, xmm0, xmm1
     );
-    store_rows_and_next_block(&mut ops, 8, IDX, block, block_top);
+    store_rows_and_next_block(&mut ops, IDX, block, block_top);
     dynasm!(ops ; .arch x64 ; =>done);
     restore_callee_saved_and_return(&mut ops);
     finish(ops, name)

@@ -184,11 +184,11 @@ pub fn count_mask(ops: &mut Asm, ymm: u8, idx: u8, count: u8) {
 /// quantized GEMVs: stores xmm0's 4 row sums to `y[rcx..]` for the rows that
 /// exist (`r8 - rcx`, at most 4; a masked store, once per 4 rows x K), then
 /// steps rcx to the next block and loops to `block` while rcx < r8.
-/// Registers: rdx=y, rcx=r, r8=r1; clobbers r10 and ymm`mask`; `idx` holds
-/// the lane indices.
+/// Registers: rdx=y, rcx=r, r8=r1; clobbers r10 and ymm8 (a fixed register:
+/// dynasm encodes a dynamic one in the store's longer form); `idx` holds the
+/// lane indices.
 pub fn store_rows_and_next_block(
     ops: &mut Asm,
-    mask: u8,
     idx: u8,
     block: dynasmrt::DynamicLabel,
     block_top: dynasmrt::AssemblyOffset,
@@ -198,10 +198,10 @@ pub fn store_rows_and_next_block(
         ; mov r10, r8
         ; sub r10, rcx
     );
-    count_mask(ops, mask, idx, reg::R10);
+    count_mask(ops, 8, idx, reg::R10);
     dynasm!(ops
         ; .arch x64
-        ; vmaskmovps [rdx + rcx * 4], Rx(mask), xmm0
+        ; vmaskmovps [rdx + rcx * 4], xmm8, xmm0
         ; add rcx, BYTE 4
         ; cmp rcx, r8
     );
