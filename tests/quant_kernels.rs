@@ -411,3 +411,28 @@ fn jit_engine(src: &std::sync::Arc<ModelSource>, opts: &FastOptions) -> FastEngi
     let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
     FastEngine::load(src, kernels, opts).unwrap()
 }
+
+/// Kernels planned for other formats than the weights' are refused at
+/// load, naming the matrix, instead of falling back on every call.
+#[test]
+fn kernels_planned_for_other_formats_are_a_load_error() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
+    // Planned for FP16 everywhere, loaded in the file's own types.
+    let kernels = Box::new(
+        JitKernels::build(
+            &src.config,
+            pulsar::engine::fast::WeightFormats::uniform(WeightFormat::F16),
+            2,
+        )
+        .unwrap(),
+    );
+    let err = FastEngine::load(&src, kernels, &options(true))
+        .err()
+        .expect("a plan without the quantized GEMVs is refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("output(lm_head)") && msg.contains("no GEMV for q8_0"),
+        "{msg}"
+    );
+}

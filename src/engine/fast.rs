@@ -350,6 +350,23 @@ impl FastEngine {
         if opts.context == 0 {
             bail!("the context size must be at least 1 token");
         }
+        let matrices = std::iter::once(("output(lm_head)", 0, &weights.embedding)).chain(
+            weights.layers.iter().enumerate().flat_map(|(i, l)| {
+                LAYER_MATRICES
+                    .iter()
+                    .zip(l.matrices())
+                    .map(move |(&(_, name), m)| (name, i, m))
+            }),
+        );
+        for (name, layer, m) in matrices {
+            if let Err(why) = kernels.covers(m) {
+                bail!(
+                    "internal error: the {} kernels cannot multiply {name} (layer {layer}): {why}; \
+                     the plan was made for other weight formats",
+                    kernels.name()
+                );
+            }
+        }
         let kv_dim = config.n_kv_heads * config.head_dim;
         let per_layer = opts
             .context

@@ -3,7 +3,7 @@
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
 use super::fast::WeightFormats;
-use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut, gemm_q8_portable};
+use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
 use super::widen::widen_rows;
@@ -103,9 +103,10 @@ impl JitKernels {
     /// chunks are 126 tokens). FP16 rounds Q8_0 values by at most 2^-11
     /// relative, less than the 8-bit input rounding of the integer GEMV.
     unsafe fn gemm_widened(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut) {
-        let Some(k) = self.set.gemm(WeightType::F16, w.cols) else {
-            return unsafe { PortableKernels.gemm(w, x, rows, y) };
-        };
+        let k = self
+            .set
+            .gemm(WeightType::F16, w.cols)
+            .expect("every matrix's kernels are checked at load (`covers`)");
         let tokens = x.len() / w.cols;
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
         WIDENED.with_borrow_mut(|panel| {
@@ -144,14 +145,15 @@ impl MatKernels for JitKernels {
         }
         let wt = weight_type(w.format);
         let tokens = x.len() / w.cols;
-        if tokens == 1
-            && let Some(k) = self.set.gemv(wt, w.cols)
-        {
+        const CHECKED: &str = "every matrix's kernels are checked at load (`covers`)";
+        if tokens == 1 {
+            let k = self.set.gemv(wt, w.cols).expect(CHECKED);
             // SAFETY: the caller owns columns `rows` of y.
             let part = unsafe { y.cells(0, rows.clone()) };
             k.run_part(w.data(), x, part, rows)
                 .expect("GEMV arguments sized by the engine");
-        } else if let Some(k) = self.set.gemm(wt, w.cols) {
+        } else {
+            let k = self.set.gemm(wt, w.cols).expect(CHECKED);
             assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
             // SAFETY: W has rows < rows.end of K values, x holds tokens·K,
             // y holds tokens rows of `stride` (asserted), and the caller
@@ -166,21 +168,15 @@ impl MatKernels for JitKernels {
                     rows,
                 )
             };
-        } else {
-            // A K the plan did not cover: keep going, correctly, in Rust.
-            unsafe { PortableKernels.gemm(w, x, rows, y) };
         }
     }
 
     unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
-        let Some(k) = w
+        let k = w
             .format
             .quant()
             .and_then(|q| self.set.gemv_quant(q, w.cols))
-        else {
-            // A K the plan did not cover: keep going, correctly, in Rust.
-            return unsafe { gemm_q8_portable(w, x, rows, y) };
-        };
+            .expect("every matrix's kernels are checked at load (`covers`)");
         // One pass over the rows per token: the LM head at prefill wants
         // only the last token's logits, so several tokens here are rare
         // (`logits --all`, perplexity).
@@ -189,6 +185,27 @@ impl MatKernels for JitKernels {
             let part = unsafe { y.cells(t, rows.clone()) };
             k.run_part(w.raw(), x.token(t), part, rows.clone())
                 .expect("quantized GEMV arguments sized by the engine");
+        }
+    }
+
+    fn covers(&self, w: &PackedMatrix) -> Result<(), String> {
+        let (gemv, gemm) = match w.format.quant() {
+            Some(q) => (
+                self.set.gemv_quant(q, w.cols).is_some(),
+                self.set.gemm(WeightType::F16, w.cols).is_some(),
+            ),
+            None => {
+                let wt = weight_type(w.format);
+                (
+                    self.set.gemv(wt, w.cols).is_some(),
+                    self.set.gemm(wt, w.cols).is_some(),
+                )
+            }
+        };
+        match (gemv, gemm) {
+            (true, true) => Ok(()),
+            (false, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
+            (_, false) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),
         }
     }
 

@@ -173,6 +173,13 @@ pub trait MatKernels: Sync {
         unsafe { gemm_q8_portable(w, x, rows, y) }
     }
 
+    /// Whether these kernels can multiply `w`, checked once per matrix at
+    /// load: a missing kernel is a load error naming the matrix, never a
+    /// quiet fallback on every call. Plain-Rust kernels take any matrix.
+    fn covers(&self, _w: &PackedMatrix) -> Result<(), String> {
+        Ok(())
+    }
+
     /// A short name for reports ("jit avx2", "portable").
     fn name(&self) -> String;
 
