@@ -3,12 +3,15 @@
 //! Best of several calls (the machine may be shared), next to a plain Rust
 //! read of the same bytes as the bandwidth reference.
 
+use crate::engine::q8_input::Q8Input;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::emit::gemv;
 use crate::jit::kernels::KernelSet;
 use crate::jit::plan::{KernelKind, Plan};
+use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Context, Result};
+use std::ops::Range;
 use std::time::Instant;
 
 /// Bytes of synthetic weights: larger than L3, so DRAM streaming is timed.
@@ -70,15 +73,8 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         let len = row_blocks::padded_len(rows, g.k);
         let x = vec![0.5f32; g.k];
         let mut y = vec![0f32; rows];
-        let mut err = None;
-        let secs = best_of(|| {
-            if let Err(e) = gemv.run(&w[..len], &x, &mut y, 0..rows) {
-                err = Some(e);
-            }
-        });
-        if let Some(e) = err {
-            return Err(e.into());
-        }
+        let run = |part: &mut [f32], r: Range<usize>| gemv.run_part(&w[..len], &x, part, r);
+        let secs = time_split(&mut y, 1, gemv::ROWS, run)?;
         println!(
             "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {}, {:.2} ms/call, 1 thread)",
             spec.name,
@@ -87,28 +83,55 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             secs * 1e3
         );
         if plan.threads > 1 {
-            // Rows split as the engine would split them, one scoped thread each.
-            let parts = crate::jit::plan::split_rows(rows, plan.threads, gemv::ROWS);
-            let secs = best_of(|| {
-                std::thread::scope(|sc| {
-                    let mut rest: &mut [f32] = &mut y;
-                    for r in parts.iter().cloned() {
-                        let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-                        rest = tail;
-                        let (w, x) = (&w[..len], &x);
-                        sc.spawn(move || gemv.run_part(w, x, part, r));
-                    }
-                });
-            });
+            // Rows split as the engine would split them, one thread each.
+            let secs = time_split(&mut y, plan.threads, gemv::ROWS, run)?;
             println!(
                 "measure {:<28} {:>6.1} GB/s  ({} threads)",
                 spec.name,
                 (rows * g.k * 2) as f64 / secs / 1e9,
-                parts.len()
+                plan.threads
             );
         }
     }
     Ok(())
+}
+
+/// Best time of `run` over `y`'s rows split into `threads` parts that
+/// start on `block`s, one scoped thread each, or in this thread alone for
+/// one part (a spawn would weigh on small sizes). The first error a part
+/// returns is returned.
+fn time_split<E: Send>(
+    y: &mut [f32],
+    threads: usize,
+    block: usize,
+    run: impl Fn(&mut [f32], Range<usize>) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<f64, E> {
+    let parts = crate::jit::plan::split_rows(y.len(), threads, block);
+    let mut err = None;
+    let secs = best_of(|| {
+        if parts.len() == 1 {
+            if let Err(e) = run(y, parts[0].clone()) {
+                err = Some(e);
+            }
+            return;
+        }
+        std::thread::scope(|sc| {
+            let mut rest: &mut [f32] = y;
+            let mut handles = Vec::new();
+            for r in parts.iter().cloned() {
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+                rest = tail;
+                let run = &run;
+                handles.push(sc.spawn(move || run(part, r)));
+            }
+            for h in handles {
+                if let Ok(Err(e)) = h.join() {
+                    err = Some(e);
+                }
+            }
+        });
+    });
+    err.map_or(Ok(secs), Err)
 }
 
 /// Integer GEMV throughput for each planned quantized type and K, on
@@ -140,80 +163,39 @@ pub fn measure_gemv_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
 fn measure_one_quant(
     set: &KernelSet,
     spec: &crate::jit::plan::KernelSpec,
-    q: crate::model::quant_blocks::QuantType,
+    q: QuantType,
     k: usize,
     threads: usize,
 ) -> Result<()> {
-    {
-        let g = GemvShape { q, k };
-        let gemv = set
-            .gemv_quant(g.q, g.k)
-            .context("planned GEMV missing from the kernel set")?;
-        let block = g.q.block_bytes(g.k);
-        let rows = weight_bytes() / block * crate::model::quant_blocks::BLOCK_ROWS;
-        let mut seed = 0x9E37_79B9u32;
-        let w: Vec<u8> = (0..rows / crate::model::quant_blocks::BLOCK_ROWS * block)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                // Bytes in 8..56 make every f16 scale a normal number
-                // (exponent 2..13): no subnormal slows the arithmetic.
-                8 + (seed >> 24) as u8 % 48
-            })
-            .collect();
-        let x: Vec<f32> = (0..g.k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
-        let xq = crate::engine::q8_input::Q8Input::quantize(&x, g.k);
-        let mut y = vec![0f32; rows];
-        let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
-        for threads in [1, parts.len()] {
-            let parts = crate::jit::plan::split_rows(rows, threads, gemv_quant_rows());
-            let mut err = None;
-            let secs = best_of(|| {
-                if threads == 1 {
-                    // In this thread: a spawn would weigh on small sizes.
-                    if let Err(e) = gemv.run_part(&w, xq.token(0), &mut y, 0..rows) {
-                        err = Some(e);
-                    }
-                    return;
-                }
-                std::thread::scope(|sc| {
-                    let mut rest: &mut [f32] = &mut y;
-                    let mut handles = Vec::new();
-                    for r in parts.iter().cloned() {
-                        let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-                        rest = tail;
-                        let (w, x) = (&w[..], xq.token(0));
-                        handles.push(sc.spawn(move || gemv.run_part(w, x, part, r)));
-                    }
-                    for h in handles {
-                        if let Ok(Err(e)) = h.join() {
-                            err = Some(e);
-                        }
-                    }
-                });
-            });
-            if let Some(e) = err {
-                return Err(e.into());
-            }
-            println!(
-                "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {}, {:.2} ms/call, {threads} thread{})",
-                spec.name,
-                w.len() as f64 / secs / 1e9,
-                g.k,
-                secs * 1e3,
-                if threads == 1 { "" } else { "s" }
-            );
-        }
+    let gemv = set
+        .gemv_quant(q, k)
+        .context("planned GEMV missing from the kernel set")?;
+    let block = q.block_bytes(k);
+    let rows = weight_bytes() / block * quant_blocks::BLOCK_ROWS;
+    let mut seed = 0x9E37_79B9u32;
+    let w: Vec<u8> = (0..rows / quant_blocks::BLOCK_ROWS * block)
+        .map(|_| {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            // Bytes in 8..56 make every f16 scale a normal number
+            // (exponent 2..13): no subnormal slows the arithmetic.
+            8 + (seed >> 24) as u8 % 48
+        })
+        .collect();
+    let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+    let xq = Q8Input::quantize(&x, k);
+    let mut y = vec![0f32; rows];
+    let run = |part: &mut [f32], r: Range<usize>| gemv.run_part(&w, xq.token(0), part, r);
+    for threads in [1, threads] {
+        let secs = time_split(&mut y, threads, quant_blocks::BLOCK_ROWS, run)?;
+        println!(
+            "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {k}, {:.2} ms/call, {threads} thread{})",
+            spec.name,
+            w.len() as f64 / secs / 1e9,
+            secs * 1e3,
+            if threads == 1 { "" } else { "s" }
+        );
     }
     Ok(())
-}
-
-struct GemvShape {
-    q: crate::model::quant_blocks::QuantType,
-    k: usize,
-}
-
-fn gemv_quant_rows() -> usize {
-    crate::jit::emit::gemv_quant::ROWS
 }
 
 /// Prefill GEMM throughput (GFLOP/s) for each planned K, at the engine's

@@ -464,14 +464,28 @@ impl FastEngine {
     /// Several independent products in one parallel section (one wake-up).
     fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>) {
         let mut work = Vec::with_capacity(jobs.len());
+        // An integer GEMV's input is quantized once, here, for every
+        // thread's chunk of rows, and once for the jobs that share it (q, k
+        // and v; gate and up). Several tokens go to a GEMM, which widens
+        // quantized weights instead (see `MatKernels::gemm`).
+        // Keyed by the input's address: the same slice, not equal values.
+        let mut quantized: Vec<(usize, Q8Input)> = Vec::new();
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
-            // An integer GEMV's input is quantized once, here, for every
-            // thread's chunk of rows. Several tokens go to a GEMM, which
-            // widens quantized weights instead (see `MatKernels::gemm`).
-            let q8 = (w.format.quant().is_some() && x.len() == w.cols)
-                .then(|| Q8Input::quantize(x, w.cols));
+            let q8 = (w.format.quant().is_some() && x.len() == w.cols).then(|| {
+                let at = x.as_ptr() as usize;
+                match quantized
+                    .iter()
+                    .position(|(p, q)| *p == at && q.k() == w.cols)
+                {
+                    Some(i) => i,
+                    None => {
+                        quantized.push((at, Q8Input::quantize(x, w.cols)));
+                        quantized.len() - 1
+                    }
+                }
+            });
             work.push((w, x, q8, SharedOut::new(y, w.rows)));
         }
         // Rows are handed out from a shared counter rather than split evenly
@@ -508,7 +522,9 @@ impl FastEngine {
                             let rows = r0..r0 + size;
                             // SAFETY: each chunk of rows goes to exactly one thread.
                             match q8 {
-                                Some(q8) => unsafe { self.kernels.gemm_q8(w, q8, rows, *out) },
+                                Some(i) => unsafe {
+                                    self.kernels.gemm_q8(w, &quantized[*i].1, rows, *out)
+                                },
                                 None => unsafe { self.kernels.gemm(w, x, rows, *out) },
                             }
                             r0 = next.load(Ordering::Relaxed);
