@@ -436,6 +436,10 @@ enum Command {
         /// mapped file instead of copying them into huge-page memory.
         #[arg(long)]
         mmap: bool,
+        /// Also time one step over m = 1..16 tokens of one sequence (a
+        /// speculative verify step), relative to a step over one.
+        #[arg(long)]
+        m_curve: bool,
     },
 }
 
@@ -516,6 +520,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             tg,
             json,
             mmap,
+            m_curve,
         } => commands::bench_command(
             model.as_deref(),
             shape.as_deref(),
@@ -526,6 +531,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 prompt_tokens: pp,
                 generate_tokens: tg,
                 json,
+                m_curve,
             },
         ),
     }

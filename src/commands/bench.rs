@@ -13,6 +13,18 @@ pub struct BenchArgs {
     pub prompt_tokens: usize,
     pub generate_tokens: usize,
     pub json: bool,
+    /// Also time one step over m = 1..=16 tokens (`--m-curve`).
+    pub m_curve: bool,
+}
+
+/// The cost of one step over `m` tokens of one sequence (every position's
+/// logits, as a speculative verify step wants them).
+#[derive(Serialize)]
+pub struct StepCost {
+    pub m: usize,
+    pub step_ms: f64,
+    /// Against the step over one token.
+    pub relative: f64,
 }
 
 #[derive(Serialize)]
@@ -30,6 +42,8 @@ pub struct BenchReport {
     pub decode_gbs: f64,
     pub decode_bw_fraction: f64,
     pub wake_latency_ns: f64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub m_curve: Vec<StepCost>,
 }
 
 /// Token ids spread over the vocabulary, avoiding the control ids below 4.
@@ -70,6 +84,11 @@ pub fn run(
     // reports the freed pages to the host) that slowed a prefill timed
     // right after it: pp512 on 2 threads, two ABBA x3 rounds, median 594.4
     // and 624.7 tok/s with the read first, 644.1 and 641.5 with it last.
+    let m_curve = if args.m_curve {
+        step_costs(engine, vocab)?
+    } else {
+        Vec::new()
+    };
     let read_bw = read_bandwidth(engine.pool(), bytes, 5);
     let wake = engine.pool().wake_latency(2000);
     let decode_gbs = decode_tok_s * bytes as f64 / 1e9;
@@ -87,7 +106,52 @@ pub fn run(
         decode_gbs,
         decode_bw_fraction: decode_gbs / read_bw,
         wake_latency_ns: wake.as_secs_f64() * 1e9,
+        m_curve,
     })
+}
+
+/// Largest step of the m-curve.
+const M_CURVE_MAX: usize = 16;
+/// Rounds over every m; each m's median is reported.
+const M_CURVE_ROUNDS: usize = 9;
+/// Tokens cached before each timed step.
+const M_CURVE_CONTEXT: usize = 64;
+
+/// Times a step over m = 1..=16 tokens after the same cached context. The
+/// rounds go over every m in turn, so a slow spell of the machine lands on
+/// all of them rather than on one.
+fn step_costs(engine: &mut FastEngine, vocab: usize) -> Result<Vec<StepCost>> {
+    let context = bench_tokens(M_CURVE_CONTEXT, vocab);
+    let steps = bench_tokens(M_CURVE_CONTEXT + M_CURVE_MAX, vocab)[M_CURVE_CONTEXT..].to_vec();
+    engine.truncate(0);
+    engine.forward(&context, LogitsWanted::Last)?;
+    let mut times: Vec<Vec<f64>> = (0..M_CURVE_MAX)
+        .map(|_| Vec::with_capacity(M_CURVE_ROUNDS))
+        .collect();
+    for _ in 0..M_CURVE_ROUNDS {
+        for m in 1..=M_CURVE_MAX {
+            engine.truncate(M_CURVE_CONTEXT);
+            let start = Instant::now();
+            engine.forward(&steps[..m], LogitsWanted::All)?;
+            times[m - 1].push(start.elapsed().as_secs_f64());
+        }
+    }
+    let medians: Vec<f64> = times
+        .iter_mut()
+        .map(|t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect();
+    Ok(medians
+        .iter()
+        .enumerate()
+        .map(|(i, &secs)| StepCost {
+            m: i + 1,
+            step_ms: secs * 1e3,
+            relative: secs / medians[0],
+        })
+        .collect())
 }
 
 pub fn print(report: &BenchReport, json: bool) -> Result<()> {
@@ -124,5 +188,18 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
         "pool wake-up     {:.0} ns per parallel section",
         r.wake_latency_ns
     );
+    if !r.m_curve.is_empty() {
+        println!("step over m tokens (all logits), median of {M_CURVE_ROUNDS}:");
+        println!("   m   ms/step   x m=1   ms/token");
+        for p in &r.m_curve {
+            println!(
+                "{:>4} {:>9.2} {:>7.2} {:>10.2}",
+                p.m,
+                p.step_ms,
+                p.relative,
+                p.step_ms / p.m as f64
+            );
+        }
+    }
     Ok(())
 }

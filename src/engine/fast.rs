@@ -6,6 +6,7 @@
 //! steps); only the matrix products and their summation order differ.
 
 use super::kernels::{GroupAttention, MatKernels, SharedOut, merge_key_parts};
+use super::kv_cache::FlatKv;
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
@@ -18,6 +19,7 @@ use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, LayerWeights, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -37,8 +39,47 @@ pub struct FastEngine {
     weights: ModelWeights<PackedMatrix>,
     kernels: Box<dyn MatKernels>,
     pool: ThreadPool,
-    kv: FlatKv,
+    /// One KV cache per sequence; sequence 0 is the one the [`Engine`]
+    /// trait feeds.
+    seqs: Vec<FlatKv>,
     prefill_chunk: usize,
+}
+
+/// A step over at most this many tokens of one sequence computes every
+/// token exactly as a one-token decode step would: the same kernels on the
+/// same inputs, so the logits are bit-identical (speculative decoding's
+/// greedy output then equals plain decoding's, and a server's reply does
+/// not depend on which other requests shared its steps). Each weight is
+/// still read from memory once per step (see `EXACT_SUBCHUNK_BYTES`).
+/// Longer runs of tokens (prompts) go through the GEMMs, whose summation
+/// order differs.
+pub const EXACT_STEP_MAX_TOKENS: usize = 16;
+
+/// Weight bytes per row sub-chunk when several exact tokens (or exact
+/// tokens and a GEMM) read the same rows: the first pass brings the rows
+/// into L1/L2, the others find them there.
+const EXACT_SUBCHUNK_BYTES: usize = 32 << 10;
+
+/// One sequence's tokens in a batched step ([`FastEngine::forward_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqTokens<'a> {
+    /// Which KV cache (0..[`FastEngine::sequences`]).
+    pub seq: usize,
+    /// Fed after the sequence's cached tokens.
+    pub tokens: &'a [u32],
+    /// Which of its rows need logits; `None` for a prompt chunk followed
+    /// by more.
+    pub wanted: Option<LogitsWanted>,
+}
+
+/// A run of a step's rows: `n` tokens of sequence `seq` from position
+/// `start`, computed exactly (per token, as decode) or in bulk (GEMMs).
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    seq: usize,
+    start: usize,
+    n: usize,
+    exact: bool,
 }
 
 /// Tokens per unit of prefill attention work: the block's queries (times
@@ -49,22 +90,6 @@ const ATTENTION_TOKEN_BLOCK: usize = 16;
 /// Fewest keys per part when one decode token's keys are split between
 /// threads (see `decode_attention`); fewer keys stay in one part.
 const MIN_KEYS_PER_PART: usize = 4;
-
-/// Preallocated f32 keys and values: `[layer][kv_head][position][head_dim]`,
-/// so that one KV head's positions are a dense run of rows.
-struct FlatKv {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
-    capacity: usize,
-    len: usize,
-}
-
-impl FlatKv {
-    /// Element offset of (kv head, position) inside one layer.
-    fn at(&self, head: usize, pos: usize, head_dim: usize) -> usize {
-        (head * self.capacity + pos) * head_dim
-    }
-}
 
 /// The packed format of each of an engine's matrices, decided once per
 /// model.
@@ -367,28 +392,13 @@ impl FastEngine {
                 );
             }
         }
-        let kv_dim = config.n_kv_heads * config.head_dim;
-        let per_layer = opts
-            .context
-            .checked_mul(kv_dim)
-            .filter(|&n| n <= 1 << 34)
-            .ok_or_else(|| anyhow::anyhow!("context {} is too large for memory", opts.context))?;
-        let kv = FlatKv {
-            keys: (0..config.n_layers())
-                .map(|_| vec![0.0; per_layer])
-                .collect(),
-            values: (0..config.n_layers())
-                .map(|_| vec![0.0; per_layer])
-                .collect(),
-            capacity: opts.context,
-            len: 0,
-        };
+        let kv = FlatKv::new(&config, opts.context)?;
         Ok(FastEngine {
             config,
             weights,
             kernels,
             pool: ThreadPool::new(opts.threads),
-            kv,
+            seqs: vec![kv],
             prefill_chunk: opts.prefill_chunk.max(1),
         })
     }
@@ -456,38 +466,86 @@ impl FastEngine {
         layers + self.weights.embedding.bytes()
     }
 
-    /// `y[t] = W · x[t]` for every token, rows split across the pool.
-    fn matmul(&self, w: &PackedMatrix, x: &[f32], y: &mut [f32]) {
-        self.matmuls(vec![(w, x, y)]);
+    /// `y[t] = W · x[t]` for every token, rows split across the pool; the
+    /// first `exact` tokens as decode computes them (see `matmuls`).
+    fn matmul(&self, w: &PackedMatrix, x: &[f32], y: &mut [f32], exact: usize) {
+        self.matmuls(vec![(w, x, y)], exact);
     }
 
     /// Several independent products in one parallel section (one wake-up).
-    fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>) {
+    /// The first `exact` tokens of each input are multiplied one at a time
+    /// by the GEMV a decode step uses (so their results are bit-identical
+    /// to a one-token step's), the rest together by the GEMM. When more
+    /// than one pass reads a thread's rows, the rows go in sub-chunks of
+    /// `EXACT_SUBCHUNK_BYTES`, so every pass after the first finds them in
+    /// cache: the weights are streamed from memory once per call.
+    fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>, exact: usize) {
+        struct Job<'a> {
+            w: &'a PackedMatrix,
+            x: &'a [f32],
+            exact: usize,
+            /// Index into `quantized` of the exact tokens' 8-bit input.
+            q8: Option<usize>,
+            out: SharedOut,
+        }
         let mut work = Vec::with_capacity(jobs.len());
         // An integer GEMV's input is quantized once, here, for every
         // thread's chunk of rows, and once for the jobs that share it (q, k
-        // and v; gate and up). Several tokens go to a GEMM, which widens
+        // and v; gate and up). Bulk tokens go to a GEMM, which widens
         // quantized weights instead (see `MatKernels::gemm`).
         // Keyed by the input's address: the same slice, not equal values.
         let mut quantized: Vec<(usize, Q8Input)> = Vec::new();
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
-            let q8 = (w.format.quant().is_some() && x.len() == w.cols).then(|| {
+            let exact = exact.min(x.len() / w.cols);
+            let q8 = (w.format.quant().is_some() && exact > 0).then(|| {
                 let at = x.as_ptr() as usize;
                 match quantized
                     .iter()
-                    .position(|(p, q)| *p == at && q.k() == w.cols)
+                    .position(|(p, q)| *p == at && q.k() == w.cols && q.tokens() == exact)
                 {
                     Some(i) => i,
                     None => {
-                        quantized.push((at, Q8Input::quantize(x, w.cols)));
+                        quantized.push((at, Q8Input::quantize(&x[..exact * w.cols], w.cols)));
                         quantized.len() - 1
                     }
                 }
             });
-            work.push((w, x, q8, SharedOut::new(y, w.rows)));
+            let out = SharedOut::new(y, w.rows);
+            work.push(Job {
+                w,
+                x,
+                exact,
+                q8,
+                out,
+            });
         }
+        // One pass of the job's kernels over `rows`.
+        let pass = |job: &Job, rows: Range<usize>| {
+            let (w, k) = (job.w, job.w.cols);
+            if job.exact > 0 {
+                // SAFETY (both arms): the caller owns columns `rows` of
+                // every row of the output.
+                match job.q8 {
+                    Some(i) => unsafe {
+                        self.kernels
+                            .gemm_q8(w, &quantized[i].1, rows.clone(), job.out)
+                    },
+                    None => {
+                        for t in 0..job.exact {
+                            let x = &job.x[t * k..(t + 1) * k];
+                            unsafe { self.kernels.gemm(w, x, rows.clone(), job.out.from_row(t)) };
+                        }
+                    }
+                }
+            }
+            if job.x.len() > job.exact * k {
+                let x = &job.x[job.exact * k..];
+                // SAFETY: as above.
+                unsafe { self.kernels.gemm(w, x, rows, job.out.from_row(job.exact)) };
+            }
+        };
         // Rows are handed out from a shared counter rather than split evenly
         // up front, so a thread slowed by anything (another process, a
         // slower memory path) takes less work instead of holding everyone at
@@ -500,11 +558,21 @@ impl FastEngine {
         let threads = self.pool.threads();
         let next: Vec<AtomicUsize> = work.iter().map(|_| AtomicUsize::new(0)).collect();
         self.pool.run(|_| {
-            for ((w, x, q8, out), next) in work.iter().zip(&next) {
+            for (job, next) in work.iter().zip(&next) {
+                let w = job.w;
                 let row_bytes = w.bytes() / w.rows.next_multiple_of(ROW_GRANULE).max(1);
                 let min_rows = (MIN_CHUNK_BYTES / row_bytes.max(1))
                     .max(1)
                     .next_multiple_of(ROW_GRANULE);
+                let bulk = job.x.len() > job.exact * w.cols;
+                let passes = job.exact + usize::from(bulk);
+                let sub_rows = if passes > 1 {
+                    (EXACT_SUBCHUNK_BYTES / row_bytes.max(1))
+                        .max(1)
+                        .next_multiple_of(ROW_GRANULE)
+                } else {
+                    usize::MAX
+                };
                 let mut r0 = next.load(Ordering::Relaxed);
                 while r0 < w.rows {
                     let left = w.rows - r0;
@@ -519,13 +587,13 @@ impl FastEngine {
                         Ordering::Relaxed,
                     ) {
                         Ok(_) => {
-                            let rows = r0..r0 + size;
-                            // SAFETY: each chunk of rows goes to exactly one thread.
-                            match q8 {
-                                Some(i) => unsafe {
-                                    self.kernels.gemm_q8(w, &quantized[*i].1, rows, *out)
-                                },
-                                None => unsafe { self.kernels.gemm(w, x, rows, *out) },
+                            // Each chunk of rows goes to exactly one thread.
+                            let end = r0 + size;
+                            let mut s0 = r0;
+                            while s0 < end {
+                                let s1 = s0.saturating_add(sub_rows).min(end);
+                                pass(job, s0..s1);
+                                s0 = s1;
                             }
                             r0 = next.load(Ordering::Relaxed);
                         }
@@ -536,12 +604,15 @@ impl FastEngine {
         });
     }
 
-    /// Runs one chunk of tokens starting at the cache's current length and
-    /// returns the final-norm output of each of its positions.
-    fn forward_chunk(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Runs one step over the rows of `parts` (their tokens in `tokens`, in
+    /// order, exact parts first) and returns the final-norm output of each
+    /// row. Every part's tokens follow its sequence's cached ones.
+    fn forward_parts(&mut self, parts: &[Part], tokens: &[u32]) -> Result<Vec<f32>> {
         let c = &self.config;
         let n = tokens.len();
-        let start = self.kv.len;
+        let exact: usize = parts.iter().filter(|p| p.exact).map(|p| p.n).sum();
+        debug_assert_eq!(parts.iter().map(|p| p.n).sum::<usize>(), n);
+        debug_assert!(parts.iter().skip_while(|p| p.exact).all(|p| !p.exact));
         let hd = c.head_dim;
         let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
 
@@ -571,9 +642,18 @@ impl FastEngine {
         let mut up = vec![0.0f32; n * c.intermediate];
         let mut act = vec![0.0f32; n * c.intermediate];
 
+        // Each row's position, and the row where each part begins.
+        let positions: Vec<usize> = parts.iter().flat_map(|p| p.start..p.start + p.n).collect();
+        let first_rows: Vec<usize> = parts
+            .iter()
+            .scan(0, |row, p| {
+                *row += p.n;
+                Some(*row - p.n)
+            })
+            .collect();
         // RoPE angles depend only on the position and the layer's (base,
         // scale), of which a model has one or two: one table per distinct
-        // pair, per chunk, and each layer's index into them.
+        // pair, per step, and each layer's index into them.
         type Angles = Vec<(Vec<f32>, Vec<f32>)>;
         let mut rope_tables: Vec<((f32, f32), Angles)> = Vec::new();
         let rope_table_of: Vec<usize> = c
@@ -583,8 +663,9 @@ impl FastEngine {
                 let key = (l.rope_base, l.rope_scale);
                 let existing = rope_tables.iter().position(|(k, _)| *k == key);
                 existing.unwrap_or_else(|| {
-                    let angles = (start..start + n)
-                        .map(|pos| ops::rope_angles(pos, hd, key.0, key.1))
+                    let angles = positions
+                        .iter()
+                        .map(|&pos| ops::rope_angles(pos, hd, key.0, key.1))
                         .collect();
                     rope_tables.push((key, angles));
                     rope_tables.len() - 1
@@ -595,39 +676,58 @@ impl FastEngine {
             let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
             let kern = &*self.kernels;
             kern.rms_norm(&x, &w.attn_norm, &mut normed, c.rms_eps);
-            self.matmuls(vec![
-                (&w.q, &normed, &mut q[..]),
-                (&w.k, &normed, &mut k[..]),
-                (&w.v, &normed, &mut v[..]),
-            ]);
+            self.matmuls(
+                vec![
+                    (&w.q, &normed, &mut q[..]),
+                    (&w.k, &normed, &mut k[..]),
+                    (&w.v, &normed, &mut v[..]),
+                ],
+                exact,
+            );
 
             let angles = &rope_tables[rope_table_of[li]].1;
             self.prepare_queries_keys(li, angles, &mut q, &mut k);
-            for t in 0..n {
-                for head in 0..c.n_kv_heads {
-                    let at = self.kv.at(head, start + t, hd);
-                    let from = t * kv_dim + head * hd;
-                    self.kv.keys[li][at..at + hd].copy_from_slice(&k[from..from + hd]);
-                    self.kv.values[li][at..at + hd].copy_from_slice(&v[from..from + hd]);
+            for (p, &row) in parts.iter().zip(&first_rows) {
+                for t in 0..p.n {
+                    let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
+                    self.seqs[p.seq].store(li, p.start + t, &k[r.clone()], &v[r]);
                 }
             }
-
-            self.attention(li, start, &q, &mut attn, n);
+            for (p, &row) in parts.iter().zip(&first_rows) {
+                let rows = row * q_dim..(row + p.n) * q_dim;
+                let (q, out) = (&q[rows.clone()], &mut attn[rows]);
+                if p.exact {
+                    for (t, (q, out)) in q
+                        .chunks_exact(q_dim)
+                        .zip(out.chunks_exact_mut(q_dim))
+                        .enumerate()
+                    {
+                        self.decode_attention(p.seq, li, p.start + t, q, out);
+                    }
+                } else {
+                    self.attention(p.seq, li, p.start, q, out, p.n);
+                }
+            }
             let w = &self.weights.layers[li];
             let kern = &*self.kernels;
-            self.matmul(&w.o, &attn, &mut proj);
+            self.matmul(&w.o, &attn, &mut proj, exact);
             self.residual_add(&mut x, &mut proj, w.attn_post_norm.as_deref());
 
             kern.rms_norm(&x, &w.ffn_norm, &mut normed, c.rms_eps);
-            self.matmuls(vec![
-                (&w.gate, &normed, &mut gate[..]),
-                (&w.up, &normed, &mut up[..]),
-            ]);
+            self.matmuls(
+                vec![
+                    (&w.gate, &normed, &mut gate[..]),
+                    (&w.up, &normed, &mut up[..]),
+                ],
+                exact,
+            );
             self.geglu(&gate, &up, &mut act, n);
-            self.matmul(&w.down, &act, &mut proj);
+            self.matmul(&w.down, &act, &mut proj, exact);
             self.residual_add(&mut x, &mut proj, w.ffn_post_norm.as_deref());
         }
-        self.kv.len += n;
+        for p in parts {
+            self.seqs[p.seq].len = p.start + p.n;
+        }
         self.kernels
             .rms_norm_in_place(&mut x, &self.weights.final_norm, c.rms_eps);
         Ok(x)
@@ -684,18 +784,17 @@ impl FastEngine {
     /// a short chunk leaves too few units for the threads), so each K and V
     /// row is read once per block rather than once per query head. A single
     /// token (decode) splits its keys instead: see `decode_attention`.
-    fn attention(&self, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
+    fn attention(&self, seq: usize, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
         let c = &self.config;
+        let kv = &self.seqs[seq];
         let hd = c.head_dim;
         let q_dim = c.n_heads * hd;
         let group = c.n_heads / c.n_kv_heads;
         let window = c.layers[li].window;
-        let (keys, values) = (&self.kv.keys[li], &self.kv.values[li]);
+        let (keys, values) = (&kv.keys[li], &kv.values[li]);
         let threads = self.pool.threads();
         if n == 1 {
-            let first_key = window.map_or(0, |w| (start + 1).saturating_sub(w));
-            let parts = threads.min((start + 1 - first_key) / MIN_KEYS_PER_PART);
-            return self.decode_attention(li, start, q, out, parts.max(1));
+            return self.decode_attention(seq, li, start, q, out);
         }
         let blocks = n.div_ceil(ATTENTION_TOKEN_BLOCK);
         let head_parts = if blocks * c.n_kv_heads >= threads {
@@ -744,10 +843,7 @@ impl FastEngine {
                 }
                 let first_query = start + t0;
                 let first_key = window.map_or(0, |w| (first_query + 1).saturating_sub(w));
-                let (lo, hi) = (
-                    self.kv.at(kv_head, first_key, hd),
-                    self.kv.at(kv_head, start + t1, hd),
-                );
+                let (lo, hi) = (kv.at(kv_head, first_key), kv.at(kv_head, start + t1));
                 let block_attention = GroupAttention {
                     queries: &queries,
                     head_dim: hd,
@@ -776,13 +872,17 @@ impl FastEngine {
     /// heads sharing that KV head. Splitting the query heads instead would
     /// have every thread read all of the head's keys and values; here each
     /// is read once. The parts' results are merged by their softmax mass.
-    fn decode_attention(&self, li: usize, pos: usize, q: &[f32], out: &mut [f32], parts: usize) {
+    /// The split depends only on the position and the threads, so a token
+    /// gets the same result whichever step computes it.
+    fn decode_attention(&self, seq: usize, li: usize, pos: usize, q: &[f32], out: &mut [f32]) {
         let c = &self.config;
         let (hd, group) = (c.head_dim, c.n_heads / c.n_kv_heads);
         let window = c.layers[li].window;
-        let (keys, values) = (&self.kv.keys[li], &self.kv.values[li]);
+        let kv = &self.seqs[seq];
+        let (keys, values) = (&kv.keys[li], &kv.values[li]);
         let first_key = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n_keys = pos + 1 - first_key;
+        let parts = self.pool.threads().min(n_keys / MIN_KEYS_PER_PART).max(1);
         let part_keys = |part: usize| first_key + n_keys * part / parts;
         // Unit u = kv_head * parts + part owns row u of both outputs, so a
         // KV head's parts are adjacent.
@@ -804,7 +904,7 @@ impl FastEngine {
                 }
                 let (kv_head, part) = (unit / parts, unit % parts);
                 let (k0, k1) = (part_keys(part), part_keys(part + 1));
-                let (lo, hi) = (self.kv.at(kv_head, k0, hd), self.kv.at(kv_head, k1, hd));
+                let (lo, hi) = (kv.at(kv_head, k0), kv.at(kv_head, k1));
                 let a = GroupAttention {
                     queries: &q[kv_head * group * hd..(kv_head + 1) * group * hd],
                     head_dim: hd,
@@ -866,10 +966,11 @@ impl FastEngine {
         }
     }
 
-    fn logits_of(&self, normed_rows: &[f32]) -> Vec<f32> {
+    /// Logits of each row; the first `exact` as decode computes them.
+    fn logits_of(&self, normed_rows: &[f32], exact: usize) -> Vec<f32> {
         let c = &self.config;
         let mut logits = vec![0.0f32; normed_rows.len() / c.hidden * c.vocab_size];
-        self.matmul(&self.weights.embedding, normed_rows, &mut logits);
+        self.matmul(&self.weights.embedding, normed_rows, &mut logits, exact);
         if let Some(cap) = c.final_softcap {
             for l in &mut logits {
                 *l = ops::softcap(*l, cap);
@@ -879,44 +980,193 @@ impl FastEngine {
     }
 }
 
+impl FastEngine {
+    /// Independent sequences (KV caches) the engine holds.
+    pub fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Holds `count` sequences (at least 1), each with room for the
+    /// engine's context; sequences added start empty, sequences beyond
+    /// `count` are dropped.
+    pub fn set_sequences(&mut self, count: usize) -> Result<()> {
+        let capacity = self.seqs[0].capacity;
+        self.seqs.truncate(count.max(1));
+        while self.seqs.len() < count {
+            self.seqs.push(FlatKv::new(&self.config, capacity)?);
+        }
+        Ok(())
+    }
+
+    /// Tokens sequence `seq` has cached.
+    pub fn sequence_len(&self, seq: usize) -> usize {
+        self.seqs[seq].len
+    }
+
+    /// Forgets sequence `seq`'s cached tokens from `len` on (exact: the
+    /// cache keeps every position).
+    pub fn truncate_sequence(&mut self, seq: usize, len: usize) {
+        let kv = &mut self.seqs[seq];
+        kv.len = kv.len.min(len);
+    }
+
+    /// One forward step over several sequences' tokens: each weight is read
+    /// once for all of them. A sequence's run of at most
+    /// [`EXACT_STEP_MAX_TOKENS`] is computed exactly as one-token steps
+    /// would; longer runs in bulk, by the GEMMs (callers bound them, e.g. to
+    /// a prefill chunk). Returns each entry's logits (empty where none were
+    /// wanted), in the order of `batch`.
+    pub fn forward_batch(&mut self, batch: &[SeqTokens]) -> Result<Vec<Vec<f32>>> {
+        for (i, entry) in batch.iter().enumerate() {
+            if entry.seq >= self.seqs.len() {
+                bail!(
+                    "sequence {} does not exist (the engine holds {})",
+                    entry.seq,
+                    self.seqs.len()
+                );
+            }
+            if batch[..i].iter().any(|e| e.seq == entry.seq) {
+                bail!("sequence {} appears twice in one step", entry.seq);
+            }
+            let kv = &self.seqs[entry.seq];
+            if kv.len + entry.tokens.len() > kv.capacity {
+                bail!(
+                    "context full: {} cached + {} new tokens exceed the context size {} (raise -c)",
+                    kv.len,
+                    entry.tokens.len(),
+                    kv.capacity
+                );
+            }
+        }
+        let is_exact = |e: &SeqTokens| e.tokens.len() <= EXACT_STEP_MAX_TOKENS;
+        // Exact runs first: the products take them as the leading rows.
+        let order: Vec<usize> = (0..batch.len())
+            .filter(|&i| is_exact(&batch[i]))
+            .chain((0..batch.len()).filter(|&i| !is_exact(&batch[i])))
+            .filter(|&i| !batch[i].tokens.is_empty())
+            .collect();
+        let mut tokens = Vec::new();
+        let mut parts = Vec::with_capacity(order.len());
+        for &i in &order {
+            let e = &batch[i];
+            tokens.extend_from_slice(e.tokens);
+            parts.push(Part {
+                seq: e.seq,
+                start: self.seqs[e.seq].len,
+                n: e.tokens.len(),
+                exact: is_exact(e),
+            });
+        }
+        if tokens.is_empty() {
+            return Ok(vec![Vec::new(); batch.len()]);
+        }
+        let normed = self.forward_parts(&parts, &tokens)?;
+
+        // The rows whose logits are wanted: every exact one and the last
+        // row of a bulk run first (computed exactly), then the bulk runs'
+        // other rows. `wanted_rows[i]` lists entry i's rows in `picked`.
+        let hidden = self.config.hidden;
+        let mut first_row = vec![0; batch.len()];
+        let mut row = 0;
+        for &i in &order {
+            first_row[i] = row;
+            row += batch[i].tokens.len();
+        }
+        let mut picked: Vec<usize> = Vec::new();
+        let mut wanted_rows: Vec<Vec<usize>> = vec![Vec::new(); batch.len()];
+        for bulk_rows in [false, true] {
+            for &i in &order {
+                let (e, r0) = (&batch[i], first_row[i]);
+                let n = e.tokens.len();
+                let rows = match (e.wanted, bulk_rows, is_exact(e)) {
+                    (None, ..) => 0..0,
+                    (Some(LogitsWanted::Last), false, _) => n - 1..n,
+                    (Some(LogitsWanted::All), false, true) => 0..n,
+                    (Some(LogitsWanted::All), false, false) => n - 1..n,
+                    (Some(LogitsWanted::All), true, false) => 0..n - 1,
+                    (_, true, _) => 0..0,
+                };
+                for r in rows {
+                    wanted_rows[i].push(picked.len());
+                    picked.push(r0 + r);
+                }
+            }
+        }
+        let exact_rows = picked.len()
+            - batch
+                .iter()
+                .filter(|e| e.wanted == Some(LogitsWanted::All) && !is_exact(e))
+                .map(|e| e.tokens.len() - 1)
+                .sum::<usize>();
+        let mut rows = Vec::with_capacity(picked.len() * hidden);
+        for &r in &picked {
+            rows.extend_from_slice(&normed[r * hidden..(r + 1) * hidden]);
+        }
+        let vocab = self.config.vocab_size;
+        let logits = self.logits_of(&rows, exact_rows);
+        Ok(wanted_rows
+            .iter()
+            .map(|rows| {
+                // A bulk run's last row comes before its other rows.
+                let mut rows = rows.clone();
+                rows.sort_by_key(|&p| picked[p]);
+                rows.iter()
+                    .flat_map(|&p| &logits[p * vocab..(p + 1) * vocab])
+                    .copied()
+                    .collect()
+            })
+            .collect())
+    }
+}
+
 impl Engine for FastEngine {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
 
     fn position(&self) -> usize {
-        self.kv.len
+        self.seqs[0].len
     }
 
     fn capacity(&self) -> usize {
-        self.kv.capacity
+        self.seqs[0].capacity
     }
 
     fn truncate(&mut self, len: usize) {
-        self.kv.len = self.kv.len.min(len);
+        self.truncate_sequence(0, len);
     }
 
     fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
-        if self.kv.len + tokens.len() > self.kv.capacity {
+        let kv = &self.seqs[0];
+        if kv.len + tokens.len() > kv.capacity {
             bail!(
                 "context full: {} cached + {} new tokens exceed the context size {} (raise -c)",
-                self.kv.len,
+                kv.len,
                 tokens.len(),
-                self.kv.capacity
+                kv.capacity
             );
         }
-        let hidden = self.config.hidden;
+        // A short run is one exact step; a prompt goes in prefill chunks.
+        let chunk = if tokens.len() <= EXACT_STEP_MAX_TOKENS {
+            tokens.len().max(1)
+        } else {
+            self.prefill_chunk
+        };
+        let chunks: Vec<&[u32]> = tokens.chunks(chunk).collect();
         let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
         for (i, chunk) in chunks.iter().enumerate() {
-            let normed = self.forward_chunk(chunk)?;
-            match wanted {
-                LogitsWanted::All => logits.extend(self.logits_of(&normed)),
-                LogitsWanted::Last if i + 1 == chunks.len() => {
-                    logits = self.logits_of(&normed[normed.len() - hidden..]);
-                }
-                LogitsWanted::Last => {}
-            }
+            let last = i + 1 == chunks.len();
+            let wanted = match wanted {
+                LogitsWanted::All => Some(LogitsWanted::All),
+                LogitsWanted::Last => last.then_some(LogitsWanted::Last),
+            };
+            let step = [SeqTokens {
+                seq: 0,
+                tokens: chunk,
+                wanted,
+            }];
+            let mut out = self.forward_batch(&step)?;
+            logits.extend(out.pop().unwrap_or_default());
         }
         Ok(logits)
     }

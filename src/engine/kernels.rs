@@ -31,6 +31,17 @@ impl SharedOut {
         }
     }
 
+    /// The rows from `t` on, as an output of their own.
+    pub fn from_row(&self, t: usize) -> SharedOut {
+        let skip = (t * self.stride).min(self.len);
+        SharedOut {
+            // The offset stays within (or one past) the output.
+            ptr: self.ptr.wrapping_add(skip),
+            len: self.len - skip,
+            stride: self.stride,
+        }
+    }
+
     /// Rows (tokens) the output holds.
     pub fn rows(&self) -> usize {
         self.len / self.stride.max(1)

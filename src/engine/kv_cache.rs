@@ -65,3 +65,53 @@ impl KvCache {
         &self.values[layer][at..at + self.head_dim]
     }
 }
+
+/// The fast engine's keys and values, preallocated for the whole context:
+/// f32 `[layer][kv_head][position][head_dim]`, so that one KV head's
+/// positions are a dense run of rows (the attention kernels read them as a
+/// matrix). Like [`KvCache`] it keeps every position, so forgetting the
+/// last ones (`truncate`) is exact, sliding-window layers included.
+pub struct FlatKv {
+    pub keys: Vec<Vec<f32>>,
+    pub values: Vec<Vec<f32>>,
+    pub capacity: usize,
+    pub len: usize,
+    head_dim: usize,
+    n_kv_heads: usize,
+}
+
+impl FlatKv {
+    /// Room for `capacity` positions; errors when that cannot be addressed.
+    pub fn new(c: &ModelConfig, capacity: usize) -> anyhow::Result<FlatKv> {
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        let per_layer = capacity
+            .checked_mul(kv_dim)
+            .filter(|&n| n <= 1 << 34)
+            .ok_or_else(|| anyhow::anyhow!("context {capacity} is too large for memory"))?;
+        Ok(FlatKv {
+            keys: (0..c.n_layers()).map(|_| vec![0.0; per_layer]).collect(),
+            values: (0..c.n_layers()).map(|_| vec![0.0; per_layer]).collect(),
+            capacity,
+            len: 0,
+            head_dim: c.head_dim,
+            n_kv_heads: c.n_kv_heads,
+        })
+    }
+
+    /// Element offset of (kv head, position) inside one layer.
+    pub fn at(&self, head: usize, pos: usize) -> usize {
+        (head * self.capacity + pos) * self.head_dim
+    }
+
+    /// Stores one position's K and V rows (`[kv_head][head_dim]` each) of
+    /// layer `layer`.
+    pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        for head in 0..self.n_kv_heads {
+            let at = self.at(head, pos);
+            let from = head * hd;
+            self.keys[layer][at..at + hd].copy_from_slice(&k[from..from + hd]);
+            self.values[layer][at..at + hd].copy_from_slice(&v[from..from + hd]);
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Steps over several tokens and several sequences on the default model:
+//! a short run is computed exactly as one-token steps would be (bit for
+//! bit), and a sequence's results do not depend on the others sharing its
+//! step. Speculative decoding's greedy output and a server's determinism
+//! rest on both.
+
+use pulsar::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, FastOptions, SeqTokens};
+use pulsar::engine::jit_kernels::JitKernels;
+use pulsar::engine::{Engine, LogitsWanted};
+use pulsar::model::source::ModelSource;
+use std::sync::Arc;
+
+fn engine(native: bool, sequences: usize) -> FastEngine {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = Arc::new(ModelSource::open(&path).expect("default model opens"));
+    let opts = FastOptions {
+        threads: 2,
+        context: 256,
+        format: None,
+        prefill_chunk: 126,
+        in_place: false,
+        native,
+    };
+    let formats = FastEngine::weight_formats(&src, &opts).unwrap();
+    let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
+    let mut engine = FastEngine::load(&src, kernels, &opts).unwrap();
+    engine.set_sequences(sequences).unwrap();
+    engine
+}
+
+/// Token ids from a fixed pseudo-random walk over the first 20,000 ids
+/// (ordinary text pieces), starting with BOS.
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    std::iter::once(2)
+        .chain((1..n).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            300 + state % 20_000
+        }))
+        .collect()
+}
+
+fn step(engine: &mut FastEngine, seq: usize, tokens: &[u32], wanted: LogitsWanted) -> Vec<f32> {
+    let batch = [SeqTokens {
+        seq,
+        tokens,
+        wanted: Some(wanted),
+    }];
+    engine.forward_batch(&batch).unwrap().remove(0)
+}
+
+/// Where two logit vectors first differ in their bits, if anywhere.
+fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .enumerate()
+        .find(|(_, (x, y))| x.to_bits() != y.to_bits())
+        .map(|(i, (x, y))| (i, *x, *y))
+}
+
+/// Sequences 0 and 1 hold the same prompt; 0 takes m tokens in one step,
+/// 1 one at a time: every position's logits are the same bits.
+fn short_steps_are_exact(native: bool) {
+    let mut e = engine(native, 2);
+    let vocab = e.config().vocab_size;
+    let prompt = tokens(40, 1);
+    for seq in 0..2 {
+        step(&mut e, seq, &prompt, LogitsWanted::Last);
+    }
+    for m in [2, 5, EXACT_STEP_MAX_TOKENS] {
+        let run = tokens(m + 1, 100 + m as u32)[1..].to_vec();
+        let together = step(&mut e, 0, &run, LogitsWanted::All);
+        for (t, &token) in run.iter().enumerate() {
+            let alone = step(&mut e, 1, &[token], LogitsWanted::Last);
+            let row = &together[t * vocab..(t + 1) * vocab];
+            if let Some((i, x, y)) = first_difference(row, &alone) {
+                panic!("m = {m}, token {t}: logit {i} is {x} in the step and {y} alone");
+            }
+        }
+    }
+    assert_eq!(e.sequence_len(0), e.sequence_len(1));
+}
+
+#[test]
+fn a_short_step_equals_one_token_steps_bit_for_bit_native() {
+    short_steps_are_exact(true);
+}
+
+#[test]
+fn a_short_step_equals_one_token_steps_bit_for_bit_f16() {
+    short_steps_are_exact(false);
+}
+
+/// Three sequences in one step (a decode token, a short exact run and a
+/// prompt chunk in bulk) give each the bits it gets alone.
+#[test]
+fn sequences_sharing_a_step_get_what_they_get_alone() {
+    let mut e = engine(true, 6);
+    let prompts = [tokens(30, 7), tokens(20, 8), tokens(3, 9)];
+    for (seq, p) in prompts.iter().enumerate() {
+        for s in [seq, seq + 3] {
+            step(&mut e, s, p, LogitsWanted::Last);
+        }
+    }
+    let (one, short, bulk) = (
+        tokens(2, 10)[1..].to_vec(),
+        tokens(7, 11)[1..].to_vec(),
+        tokens(60, 12),
+    );
+    let batch = [
+        SeqTokens {
+            seq: 2,
+            tokens: &bulk,
+            wanted: Some(LogitsWanted::All),
+        },
+        SeqTokens {
+            seq: 0,
+            tokens: &one,
+            wanted: Some(LogitsWanted::Last),
+        },
+        SeqTokens {
+            seq: 1,
+            tokens: &short,
+            wanted: Some(LogitsWanted::All),
+        },
+    ];
+    let together = e.forward_batch(&batch).unwrap();
+    let alone = [
+        step(&mut e, 5, &bulk, LogitsWanted::All),
+        step(&mut e, 3, &one, LogitsWanted::Last),
+        step(&mut e, 4, &short, LogitsWanted::All),
+    ];
+    for ((entry, t), a) in batch.iter().zip(&together).zip(&alone) {
+        if let Some((i, x, y)) = first_difference(t, a) {
+            panic!(
+                "sequence {}: logit {i} is {x} in the shared step and {y} alone",
+                entry.seq
+            );
+        }
+    }
+    for seq in 0..3 {
+        assert_eq!(e.sequence_len(seq), e.sequence_len(seq + 3));
+    }
+}
+
+/// A step whose only entry wants no logits returns none and still
+/// advances its sequence; a sequence named twice is refused.
+#[test]
+fn steps_without_logits_and_bad_batches() {
+    let mut e = engine(true, 2);
+    let prompt = tokens(10, 3);
+    let out = e
+        .forward_batch(&[SeqTokens {
+            seq: 1,
+            tokens: &prompt,
+            wanted: None,
+        }])
+        .unwrap();
+    assert!(out[0].is_empty());
+    assert_eq!((e.sequence_len(0), e.sequence_len(1)), (0, 10));
+    let twice = [
+        SeqTokens {
+            seq: 0,
+            tokens: &prompt,
+            wanted: None,
+        },
+        SeqTokens {
+            seq: 0,
+            tokens: &prompt,
+            wanted: None,
+        },
+    ];
+    let err = e.forward_batch(&twice).unwrap_err().to_string();
+    assert!(err.contains("twice"), "{err}");
+    let err = e
+        .forward_batch(&[SeqTokens {
+            seq: 2,
+            tokens: &prompt,
+            wanted: None,
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+}
