@@ -234,13 +234,7 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
 fn print_plan(out: &mut String, caps: &CpuCaps, dims: &ModelDims, plan: &Plan) -> Result<()> {
     writeln!(out, "cpu: {caps}")?;
     writeln!(out, "model: {dims:?}")?;
-    writeln!(
-        out,
-        "isa: {}  threads: {}  k_chunk: {}",
-        plan.isa.name(),
-        plan.threads,
-        plan.k_chunk
-    )?;
+    writeln!(out, "isa: {}  threads: {}", plan.isa.name(), plan.threads)?;
     for (k, b) in plan.kernels.iter().zip(&plan.kernel_bytes) {
         writeln!(
             out,
@@ -259,9 +253,13 @@ fn print_plan(out: &mut String, caps: &CpuCaps, dims: &ModelDims, plan: &Plan) -
     for m in &plan.matrices {
         writeln!(
             out,
-            "  {:<16} {:>6} x {:<6} {}  threads {:?}",
-            m.tensor, m.rows, m.k, m.gemv, m.thread_rows
+            "  {:<16} {:>6} x {:<6} {}",
+            m.tensor, m.rows, m.k, m.gemv
         )?;
+    }
+    writeln!(out, "blocking (the engine obeys these):")?;
+    for r in &plan.blocking_reasons {
+        writeln!(out, "  {:<22} {:>7}  {}", r.name, r.value, r.why)?;
     }
     for n in &plan.notes {
         writeln!(out, "note: {n}")?;

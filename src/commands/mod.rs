@@ -13,7 +13,7 @@ pub mod tune_measure;
 use crate::constrain::lookahead::ConstraintReport;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
-use crate::engine::fast::{DEFAULT_PREFILL_CHUNK, FastEngine, FastOptions, WeightFormats};
+use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
@@ -112,7 +112,7 @@ impl Dtype {
             threads,
             context,
             format: self.format(),
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: 0,
             in_place,
             native: self == Dtype::Native,
         }

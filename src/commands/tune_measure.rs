@@ -215,7 +215,7 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         let w: Vec<u16> = (0..row_blocks::padded_len(rows, g.k))
             .map(|i| half::f16::from_f32((i % 5) as f32 * 0.01).to_bits())
             .collect();
-        for tokens in [48usize, crate::engine::fast::DEFAULT_PREFILL_CHUNK] {
+        for tokens in [48usize, crate::jit::blocking::PREFILL_CHUNK] {
             let x = vec![0.25f32; tokens * g.k];
             for threads in [1usize, 2] {
                 let mut outs: Vec<Vec<f32>> =

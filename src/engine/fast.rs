@@ -12,6 +12,7 @@ use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::q8_input::Q8Input;
 use super::{Engine, LogitsWanted};
+use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
@@ -23,17 +24,6 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Default tokens per prefill chunk: large enough to reuse each weight row
-/// across many tokens, small enough that the chunk's activations stay in
-/// cache, and a multiple of the GEMM's 3-token tile (no tail tile). 126
-/// measured 418-518 tok/s against 64's 418-424 on pp512 (2 threads; this
-/// host's noise is large).
-pub const DEFAULT_PREFILL_CHUNK: usize = 126;
-/// Rows per unit of work handed to a thread (the kernels' row block).
-const ROW_GRANULE: usize = 4;
-/// Smallest chunk of weight bytes handed out (see `matmuls`).
-const MIN_CHUNK_BYTES: usize = 64 << 10;
-
 pub struct FastEngine {
     config: ModelConfig,
     weights: ModelWeights<PackedMatrix>,
@@ -42,7 +32,9 @@ pub struct FastEngine {
     /// One KV cache per sequence; sequence 0 is the one the [`Engine`]
     /// trait feeds.
     seqs: Vec<FlatKv>,
-    prefill_chunk: usize,
+    /// The plan's blocking (see `jit::blocking`), which every split below
+    /// obeys.
+    blocking: Blocking,
 }
 
 /// A step over at most this many tokens of one sequence computes every
@@ -54,11 +46,6 @@ pub struct FastEngine {
 /// Longer runs of tokens (prompts) go through the GEMMs, whose summation
 /// order differs.
 pub const EXACT_STEP_MAX_TOKENS: usize = 16;
-
-/// Weight bytes per row sub-chunk when several exact tokens (or exact
-/// tokens and a GEMM) read the same rows: the first pass brings the rows
-/// into L1/L2, the others find them there.
-const EXACT_SUBCHUNK_BYTES: usize = 32 << 10;
 
 /// One sequence's tokens in a batched step ([`FastEngine::forward_batch`]).
 #[derive(Clone, Copy, Debug)]
@@ -81,15 +68,6 @@ struct Part {
     n: usize,
     exact: bool,
 }
-
-/// Tokens per unit of prefill attention work: the block's queries (times
-/// the heads sharing a KV head) share every K and V row they read, and the
-/// causal triangle computed and then masked inside a block stays small.
-const ATTENTION_TOKEN_BLOCK: usize = 16;
-
-/// Fewest keys per part when one decode token's keys are split between
-/// threads (see `decode_attention`); fewer keys stay in one part.
-const MIN_KEYS_PER_PART: usize = 4;
 
 /// The packed format of each of an engine's matrices, decided once per
 /// model.
@@ -244,7 +222,7 @@ pub struct FastOptions {
     /// Packed weight format; `None` keeps BF16 checkpoints in BF16 and
     /// stores everything else as FP16.
     pub format: Option<WeightFormat>,
-    /// Tokens per prefill GEMM.
+    /// Tokens per prefill step; 0 takes the plan's (`Blocking`).
     pub prefill_chunk: usize,
     /// Keep matrices in the file's own quantized type where a kernel
     /// family reads it (Q8_0, Q5_0) instead of widening them to `format`:
@@ -393,13 +371,20 @@ impl FastEngine {
             }
         }
         let kv = FlatKv::new(&config, opts.context)?;
+        let blocking = kernels.blocking();
         Ok(FastEngine {
             config,
             weights,
             kernels,
             pool: ThreadPool::new(opts.threads),
             seqs: vec![kv],
-            prefill_chunk: opts.prefill_chunk.max(1),
+            blocking: Blocking {
+                prefill_chunk: match opts.prefill_chunk {
+                    0 => blocking.prefill_chunk,
+                    n => n,
+                },
+                ..blocking
+            },
         })
     }
 
@@ -454,6 +439,22 @@ impl FastEngine {
         &self.pool
     }
 
+    /// The blocking every split obeys.
+    pub fn blocking(&self) -> &Blocking {
+        &self.blocking
+    }
+
+    /// Replaces the blocking (tests vary it; tuning applies what it
+    /// measured). Results do not depend on it beyond summation order, and
+    /// exact steps not at all.
+    pub fn set_blocking(&mut self, blocking: Blocking) {
+        assert!(
+            blocking.row_granule.is_multiple_of(ROW_GRANULE) && blocking.prefill_chunk > 0,
+            "blocking {blocking:?}: rows in whole kernel blocks, at least one token per step"
+        );
+        self.blocking = blocking;
+    }
+
     /// Weight bytes one decode step streams: every layer matrix and the LM
     /// head (the embedding lookup touches one row).
     pub fn bytes_per_token(&self) -> usize {
@@ -477,7 +478,7 @@ impl FastEngine {
     /// by the GEMV a decode step uses (so their results are bit-identical
     /// to a one-token step's), the rest together by the GEMM. When more
     /// than one pass reads a thread's rows, the rows go in sub-chunks of
-    /// `EXACT_SUBCHUNK_BYTES`, so every pass after the first finds them in
+    /// `Blocking::shared_rows_bytes`, so every pass after the first finds them in
     /// cache: the weights are streamed from memory once per call.
     fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>, exact: usize) {
         struct Job<'a> {
@@ -550,26 +551,23 @@ impl FastEngine {
         // up front, so a thread slowed by anything (another process, a
         // slower memory path) takes less work instead of holding everyone at
         // the section's end. Chunk sizes are guided: each take is a
-        // 1/(2*threads) share of the rows left, down to MIN_CHUNK_BYTES. Every
+        // 1/(2*threads) share of the rows left, down to `min_chunk_bytes`. Every
         // chunk starts a new memory stream that the prefetchers must ramp up
         // on; at decode, fixed 256 KiB chunks left the LM head 10% and the
         // layers 8% slower than a few large chunks (same process, alternate
         // tokens), and the shrinking tail keeps the end of a section short.
         let threads = self.pool.threads();
+        let b = &self.blocking;
         let next: Vec<AtomicUsize> = work.iter().map(|_| AtomicUsize::new(0)).collect();
         self.pool.run(|_| {
             for (job, next) in work.iter().zip(&next) {
                 let w = job.w;
-                let row_bytes = w.bytes() / w.rows.next_multiple_of(ROW_GRANULE).max(1);
-                let min_rows = (MIN_CHUNK_BYTES / row_bytes.max(1))
-                    .max(1)
-                    .next_multiple_of(ROW_GRANULE);
+                let row_bytes = w.bytes() / w.rows.next_multiple_of(b.row_granule).max(1);
+                let min_rows = b.rows_within(b.min_chunk_bytes, row_bytes);
                 let bulk = job.x.len() > job.exact * w.cols;
                 let passes = job.exact + usize::from(bulk);
                 let sub_rows = if passes > 1 {
-                    (EXACT_SUBCHUNK_BYTES / row_bytes.max(1))
-                        .max(1)
-                        .next_multiple_of(ROW_GRANULE)
+                    b.rows_within(b.shared_rows_bytes, row_bytes)
                 } else {
                     usize::MAX
                 };
@@ -577,7 +575,7 @@ impl FastEngine {
                 while r0 < w.rows {
                     let left = w.rows - r0;
                     let size = (left / (2 * threads))
-                        .next_multiple_of(ROW_GRANULE)
+                        .next_multiple_of(b.row_granule)
                         .max(min_rows)
                         .min(left);
                     match next.compare_exchange_weak(
@@ -796,7 +794,8 @@ impl FastEngine {
         if n == 1 {
             return self.decode_attention(seq, li, start, q, out);
         }
-        let blocks = n.div_ceil(ATTENTION_TOKEN_BLOCK);
+        let token_block = self.blocking.attention_token_block;
+        let blocks = n.div_ceil(token_block);
         let head_parts = if blocks * c.n_kv_heads >= threads {
             1
         } else {
@@ -809,8 +808,8 @@ impl FastEngine {
         let kern = &*self.kernels;
         self.pool.run(|_| {
             // Sized for the largest unit up front: growing them would copy.
-            let rows = ATTENTION_TOKEN_BLOCK * heads_per_part;
-            let max_keys = window.map_or(start + n, |w| (w + ATTENTION_TOKEN_BLOCK).min(start + n));
+            let rows = token_block * heads_per_part;
+            let max_keys = window.map_or(start + n, |w| (w + token_block).min(start + n));
             let mut queries = Vec::with_capacity(rows * hd);
             let mut result = Vec::with_capacity(rows * hd);
             let mut scratch = Vec::with_capacity(rows * max_keys);
@@ -823,10 +822,7 @@ impl FastEngine {
                 let unit = units - 1 - taken;
                 let (kv_head, rest) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
                 let (block, part) = (rest / head_parts, rest % head_parts);
-                let (t0, t1) = (
-                    block * ATTENTION_TOKEN_BLOCK,
-                    ((block + 1) * ATTENTION_TOKEN_BLOCK).min(n),
-                );
+                let (t0, t1) = (block * token_block, ((block + 1) * token_block).min(n));
                 let (h0, h1) = (
                     part * heads_per_part,
                     ((part + 1) * heads_per_part).min(group),
@@ -882,7 +878,11 @@ impl FastEngine {
         let (keys, values) = (&kv.keys[li], &kv.values[li]);
         let first_key = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n_keys = pos + 1 - first_key;
-        let parts = self.pool.threads().min(n_keys / MIN_KEYS_PER_PART).max(1);
+        let parts = self
+            .pool
+            .threads()
+            .min(n_keys / self.blocking.min_keys_per_part)
+            .max(1);
         let part_keys = |part: usize| first_key + n_keys * part / parts;
         // Unit u = kv_head * parts + part owns row u of both outputs, so a
         // KV head's parts are adjacent.
@@ -1150,7 +1150,7 @@ impl Engine for FastEngine {
         let chunk = if tokens.len() <= EXACT_STEP_MAX_TOKENS {
             tokens.len().max(1)
         } else {
-            self.prefill_chunk
+            self.blocking.prefill_chunk
         };
         let chunks: Vec<&[u32]> = tokens.chunks(chunk).collect();
         let mut logits = Vec::new();

@@ -8,6 +8,7 @@ use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
 use super::widen::widen_rows;
 use crate::jit::backend::{Backend, select_backend};
+use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
@@ -45,6 +46,7 @@ pub struct JitKernels {
     isa: Isa,
     /// The feed-forward width the GeGLU kernel was generated for.
     ffn_width: usize,
+    blocking: Blocking,
 }
 
 impl JitKernels {
@@ -64,6 +66,7 @@ impl JitKernels {
                 set: kernels,
                 isa: plan.kernels.first().map_or(Isa::Avx2, |k| k.isa),
                 ffn_width: config.intermediate,
+                blocking: plan.blocking.clone(),
             })),
             Backend::Reference { reason } => {
                 eprintln!("pulsar: {reason}");
@@ -86,10 +89,6 @@ impl JitKernels {
     }
 }
 
-/// Rows of quantized weights widened per GEMM call: 64 rows of K = 640 in
-/// FP16 are 80 KiB, which stay in L2 while every token tile reads them.
-const WIDENED_PANEL_ROWS: usize = 64;
-
 thread_local! {
     /// Each pool thread's panel of widened weights, reused across calls.
     static WIDENED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -109,11 +108,16 @@ impl JitKernels {
             .expect("every matrix's kernels are checked at load (`covers`)");
         let tokens = x.len() / w.cols;
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
+        // Rows whose FP16 copy fits the plan's panel (in L2 while every
+        // token tile reads it).
+        let panel_rows = self
+            .blocking
+            .rows_within(self.blocking.widened_panel_bytes, 2 * w.cols);
         WIDENED.with_borrow_mut(|panel| {
-            panel.resize(row_blocks::padded_len(WIDENED_PANEL_ROWS, w.cols), 0);
+            panel.resize(row_blocks::padded_len(panel_rows, w.cols), 0);
             let mut r0 = rows.start;
             while r0 < rows.end {
-                let n = (rows.end - r0).min(WIDENED_PANEL_ROWS);
+                let n = (rows.end - r0).min(panel_rows);
                 if !n.is_multiple_of(row_blocks::BLOCK_ROWS) {
                     // The last block's padding rows must read as zeros.
                     panel.fill(0);
@@ -211,6 +215,10 @@ impl MatKernels for JitKernels {
 
     fn name(&self) -> String {
         format!("jit {}", self.isa.name())
+    }
+
+    fn blocking(&self) -> Blocking {
+        self.blocking.clone()
     }
 
     fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {

@@ -5,6 +5,7 @@
 use super::ops::{self, dot};
 use super::packed::PackedMatrix;
 use super::q8_input::{Q8Input, dot_i8};
+use crate::jit::blocking::Blocking;
 use crate::model::quant_blocks;
 use std::ops::Range;
 
@@ -193,6 +194,11 @@ pub trait MatKernels: Sync {
 
     /// A short name for reports ("jit avx2", "portable").
     fn name(&self) -> String;
+
+    /// The blocking the driver obeys: the plan's for the JIT.
+    fn blocking(&self) -> Blocking {
+        Blocking::default()
+    }
 
     /// RMSNorm of every `w.len()`-long row of `x` into `out`.
     fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {

@@ -22,6 +22,7 @@
 //! Row-range arguments let a thread pool split rows ([`plan::split_rows`]).
 
 pub mod backend;
+pub mod blocking;
 pub mod cpu;
 pub mod dims;
 pub mod emit;

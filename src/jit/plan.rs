@@ -3,6 +3,7 @@
 //! split. Emission is deterministic, so the planner measures candidate sizes
 //! by emitting them and trades unrolling against the byte budget.
 
+use super::blocking::{Blocking, Reason};
 use super::cpu::{CpuCaps, Isa};
 use super::dims::ModelDims;
 use super::emit::gemm::{self, GemmParams};
@@ -157,7 +158,6 @@ pub struct MatrixUse {
     pub k: usize,
     pub gemv: String,
     pub gemm: String,
-    pub thread_rows: Vec<Range<usize>>,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -172,8 +172,9 @@ pub struct Plan {
     pub matrices: Vec<MatrixUse>,
     /// Sizes measured by emission, parallel to `kernels`.
     pub kernel_bytes: Vec<usize>,
-    /// Activation elements per K-chunk that keep a token's x slice in half of L1.
-    pub k_chunk: usize,
+    /// Every blocking decision the engine obeys, and why.
+    pub blocking: Blocking,
+    pub blocking_reasons: Vec<Reason>,
     /// Human-readable record of the choices made.
     pub notes: Vec<String>,
     /// Ops of the hot path that stay in Rust.
@@ -364,10 +365,26 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         k,
                     })
                     .name(),
-                    thread_rows: split_rows(rows, threads, gemv::ROWS),
                 })
                 .collect();
-            let kc = ks.iter().map(|&k| k_chunk(caps, k)).min().unwrap_or(LANES);
+            // The smallest layer matrix in its stored format sizes the
+            // threads' smallest chunks.
+            let smallest = mats
+                .iter()
+                .filter(|m| m.0 != "output(lm_head)")
+                .map(|&(tensor, rows, k)| {
+                    match opts
+                        .quantized
+                        .iter()
+                        .find(|m| m.tensor == tensor && m.k == k)
+                    {
+                        Some(m) => m.q.matrix_bytes(rows, k),
+                        None => rows * k * 2,
+                    }
+                })
+                .min()
+                .unwrap_or(0);
+            let (blocking, blocking_reasons) = Blocking::analytic(caps, dims, threads, smallest);
             for &k in &ks {
                 if k_chunk(caps, k) < k {
                     notes.push(format!(
@@ -398,7 +415,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 kernel_bytes: sizes,
                 kernels,
                 matrices,
-                k_chunk: kc,
+                blocking,
+                blocking_reasons,
                 notes,
                 not_jitted,
             });
@@ -588,7 +606,6 @@ mod tests {
         // Every matrix names a kernel that exists in the plan.
         for m in &p.matrices {
             assert!(p.kernels.iter().any(|k| k.name == m.gemv), "{}", m.gemv);
-            assert_eq!(m.thread_rows.last().map(|r| r.end), Some(m.rows));
         }
     }
 
