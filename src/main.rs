@@ -23,6 +23,10 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// Run the analytic plan: no launch-time measurement, no stored tuning
+    /// used.
+    #[arg(long, global = true)]
+    no_tune: bool,
     /// `pulsar` alone chats; these are the chat's flags.
     #[command(flatten)]
     chat: ChatCli,
@@ -539,6 +543,9 @@ fn run(command: Command) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.no_tune {
+        commands::disable_launch_tuning();
+    }
     let result = match cli.command {
         Some(command) => run(command),
         None => cli.chat.run(),

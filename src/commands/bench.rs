@@ -42,6 +42,8 @@ pub struct BenchReport {
     pub decode_gbs: f64,
     pub decode_bw_fraction: f64,
     pub wake_latency_ns: f64,
+    /// What the launch tuning did (empty on random weights).
+    pub tuning: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub m_curve: Vec<StepCost>,
 }
@@ -106,6 +108,7 @@ pub fn run(
         decode_gbs,
         decode_bw_fraction: decode_gbs / read_bw,
         wake_latency_ns: wake.as_secs_f64() * 1e9,
+        tuning: super::tuning_note().trim_start_matches(", ").to_string(),
         m_curve,
     })
 }
@@ -165,6 +168,9 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
         "weights          {} ({} kernels, {} threads)",
         r.weights_dtype, r.kernels, r.threads
     );
+    if !r.tuning.is_empty() {
+        println!("launch           {}", r.tuning);
+    }
     println!("bytes per token  {:.1} MB", r.bytes_per_token as f64 / 1e6);
     println!(
         "read bandwidth   {:.1} GB/s over {:.1} MB (same run)",

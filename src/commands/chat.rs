@@ -180,11 +180,12 @@ impl<'a> Session<'a> {
             );
         }
         eprintln!(
-            "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {})",
+            "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {}{})",
             args.common.model.display(),
             start.elapsed().as_secs_f64(),
             args.common.engine.name(),
-            args.common.seed
+            args.common.seed,
+            super::tuning_note()
         );
         let mut conv = Conversation::new(encoder.prefix(&tok), limit);
         if conv.len() + 1 > limit {

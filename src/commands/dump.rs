@@ -2,6 +2,7 @@
 //! for a model, with the plan options the engine itself would use.
 
 use super::tune_measure;
+use crate::engine::autotune;
 use crate::engine::fast::{FastEngine, WeightFormats};
 use crate::engine::jit_kernels::plan_options;
 use crate::engine::packed::WeightFormat;
@@ -50,6 +51,17 @@ pub struct TuneArgs {
 /// model file gets its weight formats from `FastEngine::weight_formats`; a
 /// bare config.json has no weights, so FP16 is assumed.
 fn plan_inputs(args: &DumpArgs) -> Result<(ModelDims, PlanOptions, PathBuf)> {
+    let (dims, opts, path, _) = plan_inputs_with_model(args)?;
+    Ok((dims, opts, path))
+}
+
+/// A model file's opened source and weight formats, beside what the plan
+/// needs (`None` for a bare config.json).
+type ModelFormats = Option<(ModelSource, WeightFormats)>;
+
+fn plan_inputs_with_model(
+    args: &DumpArgs,
+) -> Result<(ModelDims, PlanOptions, PathBuf, ModelFormats)> {
     let path = model_path(&args.model)?;
     let is_json = path
         .extension()
@@ -59,15 +71,15 @@ fn plan_inputs(args: &DumpArgs) -> Result<(ModelDims, PlanOptions, PathBuf)> {
     } else {
         args.threads
     };
-    let (config, formats) = if is_json {
+    let (config, formats, model) = if is_json {
         let config = ModelConfig::from_hf_config(&path)?;
         let format = args.dtype.format().unwrap_or(WeightFormat::F16);
-        (config, WeightFormats::uniform(format))
+        (config, WeightFormats::uniform(format), None)
     } else {
         let src = ModelSource::open(&path)?;
         let opts = args.dtype.fast_options(threads, 1, false);
         let formats = FastEngine::weight_formats(&src, &opts)?;
-        (src.config, formats)
+        (src.config.clone(), formats.clone(), Some((src, formats)))
     };
     let dims = ModelDims::from(&config);
     dims.validate()
@@ -76,7 +88,7 @@ fn plan_inputs(args: &DumpArgs) -> Result<(ModelDims, PlanOptions, PathBuf)> {
         max_isa: args.max_isa,
         ..plan_options(&config, &formats, threads)
     };
-    Ok((dims, opts, path))
+    Ok((dims, opts, path, model))
 }
 
 fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
@@ -231,6 +243,83 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
     Ok(())
 }
 
+/// What the launch tuning has stored for this model, CPU and thread
+/// count; with `measure`, a full search on the real weights (more rounds
+/// than a launch affords), printed as a table and stored for later runs.
+fn launch_tuning_report(
+    src: ModelSource,
+    formats: &WeightFormats,
+    dtype: super::Dtype,
+    threads: usize,
+    measure: bool,
+) -> Result<()> {
+    let config = src.config.clone();
+    let key = autotune::tuning_key(&config, formats, threads);
+    let dir = super::tuning_dir()?;
+    let path = autotune::entry_path(&dir, &key);
+    let mut out = String::new();
+    match autotune::load_entry(&path, &key) {
+        Ok(Some(entry)) => writeln!(
+            out,
+            "tuning: later runs reuse {} (measured in {:.0} ms): quantized GEMV prefetch {} B, \
+             rows shared by exact tokens {} B",
+            path.display(),
+            entry.spent_ms,
+            entry.tuned.quant_prefetch,
+            entry.tuned.shared_rows_bytes
+        )?,
+        Ok(None) => writeln!(
+            out,
+            "tuning: nothing stored for this CPU, model, formats, threads and binary; the first \
+             run measures it (at most {} ms) and stores it in {}",
+            autotune::LAUNCH_BUDGET.as_millis(),
+            path.display()
+        )?,
+        Err(e) => writeln!(out, "tuning: {e:#}; the next run measures again")?,
+    }
+    write_stdout(&out)?;
+    if !measure {
+        return Ok(());
+    }
+    let opts = dtype.fast_options(threads, 64, false);
+    let kernels = super::jit_kernels(&config, formats.clone(), threads)?;
+    let mut engine = FastEngine::load(&std::sync::Arc::new(src), kernels, &opts)?;
+    let entry = autotune::measure(
+        &mut engine,
+        &config,
+        formats,
+        key,
+        None,
+        autotune::FULL_ROUNDS,
+    )?;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "launch tuning, full search ({} rounds, {:.0} ms):",
+        autotune::FULL_ROUNDS,
+        entry.spent_ms
+    )?;
+    writeln!(out, "  {:<20} {:>8} {:>12}", "knob", "value", "median ms")?;
+    for c in &entry.candidates {
+        let chosen = match c.knob.as_str() {
+            "quant_prefetch" => entry.tuned.quant_prefetch == c.value,
+            _ => entry.tuned.shared_rows_bytes == c.value,
+        };
+        writeln!(
+            out,
+            "  {:<20} {:>8} {:>12.2}{}",
+            c.knob,
+            c.value,
+            c.median_ms,
+            if chosen { "  <- chosen" } else { "" }
+        )?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    write_atomic(&path, serde_json::to_string_pretty(&entry)?.as_bytes())?;
+    writeln!(out, "stored in {}", path.display())?;
+    write_stdout(&out)
+}
+
 fn print_plan(out: &mut String, caps: &CpuCaps, dims: &ModelDims, plan: &Plan) -> Result<()> {
     writeln!(out, "cpu: {caps}")?;
     writeln!(out, "model: {dims:?}")?;
@@ -275,10 +364,13 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
         writeln!(out, "cpu: {caps}\n{msg}")?;
         return write_stdout(&out);
     }
-    let (dims, opts, _) = plan_inputs(&args.common)?;
+    let (dims, opts, _, model) = plan_inputs_with_model(&args.common)?;
     let plan = plan(&dims, &caps, &opts)?;
     print_plan(&mut out, &caps, &dims, &plan)?;
     write_stdout(&out)?;
+    if let Some((src, formats)) = model {
+        launch_tuning_report(src, &formats, args.common.dtype, plan.threads, args.measure)?;
+    }
     if args.measure {
         tune_measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
         tune_measure::measure_gemv_quant(&plan, &caps, args.common.max_isa)?;

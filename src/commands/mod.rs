@@ -13,6 +13,7 @@ pub mod tune_measure;
 use crate::constrain::lookahead::ConstraintReport;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
+use crate::engine::autotune;
 use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
@@ -28,6 +29,8 @@ use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The model named with `-m`, else the default model.
 pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
@@ -138,14 +141,67 @@ pub fn open_engine(
     if let Some(note) = formats.conversion_note() {
         eprintln!("pulsar: {note}");
     }
-    match JitKernels::for_this_cpu(&src.config, formats, threads)? {
-        Some(kernels) => Ok(Box::new(FastEngine::load(
-            &Arc::new(src),
-            Box::new(kernels),
-            &opts,
-        )?)),
+    let config = src.config.clone();
+    match JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? {
+        Some(kernels) => {
+            let mut engine = FastEngine::load(&Arc::new(src), Box::new(kernels), &opts)?;
+            launch_tuning(&mut engine, &config, &formats)?;
+            Ok(Box::new(engine))
+        }
         None => Ok(Box::new(ReferenceEngine::load(&src)?)),
     }
+}
+
+/// Set by `--no-tune`: engines run the analytic plan, nothing is measured.
+static NO_TUNE: AtomicBool = AtomicBool::new(false);
+
+/// `--no-tune`: skip launch tuning in this process.
+pub fn disable_launch_tuning() {
+    NO_TUNE.store(true, Ordering::Relaxed);
+}
+
+/// Where launch tunings are stored: `tuning/` in the cache folder.
+pub fn tuning_dir() -> Result<PathBuf> {
+    Ok(fetch::cache_dir()?.join("tuning"))
+}
+
+/// What this process's launch tuning did, for the "loaded" line (no line
+/// of its own: scripts and tests count stderr lines).
+static TUNING_NOTE: Mutex<String> = Mutex::new(String::new());
+
+/// ", tuning reused" or ", tuning measured in 310 ms" (empty before any
+/// fast engine was tuned), to end a "loaded …" line with.
+pub fn tuning_note() -> String {
+    TUNING_NOTE.lock().map(|n| n.clone()).unwrap_or_default()
+}
+
+/// Tunes a freshly loaded engine (reusing a stored tuning when there is
+/// one for this CPU, model, formats, threads and binary); `tuning_note`
+/// says what it did. Call before feeding it.
+pub fn launch_tuning(
+    engine: &mut FastEngine,
+    config: &ModelConfig,
+    formats: &WeightFormats,
+) -> Result<()> {
+    let note = if NO_TUNE.load(Ordering::Relaxed) {
+        ", no tuning (--no-tune)".to_string()
+    } else {
+        match autotune::tune_at_launch(engine, config, formats, &tuning_dir()?)? {
+            autotune::Outcome::Reused { .. } => ", tuning reused".to_string(),
+            autotune::Outcome::Measured { entry, stored, .. } => {
+                let stored = match stored {
+                    Ok(()) => String::new(),
+                    Err(e) => format!(" (not stored: {e:#})"),
+                };
+                format!(", tuning measured in {:.0} ms{stored}", entry.spent_ms)
+            }
+            autotune::Outcome::Skipped { reason } => format!(", no tuning ({reason})"),
+        }
+    };
+    if let Ok(mut n) = TUNING_NOTE.lock() {
+        *n = note;
+    }
+    Ok(())
 }
 
 /// The JIT's kernels for this model on this CPU.
@@ -192,11 +248,10 @@ pub fn bench_command(
             if let Some(note) = formats.conversion_note() {
                 eprintln!("bench: {note}");
             }
-            let kernels = jit_kernels(&src.config, formats, threads)?;
-            (
-                FastEngine::load(&src, kernels, &opts)?,
-                path.display().to_string(),
-            )
+            let kernels = jit_kernels(&src.config, formats.clone(), threads)?;
+            let mut engine = FastEngine::load(&src, kernels, &opts)?;
+            launch_tuning(&mut engine, &src.config, &formats)?;
+            (engine, path.display().to_string())
         }
     };
     let dtype = engine.formats().describe();

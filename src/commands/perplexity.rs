@@ -88,10 +88,11 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         args.dtype,
     )?;
     eprintln!(
-        "pulsar: loaded {} in {:.2} s ({} engine); {} tokens, {} windows of {}, {} scored each",
+        "pulsar: loaded {} in {:.2} s ({} engine{}); {} tokens, {} windows of {}, {} scored each",
         args.model.display(),
         load_start.elapsed().as_secs_f64(),
         args.engine.name(),
+        super::tuning_note(),
         tokens.len(),
         plan.windows,
         plan.n_ctx,

@@ -144,11 +144,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     )?;
     let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
     eprintln!(
-        "pulsar: loaded {} in {:.2} s ({} engine, seed {})",
+        "pulsar: loaded {} in {:.2} s ({} engine, seed {}{})",
         args.common.model.display(),
         load_start.elapsed().as_secs_f64(),
         args.common.engine.name(),
-        args.common.seed
+        args.common.seed,
+        super::tuning_note()
     );
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);

@@ -238,6 +238,28 @@ pub struct FastOptions {
     pub in_place: bool,
 }
 
+/// Whether `kernels` can multiply every matrix; the first one they cannot,
+/// and why, if not.
+fn kernels_cover(kernels: &dyn MatKernels, w: &ModelWeights<PackedMatrix>) -> Result<(), String> {
+    let matrices = std::iter::once(("output(lm_head)", 0, &w.embedding)).chain(
+        w.layers.iter().enumerate().flat_map(|(i, l)| {
+            LAYER_MATRICES
+                .iter()
+                .zip(l.matrices())
+                .map(move |(&(_, name), m)| (name, i, m))
+        }),
+    );
+    for (name, layer, m) in matrices {
+        if let Err(why) = kernels.covers(m) {
+            return Err(format!(
+                "the {} kernels cannot multiply {name} (layer {layer}): {why}",
+                kernels.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl FastEngine {
     /// Loads weights in the kernels' layout: converted (or copied) into one
     /// huge-page arena, or, with `in_place`, used zero-copy from the mapping
@@ -353,22 +375,8 @@ impl FastEngine {
         if opts.context == 0 {
             bail!("the context size must be at least 1 token");
         }
-        let matrices = std::iter::once(("output(lm_head)", 0, &weights.embedding)).chain(
-            weights.layers.iter().enumerate().flat_map(|(i, l)| {
-                LAYER_MATRICES
-                    .iter()
-                    .zip(l.matrices())
-                    .map(move |(&(_, name), m)| (name, i, m))
-            }),
-        );
-        for (name, layer, m) in matrices {
-            if let Err(why) = kernels.covers(m) {
-                bail!(
-                    "internal error: the {} kernels cannot multiply {name} (layer {layer}): {why}; \
-                     the plan was made for other weight formats",
-                    kernels.name()
-                );
-            }
+        if let Err(why) = kernels_cover(&*kernels, &weights) {
+            bail!("internal error: {why}; the plan was made for other weight formats");
         }
         let kv = FlatKv::new(&config, opts.context)?;
         let blocking = kernels.blocking();
@@ -437,6 +445,19 @@ impl FastEngine {
 
     pub fn pool(&self) -> &ThreadPool {
         &self.pool
+    }
+
+    /// Swaps in other kernels (launch tuning measures candidates on real
+    /// calls) and returns the previous ones; kernels that cannot multiply
+    /// every matrix are refused and handed back.
+    pub fn replace_kernels(
+        &mut self,
+        kernels: Box<dyn MatKernels>,
+    ) -> Result<Box<dyn MatKernels>, (Box<dyn MatKernels>, String)> {
+        if let Err(why) = kernels_cover(&*kernels, &self.weights) {
+            return Err((kernels, why));
+        }
+        Ok(std::mem::replace(&mut self.kernels, kernels))
     }
 
     /// The blocking every split obeys.

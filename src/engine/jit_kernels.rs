@@ -60,7 +60,12 @@ impl JitKernels {
         formats: WeightFormats,
         threads: usize,
     ) -> Result<Option<JitKernels>> {
-        let opts = plan_options(config, &formats, threads);
+        Self::with_options(config, plan_options(config, &formats, threads))
+    }
+
+    /// The kernels for explicit plan options (launch tuning tries several
+    /// prefetch distances).
+    pub fn with_options(config: &ModelConfig, opts: PlanOptions) -> Result<Option<JitKernels>> {
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
                 set: kernels,

@@ -1,5 +1,6 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
+pub mod autotune;
 pub mod fast;
 pub mod jit_kernels;
 pub mod kernels;
