@@ -18,7 +18,7 @@ use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
-use crate::model::weights::{LAYER_MATRICES, LayerWeights, ModelWeights, layer_matrix_shape};
+use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::sync::Arc;
@@ -35,6 +35,7 @@ pub struct FastEngine {
     /// The plan's blocking (see `jit::blocking`), which every split below
     /// obeys.
     blocking: Blocking,
+    activations: Activations,
 }
 
 /// A step over at most this many tokens of one sequence computes every
@@ -260,6 +261,100 @@ fn kernels_cover(kernels: &dyn MatKernels, w: &ModelWeights<PackedMatrix>) -> Re
     Ok(())
 }
 
+/// One step's activations, row-major `[tokens, width]`. Kept by the
+/// engine and resized per step, never shrunk: sized once for a prefill
+/// chunk, a decode step reuses the same memory.
+#[derive(Default)]
+struct Activations {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl Activations {
+    /// Sets every buffer to `n` tokens' rows (contents are overwritten
+    /// before they are read).
+    fn size_for(&mut self, c: &ModelConfig, n: usize) {
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        for (buf, width) in [
+            (&mut self.x, c.hidden),
+            (&mut self.normed, c.hidden),
+            (&mut self.q, q_dim),
+            (&mut self.k, kv_dim),
+            (&mut self.v, kv_dim),
+            (&mut self.attn, q_dim),
+            (&mut self.proj, c.hidden),
+            (&mut self.gate, c.intermediate),
+            (&mut self.up, c.intermediate),
+            (&mut self.act, c.intermediate),
+        ] {
+            buf.resize(n * width, 0.0);
+        }
+    }
+}
+
+/// What a step's layers share: its parts, where each begins, how many
+/// leading rows are exact, and the RoPE angles of every row's position.
+struct Step<'a> {
+    parts: &'a [Part],
+    first_rows: Vec<usize>,
+    exact: usize,
+    /// One table per distinct (base, scale) pair of the model's layers (a
+    /// model has one or two): `(cos, sin)` per row.
+    rope_tables: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Each layer's index into `rope_tables`.
+    rope_table_of: Vec<usize>,
+}
+
+impl<'a> Step<'a> {
+    fn new(c: &ModelConfig, parts: &'a [Part]) -> Step<'a> {
+        let first_rows = parts
+            .iter()
+            .scan(0, |row, p| {
+                *row += p.n;
+                Some(*row - p.n)
+            })
+            .collect();
+        let positions: Vec<usize> = parts.iter().flat_map(|p| p.start..p.start + p.n).collect();
+        let mut keys: Vec<(f32, f32)> = Vec::new();
+        let mut rope_tables = Vec::new();
+        let rope_table_of = c
+            .layers
+            .iter()
+            .map(|l| {
+                let key = (l.rope_base, l.rope_scale);
+                keys.iter().position(|k| *k == key).unwrap_or_else(|| {
+                    let angles = positions
+                        .iter()
+                        .map(|&pos| ops::rope_angles(pos, c.head_dim, key.0, key.1))
+                        .collect();
+                    keys.push(key);
+                    rope_tables.push(angles);
+                    rope_tables.len() - 1
+                })
+            })
+            .collect();
+        Step {
+            parts,
+            first_rows,
+            exact: parts.iter().filter(|p| p.exact).map(|p| p.n).sum(),
+            rope_tables,
+            rope_table_of,
+        }
+    }
+
+    fn angles_of_layer(&self, li: usize) -> &[(Vec<f32>, Vec<f32>)] {
+        &self.rope_tables[self.rope_table_of[li]]
+    }
+}
+
 impl FastEngine {
     /// Loads weights in the kernels' layout: converted (or copied) into one
     /// huge-page arena, or, with `in_place`, used zero-copy from the mapping
@@ -380,6 +475,13 @@ impl FastEngine {
         }
         let kv = FlatKv::new(&config, opts.context)?;
         let blocking = kernels.blocking();
+        let prefill_chunk = match opts.prefill_chunk {
+            0 => blocking.prefill_chunk,
+            n => n,
+        };
+        // Room for a prefill chunk up front: later steps only reuse it.
+        let mut activations = Activations::default();
+        activations.size_for(&config, prefill_chunk.min(opts.context));
         Ok(FastEngine {
             config,
             weights,
@@ -387,12 +489,10 @@ impl FastEngine {
             pool: ThreadPool::new(opts.threads),
             seqs: vec![kv],
             blocking: Blocking {
-                prefill_chunk: match opts.prefill_chunk {
-                    0 => blocking.prefill_chunk,
-                    n => n,
-                },
+                prefill_chunk,
                 ..blocking
             },
+            activations,
         })
     }
 
@@ -625,131 +725,117 @@ impl FastEngine {
 
     /// Runs one step over the rows of `parts` (their tokens in `tokens`, in
     /// order, exact parts first) and returns the final-norm output of each
-    /// row. Every part's tokens follow its sequence's cached ones.
+    /// row. Every part's tokens follow its sequence's cached ones. Reads
+    /// like the reference pass: embed, then per layer an attention block
+    /// and a feed-forward block, then the final norm.
     fn forward_parts(&mut self, parts: &[Part], tokens: &[u32]) -> Result<Vec<f32>> {
-        let c = &self.config;
         let n = tokens.len();
-        let exact: usize = parts.iter().filter(|p| p.exact).map(|p| p.n).sum();
         debug_assert_eq!(parts.iter().map(|p| p.n).sum::<usize>(), n);
         debug_assert!(parts.iter().skip_while(|p| p.exact).all(|p| !p.exact));
-        let hd = c.head_dim;
-        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let step = Step::new(&self.config, parts);
+        // The activations live in the engine between steps (sized once for
+        // the largest step); taken out here so the blocks can borrow the
+        // engine while writing them.
+        let mut acts = std::mem::take(&mut self.activations);
+        acts.size_for(&self.config, n);
+        let result = self.embed(tokens, &mut acts.x).and_then(|()| {
+            for li in 0..self.config.n_layers() {
+                self.attention_block(li, &step, &mut acts);
+                self.feed_forward_block(li, step.exact, &mut acts);
+            }
+            self.kernels.rms_norm_in_place(
+                &mut acts.x,
+                &self.weights.final_norm,
+                self.config.rms_eps,
+            );
+            Ok(acts.x.clone())
+        });
+        self.activations = acts;
+        if result.is_ok() {
+            for p in parts {
+                self.seqs[p.seq].len = p.start + p.n;
+            }
+        }
+        result
+    }
 
-        let mut x = vec![0.0f32; n * c.hidden];
+    /// Each token's scaled embedding row into `x`.
+    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+        let c = &self.config;
         let scale = (c.hidden as f32).sqrt();
-        for (t, &token) in tokens.iter().enumerate() {
+        for (&token, row) in tokens.iter().zip(x.chunks_exact_mut(c.hidden)) {
             if token as usize >= c.vocab_size {
                 bail!(
                     "token id {token} is outside the vocabulary (size {})",
                     c.vocab_size
                 );
             }
-            let row = &mut x[t * c.hidden..(t + 1) * c.hidden];
             self.weights.embedding.row_f32(token as usize, row);
-            for v in row.iter_mut() {
-                *v *= scale;
-            }
+            row.iter_mut().for_each(|v| *v *= scale);
         }
+        Ok(())
+    }
 
-        let mut normed = vec![0.0f32; n * c.hidden];
-        let mut q = vec![0.0f32; n * q_dim];
-        let mut k = vec![0.0f32; n * kv_dim];
-        let mut v = vec![0.0f32; n * kv_dim];
-        let mut attn = vec![0.0f32; n * q_dim];
-        let mut proj = vec![0.0f32; n * c.hidden];
-        let mut gate = vec![0.0f32; n * c.intermediate];
-        let mut up = vec![0.0f32; n * c.intermediate];
-        let mut act = vec![0.0f32; n * c.intermediate];
-
-        // Each row's position, and the row where each part begins.
-        let positions: Vec<usize> = parts.iter().flat_map(|p| p.start..p.start + p.n).collect();
-        let first_rows: Vec<usize> = parts
-            .iter()
-            .scan(0, |row, p| {
-                *row += p.n;
-                Some(*row - p.n)
-            })
-            .collect();
-        // RoPE angles depend only on the position and the layer's (base,
-        // scale), of which a model has one or two: one table per distinct
-        // pair, per step, and each layer's index into them.
-        type Angles = Vec<(Vec<f32>, Vec<f32>)>;
-        let mut rope_tables: Vec<((f32, f32), Angles)> = Vec::new();
-        let rope_table_of: Vec<usize> = c
-            .layers
-            .iter()
-            .map(|l| {
-                let key = (l.rope_base, l.rope_scale);
-                let existing = rope_tables.iter().position(|(k, _)| *k == key);
-                existing.unwrap_or_else(|| {
-                    let angles = positions
-                        .iter()
-                        .map(|&pos| ops::rope_angles(pos, hd, key.0, key.1))
-                        .collect();
-                    rope_tables.push((key, angles));
-                    rope_tables.len() - 1
-                })
-            })
-            .collect();
-        for li in 0..c.n_layers() {
-            let w: &LayerWeights<PackedMatrix> = &self.weights.layers[li];
-            let kern = &*self.kernels;
-            kern.rms_norm(&x, &w.attn_norm, &mut normed, c.rms_eps);
-            self.matmuls(
-                vec![
-                    (&w.q, &normed, &mut q[..]),
-                    (&w.k, &normed, &mut k[..]),
-                    (&w.v, &normed, &mut v[..]),
-                ],
-                exact,
-            );
-
-            let angles = &rope_tables[rope_table_of[li]].1;
-            self.prepare_queries_keys(li, angles, &mut q, &mut k);
-            for (p, &row) in parts.iter().zip(&first_rows) {
-                for t in 0..p.n {
-                    let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
-                    self.seqs[p.seq].store(li, p.start + t, &k[r.clone()], &v[r]);
-                }
-            }
-            for (p, &row) in parts.iter().zip(&first_rows) {
-                let rows = row * q_dim..(row + p.n) * q_dim;
-                let (q, out) = (&q[rows.clone()], &mut attn[rows]);
-                if p.exact {
-                    for (t, (q, out)) in q
-                        .chunks_exact(q_dim)
-                        .zip(out.chunks_exact_mut(q_dim))
-                        .enumerate()
-                    {
-                        self.decode_attention(p.seq, li, p.start + t, q, out);
-                    }
-                } else {
-                    self.attention(p.seq, li, p.start, q, out, p.n);
-                }
-            }
-            let w = &self.weights.layers[li];
-            let kern = &*self.kernels;
-            self.matmul(&w.o, &attn, &mut proj, exact);
-            self.residual_add(&mut x, &mut proj, w.attn_post_norm.as_deref());
-
-            kern.rms_norm(&x, &w.ffn_norm, &mut normed, c.rms_eps);
-            self.matmuls(
-                vec![
-                    (&w.gate, &normed, &mut gate[..]),
-                    (&w.up, &normed, &mut up[..]),
-                ],
-                exact,
-            );
-            self.geglu(&gate, &up, &mut act, n);
-            self.matmul(&w.down, &act, &mut proj, exact);
-            self.residual_add(&mut x, &mut proj, w.ffn_post_norm.as_deref());
-        }
-        for p in parts {
-            self.seqs[p.seq].len = p.start + p.n;
-        }
+    /// Layer `li`'s attention: norm, q/k/v, q/k norms and RoPE, the new
+    /// keys and values into each sequence's cache, attention per part, the
+    /// output projection and the residual.
+    fn attention_block(&mut self, li: usize, step: &Step, a: &mut Activations) {
+        let c = &self.config;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        let q_dim = c.n_heads * c.head_dim;
+        let w = &self.weights.layers[li];
         self.kernels
-            .rms_norm_in_place(&mut x, &self.weights.final_norm, c.rms_eps);
-        Ok(x)
+            .rms_norm(&a.x, &w.attn_norm, &mut a.normed, c.rms_eps);
+        self.matmuls(
+            vec![
+                (&w.q, &a.normed, &mut a.q[..]),
+                (&w.k, &a.normed, &mut a.k[..]),
+                (&w.v, &a.normed, &mut a.v[..]),
+            ],
+            step.exact,
+        );
+        self.prepare_queries_keys(li, step.angles_of_layer(li), &mut a.q, &mut a.k);
+        for (p, &row) in step.parts.iter().zip(&step.first_rows) {
+            for t in 0..p.n {
+                let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
+                self.seqs[p.seq].store(li, p.start + t, &a.k[r.clone()], &a.v[r]);
+            }
+        }
+        for (p, &row) in step.parts.iter().zip(&step.first_rows) {
+            let rows = row * q_dim..(row + p.n) * q_dim;
+            let (q, out) = (&a.q[rows.clone()], &mut a.attn[rows]);
+            if p.exact {
+                let per_token = q.chunks_exact(q_dim).zip(out.chunks_exact_mut(q_dim));
+                for (t, (q, out)) in per_token.enumerate() {
+                    self.decode_attention(p.seq, li, p.start + t, q, out);
+                }
+            } else {
+                self.attention(p.seq, li, p.start, q, out, p.n);
+            }
+        }
+        let w = &self.weights.layers[li];
+        self.matmul(&w.o, &a.attn, &mut a.proj, step.exact);
+        self.residual_add(&mut a.x, &mut a.proj, w.attn_post_norm.as_deref());
+    }
+
+    /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down and the
+    /// residual.
+    fn feed_forward_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let w = &self.weights.layers[li];
+        self.kernels
+            .rms_norm(&a.x, &w.ffn_norm, &mut a.normed, c.rms_eps);
+        self.matmuls(
+            vec![
+                (&w.gate, &a.normed, &mut a.gate[..]),
+                (&w.up, &a.normed, &mut a.up[..]),
+            ],
+            exact,
+        );
+        let n = a.x.len() / c.hidden;
+        self.geglu(&a.gate, &a.up, &mut a.act, n);
+        self.matmul(&w.down, &a.act, &mut a.proj, exact);
+        self.residual_add(&mut a.x, &mut a.proj, w.ffn_post_norm.as_deref());
     }
 
     /// Per token, in parallel: q/k norms, RoPE with the given angles (one
