@@ -738,7 +738,7 @@ impl FastEngine {
         // engine while writing them.
         let mut acts = std::mem::take(&mut self.activations);
         acts.size_for(&self.config, n);
-        let result = self.embed(tokens, &mut acts.x).and_then(|()| {
+        let result = self.embed(tokens, &mut acts.x).map(|()| {
             for li in 0..self.config.n_layers() {
                 self.attention_block(li, &step, &mut acts);
                 self.feed_forward_block(li, step.exact, &mut acts);
@@ -748,7 +748,7 @@ impl FastEngine {
                 &self.weights.final_norm,
                 self.config.rms_eps,
             );
-            Ok(acts.x.clone())
+            acts.x.clone()
         });
         self.activations = acts;
         if result.is_ok() {
