@@ -171,8 +171,19 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         } else {
             format!("{path}: {message}")
         };
-        let param = if path == "." { String::new() } else { path };
-        ApiError::invalid(param, message)
+        // A missing field is reported at its parent; name the field.
+        let param = if path == "." {
+            message
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.split('`').next())
+                .map(str::to_string)
+        } else {
+            Some(path)
+        };
+        ApiError {
+            param,
+            ..ApiError::bad_request(message)
+        }
     })?;
     de.end()
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
