@@ -104,8 +104,8 @@ impl Server {
         let r = self.post(path, body);
         let status = r.status().as_u16();
         let text = r.text().expect("body read");
-        let value = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+        let value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
         (status, value)
     }
 
@@ -264,7 +264,10 @@ fn assert_error(status: u16, body: &Value, want_status: u16, param: Option<&str>
     let e = &body["error"];
     let message = e["message"].as_str().unwrap_or_else(|| panic!("{body}"));
     assert!(e["type"].is_string(), "{body}");
-    assert!(e.get("code").is_some() && e.get("param").is_some(), "{body}");
+    assert!(
+        e.get("code").is_some() && e.get("param").is_some(),
+        "{body}"
+    );
     if let Some(p) = param {
         assert_eq!(e["param"], p, "{body}");
     }
@@ -312,7 +315,11 @@ fn chat_and_completions_reply_in_openai_shapes() {
     });
     let v = s.ok("/v1/chat/completions", &body);
     assert_eq!(v["object"], "chat.completion");
-    assert!(v["id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert!(
+        v["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-"))
+    );
     assert_eq!(v["model"], "gemma-3-270m-q4_k_m");
     let choice = &v["choices"][0];
     assert_eq!(choice["message"]["role"], "assistant");
@@ -324,7 +331,9 @@ fn chat_and_completions_reply_in_openai_shapes() {
     let usage = &v["usage"];
     assert_eq!(
         usage["total_tokens"].as_u64(),
-        Some(usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap())
+        Some(
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        )
     );
 
     // The same request streamed: the role first, the same text, a finish
@@ -341,20 +350,35 @@ fn chat_and_completions_reply_in_openai_shapes() {
         .map(|c| {
             assert!(c["choices"][0]["finish_reason"].is_null(), "{c}");
             assert!(c["usage"].is_null(), "{c}");
-            c["choices"][0]["delta"]["content"].as_str().unwrap_or("").to_string()
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
         })
         .collect();
     assert!(n > 4, "{chunks:?}");
     assert_eq!(content, text);
     assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "stop");
     assert_eq!(chunks[n - 1]["choices"], json!([]));
-    assert_eq!(chunks[n - 1]["usage"]["completion_tokens"], usage["completion_tokens"]);
-    assert_eq!(chunks[n - 1]["usage"]["prompt_tokens"], usage["prompt_tokens"]);
+    assert_eq!(
+        chunks[n - 1]["usage"]["completion_tokens"],
+        usage["completion_tokens"]
+    );
+    assert_eq!(
+        chunks[n - 1]["usage"]["prompt_tokens"],
+        usage["prompt_tokens"]
+    );
     // Without include_usage there is no usage chunk.
     streamed["stream_options"] = json!(null);
     let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
-    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "{chunks:?}");
-    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "{chunks:?}"
+    );
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
 
     // Completions: text prompt with BOS, exact prompt count, max_tokens
     // reached, streamed pieces adding up to the same text.
@@ -371,9 +395,22 @@ fn chat_and_completions_reply_in_openai_shapes() {
     assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 12);
     let whole = completion_text(&v);
     let run = pulsar_cmd(&[
-        "run", "-p", prompt, "-n", "12", "-t", "0", "--raw", "--threads", "2",
+        "run",
+        "-p",
+        prompt,
+        "-n",
+        "12",
+        "-t",
+        "0",
+        "--raw",
+        "--threads",
+        "2",
     ]);
-    assert_eq!(format!("{whole}\n"), run, "the server and `pulsar run` agree");
+    assert_eq!(
+        format!("{whole}\n"),
+        run,
+        "the server and `pulsar run` agree"
+    );
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let chunks = stream(&s, "/v1/completions", &streamed).all();
@@ -382,7 +419,10 @@ fn chat_and_completions_reply_in_openai_shapes() {
         .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_string())
         .collect();
     assert_eq!(joined, whole);
-    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
     // A token-id prompt counts exactly its ids.
     let v = s.ok(
         "/v1/completions",
@@ -400,7 +440,17 @@ fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
         "/v1/chat/completions",
         &json!({"messages": user(question), "temperature": 0, "max_tokens": 48}),
     );
-    let run = pulsar_cmd(&["run", "-p", question, "-n", "48", "-t", "0", "--threads", "2"]);
+    let run = pulsar_cmd(&[
+        "run",
+        "-p",
+        question,
+        "-n",
+        "48",
+        "-t",
+        "0",
+        "--threads",
+        "2",
+    ]);
     assert_eq!(chat_text(&v), run.trim_end(), "server vs pulsar run -t 0");
 
     // Logprobs of a greedy reply: the chosen token is the most likely one
@@ -428,7 +478,10 @@ fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
             .iter()
             .map(|b| b.as_u64().unwrap() as u8)
             .collect();
-        assert_eq!(String::from_utf8_lossy(&bytes), entry["token"].as_str().unwrap());
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            entry["token"].as_str().unwrap()
+        );
         joined.push_str(entry["token"].as_str().unwrap());
     }
     assert!(joined.contains(chat_text(&v).as_str()), "{joined:?} vs {v}");
@@ -500,7 +553,11 @@ fn a_stop_string_split_across_tokens_is_caught_and_not_returned() {
             )
         } else {
             let v = s.ok("/v1/completions", &body);
-            (completion_text(&v), v["choices"][0]["finish_reason"].clone(), v["usage"].clone())
+            (
+                completion_text(&v),
+                v["choices"][0]["finish_reason"].clone(),
+                v["usage"].clone(),
+            )
         };
         assert_eq!(got, text[..at], "stop {stop:?} (streaming: {streaming})");
         assert_eq!(finish, "stop");
@@ -515,9 +572,18 @@ fn requests_share_steps_and_replies_do_not_depend_on_company() {
     // A short prompt (fed token-exact) and a long one (fed in bulk), greedy
     // and seeded.
     let requests = [
-        ("/v1/completions", json!({"prompt": "Once upon a time", "temperature": 0, "max_tokens": 40})),
-        ("/v1/chat/completions", json!({"messages": user("Explain in two sentences why the sky is blue, and mention Rayleigh scattering."), "temperature": 0, "max_tokens": 40})),
-        ("/v1/completions", json!({"prompt": "The best thing about summer is", "temperature": 0.9, "seed": 42, "max_tokens": 40})),
+        (
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "temperature": 0, "max_tokens": 40}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("Explain in two sentences why the sky is blue, and mention Rayleigh scattering."), "temperature": 0, "max_tokens": 40}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "The best thing about summer is", "temperature": 0.9, "seed": 42, "max_tokens": 40}),
+        ),
     ];
     let text = |path: &str, v: &Value| {
         if path == "/v1/completions" {
@@ -552,10 +618,19 @@ fn requests_share_steps_and_replies_do_not_depend_on_company() {
         extra.join().unwrap();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(alone, together, "replies do not depend on what shares their steps");
+    assert_eq!(
+        alone, together,
+        "replies do not depend on what shares their steps"
+    );
     let metrics = s.metrics();
-    assert!(metric(&metrics, "pulsar_step_batch_max") >= 2.0, "{metrics}");
-    assert!(metric(&metrics, "pulsar_cached_prompt_tokens_total") > 0.0, "{metrics}");
+    assert!(
+        metric(&metrics, "pulsar_step_batch_max") >= 2.0,
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "pulsar_cached_prompt_tokens_total") > 0.0,
+        "{metrics}"
+    );
     assert_eq!(metric(&metrics, "pulsar_slots_busy"), 0.0);
     assert!(metric(&metrics, "pulsar_kv_cells_used") > 0.0);
 }
@@ -579,7 +654,10 @@ fn the_next_turn_of_a_conversation_reuses_the_cache() {
     // The whole first prompt comes from the cache; the reply, fed token by
     // token when it was generated, is fed again in bulk (see the
     // scheduler's notes on what a reply depends on).
-    assert_eq!(v2["usage"]["prompt_tokens_details"]["cached_tokens"], p1, "{v2}");
+    assert_eq!(
+        v2["usage"]["prompt_tokens_details"]["cached_tokens"], p1,
+        "{v2}"
+    );
     assert!(p2 > p1 + 17);
     // And the cache changed nothing: a fresh server gives the same reply.
     drop(s);
@@ -595,23 +673,41 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     let chat = "/v1/chat/completions";
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 2}));
     assert_error(st, &b, 400, Some("n"), &["n = 2", "one choice"]);
-    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "temperature": "warm"}));
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "temperature": "warm"}),
+    );
     assert_error(st, &b, 400, Some("temperature"), &["invalid type"]);
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "max_tokens": -5}));
     assert_error(st, &b, 400, Some("max_tokens"), &["max_tokens"]);
     let (st, b) = s.call(chat, &json!({"messages": [{"role": "user", "content": 7}]}));
     assert_error(st, &b, 400, Some("messages[0].content"), &["string"]);
-    let (st, b) = s.call(chat, &json!({"messages": [{"role": "tool", "content": "x"}]}));
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": [{"role": "tool", "content": "x"}]}),
+    );
     assert_error(st, &b, 400, Some("messages[0].role"), &["tool"]);
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "stop": 5}));
-    assert_error(st, &b, 400, Some("stop"), &["a string or a list of strings"]);
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("stop"),
+        &["a string or a list of strings"],
+    );
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "top_p": 0}));
     assert_error(st, &b, 400, Some("top_p"), &["top_p"]);
-    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "logit_bias": {"x": 1}}));
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "logit_bias": {"x": 1}}),
+    );
     assert_error(st, &b, 400, Some("logit_bias.x"), &["token id"]);
     let (st, b) = s.call(chat, &json!({"temperature": 0}));
     assert_error(st, &b, 400, None, &["messages"]);
-    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "tools": [{"type": "function"}]}));
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "tools": [{"type": "function"}]}),
+    );
     assert_error(st, &b, 400, Some("tools"), &["not supported"]);
     let (st, b) = s.call("/v1/completions", &json!({"prompt": "x", "echo": true}));
     assert_error(st, &b, 400, Some("echo"), &["echo"]);
@@ -629,7 +725,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         .expect("sent");
     assert_eq!(r.status().as_u16(), 400);
     let b: Value = r.json().expect("JSON error");
-    assert!(b["error"]["message"].as_str().unwrap().contains("not valid JSON"), "{b}");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"),
+        "{b}"
+    );
 
     // A body over --max-body.
     let big = json!({"prompt": "x".repeat(300_000)});
@@ -654,14 +756,23 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 
     // response_format: unknown type, a schema that cannot compile.
-    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "response_format": {"type": "xml"}}));
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "response_format": {"type": "xml"}}),
+    );
     assert_error(st, &b, 400, Some("response_format.type"), &["xml"]);
     let (st, b) = s.call(
         chat,
         &json!({"messages": user("Hi"), "response_format": {"type": "json_schema",
                 "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}),
     );
-    assert_error(st, &b, 400, Some("response_format.json_schema.schema"), &["strnig"]);
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("response_format.json_schema.schema"),
+        &["strnig"],
+    );
     let (st, b) = s.call(
         chat,
         &json!({"messages": user("Hi"), "response_format": {"type": "json_schema",
@@ -673,7 +784,12 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     let r = client().get(s.url("/v1/nothing")).send().expect("sent");
     assert_eq!(r.status().as_u16(), 404);
     let b: Value = r.json().expect("JSON error");
-    assert!(b["error"]["message"].as_str().unwrap().contains("/v1/nothing"));
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/nothing")
+    );
     let r = client().get(s.url(chat)).send().expect("sent");
     assert_eq!(r.status().as_u16(), 405);
 
@@ -681,8 +797,19 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     let v = s.ok(chat, &json!({"messages": user("Hi"), "max_tokens": 2}));
     assert_eq!(v["object"], "chat.completion");
     let m = s.metrics();
-    assert!(metric(&m, r#"pulsar_requests_total{endpoint="/v1/chat/completions",status="400"}"#) >= 10.0);
-    assert_eq!(metric(&m, r#"pulsar_requests_total{endpoint="/v1/completions",status="413"}"#), 1.0);
+    assert!(
+        metric(
+            &m,
+            r#"pulsar_requests_total{endpoint="/v1/chat/completions",status="400"}"#
+        ) >= 10.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"pulsar_requests_total{endpoint="/v1/completions",status="413"}"#
+        ),
+        1.0
+    );
 }
 
 #[test]
@@ -731,11 +858,18 @@ fn response_format_constrains_the_reply() {
 fn api_key_guards_every_endpoint_but_health() {
     let s = Server::start_with_env(&["-c", "256"], &[("PULSAR_API_KEY", "sekrit")]);
     let body = json!({"prompt": "Hi", "max_tokens": 2});
-    let no_key = client().post(s.url("/v1/completions")).json(&body).send().expect("sent");
+    let no_key = client()
+        .post(s.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .expect("sent");
     assert_eq!(no_key.status().as_u16(), 401);
     let b: Value = no_key.json().expect("JSON");
     assert_eq!(b["error"]["type"], "authentication_error", "{b}");
-    for (path, key) in [("/v1/completions", "Bearer wrong"), ("/v1/completions", "sekrit")] {
+    for (path, key) in [
+        ("/v1/completions", "Bearer wrong"),
+        ("/v1/completions", "sekrit"),
+    ] {
         let r = client()
             .post(s.url(path))
             .header("authorization", key)
@@ -769,7 +903,11 @@ fn endless(max_tokens: u32) -> Value {
 fn a_client_that_disconnects_frees_its_slot() {
     let s = Server::start(&["-c", "4096", "--parallel", "1"]);
     let c = client();
-    let r = c.post(s.url("/v1/completions")).json(&endless(3000)).send().expect("sent");
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&endless(3000))
+        .send()
+        .expect("sent");
     let mut sse = Sse::new(r);
     for _ in 0..3 {
         assert!(sse.next_data().is_some());
@@ -783,8 +921,23 @@ fn a_client_that_disconnects_frees_its_slot() {
     assert_eq!(s.metric("pulsar_disconnects_total"), 1.0);
     let generated = s.metric("pulsar_generated_tokens_total");
     assert!(generated < 3000.0, "{generated}");
+    // A client of a non-streaming request that gives up waiting.
+    let mut body = endless(3000);
+    body["stream"] = json!(false);
+    let impatient = Client::builder()
+        .timeout(Duration::from_millis(1500))
+        .build()
+        .expect("HTTP client");
+    let gave_up = impatient.post(s.url("/v1/completions")).json(&body).send();
+    assert!(gave_up.is_err_and(|e| e.is_timeout()));
+    drop(impatient);
+    s.wait_metric("pulsar_slots_busy", Duration::from_secs(30), |v| v == 0.0);
+    assert_eq!(s.metric("pulsar_disconnects_total"), 2.0);
     // The slot serves the next request.
-    let v = s.ok("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 3}));
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 3}),
+    );
     assert_eq!(v["object"], "text_completion");
 }
 
@@ -812,7 +965,9 @@ fn a_full_queue_gets_503_and_health_answers_during_a_long_prefill() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let still_prefilling = s.metric("pulsar_generated_tokens_total") == 0.0;
-    eprintln!("/health during a prefill: slowest of 10 took {worst:?} (prefill still running: {still_prefilling})");
+    eprintln!(
+        "/health during a prefill: slowest of 10 took {worst:?} (prefill still running: {still_prefilling})"
+    );
     assert!(worst < Duration::from_secs(1), "{worst:?}");
     assert!(running.next_data().is_some());
 
@@ -843,7 +998,10 @@ fn a_full_queue_gets_503_and_health_answers_during_a_long_prefill() {
     assert!(retry.is_some_and(|s| s >= 1), "{retry:?}");
     let b: Value = r.json().expect("JSON error");
     assert_eq!(b["error"]["type"], "server_error");
-    assert!(b["error"]["message"].as_str().unwrap().contains("busy"), "{b}");
+    assert!(
+        b["error"]["message"].as_str().unwrap().contains("busy"),
+        "{b}"
+    );
     assert_eq!(s.metric("pulsar_rejected_busy_total"), 1.0);
     // Freeing the slot lets the waiting request through.
     drop(running);

@@ -52,7 +52,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         bail!("--parallel 0: the server needs at least one slot");
     }
     if args.context < 2 {
-        bail!("-c {}: a sequence must hold a prompt token and a new one", args.context);
+        bail!(
+            "-c {}: a sequence must hold a prompt token and a new one",
+            args.context
+        );
     }
     args.defaults.validate()?;
     let started = Instant::now();
@@ -70,7 +73,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
     // The model cannot attend further than it was built for.
     let context = args.context.min(src.config.max_context);
-    let opts = args.dtype.fast_options(args.threads, context, args.in_place);
+    let opts = args
+        .dtype
+        .fast_options(args.threads, context, args.in_place);
     let formats = FastEngine::weight_formats(&src, &opts)?;
     if let Some(note) = formats.conversion_note() {
         eprintln!("pulsar serve: {note}");

@@ -132,7 +132,10 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         app.metrics.render(),
     )
         .into_response()
@@ -238,10 +241,7 @@ async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(
-    State(app): State<Arc<App>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     serve(app, body, Kind::Completion)
         .await
         .unwrap_or_else(IntoResponse::into_response)
@@ -267,7 +267,11 @@ async fn serve(
         kind,
         id: format!(
             "{}-{:x}",
-            if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
             app.next_id.fetch_add(1, Ordering::Relaxed)
         ),
         created: unix_now(),
@@ -510,12 +514,19 @@ mod tests {
             .map(|e| (e.param, e.message));
         let (param, message) = e.unwrap_or_default();
         assert_eq!(param.as_deref(), Some("temperature"));
-        assert!(message.starts_with("temperature: invalid type"), "{message}");
+        assert!(
+            message.starts_with("temperature: invalid type"),
+            "{message}"
+        );
 
         let e = parse_json::<ChatRequest>(br#"{"messages": [{"role": "user", "content": 5}]}"#);
         let e = e.err().map(|e| (e.param, e.message)).unwrap_or_default();
         assert_eq!(e.0.as_deref(), Some("messages[0].content"));
-        assert!(e.1.contains("a string or a list of content parts"), "{}", e.1);
+        assert!(
+            e.1.contains("a string or a list of content parts"),
+            "{}",
+            e.1
+        );
     }
 
     #[test]

@@ -116,7 +116,10 @@ pub fn run(
         .build()
         .context("cannot start the async runtime")?;
     let bound = runtime
-        .block_on(tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)))
+        .block_on(tokio::net::TcpListener::bind((
+            opts.host.as_str(),
+            opts.port,
+        )))
         .with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port));
     let listener = match bound {
         Ok(l) => l,

@@ -192,7 +192,13 @@ impl ServeContext {
             repeat_penalty: s.repeat_penalty.unwrap_or(d.repeat_penalty),
             repeat_last_n: s.repeat_last_n.map_or(d.repeat_last_n, |n| n as usize),
         };
-        check_range("temperature", sampling.temperature, 0.0, f32::MAX, "0 = greedy")?;
+        check_range(
+            "temperature",
+            sampling.temperature,
+            0.0,
+            f32::MAX,
+            "0 = greedy",
+        )?;
         if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
             return Err(ApiError::invalid(
                 "top_p",
@@ -230,7 +236,11 @@ impl ServeContext {
             }
             check_range(&param, bias, -100.0, 100.0, "as OpenAI")?;
             // -100 bans the token outright, as OpenAI documents it.
-            let bias = if bias <= -100.0 { f32::NEG_INFINITY } else { bias };
+            let bias = if bias <= -100.0 {
+                f32::NEG_INFINITY
+            } else {
+                bias
+            };
             logit_bias.push((id, bias));
         }
         let stops = s.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
@@ -263,7 +273,10 @@ impl ServeContext {
             (None, n) => ("max_tokens", n),
         };
         if asked == Some(0) {
-            return Err(ApiError::invalid(field, format!("{field} must be at least 1")));
+            return Err(ApiError::invalid(
+                field,
+                format!("{field} must be at least 1"),
+            ));
         }
         let max_tokens = asked.map_or(room, |n| (n as usize).min(room));
         Ok(GenParams {
@@ -360,7 +373,11 @@ impl ServeContext {
             if *user {
                 parts.push((before, true));
                 if first_user && !system.is_empty() {
-                    parts.extend([(sys_before, true), (system.as_str(), false), (sys_after, true)]);
+                    parts.extend([
+                        (sys_before, true),
+                        (system.as_str(), false),
+                        (sys_after, true),
+                    ]);
                 }
                 first_user = false;
                 parts.extend([(text.as_str(), false), (after, true)]);

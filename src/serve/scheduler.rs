@@ -32,7 +32,7 @@
 use super::api::ApiError;
 use super::metrics::Metrics;
 use super::slot::{Event, GenParams, Generation, Outcome};
-use crate::constrain::CompiledConstraint;
+use crate::constrain::{CompiledConstraint, NextTokens};
 use crate::engine::LogitsWanted;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
 use crate::tokenizer::Tokenizer;
@@ -42,6 +42,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{self, error::TrySendError};
+
+/// What stepping a generation gave: the outcome, the client's events and
+/// how many tokens were generated.
+type Sampled = (Outcome, Vec<Event>, usize);
 
 /// The shortest bulk run: one token more than an exact one.
 const MIN_BULK: usize = EXACT_STEP_MAX_TOKENS + 1;
@@ -122,10 +126,7 @@ impl Queue {
         }
         let mut state = self.lock();
         if state.mode != Mode::Running {
-            return Err(ApiError::unavailable(
-                "the server is shutting down",
-                5,
-            ));
+            return Err(ApiError::unavailable("the server is shutting down", 5));
         }
         if state.waiting.len() >= self.capacity {
             self.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
@@ -317,7 +318,10 @@ impl<'t> Scheduler<'t> {
             return;
         }
         if waiting_on_clients || state.mode == Mode::Draining {
-            let _ = self.queue.wake.wait_timeout(state, Duration::from_millis(5));
+            let _ = self
+                .queue
+                .wake
+                .wait_timeout(state, Duration::from_millis(5));
         } else {
             let _ = self.queue.wake.wait_timeout(state, Duration::from_secs(1));
         }
@@ -425,12 +429,11 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        self.leftovers.retain_mut(|left| {
-            match flush(&left.events, &mut left.outbox) {
+        self.leftovers
+            .retain_mut(|left| match flush(&left.events, &mut left.outbox) {
                 Flush::Done | Flush::Closed => false,
                 Flush::Full => left.since.elapsed() < timeout,
-            }
-        });
+            });
     }
 
     /// Runs one forward step over every busy slot that has work. Returns
@@ -521,13 +524,19 @@ impl<'t> Scheduler<'t> {
             Err(e) => {
                 eprintln!("pulsar serve: a forward step failed: {e:#}");
                 for (i, ..) in &plan {
-                    self.fail(*i, ApiError::internal(format!("the forward pass failed: {e:#}")));
+                    self.fail(
+                        *i,
+                        ApiError::internal(format!("the forward pass failed: {e:#}")),
+                    );
                 }
                 return true;
             }
         };
-        let mut generated = 0;
-        for ((i, tokens, wanted, prompt_fed), mut logits) in plan.into_iter().zip(logits) {
+        // Bookkeeping first, then every slot that got logits picks its
+        // next token: each on one of the engine's threads (the sampler
+        // scans the whole vocabulary, about a millisecond), in parallel.
+        let mut work: Vec<(usize, Vec<f32>, Option<NextTokens>)> = Vec::new();
+        for ((i, tokens, wanted, prompt_fed), logits) in plan.into_iter().zip(logits) {
             let slot = &mut self.slots[i];
             slot.cached.extend_from_slice(&tokens);
             let Some(active) = &mut slot.active else {
@@ -537,35 +546,29 @@ impl<'t> Scheduler<'t> {
             if prompt_fed > 0 && !active.exact_prompt {
                 slot.bulk_len = slot.cached.len();
             }
-            if wanted.is_none() {
-                continue;
+            if wanted.is_some() {
+                let allowed = masks
+                    .iter()
+                    .position(|(m, _)| *m == i)
+                    .map(|at| masks.swap_remove(at).1);
+                work.push((i, logits, allowed));
             }
-            let allowed = masks
-                .iter()
-                .position(|(m, _)| *m == i)
-                .map(|at| masks.swap_remove(at).1);
-            let before = active.generation.generated();
-            // Client data (settings, schemas) drives this part: a panic in
-            // it ends that request, not the server.
-            let stepped = catch_unwind(AssertUnwindSafe(|| {
-                let mut events = Vec::new();
-                let outcome = active.generation.step(&mut logits, allowed, &mut events);
-                (outcome, events)
-            }));
-            let outcome = match stepped {
-                Ok((outcome, events)) => {
-                    active.outbox.extend(events);
-                    generated += active.generation.generated() - before;
-                    if let Outcome::Feed(next) = outcome {
-                        active.next = Some(next);
-                    }
-                    Some(outcome)
-                }
-                Err(_) => None,
+        }
+        let results = self.sample_all(work);
+        let mut generated = 0;
+        for (i, result) in results {
+            let Some(active) = &mut self.slots[i].active else {
+                continue;
             };
-            match outcome {
-                Some(Outcome::Feed(_)) => {}
-                Some(Outcome::Finished(_)) => self.finish(i),
+            match result {
+                Some((outcome, events, tokens)) => {
+                    active.outbox.extend(events);
+                    generated += tokens;
+                    match outcome {
+                        Outcome::Feed(next) => active.next = Some(next),
+                        Outcome::Finished(_) => self.finish(i),
+                    }
+                }
                 None => {
                     eprintln!("pulsar serve: a request's generation panicked; it was ended");
                     self.fail(i, ApiError::internal("internal error while generating"));
@@ -574,6 +577,71 @@ impl<'t> Scheduler<'t> {
         }
         self.count_generated(generated);
         true
+    }
+
+    /// Steps each listed slot's generation with its logits, spread over
+    /// the engine's threads. Returns per slot the outcome, the events and
+    /// the tokens generated, or `None` where the step panicked.
+    fn sample_all(
+        &mut self,
+        work: Vec<(usize, Vec<f32>, Option<NextTokens>)>,
+    ) -> Vec<(usize, Option<Sampled>)> {
+        struct Item<'a, 't> {
+            generation: &'a mut Generation<'t>,
+            logits: Vec<f32>,
+            allowed: Option<NextTokens>,
+            result: Option<Sampled>,
+        }
+        let mut inputs: Vec<Option<(Vec<f32>, Option<NextTokens>)>> =
+            (0..self.slots.len()).map(|_| None).collect();
+        for (i, logits, allowed) in work {
+            inputs[i] = Some((logits, allowed));
+        }
+        let (indices, items): (Vec<usize>, Vec<Mutex<Item>>) = self
+            .slots
+            .iter_mut()
+            .zip(inputs)
+            .enumerate()
+            .filter_map(|(i, (slot, input))| {
+                let (logits, allowed) = input?;
+                let item = Item {
+                    generation: &mut slot.active.as_mut()?.generation,
+                    logits,
+                    allowed,
+                    result: None,
+                };
+                Some((i, Mutex::new(item)))
+            })
+            .unzip();
+        let run = |item: &Mutex<Item>| {
+            let mut guard = item.lock().unwrap_or_else(|e| e.into_inner());
+            let item = &mut *guard;
+            // Client data (settings, schemas) drives this part: a panic in
+            // it ends that request, not the server.
+            item.result = catch_unwind(AssertUnwindSafe(|| {
+                let before = item.generation.generated();
+                let mut events = Vec::new();
+                let allowed = item.allowed.take();
+                let outcome = item.generation.step(&mut item.logits, allowed, &mut events);
+                (outcome, events, item.generation.generated() - before)
+            }))
+            .ok();
+        };
+        let pool = self.engine.pool();
+        if items.len() > 1 {
+            let threads = pool.threads();
+            pool.run(|tid| items.iter().skip(tid).step_by(threads).for_each(run));
+        } else {
+            items.iter().for_each(run);
+        }
+        indices
+            .into_iter()
+            .zip(items)
+            .map(|(i, item)| {
+                let item = item.into_inner().unwrap_or_else(|e| e.into_inner());
+                (i, item.result)
+            })
+            .collect()
     }
 
     fn count_generated(&mut self, tokens: usize) {

@@ -225,8 +225,8 @@ impl<'t> Generation<'t> {
         if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
             for (&id, &count) in &self.counts {
                 if let Some(l) = logits.get_mut(id as usize) {
-                    *l -= self.params.presence_penalty
-                        + self.params.frequency_penalty * count as f32;
+                    *l -=
+                        self.params.presence_penalty + self.params.frequency_penalty * count as f32;
                 }
             }
         }
@@ -354,9 +354,7 @@ pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
     };
     let bytes = match kind {
         TokenKind::Byte => parse_byte_piece(piece).map_or_else(Vec::new, |b| vec![b]),
-        TokenKind::Normal | TokenKind::UserDefined => {
-            piece.replace(SPACE_MARK, " ").into_bytes()
-        }
+        TokenKind::Normal | TokenKind::UserDefined => piece.replace(SPACE_MARK, " ").into_bytes(),
         TokenKind::Control | TokenKind::Unknown | TokenKind::Unused => piece.as_bytes().to_vec(),
     };
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
@@ -366,15 +364,17 @@ pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
 /// from the log-softmax of the raw logits (NaN counts as impossible).
 pub fn token_logprob(tok: &Tokenizer, raw: &[f32], token: u32, top: usize) -> TokenLogprob {
     let clean = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
-    let max = raw.iter().copied().map(clean).fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = raw
+    let max = raw
         .iter()
-        .map(|&l| f64::from(clean(l) - max).exp())
-        .sum();
+        .copied()
+        .map(clean)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = raw.iter().map(|&l| f64::from(clean(l) - max).exp()).sum();
     let log_norm = f64::from(max) + sum.ln();
     let logprob = |id: u32| {
-        raw.get(id as usize)
-            .map_or(f32::NEG_INFINITY, |&l| (f64::from(clean(l)) - log_norm) as f32)
+        raw.get(id as usize).map_or(f32::NEG_INFINITY, |&l| {
+            (f64::from(clean(l)) - log_norm) as f32
+        })
     };
     // The `top` best ids, best first, lower id on ties.
     let mut best: Vec<(f32, u32)> = Vec::with_capacity(top + 1);
@@ -478,7 +478,10 @@ mod tests {
         let mut g = Generation::new(&tok, params(), None, &[1], 0);
         let (text, outcomes, events) = run(&mut g, &[2, 3, 4, 5, 6, 7, 9]);
         assert_eq!(text, "Hello");
-        assert_eq!(outcomes.last(), Some(&Outcome::Finished(FinishReason::Stop)));
+        assert_eq!(
+            outcomes.last(),
+            Some(&Outcome::Finished(FinishReason::Stop))
+        );
         // Every token that was sampled counts, the stop string's too.
         match events.last() {
             Some(Event::Done { reason, usage }) => {
@@ -496,7 +499,10 @@ mod tests {
         let mut g = Generation::new(&tok, params(), None, &[1], 0);
         let (text, outcomes, _) = run(&mut g, &[2, 4, 5, 9, 0]);
         assert_eq!(text, "He\nUs!");
-        assert_eq!(outcomes.last(), Some(&Outcome::Finished(FinishReason::Stop)));
+        assert_eq!(
+            outcomes.last(),
+            Some(&Outcome::Finished(FinishReason::Stop))
+        );
         assert_eq!(g.generated(), 4, "the stop token is not counted");
     }
 

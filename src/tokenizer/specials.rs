@@ -202,8 +202,14 @@ mod tests {
         );
         // A control token that would run past the trusted stretch's end is
         // not matched: "<s" is trusted, ">" is not.
-        assert_eq!(m.split_trusted("<s>", |i| if i < 2 { 2 } else { i }), vec![Text("<s>")]);
+        assert_eq!(
+            m.split_trusted("<s>", |i| if i < 2 { 2 } else { i }),
+            vec![Text("<s>")]
+        );
         // Other verbatim pieces cross stretches: "\n" + "\n" is one "\n\n".
-        assert_eq!(m.split_trusted("a\n\nb", |i| if i < 2 { 2 } else { i }), m.split("a\n\nb", true));
+        assert_eq!(
+            m.split_trusted("a\n\nb", |i| if i < 2 { 2 } else { i }),
+            m.split("a\n\nb", true)
+        );
     }
 }
