@@ -452,6 +452,28 @@ fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
         "2",
     ]);
     assert_eq!(chat_text(&v), run.trim_end(), "server vs pulsar run -t 0");
+    // A system message opens the first user turn, as --system does.
+    let system = "Answer with a single word.";
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": [{"type": "text", "text": question}]}],
+                "temperature": 0, "max_tokens": 24}),
+    );
+    let run = pulsar_cmd(&[
+        "run",
+        "-p",
+        question,
+        "--system",
+        system,
+        "-n",
+        "24",
+        "-t",
+        "0",
+        "--threads",
+        "2",
+    ]);
+    assert_eq!(chat_text(&v), run.trim_end(), "with a system message");
 
     // Logprobs of a greedy reply: the chosen token is the most likely one
     // of the raw distribution, alternatives come best first.
