@@ -400,29 +400,25 @@ impl ServeContext {
     /// `prompt`: text is plain completion with BOS (as `pulsar run --raw`),
     /// token ids are used as they are.
     fn completion_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-        let one = |n: usize| {
-            if n == 1 {
-                Ok(())
-            } else {
-                Err(ApiError::invalid(
-                    "prompt",
-                    format!(
-                        "prompt is a list of {n} prompts; this server takes one prompt per request"
-                    ),
-                ))
-            }
+        let only_one = |n: usize| {
+            ApiError::invalid(
+                "prompt",
+                format!(
+                    "prompt is a list of {n} prompts; this server takes one prompt per request"
+                ),
+            )
         };
         let ids = match prompt {
             Prompt::Text(text) => return Ok(self.tok.encode(text, true)),
-            Prompt::Texts(texts) => {
-                one(texts.len())?;
-                return Ok(self.tok.encode(&texts[0], true));
-            }
+            Prompt::Texts(texts) => match texts.as_slice() {
+                [text] => return Ok(self.tok.encode(text, true)),
+                _ => return Err(only_one(texts.len())),
+            },
             Prompt::Tokens(ids) => ids.clone(),
-            Prompt::TokenLists(lists) => {
-                one(lists.len())?;
-                lists[0].clone()
-            }
+            Prompt::TokenLists(lists) => match lists.as_slice() {
+                [ids] => ids.clone(),
+                _ => return Err(only_one(lists.len())),
+            },
         };
         if ids.is_empty() {
             return Err(ApiError::invalid("prompt", "the prompt has no tokens"));
