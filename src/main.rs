@@ -318,6 +318,83 @@ impl From<DumpCli> for commands::dump::DumpArgs {
     }
 }
 
+/// `pulsar serve`'s flags.
+#[derive(Args)]
+struct ServeCli {
+    /// Model: a .gguf file or a Hugging Face folder (default: Gemma 3 270M, fetched once).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// Address to listen on; anything but loopback exposes the server to the network.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the address is printed on stdout).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests decoded together, each in its own KV cache (slot).
+    #[arg(long, default_value_t = 4)]
+    parallel: usize,
+    /// Requests that may wait for a slot; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Context size of each slot, in tokens.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    context: usize,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, env = "PULSAR_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Worker threads of the engine, the caller included.
+    #[arg(long, default_value_t = default_threads())]
+    threads: usize,
+    /// Formats of the fast engine's matrices.
+    #[arg(long, value_enum, default_value = "native")]
+    dtype: RunDtypeArg,
+    /// Use the weights of a `pulsar convert` file in place from the mapped file.
+    #[arg(long)]
+    mmap: bool,
+    /// Turn format for /v1/chat/completions: gemma, dialogue or a JSON file (default: chosen as
+    /// `pulsar chat` chooses it).
+    #[arg(long, value_name = "NAME|FILE")]
+    chat_template: Option<String>,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body: usize,
+    /// Most prompt tokens fed in one step beside the decoding streams.
+    #[arg(long, default_value_t = commands::serve::DEFAULT_SERVE_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Seconds a request may wait on a client that reads nothing before it is ended.
+    #[arg(long, default_value_t = 30)]
+    stall_timeout: u64,
+    /// Seconds running requests may go on after Ctrl-C or SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    grace: u64,
+    /// Defaults for the sampling settings a request leaves out.
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+impl ServeCli {
+    fn run(self) -> anyhow::Result<()> {
+        commands::serve::run(commands::serve::ServeArgs {
+            model: commands::resolve_model(self.model.as_deref())?,
+            host: self.host,
+            port: self.port,
+            parallel: self.parallel,
+            queue: self.queue,
+            context: self.context,
+            api_key: self.api_key,
+            threads: self.threads,
+            dtype: self.dtype.into(),
+            in_place: self.mmap,
+            chat_template: self.chat_template,
+            max_body: self.max_body,
+            prefill_chunk: self.prefill_chunk,
+            stall_timeout: std::time::Duration::from_secs(self.stall_timeout),
+            grace: std::time::Duration::from_secs(self.grace),
+            defaults: self.sampling.config(),
+        })
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Chat in turns (the default): replies stream, the KV cache is kept between turns.
@@ -414,6 +491,8 @@ enum Command {
         #[arg(long, value_enum)]
         dtype: Option<DtypeArg>,
     },
+    /// Serve the OpenAI API over HTTP, decoding several requests together (continuous batching).
+    Serve(ServeCli),
     /// Measure prefill and decode speed against the machine's read bandwidth.
     Bench {
         /// Model (default: Gemma 3 270M).
@@ -503,6 +582,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             threads,
             dtype: dtype.into(),
         }),
+        Command::Serve(serve) => serve.run(),
         Command::Dump(a) => commands::dump::run_dump_command(&a.into()),
         Command::Tune { common, measure } => {
             commands::dump::run_tune_command(&commands::dump::TuneArgs {

@@ -250,3 +250,70 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> (f32, usize) {
             |(m, at), (i, d)| if d > m { (d, i) } else { (m, at) },
         )
 }
+
+/// A run of more than `EXACT_STEP_MAX_TOKENS` tokens gives each token the
+/// same bits however a prompt is cut into such runs and whatever else
+/// shares the step. `pulsar serve` relies on this (with the exact steps
+/// above) for replies that do not depend on their company or on what a
+/// slot's cache held: it feeds every long prompt in bulk runs, whatever
+/// prefix it reuses.
+#[test]
+fn bulk_runs_do_not_depend_on_how_a_prompt_is_cut() {
+    let mut e = engine(true, 4);
+    let prompt = tokens(150, 7);
+    let feed = |e: &mut FastEngine, seq: usize, cuts: &[usize]| {
+        let mut at = 0;
+        let mut logits = Vec::new();
+        for (i, &n) in cuts.iter().enumerate() {
+            let wanted = (i + 1 == cuts.len()).then_some(LogitsWanted::Last);
+            let batch = [SeqTokens {
+                seq,
+                tokens: &prompt[at..at + n],
+                wanted,
+            }];
+            logits = e.forward_batch(&batch).unwrap().remove(0);
+            at += n;
+        }
+        assert_eq!(at, prompt.len());
+        logits
+    };
+    let whole = feed(&mut e, 0, &[64, 64, 22]);
+    let cuts: [&[usize]; 3] = [&[50, 50, 50], &[17, 64, 69], &[126, 24]];
+    for (seq, cuts) in (1..).zip(cuts) {
+        let got = feed(&mut e, seq, cuts);
+        if let Some((i, x, y)) = first_difference(&whole, &got) {
+            panic!("cut {cuts:?}: logit {i} is {y}, against {x} cut 64+64+22");
+        }
+    }
+    // A bulk run in a step with another sequence's bulk run and a decode
+    // token gets what it gets alone.
+    for seq in 0..4 {
+        e.truncate_sequence(seq, 0);
+    }
+    let other = tokens(40, 9);
+    let alone = feed(&mut e, 0, &[150]);
+    step(&mut e, 1, &other[..20], LogitsWanted::Last);
+    step(&mut e, 3, &other[..5], LogitsWanted::Last);
+    let shared = e
+        .forward_batch(&[
+            SeqTokens {
+                seq: 1,
+                tokens: &other[20..],
+                wanted: Some(LogitsWanted::Last),
+            },
+            SeqTokens {
+                seq: 2,
+                tokens: &prompt,
+                wanted: Some(LogitsWanted::Last),
+            },
+            SeqTokens {
+                seq: 3,
+                tokens: &other[5..6],
+                wanted: Some(LogitsWanted::Last),
+            },
+        ])
+        .unwrap();
+    if let Some((i, x, y)) = first_difference(&alone, &shared[1]) {
+        panic!("logit {i} is {y} in a shared step and {x} alone");
+    }
+}

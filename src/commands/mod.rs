@@ -7,6 +7,7 @@ pub mod dump;
 pub mod logits;
 pub mod perplexity;
 pub mod run;
+pub mod serve;
 pub mod tokenize;
 pub mod tune_measure;
 

@@ -117,16 +117,50 @@ impl Tokenizer {
         self.encode_inner(text, add_bos, false)
     }
 
+    /// Encodes text assembled from parts, as [`Tokenizer::encode`] encodes
+    /// their concatenation, except that control-token text is honoured only
+    /// inside parts marked trusted (`true`): a chat template's own pieces
+    /// are trusted, a client's message is not. Merging runs across the
+    /// parts, so a prompt assembled this way gets the same ids as the whole
+    /// text given to [`Tokenizer::encode`] when the untrusted parts hold no
+    /// control-token text.
+    pub fn encode_parts(&self, parts: &[(&str, bool)], add_bos: bool) -> Vec<u32> {
+        let text: String = parts.iter().map(|(t, _)| *t).collect();
+        // Each trusted part's byte range in `text`.
+        let mut trusted = Vec::new();
+        let mut at = 0;
+        for (part, is_trusted) in parts {
+            if *is_trusted {
+                trusted.push(at..at + part.len());
+            }
+            at += part.len();
+        }
+        let until = |i: usize| trusted.iter().find(|r| r.contains(&i)).map_or(i, |r| r.end);
+        let segments = self.specials.split_trusted(&text, until);
+        self.encode_segments(segments, !text.is_empty(), add_bos, text.len())
+    }
+
     fn encode_inner(&self, text: &str, add_bos: bool, with_control: bool) -> Vec<u32> {
-        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        let segments = self.specials.split(text, with_control);
+        self.encode_segments(segments, !text.is_empty(), add_bos, text.len())
+    }
+
+    fn encode_segments(
+        &self,
+        segments: Vec<Segment>,
+        non_empty: bool,
+        add_bos: bool,
+        text_len: usize,
+    ) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text_len / 3 + 2);
         if add_bos {
             out.push(self.ids.bos);
         }
         let mut normalized = String::new();
         // SentencePiece's dummy prefix: one `▁` before the whole text, which
         // stands alone when the text opens with a verbatim piece.
-        let mut prefix = self.add_space_prefix && !text.is_empty();
-        for seg in self.specials.split(text, with_control) {
+        let mut prefix = self.add_space_prefix && non_empty;
+        for seg in segments {
             if prefix {
                 normalized.push(SPACE_MARK);
                 prefix = false;

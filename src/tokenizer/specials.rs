@@ -58,6 +58,21 @@ impl SpecialMatcher {
         self.nodes[node].token.get_or_insert((id, is_control));
     }
 
+    /// Longest verbatim piece at `bytes[at..]`, where control tokens may
+    /// only match within `bytes[at..trusted_end]`.
+    fn longest_trusted(&self, bytes: &[u8], at: usize, trusted_end: usize) -> Option<(usize, u32)> {
+        let any = self.longest_at(&bytes[at..], false);
+        if trusted_end <= at {
+            return any;
+        }
+        let control = self.longest_at(&bytes[at..trusted_end.min(bytes.len())], true);
+        match (control, any) {
+            (Some(c), Some(a)) if a.0 > c.0 => Some(a),
+            (Some(c), _) => Some(c),
+            (None, a) => a,
+        }
+    }
+
     /// Longest verbatim piece at the start of `bytes`, as (length, id).
     /// Control tokens count only when `with_control` is set.
     fn longest_at(&self, bytes: &[u8], with_control: bool) -> Option<(usize, u32)> {
@@ -80,13 +95,28 @@ impl SpecialMatcher {
 
     /// Cuts `text` into ordinary text and verbatim tokens, in order.
     pub(crate) fn split<'a>(&self, text: &'a str, with_control: bool) -> Vec<Segment<'a>> {
+        let end = if with_control { text.len() } else { 0 };
+        self.split_trusted(text, |_| end)
+    }
+
+    /// Like [`SpecialMatcher::split`], but control tokens are matched only
+    /// where they lie wholly inside a trusted stretch: `trusted_until(i)` is
+    /// the end of the trusted stretch containing byte `i` (at most `i` when
+    /// `i` is untrusted). Other verbatim pieces match anywhere, across
+    /// stretches too, so the result equals `split(text, true)` whenever the
+    /// untrusted stretches hold no control-token text.
+    pub(crate) fn split_trusted<'a>(
+        &self,
+        text: &'a str,
+        trusted_until: impl Fn(usize) -> usize,
+    ) -> Vec<Segment<'a>> {
         let bytes = text.as_bytes();
         let mut out = Vec::new();
         let mut plain_start = 0;
         let mut i = 0;
         while i < bytes.len() {
             if self.starts[bytes[i] as usize]
-                && let Some((len, id)) = self.longest_at(&bytes[i..], with_control)
+                && let Some((len, id)) = self.longest_trusted(bytes, i, trusted_until(i))
             {
                 if plain_start < i {
                     out.push(Segment::Text(&text[plain_start..i]));
@@ -157,6 +187,29 @@ mod tests {
         assert_eq!(
             m.split("é\n日本", true),
             vec![Text("é"), Token(3), Text("日本")]
+        );
+    }
+
+    #[test]
+    fn control_tokens_match_only_inside_trusted_stretches() {
+        let m = matcher();
+        // "<s>" at 0..3 is trusted, the "<start>" at 4..11 is not.
+        let text = "<s>\n<start>\n";
+        let until = |i: usize| if i < 4 { 4 } else { i };
+        assert_eq!(
+            m.split_trusted(text, until),
+            vec![Token(1), Token(3), Text("<start>"), Token(3)]
+        );
+        // A control token that would run past the trusted stretch's end is
+        // not matched: "<s" is trusted, ">" is not.
+        assert_eq!(
+            m.split_trusted("<s>", |i| if i < 2 { 2 } else { i }),
+            vec![Text("<s>")]
+        );
+        // Other verbatim pieces cross stretches: "\n" + "\n" is one "\n\n".
+        assert_eq!(
+            m.split_trusted("a\n\nb", |i| if i < 2 { 2 } else { i }),
+            m.split("a\n\nb", true)
         );
     }
 }

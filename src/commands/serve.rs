@@ -1,0 +1,140 @@
+//! `pulsar serve`: loads the model, the tokenizer, the chat format and the
+//! constraint compiler, then hands them to the server (`crate::serve`).
+
+use super::Dtype;
+use super::run::load_tokenizer;
+use crate::chat::turns::TurnEncoder;
+use crate::chat_template::TemplateChoice;
+use crate::constrain::{GrammarCompiler, VocabBytes};
+use crate::engine::fast::FastEngine;
+use crate::engine::jit_kernels::JitKernels;
+use crate::generate;
+use crate::model::source::ModelSource;
+use crate::sample::SamplerConfig;
+use crate::serve::request::ServeContext;
+use crate::serve::{self, ServeOptions};
+use anyhow::{Result, bail};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct ServeArgs {
+    pub model: PathBuf,
+    pub host: String,
+    pub port: u16,
+    pub parallel: usize,
+    pub queue: usize,
+    /// Tokens per sequence.
+    pub context: usize,
+    pub api_key: Option<String>,
+    pub threads: usize,
+    pub dtype: Dtype,
+    pub in_place: bool,
+    pub chat_template: Option<String>,
+    pub max_body: usize,
+    pub prefill_chunk: usize,
+    pub stall_timeout: Duration,
+    pub grace: Duration,
+    /// Defaults for the settings a request leaves out.
+    pub defaults: SamplerConfig,
+}
+
+/// The name `/v1/models` lists: the file (or folder) name without `.gguf`.
+fn model_id(path: &std::path::Path) -> String {
+    let name = path
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.parallel == 0 {
+        bail!("--parallel 0: the server needs at least one slot");
+    }
+    if args.context < 2 {
+        bail!(
+            "-c {}: a sequence must hold a prompt token and a new one",
+            args.context
+        );
+    }
+    args.defaults.validate()?;
+    let started = Instant::now();
+    let src = ModelSource::open(&args.model)?;
+    let tok = load_tokenizer(&src)?;
+    let choice = TemplateChoice::for_model(&src, &tok, args.chat_template.as_deref())?;
+    eprintln!("pulsar serve: {}", choice.describe());
+    let end_ids = generate::stop_ids(&tok);
+    // The chat's stop ids add the template's stop pieces.
+    let chat_stop_ids = TurnEncoder::new(choice.template.clone(), None, None)?.stop_ids(&tok);
+    // Indexing the vocabulary for response_format takes about a second:
+    // beside the model load.
+    let vocab = VocabBytes::of(&tok, &end_ids)?;
+    let indexing = std::thread::spawn(move || GrammarCompiler::build(vocab));
+
+    // The model cannot attend further than it was built for.
+    let context = args.context.min(src.config.max_context);
+    let opts = args
+        .dtype
+        .fast_options(args.threads, context, args.in_place);
+    let formats = FastEngine::weight_formats(&src, &opts)?;
+    if let Some(note) = formats.conversion_note() {
+        eprintln!("pulsar serve: {note}");
+    }
+    // The engine is built on the engine thread, where it then runs.
+    let threads = args.threads;
+    let src = Arc::new(src);
+    let engine = move || -> Result<FastEngine> {
+        let Some(kernels) = JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? else {
+            bail!("pulsar serve needs the JIT engine, which this CPU cannot run (see above)");
+        };
+        let mut engine = FastEngine::load(&src, Box::new(kernels), &opts)?;
+        super::launch_tuning(&mut engine, &src.config, &formats)?;
+        eprintln!(
+            "pulsar serve: loaded the model in {:.2} s ({}, {} threads{})",
+            started.elapsed().as_secs_f64(),
+            engine.formats().describe(),
+            engine.threads(),
+            super::tuning_note(),
+        );
+        Ok(engine)
+    };
+    let compiler = indexing
+        .join()
+        .map_err(|_| anyhow::anyhow!("indexing the vocabulary for response_format failed"))??;
+    let ctx = ServeContext {
+        tok,
+        template: choice.template,
+        compiler,
+        context,
+        model_id: model_id(&args.model),
+        defaults: args.defaults,
+        chat_stop_ids,
+        completion_stop_ids: end_ids,
+    };
+    eprintln!(
+        "pulsar serve: {}, {} slots of {context} tokens",
+        args.model.display(),
+        args.parallel
+    );
+    serve::run(
+        engine,
+        ctx,
+        ServeOptions {
+            host: args.host,
+            port: args.port,
+            slots: args.parallel,
+            queue: args.queue,
+            api_key: args.api_key.filter(|k| !k.is_empty()),
+            max_body: args.max_body,
+            prefill_chunk: args.prefill_chunk.max(1),
+            stall_timeout: args.stall_timeout,
+            grace: args.grace,
+        },
+    )
+}
+
+/// The default bulk prompt chunk per step: smaller than the CLI's prefill
+/// chunk (126), so that a step carrying one stays short for the streams
+/// decoding beside it, yet long enough that prefill keeps most of its
+/// GEMM speed.
+pub const DEFAULT_SERVE_PREFILL_CHUNK: usize = 64;

@@ -1,0 +1,399 @@
+//! The OpenAI API's request and response bodies, as far as Pulsar serves
+//! them, and its error shape.
+//!
+//! Requests are read with serde: a field Pulsar does not know is ignored
+//! (as OpenAI does), a known field of the wrong type is a 400 that names it.
+//! Fields Pulsar knows but cannot honour (`n` above 1, `tools`, `echo`…) are
+//! refused by [`super::request`] rather than ignored.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param",
+/// "code"}}`.
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`…
+    pub kind: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A 400 about one request field.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// A 400 about the request as a whole (its body is not JSON).
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: None,
+            ..ApiError::invalid("", message)
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn unauthorized() -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "missing or wrong API key: send the header `Authorization: Bearer <key>` \
+                      with the key the server was started with"
+                .into(),
+            kind: "authentication_error",
+            param: None,
+            code: Some("invalid_api_key"),
+            retry_after: None,
+        }
+    }
+
+    pub fn too_large(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "the request body is larger than the server's limit of {limit} bytes (--max-body)"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+    }
+
+    /// 503: every slot is busy and the queue is full, or the server is
+    /// shutting down.
+    pub fn unavailable(message: impl Into<String>, retry_after: u64) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("server_busy"),
+            retry_after: Some(retry_after),
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("not_found"),
+            retry_after: None,
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// The JSON body, also sent as the last event of a stream that fails.
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after
+            && let Ok(value) = HeaderValue::from_str(&secs.to_string())
+        {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        response
+    }
+}
+
+/// `stop`: one string or a list.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// `response_format`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub schema: Option<Value>,
+    /// Pulsar always enforces the schema, strict or not.
+    pub strict: Option<bool>,
+}
+
+/// The sampling and stopping fields both endpoints share.
+#[derive(Clone, Debug, Default)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<u32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub n: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `POST /v1/chat/completions`. The shared fields are repeated rather than
+/// flattened: serde's `flatten` buffers the body and then reports a wrong
+/// type without the field's name.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Vec<Value>>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<u32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub n: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    /// The number of top alternatives per token (0 = the sampled token's
+    /// own log-probability only).
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<u32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub n: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+macro_rules! sampling_of {
+    ($r:expr) => {
+        Sampling {
+            temperature: $r.temperature,
+            top_p: $r.top_p,
+            top_k: $r.top_k,
+            min_p: $r.min_p,
+            seed: $r.seed,
+            max_tokens: $r.max_tokens,
+            max_completion_tokens: $r.max_completion_tokens,
+            stop: $r.stop.clone(),
+            presence_penalty: $r.presence_penalty,
+            frequency_penalty: $r.frequency_penalty,
+            repeat_penalty: $r.repeat_penalty,
+            repeat_last_n: $r.repeat_last_n,
+            logit_bias: $r.logit_bias.clone(),
+            n: $r.n,
+            stream: $r.stream,
+            stream_options: $r.stream_options.clone(),
+            response_format: $r.response_format.clone(),
+        }
+    };
+}
+
+impl ChatRequest {
+    pub fn sampling(&self) -> Sampling {
+        sampling_of!(self)
+    }
+}
+
+impl CompletionRequest {
+    pub fn sampling(&self) -> Sampling {
+        sampling_of!(self)
+    }
+}
+
+/// A chat message. `content` may be a string or a list of parts.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// `prompt`: text, token ids, or a list of one of those (a batch, of which
+/// Pulsar serves one).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `usage`.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// How many prompt tokens came from a slot's KV cache (prefix reuse).
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt: usize, cached: usize, completion: usize) -> Usage {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+        }
+    }
+}
+
+/// One alternative in `top_logprobs`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// One generated token's log-probability (chat's `logprobs.content[i]`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// The legacy completions `logprobs` object for some tokens.
+pub fn completion_logprobs(tokens: &[TokenLogprob], text_offset_start: usize) -> Value {
+    let mut offset = text_offset_start;
+    let mut offsets = Vec::with_capacity(tokens.len());
+    for t in tokens {
+        offsets.push(offset);
+        offset += t.token.len();
+    }
+    let top: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut map = serde_json::Map::new();
+            for alt in &t.top_logprobs {
+                map.insert(alt.token.clone(), serde_json::json!(alt.logprob));
+            }
+            Value::Object(map)
+        })
+        .collect();
+    serde_json::json!({
+        "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    })
+}

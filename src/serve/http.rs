@@ -1,0 +1,553 @@
+//! The HTTP side: axum routes, the API-key and metrics middleware, OpenAI
+//! error responses, and turning a request's events into a JSON reply or an
+//! SSE stream. Handlers do their CPU work (parsing, tokenizing, compiling a
+//! schema) on tokio's blocking pool and never wait on the engine thread
+//! except through the request's own event channel.
+
+use super::api::{
+    ApiError, ChatRequest, CompletionRequest, TokenLogprob, Usage, completion_logprobs,
+};
+use super::metrics::Metrics;
+use super::request::{Prepared, ServeContext};
+use super::scheduler::{Job, Queue};
+use super::slot::Event;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::mpsc;
+
+/// Events buffered per request between the engine thread and the client's
+/// connection. A client that stops reading fills it; its request then
+/// stalls and is ended after `--stall-timeout` (see the scheduler).
+pub const EVENT_BUFFER: usize = 256;
+
+pub struct App {
+    pub ctx: Arc<ServeContext>,
+    pub queue: Arc<Queue>,
+    pub metrics: Arc<Metrics>,
+    pub api_key: Option<String>,
+    pub max_body: usize,
+    pub next_id: AtomicU64,
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(app.max_body))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .with_state(app)
+}
+
+/// Checks the API key (every route but `/health`, which load balancers
+/// probe) and counts responses by route and status.
+async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_string();
+    let response = match &app.api_key {
+        Some(key) if route != "/health" && !has_key(&req, key) => {
+            ApiError::unauthorized().into_response()
+        }
+        _ => next.run(req).await,
+    };
+    app.metrics
+        .count_request(&route, response.status().as_u16());
+    response
+}
+
+fn has_key(req: &Request, key: &str) -> bool {
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Compared in time independent of where the strings differ, so the
+    // key cannot be guessed byte by byte from response times.
+    given.is_some_and(|g| {
+        g.len() == key.len()
+            && g.bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    })
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no such endpoint: {} {}; this server has POST /v1/chat/completions, \
+         POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        code: Some("method_not_allowed"),
+        ..ApiError::bad_request(format!(
+            "{} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ))
+    }
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    // Atomics only: this answers at once whatever the engine is doing.
+    let m = &app.metrics;
+    let failed = app.queue.engine_failed();
+    let body = json!({
+        "status": if failed { "error" } else { "ok" },
+        "slots_busy": m.busy_slots.load(Ordering::Relaxed),
+        "slots": m.slots.load(Ordering::Relaxed),
+        "queue": m.queue_length.load(Ordering::Relaxed),
+    });
+    let status = if failed {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.ctx.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pulsar",
+        }],
+    }))
+    .into_response()
+}
+
+/// The body of a request as JSON of type `T`; a wrong type is a 400 that
+/// names the field (by its path, e.g. `messages[0].content`).
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::bad_request(format!("the body is not valid JSON: {inner}"));
+        }
+        let message = inner.to_string();
+        // serde's message for a value that fits no variant of an untagged
+        // enum does not say what was expected.
+        let message = if message.contains("untagged enum") {
+            format!("{path}: expected {}", expected_shape(&path))
+        } else if path == "." {
+            message
+        } else {
+            format!("{path}: {message}")
+        };
+        // A missing field is reported at its parent; name the field.
+        let param = if path == "." {
+            message
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.split('`').next())
+                .map(str::to_string)
+        } else {
+            Some(path)
+        };
+        ApiError {
+            param,
+            ..ApiError::bad_request(message)
+        }
+    })?;
+    de.end()
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    Ok(value)
+}
+
+fn expected_shape(path: &str) -> &'static str {
+    if path == "stop" {
+        "a string or a list of strings"
+    } else if path == "prompt" {
+        "a string, a list of token ids, or a list of one of those"
+    } else if path.ends_with(".content") {
+        "a string or a list of content parts"
+    } else {
+        "another shape"
+    }
+}
+
+fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::too_large(limit)
+    } else {
+        ApiError {
+            status: rejection.status(),
+            ..ApiError::bad_request(rejection.body_text())
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What every piece of one reply carries.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(app, body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    serve(app, body, Kind::Completion)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn serve(
+    app: Arc<App>,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|r| body_error(r, app.max_body))?;
+    let ctx = app.ctx.clone();
+    // Parsing, tokenizing and compiling a schema take milliseconds (more
+    // for a long prompt): off the async threads, so /health stays quick.
+    let prepared: Prepared = tokio::task::spawn_blocking(move || match kind {
+        Kind::Chat => ctx.prepare_chat(&parse_json::<ChatRequest>(&body)?),
+        Kind::Completion => ctx.prepare_completion(&parse_json::<CompletionRequest>(&body)?),
+    })
+    .await
+    .map_err(|_| ApiError::internal("internal error while reading the request"))??;
+    let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+    let reply = Reply {
+        kind,
+        id: format!(
+            "{}-{:x}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
+            app.next_id.fetch_add(1, Ordering::Relaxed)
+        ),
+        created: unix_now(),
+        model: app.ctx.model_id.clone(),
+        include_usage: prepared.include_usage,
+        logprobs: prepared.params.logprobs.is_some(),
+    };
+    let stream = prepared.stream;
+    app.queue.submit(Job {
+        prompt: prepared.prompt,
+        params: prepared.params,
+        constraint: prepared.constraint,
+        events: tx,
+    })?;
+    if stream {
+        Ok(sse(reply, rx))
+    } else {
+        whole(reply, rx).await
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Reply {
+    fn logprobs_value(&self, tokens: &[TokenLogprob], text_offset: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => json!({ "content": tokens, "refusal": null }),
+            Kind::Completion => completion_logprobs(tokens, text_offset),
+        }
+    }
+
+    fn usage_value(&self, usage: Usage) -> Value {
+        serde_json::to_value(usage).unwrap_or(Value::Null)
+    }
+
+    /// A streamed chunk with one choice.
+    fn chunk(&self, choice: Value) -> Value {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        let mut chunk = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    fn delta(&self, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
+        match self.kind {
+            Kind::Chat => {
+                let delta = if text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({ "content": text })
+                };
+                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
+            }
+            Kind::Completion => {
+                json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish })
+            }
+        }
+    }
+}
+
+/// Collects a request's events into one JSON reply.
+async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    let (reason, usage) = loop {
+        match rx.recv().await {
+            Some(Event::Delta {
+                text: piece,
+                logprobs: lp,
+            }) => {
+                text.push_str(&piece);
+                logprobs.extend(lp);
+            }
+            Some(Event::Done { reason, usage }) => break (reason, usage),
+            Some(Event::Failed(e)) => return Err(e),
+            None => return Err(ended_early()),
+        }
+    };
+    let logprobs = reply.logprobs_value(&logprobs, 0);
+    let choice = match reply.kind {
+        Kind::Chat => json!({
+            "index": 0,
+            "message": { "role": "assistant", "content": text, "refusal": null },
+            "logprobs": logprobs,
+            "finish_reason": reason.as_str(),
+        }),
+        Kind::Completion => json!({
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason.as_str(),
+        }),
+    };
+    let object = match reply.kind {
+        Kind::Chat => "chat.completion",
+        Kind::Completion => "text_completion",
+    };
+    Ok(axum::Json(json!({
+        "id": reply.id,
+        "object": object,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [choice],
+        "usage": reply.usage_value(usage),
+    }))
+    .into_response())
+}
+
+fn ended_early() -> ApiError {
+    ApiError::internal("the request was ended before its reply was complete")
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Start,
+    Body,
+    Usage,
+    Done,
+    End,
+}
+
+/// An SSE reply in the making: the role first (chat), the text as it
+/// comes, a last chunk with the finish reason, the usage when asked for,
+/// then `[DONE]`.
+struct Streaming {
+    reply: Reply,
+    rx: mpsc::Receiver<Event>,
+    phase: Phase,
+    usage: Option<Usage>,
+    /// Bytes of text sent, for the completions' `text_offset`.
+    sent: usize,
+}
+
+fn data(value: &Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
+impl Streaming {
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            match self.phase {
+                Phase::Start => {
+                    self.phase = Phase::Body;
+                    if self.reply.kind == Kind::Chat {
+                        let role = json!({
+                            "index": 0,
+                            "delta": { "role": "assistant", "content": "" },
+                            "logprobs": null,
+                            "finish_reason": null,
+                        });
+                        return Some(data(&self.reply.chunk(role)));
+                    }
+                }
+                Phase::Body => match self.rx.recv().await {
+                    Some(Event::Delta { text, logprobs }) => {
+                        let lp = self.reply.logprobs_value(&logprobs, self.sent);
+                        self.sent += text.len();
+                        let choice = self.reply.delta(&text, lp, None);
+                        return Some(data(&self.reply.chunk(choice)));
+                    }
+                    Some(Event::Done { reason, usage }) => {
+                        self.usage = Some(usage);
+                        self.phase = Phase::Usage;
+                        let choice = self.reply.delta("", Value::Null, Some(reason.as_str()));
+                        return Some(data(&self.reply.chunk(choice)));
+                    }
+                    Some(Event::Failed(e)) => {
+                        self.phase = Phase::Done;
+                        return Some(data(&e.body()));
+                    }
+                    None => {
+                        self.phase = Phase::Done;
+                        return Some(data(&ended_early().body()));
+                    }
+                },
+                Phase::Usage => {
+                    self.phase = Phase::Done;
+                    if let (true, Some(usage)) = (self.reply.include_usage, self.usage) {
+                        let mut chunk = self.reply.chunk(Value::Null);
+                        chunk["choices"] = json!([]);
+                        chunk["usage"] = self.reply.usage_value(usage);
+                        return Some(data(&chunk));
+                    }
+                }
+                Phase::Done => {
+                    self.phase = Phase::End;
+                    return Some(SseEvent::default().data("[DONE]"));
+                }
+                Phase::End => return None,
+            }
+        }
+    }
+}
+
+fn sse(reply: Reply, rx: mpsc::Receiver<Event>) -> Response {
+    let state = Streaming {
+        reply,
+        rx,
+        phase: Phase::Start,
+        usage: None,
+        sent: 0,
+    };
+    let events = futures_util::stream::unfold(state, |mut state| async move {
+        let event = state.next().await?;
+        Some((Ok::<_, Infallible>(event), state))
+    });
+    // Comments every 15 s keep proxies from closing a stream that waits
+    // in the queue or behind a long prefill; clients ignore them.
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrong_types_name_the_field() {
+        let e = parse_json::<ChatRequest>(br#"{"messages": [], "temperature": "hot"}"#)
+            .err()
+            .map(|e| (e.param, e.message));
+        let (param, message) = e.unwrap_or_default();
+        assert_eq!(param.as_deref(), Some("temperature"));
+        assert!(
+            message.starts_with("temperature: invalid type"),
+            "{message}"
+        );
+
+        let e = parse_json::<ChatRequest>(br#"{"messages": [{"role": "user", "content": 5}]}"#);
+        let e = e.err().map(|e| (e.param, e.message)).unwrap_or_default();
+        assert_eq!(e.0.as_deref(), Some("messages[0].content"));
+        assert!(
+            e.1.contains("a string or a list of content parts"),
+            "{}",
+            e.1
+        );
+    }
+
+    #[test]
+    fn malformed_json_is_a_bad_request_and_unknown_fields_are_ignored() {
+        let e = parse_json::<ChatRequest>(b"{\"messages\": [").err();
+        assert!(e.is_some_and(|e| e.param.is_none() && e.message.contains("not valid JSON")));
+        let ok = parse_json::<ChatRequest>(br#"{"messages": [], "frobnicate": {"x": 1}}"#);
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn the_key_is_checked_exactly() {
+        let req = |auth: &str| {
+            Request::builder()
+                .header(header::AUTHORIZATION, auth)
+                .body(axum::body::Body::empty())
+                .unwrap_or_default()
+        };
+        assert!(has_key(&req("Bearer sekrit"), "sekrit"));
+        assert!(!has_key(&req("Bearer sekri"), "sekrit"));
+        assert!(!has_key(&req("Bearer sekrit2"), "sekrit"));
+        assert!(!has_key(&req("sekrit"), "sekrit"));
+    }
+}

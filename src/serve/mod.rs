@@ -1,0 +1,220 @@
+//! `pulsar serve`: an OpenAI-compatible HTTP server with continuous
+//! batching.
+//!
+//! - [`api`]: request and response bodies, the error shape;
+//! - [`request`]: a body turned into a job (prompt tokens, checked
+//!   settings, compiled `response_format`);
+//! - [`http`]: axum routes, middleware, JSON replies and SSE streams;
+//! - [`scheduler`]: the engine thread, batching every busy slot into one
+//!   forward step;
+//! - [`slot`]: one request's generation, stepped by the scheduler;
+//! - [`metrics`]: counters and their Prometheus form.
+//!
+//! Threads: the engine runs on its own OS thread (with its own worker
+//! pool); HTTP runs on a single-threaded tokio runtime, plus tokio's
+//! blocking pool for parsing and tokenizing. On a 2-core machine more
+//! async workers would only compete with the engine's.
+//!
+//! Layering: this module uses the engine, tokenizer, chat templates,
+//! sampler, stop strings and constraints; nothing below imports it.
+
+pub mod api;
+pub mod http;
+pub mod metrics;
+pub mod request;
+pub mod scheduler;
+pub mod slot;
+
+use anyhow::{Context, Result};
+use metrics::Metrics;
+use request::ServeContext;
+use scheduler::{Queue, Scheduler, SchedulerOptions};
+use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use crate::engine::fast::FastEngine;
+
+pub struct ServeOptions {
+    pub host: String,
+    /// 0 asks the system for a free port; the address is printed.
+    pub port: u16,
+    /// Sequences decoded together (`--parallel`).
+    pub slots: usize,
+    /// Requests that may wait for a slot (`--queue`).
+    pub queue: usize,
+    pub api_key: Option<String>,
+    /// Largest request body in bytes.
+    pub max_body: usize,
+    pub prefill_chunk: usize,
+    pub stall_timeout: Duration,
+    /// How long running requests may go on after Ctrl-C or SIGTERM.
+    pub grace: Duration,
+}
+
+/// Serves until Ctrl-C or SIGTERM, then lets running requests finish
+/// within the grace period and returns. The engine is built by `engine`
+/// on the engine thread (its kernels stay on the thread that made them).
+pub fn run(
+    engine: impl FnOnce() -> Result<FastEngine> + Send + 'static,
+    ctx: ServeContext,
+    opts: ServeOptions,
+) -> Result<()> {
+    let ctx = Arc::new(ctx);
+    let metrics = Arc::new(Metrics::default());
+    let queue = Arc::new(Queue::new(opts.queue, metrics.clone()));
+
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let engine_thread = {
+        let (ctx, queue, metrics) = (ctx.clone(), queue.clone(), metrics.clone());
+        let sched = SchedulerOptions {
+            slots: opts.slots,
+            prefill_chunk: opts.prefill_chunk,
+            stall_timeout: opts.stall_timeout,
+        };
+        std::thread::Builder::new()
+            .name("pulsar-engine".into())
+            .spawn(move || {
+                let scheduler = engine().and_then(|engine| {
+                    Scheduler::new(engine, &ctx.tok, queue.clone(), metrics, sched)
+                });
+                let scheduler = match scheduler {
+                    Ok(s) => {
+                        let _ = ready_tx.send(Ok(()));
+                        s
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                // A bug in the engine must not leave requests waiting
+                // forever: they fail, and /health says so.
+                if catch_unwind(AssertUnwindSafe(|| scheduler.run())).is_err() {
+                    eprintln!("pulsar serve: the engine thread failed; requests now get 500");
+                    queue.mark_failed();
+                }
+            })
+            .context("cannot start the engine thread")?
+    };
+    match ready_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = engine_thread.join();
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = engine_thread.join();
+            anyhow::bail!("the engine thread failed while loading the model");
+        }
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let bound = runtime
+        .block_on(tokio::net::TcpListener::bind((
+            opts.host.as_str(),
+            opts.port,
+        )))
+        .with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port));
+    let listener = match bound {
+        Ok(l) => l,
+        Err(e) => {
+            queue.drain();
+            let _ = engine_thread.join();
+            return Err(e);
+        }
+    };
+    let addr = listener.local_addr()?;
+
+    let app = Arc::new(http::App {
+        ctx: ctx.clone(),
+        queue: queue.clone(),
+        metrics,
+        api_key: opts.api_key.clone(),
+        max_body: opts.max_body,
+        next_id: AtomicU64::new(1),
+    });
+    // The one line on stdout: scripts and tests read the address from it
+    // (with --port 0 the system chose the port).
+    println!(
+        "pulsar serve: listening on http://{addr} (model {}, {} slots of {} tokens)",
+        ctx.model_id, opts.slots, ctx.context
+    );
+    let _ = std::io::stdout().flush();
+    if opts.api_key.is_none() && !addr.ip().is_loopback() {
+        eprintln!(
+            "pulsar serve: warning: listening on {} without an API key (--api-key)",
+            addr.ip()
+        );
+    }
+
+    let grace = opts.grace;
+    let served = runtime.block_on(async {
+        let (started_tx, mut started_rx) = tokio::sync::watch::channel(false);
+        let drain_queue = queue.clone();
+        let signal = async move {
+            wait_for_signal().await;
+            eprintln!(
+                "pulsar serve: shutting down: no new requests; running ones get up to {} s",
+                grace.as_secs()
+            );
+            drain_queue.drain();
+            let _ = started_tx.send(true);
+        };
+        let server = axum::serve(listener, http::router(app)).with_graceful_shutdown(signal);
+        let abort_queue = queue.clone();
+        let watchdog = async move {
+            let _ = started_rx.wait_for(|started| *started).await;
+            tokio::time::sleep(grace).await;
+            eprintln!("pulsar serve: the grace period is over; ending running requests");
+            abort_queue.abort();
+            // Ended streams close their connections; a client that keeps
+            // its connection open anyway is not waited for long.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        };
+        tokio::select! {
+            r = server => r.context("the HTTP server failed"),
+            () = watchdog => {
+                eprintln!("pulsar serve: some connections stayed open; exiting anyway");
+                Ok(())
+            }
+        }
+    });
+    queue.drain();
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    if engine_thread.join().is_err() {
+        eprintln!("pulsar serve: the engine thread failed");
+    }
+    served?;
+    eprintln!("pulsar serve: stopped");
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

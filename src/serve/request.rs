@@ -1,0 +1,495 @@
+//! From a request body to a job: the prompt's tokens, checked settings and
+//! the compiled output constraint. Every refusal is a 400 naming the field.
+
+use super::api::{
+    ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, ResponseFormat, Sampling,
+};
+use super::slot::GenParams;
+use crate::chat_template::ChatTemplate;
+use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
+use crate::sample::SamplerConfig;
+use crate::tokenizer::Tokenizer;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Most stop strings a request may give.
+const MAX_STOP_STRINGS: usize = 16;
+/// Most alternatives per token in `top_logprobs` (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// What every request is prepared against.
+pub struct ServeContext {
+    pub tok: Tokenizer,
+    pub template: ChatTemplate,
+    pub compiler: GrammarCompiler,
+    /// Tokens one sequence holds (`-c`).
+    pub context: usize,
+    pub model_id: String,
+    /// The defaults for settings a request leaves out (`pulsar run`'s).
+    pub defaults: SamplerConfig,
+    /// Ids that end a chat reply (EOS, `<end_of_turn>`, the template's stop
+    /// pieces) and a completion (EOS, `<end_of_turn>`).
+    pub chat_stop_ids: Vec<u32>,
+    pub completion_stop_ids: Vec<u32>,
+}
+
+/// A request ready for the queue.
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub constraint: Option<CompiledConstraint>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Seeds for requests that give none: the clock, stirred per request so
+/// that two requests in the same nanosecond differ.
+fn fresh_seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    now ^ COUNTER
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl ServeContext {
+    pub fn prepare_chat(&self, req: &ChatRequest) -> Result<Prepared, ApiError> {
+        if let Some(tools) = &req.tools
+            && !tools.is_empty()
+        {
+            return Err(ApiError::invalid(
+                "tools",
+                "tools (function calling) are not supported by this server; leave `tools` out",
+            ));
+        }
+        let top = match (req.logprobs, req.top_logprobs) {
+            (Some(true), top) => Some(top.unwrap_or(0)),
+            (_, Some(n)) if n > 0 => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            _ => None,
+        };
+        let sampling = req.sampling();
+        let constraint = self.constraint(&sampling)?;
+        let prompt = self.chat_prompt(&req.messages)?;
+        let mut stop_strings = if constraint.is_some() {
+            // Under a constraint the constraint decides where the output
+            // ends; the template's stop strings would only cut it short.
+            Vec::new()
+        } else {
+            self.template.stop_strings.clone()
+        };
+        let params = self.params(
+            &sampling,
+            &prompt,
+            "messages",
+            top,
+            self.chat_stop_ids.clone(),
+            &mut stop_strings,
+        )?;
+        Ok(Prepared {
+            params: GenParams {
+                trim: true,
+                ..params
+            },
+            prompt,
+            constraint,
+            stream: sampling.stream.unwrap_or(false),
+            include_usage: include_usage(&sampling),
+        })
+    }
+
+    pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
+        if req.echo == Some(true) {
+            return Err(ApiError::invalid(
+                "echo",
+                "echo is not supported by this server; leave it out or set it to false",
+            ));
+        }
+        if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid(
+                "suffix",
+                "suffix (insertion) is not supported by this server",
+            ));
+        }
+        if let Some(n) = req.best_of
+            && n != 1
+        {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("best_of = {n}: this server generates one completion per request; use 1"),
+            ));
+        }
+        let top = req.logprobs.map(|n| n as usize);
+        if let Some(n) = req.logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs = {n}: at most {MAX_TOP_LOGPROBS} alternatives per token"),
+            ));
+        }
+        let sampling = req.sampling();
+        let constraint = self.constraint(&sampling)?;
+        let prompt = self.completion_prompt(&req.prompt)?;
+        let mut stop_strings = Vec::new();
+        let params = self.params(
+            &sampling,
+            &prompt,
+            "prompt",
+            top.map(|n| n as u32),
+            self.completion_stop_ids.clone(),
+            &mut stop_strings,
+        )?;
+        Ok(Prepared {
+            params,
+            prompt,
+            constraint,
+            stream: sampling.stream.unwrap_or(false),
+            include_usage: include_usage(&sampling),
+        })
+    }
+
+    /// The settings shared by both endpoints, checked.
+    fn params(
+        &self,
+        s: &Sampling,
+        prompt: &[u32],
+        prompt_field: &str,
+        top_logprobs: Option<u32>,
+        stop_ids: Vec<u32>,
+        stop_strings: &mut Vec<String>,
+    ) -> Result<GenParams, ApiError> {
+        if let Some(n) = s.n
+            && n != 1
+        {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "n = {n}: this server generates one choice per request; \
+                     send n = 1 (or leave it out) and make separate requests"
+                ),
+            ));
+        }
+        if let Some(n) = top_logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("top_logprobs = {n}: at most {MAX_TOP_LOGPROBS}"),
+            ));
+        }
+        let d = self.defaults;
+        let sampling = SamplerConfig {
+            temperature: s.temperature.unwrap_or(d.temperature),
+            top_k: s.top_k.map_or(d.top_k, |k| k as usize),
+            top_p: s.top_p.unwrap_or(d.top_p),
+            min_p: s.min_p.unwrap_or(d.min_p),
+            repeat_penalty: s.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: s.repeat_last_n.map_or(d.repeat_last_n, |n| n as usize),
+        };
+        check_range(
+            "temperature",
+            sampling.temperature,
+            0.0,
+            f32::MAX,
+            "0 = greedy",
+        )?;
+        if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                "top_p",
+                format!("top_p must be in (0, 1] (1 = off), got {}", sampling.top_p),
+            ));
+        }
+        check_range("min_p", sampling.min_p, 0.0, 1.0, "0 = off")?;
+        if !(sampling.repeat_penalty.is_finite() && sampling.repeat_penalty > 0.0) {
+            return Err(ApiError::invalid(
+                "repeat_penalty",
+                format!(
+                    "repeat_penalty must be a number > 0 (1 = off), got {}",
+                    sampling.repeat_penalty
+                ),
+            ));
+        }
+        let presence = s.presence_penalty.unwrap_or(0.0);
+        let frequency = s.frequency_penalty.unwrap_or(0.0);
+        check_range("presence_penalty", presence, -2.0, 2.0, "0 = off")?;
+        check_range("frequency_penalty", frequency, -2.0, 2.0, "0 = off")?;
+        let mut logit_bias = Vec::new();
+        for (key, &bias) in s.logit_bias.iter().flatten() {
+            let param = format!("logit_bias.{key}");
+            let id: u32 = key.parse().map_err(|_| {
+                ApiError::invalid(&param, format!("logit_bias key {key:?} is not a token id"))
+            })?;
+            if id as usize >= self.tok.vocab_size() {
+                return Err(ApiError::invalid(
+                    &param,
+                    format!(
+                        "token id {id} is outside the vocabulary ({} tokens)",
+                        self.tok.vocab_size()
+                    ),
+                ));
+            }
+            check_range(&param, bias, -100.0, 100.0, "as OpenAI")?;
+            // -100 bans the token outright, as OpenAI documents it.
+            let bias = if bias <= -100.0 {
+                f32::NEG_INFINITY
+            } else {
+                bias
+            };
+            logit_bias.push((id, bias));
+        }
+        let stops = s.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "{} stop strings given; at most {MAX_STOP_STRINGS}",
+                    stops.len()
+                ),
+            ));
+        }
+        stop_strings.extend(stops.into_iter().filter(|s| !s.is_empty()));
+        if prompt.len() >= self.context {
+            return Err(ApiError::invalid(
+                prompt_field,
+                format!(
+                    "the prompt has {} tokens but a sequence's context holds {} tokens (-c {}); \
+                     at least one token must be left to generate: shorten the prompt",
+                    prompt.len(),
+                    self.context,
+                    self.context
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        let room = self.context - prompt.len();
+        let (field, asked) = match (s.max_completion_tokens, s.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", Some(n)),
+            (None, n) => ("max_tokens", n),
+        };
+        if asked == Some(0) {
+            return Err(ApiError::invalid(
+                field,
+                format!("{field} must be at least 1"),
+            ));
+        }
+        let max_tokens = asked.map_or(room, |n| (n as usize).min(room));
+        Ok(GenParams {
+            sampling,
+            seed: s.seed.map_or_else(fresh_seed, |s| s as u64),
+            max_tokens,
+            stop_strings: std::mem::take(stop_strings),
+            stop_ids,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            logit_bias,
+            logprobs: top_logprobs.map(|n| n as usize),
+            trim: false,
+        })
+    }
+
+    /// `response_format`, compiled; `None` for plain text.
+    fn constraint(&self, s: &Sampling) -> Result<Option<CompiledConstraint>, ApiError> {
+        let (spec, param) = match &s.response_format {
+            None | Some(ResponseFormat::Text) => return Ok(None),
+            Some(ResponseFormat::JsonObject) => (ConstraintSpec::AnyJsonObject, "response_format"),
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let param = "response_format.json_schema.schema";
+                let schema = json_schema.schema.clone().ok_or_else(|| {
+                    ApiError::invalid(
+                        param,
+                        "response_format json_schema needs a `schema` (a JSON schema object)",
+                    )
+                })?;
+                if !(schema.is_object() || schema.is_boolean()) {
+                    return Err(ApiError::invalid(
+                        param,
+                        "the schema must be a JSON object (a JSON schema)",
+                    ));
+                }
+                (ConstraintSpec::JsonSchema(schema), param)
+            }
+        };
+        self.compiler.compile(&spec).map(Some).map_err(|e| {
+            // The compiler's messages start with the CLI flag; the request
+            // field is named instead.
+            let message = format!("{e:#}");
+            let prefix = format!("{}: ", spec.flag());
+            let problem = message.strip_prefix(&prefix).unwrap_or(&message);
+            ApiError::invalid(param, format!("the schema cannot be used: {problem}"))
+        })
+    }
+
+    /// The chat's messages in the template's turn format. System (and
+    /// developer) messages are folded into the first user turn, as
+    /// `pulsar chat` does (Gemma has no system role). The template's own
+    /// pieces are trusted; message text cannot write control tokens.
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::invalid("messages", "messages is empty"));
+        }
+        let mut system: Vec<String> = Vec::new();
+        let mut turns: Vec<(bool, String)> = Vec::new();
+        for (i, m) in messages.iter().enumerate() {
+            let text = message_text(m, i)?;
+            match m.role.as_str() {
+                "system" | "developer" => system.push(text),
+                "user" => turns.push((true, text)),
+                "assistant" => turns.push((false, text)),
+                other => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].role"),
+                        format!(
+                            "role {other:?} is not supported; use system, developer, user or assistant"
+                        ),
+                    ));
+                }
+            }
+        }
+        if !turns.iter().any(|(user, _)| *user) {
+            return Err(ApiError::invalid(
+                "messages",
+                "messages has no user message",
+            ));
+        }
+        let t = &self.template;
+        let (before, after) = t
+            .user_turn
+            .split_once("{content}")
+            .unwrap_or((t.user_turn.as_str(), ""));
+        let system = system.join("\n\n");
+        let (sys_before, sys_after) = t
+            .system_prefix
+            .split_once("{system}")
+            .unwrap_or((t.system_prefix.as_str(), ""));
+        let mut parts: Vec<(&str, bool)> = vec![(&t.preamble, true)];
+        let mut first_user = true;
+        for (user, text) in &turns {
+            if *user {
+                parts.push((before, true));
+                if first_user && !system.is_empty() {
+                    parts.extend([
+                        (sys_before, true),
+                        (system.as_str(), false),
+                        (sys_after, true),
+                    ]);
+                }
+                first_user = false;
+                parts.extend([(text.as_str(), false), (after, true)]);
+            } else {
+                parts.push((&t.model_start, true));
+                // The reply was sent without the space the dialogue
+                // format's model writes after `Assistant:`; it goes back.
+                if !t.model_start.ends_with(char::is_whitespace)
+                    && !text.starts_with(char::is_whitespace)
+                {
+                    parts.push((" ", true));
+                }
+                parts.extend([(text.as_str(), false), (&t.model_end, true)]);
+            }
+        }
+        parts.push((&t.model_start, true));
+        Ok(self.tok.encode_parts(&parts, t.bos))
+    }
+
+    /// `prompt`: text is plain completion with BOS (as `pulsar run --raw`),
+    /// token ids are used as they are.
+    fn completion_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+        let only_one = |n: usize| {
+            ApiError::invalid(
+                "prompt",
+                format!(
+                    "prompt is a list of {n} prompts; this server takes one prompt per request"
+                ),
+            )
+        };
+        let ids = match prompt {
+            Prompt::Text(text) => return Ok(self.tok.encode(text, true)),
+            Prompt::Texts(texts) => match texts.as_slice() {
+                [text] => return Ok(self.tok.encode(text, true)),
+                _ => return Err(only_one(texts.len())),
+            },
+            Prompt::Tokens(ids) => ids.clone(),
+            Prompt::TokenLists(lists) => match lists.as_slice() {
+                [ids] => ids.clone(),
+                _ => return Err(only_one(lists.len())),
+            },
+        };
+        if ids.is_empty() {
+            return Err(ApiError::invalid("prompt", "the prompt has no tokens"));
+        }
+        if let Some(i) = ids
+            .iter()
+            .position(|&id| id as usize >= self.tok.vocab_size())
+        {
+            return Err(ApiError::invalid(
+                format!("prompt[{i}]"),
+                format!(
+                    "token id {} is outside the vocabulary ({} tokens)",
+                    ids[i],
+                    self.tok.vocab_size()
+                ),
+            ));
+        }
+        Ok(ids)
+    }
+}
+
+fn include_usage(s: &Sampling) -> bool {
+    s.stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false)
+}
+
+fn check_range(field: &str, value: f32, lo: f32, hi: f32, note: &str) -> Result<(), ApiError> {
+    if value.is_finite() && (lo..=hi).contains(&value) {
+        return Ok(());
+    }
+    let range = if hi == f32::MAX {
+        format!(">= {lo}")
+    } else {
+        format!("in [{lo}, {hi}]")
+    };
+    Err(ApiError::invalid(
+        field,
+        format!("{field} must be a number {range} ({note}), got {value}"),
+    ))
+}
+
+/// A message's text: a string, or the text parts of a list.
+fn message_text(m: &Message, i: usize) -> Result<String, ApiError> {
+    match &m.content {
+        None => Err(ApiError::invalid(
+            format!("messages[{i}].content"),
+            "the message has no content",
+        )),
+        Some(Content::Text(text)) => Ok(text.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                match (part.kind.as_str(), &part.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}].text"),
+                            "a text part needs `text`",
+                        ));
+                    }
+                    (other, _) => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}].type"),
+                            format!("content parts of type {other:?} are not supported; only text"),
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+    }
+}

@@ -1,0 +1,806 @@
+//! The engine thread: continuous batching over the engine's sequences.
+//!
+//! Each slot is one of the engine's KV caches. Every step gathers, from
+//! every busy slot, the token it must feed next (the one it just sampled)
+//! and, for a slot still reading its prompt, a chunk of the prompt, and
+//! runs them as one `forward_batch`: each weight is read once for all of
+//! them. A request that arrives joins at the next step; one that ends frees
+//! its slot for the next waiting request at once.
+//!
+//! Handlers never wait on this thread: they put jobs in the [`Queue`] (a
+//! mutex held for a push or a pop) and read events from a bounded channel.
+//!
+//! # What a reply depends on
+//! A reply is a function of the request alone (its prompt tokens, settings
+//! and seed), bit for bit, whatever else shares its steps and whatever its
+//! slot's cache held before:
+//! - a run of at most `EXACT_STEP_MAX_TOKENS` tokens of one sequence is
+//!   computed exactly as one-token steps (the engine's guarantee), and a
+//!   longer run in bulk, where each token's result does not depend on how
+//!   the run was cut into chunks or what else is in the step (measured on
+//!   the default model when this was written: chunkings 64+64+22, 50x3,
+//!   17+64+69 and 126+24 of 150 tokens gave the same bits);
+//! - so a prompt of more than `EXACT_STEP_MAX_TOKENS` tokens is always fed
+//!   in bulk runs of more than that many tokens, a shorter one in one exact
+//!   run, and generated tokens one at a time (exact);
+//! - prefix reuse takes only cached positions computed the way a fresh
+//!   prompt would compute them: for a long prompt, the slot's bulk-fed
+//!   prefix (its last prompt, not its reply, which was fed token by token),
+//!   leaving at least one bulk run to feed; for a short prompt, a cache fed
+//!   wholly token by token.
+
+use super::api::ApiError;
+use super::metrics::Metrics;
+use super::slot::{Event, GenParams, Generation, Outcome};
+use crate::constrain::{CompiledConstraint, NextTokens};
+use crate::engine::LogitsWanted;
+use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
+use crate::tokenizer::Tokenizer;
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{self, error::TrySendError};
+
+/// What stepping a generation gave: the outcome, the client's events and
+/// how many tokens were generated.
+type Sampled = (Outcome, Vec<Event>, usize);
+
+/// The shortest bulk run: one token more than an exact one.
+const MIN_BULK: usize = EXACT_STEP_MAX_TOKENS + 1;
+
+/// One request, ready to run.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub constraint: Option<CompiledConstraint>,
+    pub events: mpsc::Sender<Event>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Running,
+    /// Shutting down: no new work; running requests finish.
+    Draining,
+    /// The grace period is over: running requests are cut off.
+    Abort,
+}
+
+struct QueueState {
+    waiting: VecDeque<Job>,
+    mode: Mode,
+}
+
+/// Requests waiting for a slot, shared by the handlers and the engine
+/// thread.
+pub struct Queue {
+    state: Mutex<QueueState>,
+    wake: Condvar,
+    capacity: usize,
+    metrics: Arc<Metrics>,
+    /// The engine thread died (a bug): requests get a 500, /health a 503.
+    failed: AtomicBool,
+}
+
+impl Queue {
+    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Queue {
+        Queue {
+            state: Mutex::new(QueueState {
+                waiting: VecDeque::new(),
+                mode: Mode::Running,
+            }),
+            wake: Condvar::new(),
+            capacity,
+            metrics,
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    pub fn engine_failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Called when the engine thread died: waiting requests fail at once.
+    pub fn mark_failed(&self) {
+        self.failed.store(true, Ordering::Relaxed);
+        let mut state = self.lock();
+        for job in state.waiting.drain(..) {
+            let _ = job.events.try_send(Event::Failed(ApiError::internal(
+                "the server's engine thread failed",
+            )));
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        // Nothing panics while holding this lock (pushes and pops); if
+        // something did, the queue itself is still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job, or refuses it with a 503 when the queue is full or
+    /// the server is shutting down.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        if self.engine_failed() {
+            return Err(ApiError::internal("the server's engine thread failed"));
+        }
+        let mut state = self.lock();
+        if state.mode != Mode::Running {
+            return Err(ApiError::unavailable("the server is shutting down", 5));
+        }
+        if state.waiting.len() >= self.capacity {
+            self.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::unavailable(
+                format!(
+                    "every slot is busy and {} requests are already waiting (--queue); retry later",
+                    state.waiting.len()
+                ),
+                1,
+            ));
+        }
+        state.waiting.push_back(job);
+        self.metrics
+            .queue_length
+            .store(state.waiting.len(), Ordering::Relaxed);
+        drop(state);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Stops taking requests; running ones finish.
+    pub fn drain(&self) {
+        let mut state = self.lock();
+        if state.mode == Mode::Running {
+            state.mode = Mode::Draining;
+        }
+        drop(state);
+        self.wake.notify_one();
+    }
+
+    /// Ends running requests now.
+    pub fn abort(&self) {
+        self.lock().mode = Mode::Abort;
+        self.wake.notify_one();
+    }
+}
+
+pub struct SchedulerOptions {
+    pub slots: usize,
+    /// Most prompt tokens one step feeds in bulk.
+    pub prefill_chunk: usize,
+    /// How long a request may sit with its channel full (its client not
+    /// reading) before it is ended.
+    pub stall_timeout: Duration,
+}
+
+/// A request being served in a slot.
+struct Active<'t> {
+    prompt: Vec<u32>,
+    /// Prompt tokens in the cache (the reused prefix first).
+    fed: usize,
+    /// The prompt goes in one exact run (it is short).
+    exact_prompt: bool,
+    generation: Generation<'t>,
+    /// The token sampled last, to feed in the next step.
+    next: Option<u32>,
+    events: mpsc::Sender<Event>,
+    outbox: VecDeque<Event>,
+    stalled_since: Option<Instant>,
+    /// Admission order: the oldest prompt is fed first.
+    order: u64,
+}
+
+struct Slot<'t> {
+    seq: usize,
+    /// The tokens in this sequence's KV cache.
+    cached: Vec<u32>,
+    /// How many leading cached tokens were fed in bulk runs.
+    bulk_len: usize,
+    last_used: u64,
+    active: Option<Active<'t>>,
+}
+
+/// Events a finished request still owes a slow client, delivered after its
+/// slot is freed.
+struct Leftover {
+    events: mpsc::Sender<Event>,
+    outbox: VecDeque<Event>,
+    since: Instant,
+}
+
+/// How many prompt tokens to feed in this step's bulk run when `left`
+/// remain (`left >= MIN_BULK`): at most `chunk`, and never leaving a tail
+/// shorter than a bulk run.
+pub fn bulk_run(left: usize, chunk: usize) -> usize {
+    let chunk = chunk.max(MIN_BULK);
+    if left <= chunk {
+        left
+    } else if left - chunk >= MIN_BULK {
+        chunk
+    } else if left - MIN_BULK >= MIN_BULK {
+        left - MIN_BULK
+    } else {
+        left
+    }
+}
+
+/// How much of a slot's cache a prompt can reuse (see the module notes).
+pub fn reusable(cached: &[u32], bulk_len: usize, prompt: &[u32]) -> usize {
+    let common = cached
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    if prompt.len() >= MIN_BULK {
+        common.min(bulk_len).min(prompt.len() - MIN_BULK)
+    } else if bulk_len == 0 {
+        common.min(prompt.len().saturating_sub(1))
+    } else {
+        0
+    }
+}
+
+pub struct Scheduler<'t> {
+    engine: FastEngine,
+    tok: &'t Tokenizer,
+    queue: Arc<Queue>,
+    metrics: Arc<Metrics>,
+    opts: SchedulerOptions,
+    slots: Vec<Slot<'t>>,
+    leftovers: Vec<Leftover>,
+    clock: u64,
+    /// (when, tokens generated) per recent step, for the decode rate.
+    recent: VecDeque<(Instant, usize)>,
+}
+
+impl<'t> Scheduler<'t> {
+    pub fn new(
+        mut engine: FastEngine,
+        tok: &'t Tokenizer,
+        queue: Arc<Queue>,
+        metrics: Arc<Metrics>,
+        opts: SchedulerOptions,
+    ) -> anyhow::Result<Scheduler<'t>> {
+        engine.set_sequences(opts.slots)?;
+        let slots = (0..opts.slots)
+            .map(|seq| Slot {
+                seq,
+                cached: Vec::new(),
+                bulk_len: 0,
+                last_used: 0,
+                active: None,
+            })
+            .collect();
+        metrics.slots.store(opts.slots, Ordering::Relaxed);
+        metrics.kv_cells_total.store(
+            opts.slots * crate::engine::Engine::capacity(&engine),
+            Ordering::Relaxed,
+        );
+        Ok(Scheduler {
+            engine,
+            tok,
+            queue,
+            metrics,
+            opts,
+            slots,
+            leftovers: Vec::new(),
+            clock: 0,
+            recent: VecDeque::new(),
+        })
+    }
+
+    /// Serves until the queue is drained (shutdown) or aborted.
+    pub fn run(mut self) {
+        loop {
+            let mode = self.admit();
+            if mode == Mode::Abort {
+                self.abort_all();
+                return;
+            }
+            self.deliver();
+            let busy = self.slots.iter().filter(|s| s.active.is_some()).count();
+            if mode == Mode::Draining && busy == 0 && self.leftovers.is_empty() {
+                return;
+            }
+            let stepped = self.step();
+            self.publish();
+            if !stepped {
+                self.idle(busy > 0 || !self.leftovers.is_empty());
+            }
+        }
+    }
+
+    /// Waits for work: briefly when some client must be waited for,
+    /// otherwise until a request (or shutdown) arrives.
+    fn idle(&self, waiting_on_clients: bool) {
+        let state = self.queue.lock();
+        if !state.waiting.is_empty() || state.mode == Mode::Abort {
+            return;
+        }
+        if waiting_on_clients || state.mode == Mode::Draining {
+            let _ = self
+                .queue
+                .wake
+                .wait_timeout(state, Duration::from_millis(5));
+        } else {
+            let _ = self.queue.wake.wait_timeout(state, Duration::from_secs(1));
+        }
+    }
+
+    /// Moves waiting jobs into free slots; during shutdown, refuses them.
+    fn admit(&mut self) -> Mode {
+        let queue = self.queue.clone();
+        let mut state = queue.lock();
+        let mode = state.mode;
+        if mode != Mode::Running {
+            for job in state.waiting.drain(..) {
+                let _ = job.events.try_send(Event::Failed(ApiError::unavailable(
+                    "the server is shutting down",
+                    5,
+                )));
+            }
+        }
+        while state.waiting.front().is_some() && self.slots.iter().any(|s| s.active.is_none()) {
+            let Some(job) = state.waiting.pop_front() else {
+                break;
+            };
+            if job.events.is_closed() {
+                self.metrics.disconnects.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            self.start(job);
+        }
+        self.metrics
+            .queue_length
+            .store(state.waiting.len(), Ordering::Relaxed);
+        mode
+    }
+
+    /// Puts a job in the free slot whose cache it can reuse most (the
+    /// least recently used among equals).
+    fn start(&mut self, job: Job) {
+        let Some(index) = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.active.is_none())
+            .max_by_key(|(_, s)| {
+                (
+                    reusable(&s.cached, s.bulk_len, &job.prompt),
+                    std::cmp::Reverse(s.last_used),
+                )
+            })
+            .map(|(i, _)| i)
+        else {
+            return;
+        };
+        self.clock += 1;
+        let slot = &mut self.slots[index];
+        let reuse = reusable(&slot.cached, slot.bulk_len, &job.prompt);
+        self.engine.truncate_sequence(slot.seq, reuse);
+        slot.cached.truncate(reuse);
+        slot.bulk_len = slot.bulk_len.min(reuse);
+        slot.last_used = self.clock;
+        self.metrics
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .cached_prompt_tokens
+            .fetch_add(reuse as u64, Ordering::Relaxed);
+        let constraint = job.constraint.as_ref().map(CompiledConstraint::start);
+        let generation = Generation::new(self.tok, job.params, constraint, &job.prompt, reuse);
+        slot.active = Some(Active {
+            exact_prompt: job.prompt.len() < MIN_BULK,
+            fed: reuse,
+            prompt: job.prompt,
+            generation,
+            next: None,
+            events: job.events,
+            outbox: VecDeque::new(),
+            stalled_since: None,
+            order: self.clock,
+        });
+    }
+
+    /// Hands each request's events to its channel as far as it has room;
+    /// frees the slots of clients that went away or stopped reading.
+    fn deliver(&mut self) {
+        let timeout = self.opts.stall_timeout;
+        for slot in &mut self.slots {
+            let Some(active) = &mut slot.active else {
+                continue;
+            };
+            match flush(&active.events, &mut active.outbox) {
+                Flush::Done => active.stalled_since = None,
+                Flush::Full => {
+                    let since = *active.stalled_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= timeout {
+                        eprintln!(
+                            "pulsar serve: a client read nothing for {} s; its request was ended",
+                            timeout.as_secs()
+                        );
+                        self.metrics.stalled.fetch_add(1, Ordering::Relaxed);
+                        slot.active = None;
+                    }
+                }
+                Flush::Closed => {
+                    self.metrics.disconnects.fetch_add(1, Ordering::Relaxed);
+                    slot.active = None;
+                }
+            }
+        }
+        self.leftovers
+            .retain_mut(|left| match flush(&left.events, &mut left.outbox) {
+                Flush::Done | Flush::Closed => false,
+                Flush::Full => left.since.elapsed() < timeout,
+            });
+    }
+
+    /// Runs one forward step over every busy slot that has work. Returns
+    /// whether there was any.
+    fn step(&mut self) -> bool {
+        // (slot index, tokens, logits wanted, prompt tokens fed)
+        let mut plan: Vec<(usize, Vec<u32>, Option<LogitsWanted>, usize)> = Vec::new();
+        let mut order: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].active.is_some())
+            .collect();
+        order.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.order));
+        let mut bulk_taken = false;
+        for i in order {
+            let Some(active) = &self.slots[i].active else {
+                continue;
+            };
+            if active.stalled_since.is_some() {
+                continue;
+            }
+            let left = active.prompt.len() - active.fed;
+            if left > 0 {
+                if active.exact_prompt {
+                    let tokens = active.prompt[active.fed..].to_vec();
+                    plan.push((i, tokens, Some(LogitsWanted::Last), left));
+                } else if !bulk_taken {
+                    // One bulk run per step keeps the step short for the
+                    // streams decoding beside it.
+                    bulk_taken = true;
+                    let n = bulk_run(left, self.opts.prefill_chunk);
+                    let tokens = active.prompt[active.fed..active.fed + n].to_vec();
+                    let wanted = (n == left).then_some(LogitsWanted::Last);
+                    plan.push((i, tokens, wanted, n));
+                }
+            } else if let Some(next) = active.next {
+                plan.push((i, vec![next], Some(LogitsWanted::Last), 0));
+            }
+        }
+        if plan.is_empty() {
+            return false;
+        }
+        let batch: Vec<SeqTokens> = plan
+            .iter()
+            .map(|(i, tokens, wanted, _)| SeqTokens {
+                seq: self.slots[*i].seq,
+                tokens,
+                wanted: *wanted,
+            })
+            .collect();
+        let wants_mask: Vec<usize> = plan
+            .iter()
+            .filter(|(_, _, wanted, _)| wanted.is_some())
+            .map(|(i, ..)| *i)
+            .collect();
+        let started = Instant::now();
+        let engine = &mut self.engine;
+        let slots = &mut self.slots;
+        // The next masks depend only on the tokens taken so far, so they
+        // are computed on a helper thread while the forward pass runs.
+        let (result, mut masks) = std::thread::scope(|scope| {
+            let states: Vec<_> = slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| wants_mask.contains(i))
+                .filter_map(|(i, s)| {
+                    let state = s.active.as_mut()?.generation.constraint_mut()?;
+                    Some((i, state))
+                })
+                .collect();
+            let helper = (!states.is_empty()).then(|| {
+                scope.spawn(move || {
+                    states
+                        .into_iter()
+                        .map(|(i, state)| (i, state.next_tokens()))
+                        .collect::<Vec<_>>()
+                })
+            });
+            let result = engine.forward_batch(&batch);
+            // A helper that panicked leaves the masks to be computed in
+            // line, where the panic is caught per request.
+            let masks = helper.and_then(|h| h.join().ok()).unwrap_or_default();
+            (result, masks)
+        });
+        let micros = started.elapsed().as_micros() as u64;
+        let tokens: usize = plan.iter().map(|(_, t, ..)| t.len()).sum();
+        self.metrics.count_step(plan.len(), tokens, micros);
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(e) => {
+                eprintln!("pulsar serve: a forward step failed: {e:#}");
+                for (i, ..) in &plan {
+                    self.fail(
+                        *i,
+                        ApiError::internal(format!("the forward pass failed: {e:#}")),
+                    );
+                }
+                return true;
+            }
+        };
+        // Bookkeeping first, then every slot that got logits picks its
+        // next token: each on one of the engine's threads (the sampler
+        // scans the whole vocabulary, about a millisecond), in parallel.
+        let mut work: Vec<(usize, Vec<f32>, Option<NextTokens>)> = Vec::new();
+        for ((i, tokens, wanted, prompt_fed), logits) in plan.into_iter().zip(logits) {
+            let slot = &mut self.slots[i];
+            slot.cached.extend_from_slice(&tokens);
+            let Some(active) = &mut slot.active else {
+                continue;
+            };
+            active.fed += prompt_fed;
+            if prompt_fed > 0 && !active.exact_prompt {
+                slot.bulk_len = slot.cached.len();
+            }
+            if wanted.is_some() {
+                let allowed = masks
+                    .iter()
+                    .position(|(m, _)| *m == i)
+                    .map(|at| masks.swap_remove(at).1);
+                work.push((i, logits, allowed));
+            }
+        }
+        let results = self.sample_all(work);
+        let mut generated = 0;
+        for (i, result) in results {
+            let Some(active) = &mut self.slots[i].active else {
+                continue;
+            };
+            match result {
+                Some((outcome, events, tokens)) => {
+                    active.outbox.extend(events);
+                    generated += tokens;
+                    match outcome {
+                        Outcome::Feed(next) => active.next = Some(next),
+                        Outcome::Finished(_) => self.finish(i),
+                    }
+                }
+                None => {
+                    eprintln!("pulsar serve: a request's generation panicked; it was ended");
+                    self.fail(i, ApiError::internal("internal error while generating"));
+                }
+            }
+        }
+        self.count_generated(generated);
+        true
+    }
+
+    /// Steps each listed slot's generation with its logits, spread over
+    /// the engine's threads. Returns per slot the outcome, the events and
+    /// the tokens generated, or `None` where the step panicked.
+    fn sample_all(
+        &mut self,
+        work: Vec<(usize, Vec<f32>, Option<NextTokens>)>,
+    ) -> Vec<(usize, Option<Sampled>)> {
+        struct Item<'a, 't> {
+            generation: &'a mut Generation<'t>,
+            logits: Vec<f32>,
+            allowed: Option<NextTokens>,
+            result: Option<Sampled>,
+        }
+        let mut inputs: Vec<Option<(Vec<f32>, Option<NextTokens>)>> =
+            (0..self.slots.len()).map(|_| None).collect();
+        for (i, logits, allowed) in work {
+            inputs[i] = Some((logits, allowed));
+        }
+        let (indices, items): (Vec<usize>, Vec<Mutex<Item>>) = self
+            .slots
+            .iter_mut()
+            .zip(inputs)
+            .enumerate()
+            .filter_map(|(i, (slot, input))| {
+                let (logits, allowed) = input?;
+                let item = Item {
+                    generation: &mut slot.active.as_mut()?.generation,
+                    logits,
+                    allowed,
+                    result: None,
+                };
+                Some((i, Mutex::new(item)))
+            })
+            .unzip();
+        let run = |item: &Mutex<Item>| {
+            let mut guard = item.lock().unwrap_or_else(|e| e.into_inner());
+            let item = &mut *guard;
+            // Client data (settings, schemas) drives this part: a panic in
+            // it ends that request, not the server.
+            item.result = catch_unwind(AssertUnwindSafe(|| {
+                let before = item.generation.generated();
+                let mut events = Vec::new();
+                let allowed = item.allowed.take();
+                let outcome = item.generation.step(&mut item.logits, allowed, &mut events);
+                (outcome, events, item.generation.generated() - before)
+            }))
+            .ok();
+        };
+        let pool = self.engine.pool();
+        if items.len() > 1 {
+            let threads = pool.threads();
+            pool.run(|tid| items.iter().skip(tid).step_by(threads).for_each(run));
+        } else {
+            items.iter().for_each(run);
+        }
+        indices
+            .into_iter()
+            .zip(items)
+            .map(|(i, item)| {
+                let item = item.into_inner().unwrap_or_else(|e| e.into_inner());
+                (i, item.result)
+            })
+            .collect()
+    }
+
+    fn count_generated(&mut self, tokens: usize) {
+        self.metrics
+            .generated_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        let now = Instant::now();
+        self.recent.push_back((now, tokens));
+        while self
+            .recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(10))
+        {
+            self.recent.pop_front();
+        }
+        let total: usize = self.recent.iter().map(|(_, n)| n).sum();
+        let span = self
+            .recent
+            .front()
+            .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64());
+        let rate = if span > 0.0 { total as f64 / span } else { 0.0 };
+        self.metrics.set_decode_rate(rate);
+    }
+
+    /// Frees a slot whose generation ended; what its client has not read
+    /// yet is delivered later.
+    fn finish(&mut self, index: usize) {
+        let Some(mut active) = self.slots[index].active.take() else {
+            return;
+        };
+        if let Flush::Full = flush(&active.events, &mut active.outbox) {
+            self.leftovers.push(Leftover {
+                events: active.events,
+                outbox: active.outbox,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Ends a slot's request with an error; its cache is forgotten, since
+    /// the step that failed may have left it part-written.
+    fn fail(&mut self, index: usize, error: ApiError) {
+        let slot = &mut self.slots[index];
+        if let Some(mut active) = slot.active.take() {
+            active.outbox.push_back(Event::Failed(error));
+            if let Flush::Full = flush(&active.events, &mut active.outbox) {
+                self.leftovers.push(Leftover {
+                    events: active.events,
+                    outbox: active.outbox,
+                    since: Instant::now(),
+                });
+            }
+        }
+        slot.cached.clear();
+        slot.bulk_len = 0;
+        self.engine.truncate_sequence(slot.seq, 0);
+    }
+
+    /// The grace period is over: every running request ends with an error.
+    fn abort_all(&mut self) {
+        for i in 0..self.slots.len() {
+            if self.slots[i].active.is_some() {
+                self.fail(
+                    i,
+                    ApiError::unavailable("the server shut down before the reply was complete", 5),
+                );
+            }
+        }
+        for left in &mut self.leftovers {
+            let _ = flush(&left.events, &mut left.outbox);
+        }
+    }
+
+    fn publish(&self) {
+        let busy = self.slots.iter().filter(|s| s.active.is_some()).count();
+        self.metrics.busy_slots.store(busy, Ordering::Relaxed);
+        let cells = self.slots.iter().map(|s| s.cached.len()).sum();
+        self.metrics.kv_cells_used.store(cells, Ordering::Relaxed);
+    }
+}
+
+enum Flush {
+    /// Everything was handed over.
+    Done,
+    /// The channel is full: the client is not reading.
+    Full,
+    /// The client went away.
+    Closed,
+}
+
+fn flush(events: &mpsc::Sender<Event>, outbox: &mut VecDeque<Event>) -> Flush {
+    if events.is_closed() {
+        return Flush::Closed;
+    }
+    while let Some(event) = outbox.pop_front() {
+        match events.try_send(event) {
+            Ok(()) => {}
+            Err(TrySendError::Full(event)) => {
+                outbox.push_front(event);
+                return Flush::Full;
+            }
+            Err(TrySendError::Closed(_)) => return Flush::Closed,
+        }
+    }
+    Flush::Done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bulk_runs_never_leave_a_short_tail() {
+        for left in MIN_BULK..400 {
+            let mut rest = left;
+            while rest > 0 {
+                let n = bulk_run(rest, 64);
+                assert!(n >= MIN_BULK, "left {left}: run of {n}");
+                assert!(n <= 64 + MIN_BULK, "left {left}: run of {n}");
+                rest -= n;
+                assert!(rest == 0 || rest >= MIN_BULK, "left {left}: tail {rest}");
+            }
+        }
+    }
+
+    #[test]
+    fn reuse_takes_only_canonically_fed_positions() {
+        let prompt: Vec<u32> = (0..40).collect();
+        // A long prompt reuses the bulk-fed prefix, leaving a bulk run.
+        assert_eq!(reusable(&prompt, 40, &prompt), 40 - MIN_BULK);
+        let longer: Vec<u32> = (0..100).collect();
+        assert_eq!(reusable(&prompt, 40, &longer), 40);
+        // Cached positions fed one at a time (a reply) are not reused by a
+        // long prompt.
+        assert_eq!(reusable(&longer, 40, &longer), 40);
+        assert_eq!(reusable(&prompt, 0, &longer), 0);
+        // A short prompt reuses only a cache fed token by token.
+        let short: Vec<u32> = (0..10).collect();
+        assert_eq!(reusable(&prompt[..12], 0, &short), 9);
+        assert_eq!(reusable(&prompt, 40, &short), 0);
+        // Different tokens share nothing.
+        assert_eq!(reusable(&[9, 9, 9], 0, &[1, 2]), 0);
+    }
+
+    #[test]
+    fn a_full_channel_keeps_the_events_and_a_closed_one_says_so() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let mut outbox: VecDeque<Event> = (0..3)
+            .map(|i| Event::Delta {
+                text: i.to_string(),
+                logprobs: Vec::new(),
+            })
+            .collect();
+        assert!(matches!(flush(&tx, &mut outbox), Flush::Full));
+        assert_eq!(outbox.len(), 2);
+        assert!(rx.try_recv().is_ok());
+        assert!(matches!(flush(&tx, &mut outbox), Flush::Full));
+        assert_eq!(outbox.len(), 1);
+        drop(rx);
+        assert!(matches!(flush(&tx, &mut outbox), Flush::Closed));
+    }
+}

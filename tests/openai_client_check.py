@@ -1,0 +1,119 @@
+"""Drives a running `pulsar serve` with the official `openai` package.
+
+Usage: openai_client_check.py BASE_URL API_KEY   (BASE_URL ends in /v1)
+
+Run by tests/serve.rs against a server it started; exits non-zero with the
+failed check's message, prints "all checks passed" otherwise.
+"""
+
+import sys
+from typing import Literal
+
+import openai
+from pydantic import BaseModel, Field
+
+base_url, api_key = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+    print(f"ok: {what}")
+
+
+models = client.models.list()
+model = models.data[0].id
+check(model == "gemma-3-270m-q4_k_m", f"models.list names the model ({model})")
+
+question = [{"role": "user", "content": "What is the capital of France?"}]
+reply = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=40)
+text = reply.choices[0].message.content
+check("Paris" in text, f"chat completion: {text!r}")
+check(reply.choices[0].finish_reason == "stop", "chat finish_reason stop")
+check(reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens, "chat usage adds up")
+
+pieces, usage, roles = [], None, []
+for chunk in client.chat.completions.create(
+    model=model, messages=question, temperature=0, max_tokens=40, stream=True,
+    stream_options={"include_usage": True},
+):
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for choice in chunk.choices:
+        if choice.delta.role:
+            roles.append(choice.delta.role)
+        if choice.delta.content:
+            pieces.append(choice.delta.content)
+check("".join(pieces) == text, "streamed chat equals the non-streamed reply")
+check(roles == ["assistant"], f"the role comes once, first ({roles})")
+check(usage is not None and usage.completion_tokens == reply.usage.completion_tokens, "streamed usage")
+
+comp = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=12)
+check(comp.choices[0].finish_reason in ("length", "stop"), f"completion: {comp.choices[0].text!r}")
+streamed = "".join(
+    c.choices[0].text
+    for c in client.completions.create(
+        model=model, prompt="The capital of France is", temperature=0, max_tokens=12, stream=True
+    )
+    if c.choices
+)
+check(streamed == comp.choices[0].text, "streamed completion equals the non-streamed one")
+
+def sampled(seed):
+    r = client.completions.create(model=model, prompt="Once upon a time", temperature=1.0, seed=seed, max_tokens=24)
+    return r.choices[0].text
+
+a, b, c = sampled(7), sampled(7), sampled(8)
+check(a == b, "the same seed gives the same text")
+check(a != c, "another seed gives another text")
+
+full = comp.choices[0].text
+stop = full.strip().split()[2]
+cut = client.completions.create(
+    model=model, prompt="The capital of France is", temperature=0, max_tokens=12, stop=[stop]
+)
+check(cut.choices[0].text == full[: full.index(stop)], f"stop string {stop!r} ends the text, unshown")
+check(cut.choices[0].finish_reason == "stop", "stop string finish_reason")
+
+try:
+    client.chat.completions.create(model=model, messages=question, n=2)
+    check(False, "n=2 is refused")
+except openai.BadRequestError as e:
+    check(e.status_code == 400 and "n = 2" in str(e), f"n=2 raises BadRequestError: {e}")
+
+try:
+    openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    check(False, "a wrong key is refused")
+except openai.AuthenticationError as e:
+    check(e.status_code == 401, "a wrong key raises AuthenticationError")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    favourite_colour: Literal["red", "green", "blue"]
+
+
+parsed = client.chat.completions.parse(
+    model=model,
+    messages=[{"role": "user", "content": "Describe a person: name, age and favourite colour."}],
+    response_format=Person,
+    temperature=0,
+    max_tokens=100,
+)
+person = parsed.choices[0].message.parsed
+check(isinstance(person, Person), f"structured output parsed into a Pydantic model: {person!r}")
+check(0 <= person.age <= 120 and len(person.name) <= 20, "the parsed values follow the schema")
+
+try:
+    client.chat.completions.create(
+        model=model,
+        messages=question,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}},
+    )
+    check(False, "a schema that cannot compile is refused")
+except openai.BadRequestError as e:
+    check("strnig" in str(e), f"a bad schema raises BadRequestError naming it: {e}")
+
+print("all checks passed")

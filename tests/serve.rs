@@ -1,0 +1,1097 @@
+//! `pulsar serve` through the real binary on the default model: each test
+//! starts a server on an ephemeral loopback port (`--port 0`, the address
+//! read from its stdout) and drives it over HTTP.
+//!
+//! Generation is greedy (temperature 0) or seeded wherever a test compares
+//! texts, and token counts are bounded by `max_tokens`, so nothing depends
+//! on timing; the few time bounds are liveness bounds, far above what is
+//! expected.
+
+use reqwest::blocking::{Client, Response};
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Gemma's `<eos>` and `<end_of_turn>`: banned with `logit_bias` where a
+/// test needs a generation that runs to `max_tokens`.
+const EOS: &str = "1";
+const END_OF_TURN: &str = "106";
+
+struct Server {
+    child: Child,
+    base: String,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        Server::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let model = pulsar::model::fetch::default_model_path().expect("default model");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pulsar"));
+        cmd.arg("serve")
+            .arg("-m")
+            .arg(model)
+            .args(["--port", "0", "--threads", "2"])
+            .args(args)
+            .env_remove("PULSAR_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("pulsar serve starts");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(mut err) = child.stderr.take() {
+            let log = stderr.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = err.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    log.lock()
+                        .unwrap()
+                        .push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            });
+        }
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("reading the server's stdout");
+        let Some(addr) = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+        else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "no address on stdout: {line:?}; stderr: {}",
+                stderr.lock().unwrap()
+            );
+        };
+        assert!(addr.starts_with("127.0.0.1:"), "{line}");
+        Server {
+            base: format!("http://{addr}"),
+            child,
+            stderr,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        client()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .expect("request sent")
+    }
+
+    /// POSTs and returns (status, JSON body).
+    fn call(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self.post(path, body);
+        let status = r.status().as_u16();
+        let text = r.text().expect("body read");
+        let value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+        (status, value)
+    }
+
+    fn ok(&self, path: &str, body: &Value) -> Value {
+        let (status, value) = self.call(path, body);
+        assert_eq!(status, 200, "{value}");
+        value
+    }
+
+    fn metrics(&self) -> String {
+        client()
+            .get(self.url("/metrics"))
+            .send()
+            .and_then(|r| r.text())
+            .expect("metrics")
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        metric(&self.metrics(), name)
+    }
+
+    /// Waits (at most `limit`) for a metric to satisfy `ok`.
+    fn wait_metric(&self, name: &str, limit: Duration, ok: impl Fn(f64) -> bool) -> f64 {
+        let start = Instant::now();
+        loop {
+            let v = self.metric(name);
+            if ok(v) {
+                return v;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{name} is still {v} after {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then the exit status (within a liveness bound).
+    fn terminate(mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(killed.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the server did not exit after SIGTERM; stderr: {}",
+                self.stderr.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn client() -> Client {
+    Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("HTTP client")
+}
+
+/// A sample's value in Prometheus text (`name value` or `name{...} value`).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            (key == name).then(|| value.parse().ok())?
+        })
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+}
+
+/// Reads SSE `data:` payloads from a streaming response.
+struct Sse {
+    lines: std::io::Lines<BufReader<Response>>,
+}
+
+impl Sse {
+    fn new(r: Response) -> Sse {
+        assert_eq!(r.status().as_u16(), 200);
+        let kind = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        assert!(kind.starts_with("text/event-stream"), "{kind}");
+        Sse {
+            lines: BufReader::new(r).lines(),
+        }
+    }
+
+    /// The next `data:` payload, or None at the end of the stream.
+    fn next_data(&mut self) -> Option<String> {
+        for line in self.lines.by_ref() {
+            let line = line.expect("stream read");
+            if let Some(data) = line.strip_prefix("data: ") {
+                return Some(data.to_string());
+            }
+        }
+        None
+    }
+
+    /// Every payload to the end; `[DONE]` must be the last.
+    fn all(mut self) -> Vec<Value> {
+        let mut out = Vec::new();
+        let mut done = false;
+        while let Some(data) = self.next_data() {
+            assert!(!done, "data after [DONE]: {data}");
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            out.push(serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}")));
+        }
+        assert!(done, "the stream ended without [DONE]");
+        out
+    }
+}
+
+fn stream(server: &Server, path: &str, body: &Value) -> Sse {
+    Sse::new(server.post(path, body))
+}
+
+fn chat_text(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {v}"))
+        .to_string()
+}
+
+fn completion_text(v: &Value) -> String {
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {v}"))
+        .to_string()
+}
+
+fn user(text: &str) -> Value {
+    json!([{ "role": "user", "content": text }])
+}
+
+fn assert_error(status: u16, body: &Value, want_status: u16, param: Option<&str>, words: &[&str]) {
+    assert_eq!(status, want_status, "{body}");
+    let e = &body["error"];
+    let message = e["message"].as_str().unwrap_or_else(|| panic!("{body}"));
+    assert!(e["type"].is_string(), "{body}");
+    assert!(
+        e.get("code").is_some() && e.get("param").is_some(),
+        "{body}"
+    );
+    if let Some(p) = param {
+        assert_eq!(e["param"], p, "{body}");
+    }
+    for w in words {
+        assert!(message.contains(w), "{w:?} not in {message:?}");
+    }
+}
+
+fn pulsar_cmd(args: &[&str]) -> String {
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(args)
+        .arg("-m")
+        .arg(model)
+        .output()
+        .expect("pulsar runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+#[test]
+fn chat_and_completions_reply_in_openai_shapes() {
+    let s = Server::start(&["-c", "1024"]);
+    let health = client().get(s.url("/health")).send().expect("health");
+    assert_eq!(health.status().as_u16(), 200);
+    let models: Value = client()
+        .get(s.url("/v1/models"))
+        .send()
+        .and_then(|r| r.json())
+        .expect("models");
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "gemma-3-270m-q4_k_m");
+
+    // Non-streaming chat.
+    let body = json!({
+        "model": "anything",
+        "messages": user("What is the capital of France?"),
+        "temperature": 0,
+        "max_tokens": 40,
+        "some_future_field": {"ignored": true},
+    });
+    let v = s.ok("/v1/chat/completions", &body);
+    assert_eq!(v["object"], "chat.completion");
+    assert!(
+        v["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-"))
+    );
+    assert_eq!(v["model"], "gemma-3-270m-q4_k_m");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let text = chat_text(&v);
+    assert!(text.contains("Paris"), "{text}");
+    // The dialogue format's "\nUser:" ended the reply and is not shown.
+    assert_eq!(choice["finish_reason"], "stop");
+    assert!(!text.contains("User:") && text == text.trim(), "{text:?}");
+    let usage = &v["usage"];
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        )
+    );
+
+    // The same request streamed: the role first, the same text, a finish
+    // chunk, the usage chunk, then [DONE].
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let n = chunks.len();
+    let content: String = chunks[1..n - 2]
+        .iter()
+        .map(|c| {
+            assert!(c["choices"][0]["finish_reason"].is_null(), "{c}");
+            assert!(c["usage"].is_null(), "{c}");
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect();
+    assert!(n > 4, "{chunks:?}");
+    assert_eq!(content, text);
+    assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(
+        chunks[n - 1]["usage"]["completion_tokens"],
+        usage["completion_tokens"]
+    );
+    assert_eq!(
+        chunks[n - 1]["usage"]["prompt_tokens"],
+        usage["prompt_tokens"]
+    );
+    // Without include_usage there is no usage chunk.
+    streamed["stream_options"] = json!(null);
+    let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "{chunks:?}"
+    );
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+
+    // Completions: text prompt with BOS, exact prompt count, max_tokens
+    // reached, streamed pieces adding up to the same text.
+    let prompt = "The capital of France is";
+    let ids = pulsar_cmd(&["tokenize", "-p", prompt]);
+    let prompt_tokens = ids.split_whitespace().count();
+    let body = json!({"prompt": prompt, "temperature": 0, "max_tokens": 12,
+                      "logit_bias": {EOS: -100}});
+    let v = s.ok("/v1/completions", &body);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 12);
+    let whole = completion_text(&v);
+    let run = pulsar_cmd(&[
+        "run",
+        "-p",
+        prompt,
+        "-n",
+        "12",
+        "-t",
+        "0",
+        "--raw",
+        "--threads",
+        "2",
+    ]);
+    assert_eq!(
+        format!("{whole}\n"),
+        run,
+        "the server and `pulsar run` agree"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&s, "/v1/completions", &streamed).all();
+    let joined: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(joined, whole);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    // A token-id prompt counts exactly its ids.
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": [2, 818, 5279, 529, 7001, 563], "temperature": 0, "max_tokens": 3}),
+    );
+    assert_eq!(v["usage"]["prompt_tokens"], 6);
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 3);
+}
+
+#[test]
+fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
+    let s = Server::start(&["-c", "1024"]);
+    let question = "Name three colors.";
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": user(question), "temperature": 0, "max_tokens": 48}),
+    );
+    let run = pulsar_cmd(&[
+        "run",
+        "-p",
+        question,
+        "-n",
+        "48",
+        "-t",
+        "0",
+        "--threads",
+        "2",
+    ]);
+    assert_eq!(chat_text(&v), run.trim_end(), "server vs pulsar run -t 0");
+    // A system message opens the first user turn, as --system does.
+    let system = "Answer with a single word.";
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": [{"type": "text", "text": question}]}],
+                "temperature": 0, "max_tokens": 24}),
+    );
+    let run = pulsar_cmd(&[
+        "run",
+        "-p",
+        question,
+        "--system",
+        system,
+        "-n",
+        "24",
+        "-t",
+        "0",
+        "--threads",
+        "2",
+    ]);
+    assert_eq!(chat_text(&v), run.trim_end(), "with a system message");
+
+    // Logprobs of a greedy reply: the chosen token is the most likely one
+    // of the raw distribution, alternatives come best first.
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": user("Count from one to ten."), "temperature": 0,
+                "max_tokens": 6, "logprobs": true, "top_logprobs": 3}),
+    );
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"));
+    assert!(!content.is_empty());
+    assert!(content.len() <= v["usage"]["completion_tokens"].as_u64().unwrap() as usize);
+    let mut joined = String::new();
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        assert_eq!(top[0]["token"], entry["token"], "{entry}");
+        let lp: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(lp[0] <= 0.0 && lp[0] >= lp[1] && lp[1] >= lp[2], "{entry}");
+        let bytes: Vec<u8> = entry["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            entry["token"].as_str().unwrap()
+        );
+        joined.push_str(entry["token"].as_str().unwrap());
+    }
+    assert!(joined.contains(chat_text(&v).as_str()), "{joined:?} vs {v}");
+    // Completions' legacy shape.
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "One, two,", "temperature": 0, "max_tokens": 4, "logprobs": 2,
+                "logit_bias": {EOS: -100}}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4, "{v}");
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    let tokens: String = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens, completion_text(&v));
+}
+
+#[test]
+fn a_stop_string_split_across_tokens_is_caught_and_not_returned() {
+    let s = Server::start(&["-c", "512"]);
+    let body = json!({"prompt": "Here is a short story about a dragon:", "temperature": 0,
+                      "max_tokens": 40, "logprobs": 0, "logit_bias": {EOS: -100}});
+    let v = s.ok("/v1/completions", &body);
+    let text = completion_text(&v);
+    let tokens: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(tokens.concat(), text);
+    // A stop string made of the end of one token and the start of the
+    // next, where it first occurs in the text.
+    let mut offset = 0;
+    let mut found = None;
+    for i in 0..tokens.len() - 1 {
+        offset += tokens[i].len();
+        let (a, b) = (&tokens[i], &tokens[i + 1]);
+        if a.len() >= 3 && b.len() >= 3 && a.is_ascii() && b.is_ascii() {
+            let stop = format!("{}{}", &a[a.len() - 2..], &b[..2]);
+            if text.find(&stop) == Some(offset - 2) {
+                found = Some((i, stop, offset - 2));
+                break;
+            }
+        }
+    }
+    let (i, stop, at) = found.unwrap_or_else(|| panic!("no usable token pair in {tokens:?}"));
+    for streaming in [false, true] {
+        let mut body = body.clone();
+        body["stop"] = json!([stop.clone(), "never appears"]);
+        let (got, finish, usage) = if streaming {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+            let chunks = stream(&s, "/v1/completions", &body).all();
+            let text: String = chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["text"].as_str())
+                .collect();
+            let n = chunks.len();
+            (
+                text,
+                chunks[n - 2]["choices"][0]["finish_reason"].clone(),
+                chunks[n - 1]["usage"].clone(),
+            )
+        } else {
+            let v = s.ok("/v1/completions", &body);
+            (
+                completion_text(&v),
+                v["choices"][0]["finish_reason"].clone(),
+                v["usage"].clone(),
+            )
+        };
+        assert_eq!(got, text[..at], "stop {stop:?} (streaming: {streaming})");
+        assert_eq!(finish, "stop");
+        // Tokens 0..=i+1 were generated: the last one completed the stop.
+        assert_eq!(usage["completion_tokens"], i + 2, "{usage}");
+    }
+}
+
+#[test]
+fn requests_share_steps_and_replies_do_not_depend_on_company() {
+    let s = Server::start(&["-c", "1024", "--parallel", "4"]);
+    // A short prompt (fed token-exact) and a long one (fed in bulk), greedy
+    // and seeded.
+    let requests = [
+        (
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "temperature": 0, "max_tokens": 40}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("Explain in two sentences why the sky is blue, and mention Rayleigh scattering."), "temperature": 0, "max_tokens": 40}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "The best thing about summer is", "temperature": 0.9, "seed": 42, "max_tokens": 40}),
+        ),
+    ];
+    let text = |path: &str, v: &Value| {
+        if path == "/v1/completions" {
+            completion_text(v)
+        } else {
+            chat_text(v)
+        }
+    };
+    let alone: Vec<String> = requests.iter().map(|(p, b)| text(p, &s.ok(p, b))).collect();
+    // Again alone: a slot now holds each prompt (prefix reuse).
+    let again: Vec<String> = requests.iter().map(|(p, b)| text(p, &s.ok(p, b))).collect();
+    assert_eq!(alone, again, "greedy and seeded replies repeat");
+    assert_eq!(s.metric("pulsar_step_batch_max"), 1.0);
+
+    // All together, with a fourth request that starts a long prompt while
+    // the others decode.
+    let long = "Tell me about the history of the printing press. ".repeat(12);
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|(p, b)| {
+                let s = &s;
+                scope.spawn(move || text(p, &s.ok(p, b)))
+            })
+            .collect();
+        let extra = scope.spawn(|| {
+            s.ok(
+                "/v1/completions",
+                &json!({"prompt": long, "temperature": 0.7, "max_tokens": 30}),
+            )
+        });
+        extra.join().unwrap();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        alone, together,
+        "replies do not depend on what shares their steps"
+    );
+    let metrics = s.metrics();
+    assert!(
+        metric(&metrics, "pulsar_step_batch_max") >= 2.0,
+        "{metrics}"
+    );
+    assert!(
+        metric(&metrics, "pulsar_cached_prompt_tokens_total") > 0.0,
+        "{metrics}"
+    );
+    assert_eq!(metric(&metrics, "pulsar_slots_busy"), 0.0);
+    assert!(metric(&metrics, "pulsar_kv_cells_used") > 0.0);
+}
+
+#[test]
+fn the_next_turn_of_a_conversation_reuses_the_cache() {
+    let s = Server::start(&["-c", "1024", "--parallel", "2"]);
+    let first = "I am planning a trip to Italy next spring and would like to see Rome, Florence and Venice.";
+    let turn1 = json!({"messages": user(first), "temperature": 0, "max_tokens": 30});
+    let v1 = s.ok("/v1/chat/completions", &turn1);
+    let p1 = v1["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v1["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let reply = chat_text(&v1);
+    let turn2 = json!({"messages": [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Which city should I visit first?"},
+    ], "temperature": 0, "max_tokens": 30});
+    let v2 = s.ok("/v1/chat/completions", &turn2);
+    let p2 = v2["usage"]["prompt_tokens"].as_u64().unwrap();
+    // The whole first prompt comes from the cache; the reply, fed token by
+    // token when it was generated, is fed again in bulk (see the
+    // scheduler's notes on what a reply depends on).
+    assert_eq!(
+        v2["usage"]["prompt_tokens_details"]["cached_tokens"], p1,
+        "{v2}"
+    );
+    assert!(p2 > p1 + 17);
+    // And the cache changed nothing: a fresh server gives the same reply.
+    drop(s);
+    let fresh = Server::start(&["-c", "1024", "--parallel", "1"]);
+    let v3 = fresh.ok("/v1/chat/completions", &turn2);
+    assert_eq!(v3["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(chat_text(&v3), chat_text(&v2));
+}
+
+#[test]
+fn bad_requests_get_openai_errors_naming_the_field() {
+    let s = Server::start(&["-c", "256", "--max-body", "200000"]);
+    let chat = "/v1/chat/completions";
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 2}));
+    assert_error(st, &b, 400, Some("n"), &["n = 2", "one choice"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "temperature": "warm"}),
+    );
+    assert_error(st, &b, 400, Some("temperature"), &["invalid type"]);
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "max_tokens": -5}));
+    assert_error(st, &b, 400, Some("max_tokens"), &["max_tokens"]);
+    let (st, b) = s.call(chat, &json!({"messages": [{"role": "user", "content": 7}]}));
+    assert_error(st, &b, 400, Some("messages[0].content"), &["string"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": [{"role": "tool", "content": "x"}]}),
+    );
+    assert_error(st, &b, 400, Some("messages[0].role"), &["tool"]);
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "stop": 5}));
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("stop"),
+        &["a string or a list of strings"],
+    );
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "top_p": 0}));
+    assert_error(st, &b, 400, Some("top_p"), &["top_p"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "logit_bias": {"x": 1}}),
+    );
+    assert_error(st, &b, 400, Some("logit_bias.x"), &["token id"]);
+    let (st, b) = s.call(chat, &json!({"temperature": 0}));
+    assert_error(st, &b, 400, None, &["messages"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "tools": [{"type": "function"}]}),
+    );
+    assert_error(st, &b, 400, Some("tools"), &["not supported"]);
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": "x", "echo": true}));
+    assert_error(st, &b, 400, Some("echo"), &["echo"]);
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": [1, 2, 99999999]}));
+    assert_error(st, &b, 400, Some("prompt[2]"), &["99999999", "vocabulary"]);
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": ["a", "b"]}));
+    assert_error(st, &b, 400, Some("prompt"), &["2 prompts"]);
+
+    // Malformed JSON.
+    let r = client()
+        .post(s.url(chat))
+        .header("content-type", "application/json")
+        .body("{\"messages\": [")
+        .send()
+        .expect("sent");
+    assert_eq!(r.status().as_u16(), 400);
+    let b: Value = r.json().expect("JSON error");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"),
+        "{b}"
+    );
+
+    // A body over --max-body.
+    let big = json!({"prompt": "x".repeat(300_000)});
+    let (st, b) = s.call("/v1/completions", &big);
+    assert_error(st, &b, 413, None, &["200000"]);
+
+    // A prompt over the context names both counts; max_tokens is capped.
+    let (st, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": vec![818; 300], "max_tokens": 5}),
+    );
+    assert_error(st, &b, 400, Some("prompt"), &["300 tokens", "256 tokens"]);
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": vec![818; 256]}));
+    assert_error(st, &b, 400, Some("prompt"), &["256 tokens"]);
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": vec![818; 250], "max_tokens": 100, "temperature": 0,
+                "logit_bias": {EOS: -100, END_OF_TURN: -100}}),
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // response_format: unknown type, a schema that cannot compile.
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "response_format": {"type": "xml"}}),
+    );
+    assert_error(st, &b, 400, Some("response_format.type"), &["xml"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}),
+    );
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("response_format.json_schema.schema"),
+        &["strnig"],
+    );
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}]}}}}),
+    );
+    assert_eq!(st, 400, "{b}");
+
+    // Unknown paths and methods.
+    let r = client().get(s.url("/v1/nothing")).send().expect("sent");
+    assert_eq!(r.status().as_u16(), 404);
+    let b: Value = r.json().expect("JSON error");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/nothing")
+    );
+    let r = client().get(s.url(chat)).send().expect("sent");
+    assert_eq!(r.status().as_u16(), 405);
+
+    // The server is still fine, and counted all of this by status.
+    let v = s.ok(chat, &json!({"messages": user("Hi"), "max_tokens": 2}));
+    assert_eq!(v["object"], "chat.completion");
+    let m = s.metrics();
+    assert!(
+        metric(
+            &m,
+            r#"pulsar_requests_total{endpoint="/v1/chat/completions",status="400"}"#
+        ) >= 10.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"pulsar_requests_total{endpoint="/v1/completions",status="413"}"#
+        ),
+        1.0
+    );
+}
+
+#[test]
+fn response_format_constrains_the_reply() {
+    let s = Server::start(&["-c", "512"]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "pets"],
+        "additionalProperties": false,
+    });
+    let validator = jsonschema::validator_for(&schema).expect("schema");
+    for seed in [1, 2, 3] {
+        let v = s.ok(
+            "/v1/chat/completions",
+            &json!({"messages": user("Describe a person."), "temperature": 0.8, "seed": seed,
+                    "max_tokens": 120, "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "person", "schema": schema, "strict": true}}}),
+        );
+        let text = chat_text(&v);
+        let parsed: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+        assert!(validator.is_valid(&parsed), "{text}");
+        // The constraint ended the reply, not max_tokens.
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    }
+    // Any JSON object. Its strings are unbounded, so a small model can
+    // run on inside one until max_tokens: this prompt gives an example.
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": user("Example: {\"name\": \"Alice\", \"age\": 30}. Another person as JSON:"),
+                "temperature": 0, "max_tokens": 60, "response_format": {"type": "json_object"}}),
+    );
+    let text = chat_text(&v);
+    let parsed: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+    assert!(parsed.is_object(), "{text}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+}
+
+#[test]
+fn api_key_guards_every_endpoint_but_health() {
+    let s = Server::start_with_env(&["-c", "256"], &[("PULSAR_API_KEY", "sekrit")]);
+    let body = json!({"prompt": "Hi", "max_tokens": 2});
+    let no_key = client()
+        .post(s.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .expect("sent");
+    assert_eq!(no_key.status().as_u16(), 401);
+    let b: Value = no_key.json().expect("JSON");
+    assert_eq!(b["error"]["type"], "authentication_error", "{b}");
+    for (path, key) in [
+        ("/v1/completions", "Bearer wrong"),
+        ("/v1/completions", "sekrit"),
+    ] {
+        let r = client()
+            .post(s.url(path))
+            .header("authorization", key)
+            .json(&body)
+            .send()
+            .expect("sent");
+        assert_eq!(r.status().as_u16(), 401, "{key}");
+    }
+    let r = client().get(s.url("/v1/models")).send().expect("sent");
+    assert_eq!(r.status().as_u16(), 401);
+    let r = client().get(s.url("/metrics")).send().expect("sent");
+    assert_eq!(r.status().as_u16(), 401);
+    let r = client().get(s.url("/health")).send().expect("sent");
+    assert_eq!(r.status().as_u16(), 200);
+    let r = client()
+        .post(s.url("/v1/completions"))
+        .bearer_auth("sekrit")
+        .json(&body)
+        .send()
+        .expect("sent");
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+/// A streaming completion that runs to `max_tokens` (end tokens banned).
+fn endless(max_tokens: u32) -> Value {
+    json!({"prompt": "Write a very long story.", "max_tokens": max_tokens, "stream": true,
+           "temperature": 0.8, "seed": 3, "logit_bias": {EOS: -100, END_OF_TURN: -100}})
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_slot() {
+    let s = Server::start(&["-c", "4096", "--parallel", "1"]);
+    let c = client();
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&endless(3000))
+        .send()
+        .expect("sent");
+    let mut sse = Sse::new(r);
+    for _ in 0..3 {
+        assert!(sse.next_data().is_some());
+    }
+    assert_eq!(s.metric("pulsar_slots_busy"), 1.0);
+    drop(sse);
+    drop(c);
+    let freed = Instant::now();
+    s.wait_metric("pulsar_slots_busy", Duration::from_secs(30), |v| v == 0.0);
+    eprintln!("slot freed {:?} after the disconnect", freed.elapsed());
+    assert_eq!(s.metric("pulsar_disconnects_total"), 1.0);
+    let generated = s.metric("pulsar_generated_tokens_total");
+    assert!(generated < 3000.0, "{generated}");
+    // A client of a non-streaming request that gives up waiting.
+    let mut body = endless(3000);
+    body["stream"] = json!(false);
+    let impatient = Client::builder()
+        .timeout(Duration::from_millis(1500))
+        .build()
+        .expect("HTTP client");
+    let gave_up = impatient.post(s.url("/v1/completions")).json(&body).send();
+    assert!(gave_up.is_err_and(|e| e.is_timeout()));
+    drop(impatient);
+    s.wait_metric("pulsar_slots_busy", Duration::from_secs(30), |v| v == 0.0);
+    assert_eq!(s.metric("pulsar_disconnects_total"), 2.0);
+    // The slot serves the next request.
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 3}),
+    );
+    assert_eq!(v["object"], "text_completion");
+}
+
+#[test]
+fn a_full_queue_gets_503_and_health_answers_during_a_long_prefill() {
+    let s = Server::start(&["-c", "4096", "--parallel", "1", "--queue", "1"]);
+    // A long prompt: its prefill takes many steps.
+    let long = "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(250);
+    let c = client();
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": long, "max_tokens": 4000, "stream": true,
+                      "logit_bias": {EOS: -100, END_OF_TURN: -100}}))
+        .send()
+        .expect("sent");
+    let mut running = Sse::new(r);
+    // /health while the prefill runs: it never waits on the engine.
+    s.wait_metric("pulsar_slots_busy", Duration::from_secs(30), |v| v == 1.0);
+    let mut worst = Duration::ZERO;
+    for _ in 0..10 {
+        let t = Instant::now();
+        let r = client().get(s.url("/health")).send().expect("health");
+        assert_eq!(r.status().as_u16(), 200);
+        worst = worst.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let still_prefilling = s.metric("pulsar_generated_tokens_total") == 0.0;
+    eprintln!(
+        "/health during a prefill: slowest of 10 took {worst:?} (prefill still running: {still_prefilling})"
+    );
+    assert!(worst < Duration::from_secs(1), "{worst:?}");
+    assert!(running.next_data().is_some());
+
+    // The slot is busy: one request waits, the next is refused.
+    let waiting = std::thread::spawn({
+        let url = s.url("/v1/completions");
+        move || {
+            let r = client()
+                .post(url)
+                .json(&json!({"prompt": "Hi", "max_tokens": 2}))
+                .send()
+                .expect("sent");
+            r.status().as_u16()
+        }
+    });
+    s.wait_metric("pulsar_queue_length", Duration::from_secs(30), |v| v == 1.0);
+    let r = client()
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": "Hi", "max_tokens": 2}))
+        .send()
+        .expect("sent");
+    assert_eq!(r.status().as_u16(), 503);
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(retry.is_some_and(|s| s >= 1), "{retry:?}");
+    let b: Value = r.json().expect("JSON error");
+    assert_eq!(b["error"]["type"], "server_error");
+    assert!(
+        b["error"]["message"].as_str().unwrap().contains("busy"),
+        "{b}"
+    );
+    assert_eq!(s.metric("pulsar_rejected_busy_total"), 1.0);
+    // Freeing the slot lets the waiting request through.
+    drop(running);
+    drop(c);
+    assert_eq!(waiting.join().unwrap(), 200);
+}
+
+#[test]
+fn shutdown_lets_running_streams_finish_and_exits_zero() {
+    let s = Server::start(&["-c", "512", "--parallel", "2"]);
+    let mut sse = stream(&s, "/v1/completions", &endless(60));
+    assert!(sse.next_data().is_some());
+    let base = s.url("");
+    let pid = s.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status();
+    assert!(killed.is_ok_and(|st| st.success()));
+    // The running stream goes on to its end.
+    let mut last = Value::Null;
+    let mut done = false;
+    while let Some(data) = sse.next_data() {
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        last = serde_json::from_str(&data).expect("chunk");
+    }
+    assert!(done, "the stream was cut");
+    assert_eq!(last["choices"][0]["finish_reason"], "length", "{last}");
+    // New requests are refused (the listener is closed or says 503).
+    let refused = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": "Hi", "max_tokens": 2}))
+        .send();
+    if let Ok(r) = refused {
+        assert_eq!(r.status().as_u16(), 503);
+    }
+    let status = s.terminate();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
+/// The official `openai` Python package against the server: chat and
+/// completions, streaming and not, models, seeds, stop strings, an error
+/// as the client's exception, and structured output parsed into a
+/// Pydantic model. `.ci/run` installs the venv.
+#[test]
+fn the_official_openai_python_client_works() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python: PathBuf = root.join("target/pyenv/bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: run .ci/run (or `python3 -m venv target/pyenv && \
+         target/pyenv/bin/pip install -r tests/openai_requirements.txt`) first",
+        python.display()
+    );
+    let s = Server::start(&["-c", "1024", "--api-key", "test-key"]);
+    let out = Command::new(&python)
+        .arg(root.join("tests/openai_client_check.py"))
+        .arg(format!("{}/v1", s.base))
+        .arg("test-key")
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "openai_client_check.py failed\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver:\n{}",
+        s.stderr.lock().unwrap()
+    );
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+    eprintln!("{stdout}");
+}
