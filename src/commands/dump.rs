@@ -9,7 +9,7 @@ use crate::engine::packed::WeightFormat;
 use crate::fs_atomic::write_atomic;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
-use crate::jit::kernels::{Compiled, emit_and_verify};
+use crate::jit::kernels::{Compiled, KernelSet, emit_and_verify};
 use crate::jit::plan::{Plan, PlanOptions, plan};
 use crate::jit::verify::format_instr;
 use crate::model::config::ModelConfig;
@@ -365,8 +365,19 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
         return write_stdout(&out);
     }
     let (dims, opts, _, model) = plan_inputs_with_model(&args.common)?;
+    let planning = Instant::now();
     let plan = plan(&dims, &caps, &opts)?;
+    let plan_ms = planning.elapsed().as_secs_f64() * 1e3;
+    let building = Instant::now();
+    KernelSet::build(&plan, &caps, args.common.max_isa)?;
+    let build_ms = building.elapsed().as_secs_f64() * 1e3;
     print_plan(&mut out, &caps, &dims, &plan)?;
+    writeln!(
+        out,
+        "launch: plan {plan_ms:.1} ms, emit + verify + map {build_ms:.1} ms (every run); \
+         launch tuning at most {} ms (first run only, see below)",
+        autotune::LAUNCH_BUDGET.as_millis()
+    )?;
     write_stdout(&out)?;
     if let Some((src, formats)) = model {
         launch_tuning_report(src, &formats, args.common.dtype, plan.threads, args.measure)?;
