@@ -15,5 +15,6 @@ pub mod jit;
 pub mod model;
 pub mod perplexity;
 pub mod sample;
+pub mod speculative;
 pub mod stop_strings;
 pub mod tokenizer;
