@@ -3,7 +3,10 @@
 //! command output) goes to stderr so that stdout holds only the replies.
 
 use super::run::{load_tokenizer, read_text_file};
-use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
+use super::{
+    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
+    start_constraint,
+};
 use crate::chat::conversation::{ContextPolicy, Conversation};
 use crate::chat::input::Input;
 use crate::chat::interrupt::Interrupt;
@@ -16,6 +19,7 @@ use crate::engine::Engine;
 use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
+use crate::speculative::Speculation;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -94,6 +98,8 @@ struct Session<'a> {
     model_end: Vec<u32>,
     /// What every reply must be (`--json`…); each reply starts it afresh.
     constraint: Option<CompiledConstraint>,
+    /// `--spec` as it applies to the replies.
+    speculation: Speculation,
     interrupt: Interrupt,
     totals: Totals,
 }
@@ -171,6 +177,7 @@ impl<'a> Session<'a> {
         )?;
         spinner.finish_and_clear();
         let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
+        let speculation = effective_speculation(args.common.speculation, constraint.as_ref())?;
 
         let limit = args.common.context.min(engine.capacity());
         if limit < args.common.context {
@@ -208,6 +215,7 @@ impl<'a> Session<'a> {
             );
         }
         Ok(Session {
+            speculation,
             stop_ids,
             stop_strings,
             constraint,
@@ -247,6 +255,7 @@ impl<'a> Session<'a> {
             model_end: &self.model_end,
             interrupted: &interrupted,
             constraint: self.constraint.as_ref(),
+            speculation: self.speculation,
         };
         let need = reply::room_needed(&self.conv, &user_turn, &settings);
         match self.conv.make_room(need, self.args.policy) {

@@ -1,7 +1,10 @@
 //! `pulsar run`: one prompt in, generated text streamed to stdout; load
 //! time and speeds on stderr.
 
-use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
+use super::{
+    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
+    start_constraint,
+};
 use crate::chat_template::TemplateChoice;
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
@@ -151,6 +154,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         args.common.seed
     );
 
+    let speculation = effective_speculation(args.common.speculation, constraint.as_ref())?;
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
     let mut out = if template.is_some() {
         generate::StdoutStream::reply()
@@ -169,6 +173,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             stop_strings: &stop_strings,
             interrupted: &|| false,
             constraint: constraint.as_ref(),
+            speculation,
         },
         &mut history,
         &mut |piece| out.write(piece),
