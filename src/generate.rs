@@ -111,14 +111,8 @@ pub struct Request<'a> {
 /// positions computed in line before the verify step, and the constraint's
 /// state taken back at every rejection. Constrained output (JSON, a regex)
 /// is also rarely copied from the context, where drafts come from.
-pub fn speculation_under(
-    asked: Speculation,
-    constraint: Option<&CompiledConstraint>,
-) -> Speculation {
-    match constraint {
-        Some(_) => Speculation::Off,
-        None => asked,
-    }
+pub fn speculation_under(asked: Speculation, constrained: bool) -> Speculation {
+    if constrained { Speculation::Off } else { asked }
 }
 
 /// Runs one generation. `history` holds every token in the engine's cache
@@ -203,7 +197,7 @@ pub fn decode(
     let mut lookahead = req
         .constraint
         .map(|c| MaskLookahead::new(c.start(), overlap_from_env()));
-    let mut drafter = match speculation_under(req.speculation, req.constraint) {
+    let mut drafter = match speculation_under(req.speculation, req.constraint.is_some()) {
         Speculation::Ngram(options) => Some(Drafter::new(history, options)),
         Speculation::Off => None,
     };
@@ -777,9 +771,13 @@ mod tests {
     #[test]
     fn constraints_turn_speculation_off() {
         assert_eq!(
-            speculation_under(Speculation::ngram(), None),
+            speculation_under(Speculation::ngram(), false),
             Speculation::ngram()
         );
-        assert_eq!(speculation_under(Speculation::Off, None), Speculation::Off);
+        assert_eq!(
+            speculation_under(Speculation::ngram(), true),
+            Speculation::Off
+        );
+        assert_eq!(speculation_under(Speculation::Off, false), Speculation::Off);
     }
 }

@@ -155,6 +155,8 @@ impl<'a> Session<'a> {
         let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
+        let speculation =
+            effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
         // Under a constraint the constraint decides where a reply ends; the
         // template's stop strings (the dialogue's "\nUser:") would only cut a
         // valid reply short. The user's own --stop strings still apply.
@@ -177,7 +179,6 @@ impl<'a> Session<'a> {
         )?;
         spinner.finish_and_clear();
         let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
-        let speculation = effective_speculation(args.common.speculation, constraint.as_ref())?;
 
         let limit = args.common.context.min(engine.capacity());
         if limit < args.common.context {

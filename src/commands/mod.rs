@@ -80,7 +80,7 @@ pub const SPEC_STEP_COST_VAR: &str = "PULSAR_SPEC_STEP_COST";
 /// [`crate::generate::speculation_under`] for why).
 pub fn effective_speculation(
     asked: Speculation,
-    constraint: Option<&CompiledConstraint>,
+    constraint: Option<&ConstraintSpec>,
 ) -> Result<Speculation> {
     let mut asked = asked;
     if let Speculation::Ngram(options) = &mut asked
@@ -92,7 +92,7 @@ pub fn effective_speculation(
             _ => bail!("{SPEC_STEP_COST_VAR}={value:?}: expected a number >= 0, e.g. 0.05"),
         }
     }
-    let used = crate::generate::speculation_under(asked, constraint);
+    let used = crate::generate::speculation_under(asked, constraint.is_some());
     if let (Some(c), true) = (constraint, used != asked) {
         eprintln!(
             "pulsar: --spec {} is off under {}: drafts would need the constraint's mask at every drafted position",

@@ -94,6 +94,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let template = choice.as_ref().map(|c| &c.template);
     let stops = generate::stop_ids(&tok);
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
+    let speculation =
+        effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
     // Under a constraint the constraint decides where the output ends; the
     // template's stop strings (the dialogue's "\nUser:") would only cut a
     // valid output short. The user's own --stop strings still apply.
@@ -154,7 +156,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         args.common.seed
     );
 
-    let speculation = effective_speculation(args.common.speculation, constraint.as_ref())?;
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);
     let mut out = if template.is_some() {
         generate::StdoutStream::reply()
