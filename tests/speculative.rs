@@ -163,7 +163,8 @@ fn greedy_text_is_identical_with_and_without_speculation() {
             true,
         ),
     ];
-    for (name, args, grounded) in cases {
+    for (name, mut args, grounded) in cases {
+        args.extend(["-t", "0"]);
         let off = pulsar(&args, "off", None);
         let on = pulsar(&args, "ngram", None);
         let on_err = String::from_utf8_lossy(&on.stderr);
@@ -643,7 +644,7 @@ fn kv_rollback_equals_a_recompute_on_the_real_model() {
     // The default model's local layers see 512 tokens: prefixes around
     // and past that, in the engine `run` and `chat` use.
     let path = pulsar::model::fetch::default_model_path().expect("default model");
-    let mut make = || {
+    let make = || {
         let src = ModelSource::open(&path).expect("opens");
         commands::open_engine(src, EngineKind::Jit, 2, 1024, false, Dtype::Native)
             .expect("engine loads")
