@@ -59,13 +59,7 @@ impl GenerationStats {
     /// One line for stderr after a reply.
     pub fn summary(&self) -> String {
         let spec = match &self.spec {
-            Some(s) => format!(
-                " | spec: drafted {}, accepted {} ({:.0}%), {:.2} tok/step",
-                s.drafted,
-                s.accepted,
-                100.0 * s.acceptance(),
-                self.generated as f64 / s.steps.max(1) as f64
-            ),
+            Some(s) => format!(" | spec: {}", s.describe(self.generated)),
             None => String::new(),
         };
         format!(

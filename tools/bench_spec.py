@@ -85,6 +85,11 @@ TASKS = {
         "The paragraph of the document about the 2019 pipe replacement, quoted word for word:\n\n",
     ),
     "free": (None, "Write a short story about a fox who learns to sail.\n\n"),
+    "prose": (
+        None,
+        "Chapter One\n\nThe old lighthouse keeper had not spoken to anyone in three weeks. "
+        "On the morning the storm arrived,",
+    ),
 }
 
 STATS = re.compile(

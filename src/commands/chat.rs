@@ -19,7 +19,7 @@ use crate::engine::Engine;
 use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
-use crate::speculative::Speculation;
+use crate::speculative::{SpecStats, Speculation};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -71,6 +71,8 @@ struct Totals {
     generated: usize,
     decode_secs: f64,
     dropped: usize,
+    /// Speculation over the replies that had it.
+    spec: Option<SpecStats>,
     last: Option<ReplyReport>,
 }
 
@@ -81,6 +83,12 @@ impl Totals {
         self.prefill_secs += r.stats.prefill_secs;
         self.generated += r.stats.generated;
         self.decode_secs += r.stats.decode_secs;
+        if let Some(s) = r.stats.spec {
+            let total = self.spec.get_or_insert_with(SpecStats::default);
+            total.steps += s.steps;
+            total.drafted += s.drafted;
+            total.accepted += s.accepted;
+        }
         self.last = Some(r.clone());
     }
 }
@@ -345,6 +353,9 @@ impl<'a> Session<'a> {
             t.generated,
             t.generated as f64 / t.decode_secs.max(1e-9)
         );
+        if let Some(s) = &t.spec {
+            eprintln!("speculation: {}", s.describe(t.generated));
+        }
         if let Some(last) = &t.last {
             eprintln!("last reply: {}", last.stats.summary());
         }

@@ -102,6 +102,18 @@ impl SpecStats {
     pub fn acceptance(&self) -> f64 {
         self.accepted as f64 / self.drafted.max(1) as f64
     }
+
+    /// `drafted D, accepted A (P%), T tok/step` for a stats line, where
+    /// `generated` tokens came out of these steps.
+    pub fn describe(&self, generated: usize) -> String {
+        format!(
+            "drafted {}, accepted {} ({:.0}%), {:.2} tok/step",
+            self.drafted,
+            self.accepted,
+            100.0 * self.acceptance(),
+            generated as f64 / self.steps.max(1) as f64
+        )
+    }
 }
 
 /// The verdict on one drafted token.
