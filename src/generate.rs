@@ -1,13 +1,16 @@
 //! The generation loop shared by `pulsar run` and `pulsar chat`: prefill the
-//! prompt, then sample, stream and feed one token at a time until a stop
-//! token, the token limit, the context's end, an interrupt or, under an
-//! output constraint, the constraint's end.
+//! prompt, then sample, stream and feed tokens until a stop token, the token
+//! limit, the context's end, an interrupt or, under an output constraint,
+//! the constraint's end. With speculation each step also feeds drafted
+//! tokens, which the following samples confirm or reject
+//! ([`crate::speculative`]); everything else is the same loop.
 
 use crate::constrain::lookahead::{ConstraintReport, MaskLookahead, overlap_from_env};
 use crate::constrain::mask::mask_logits;
 use crate::constrain::{CompiledConstraint, NextTokens};
 use crate::engine::{Engine, LogitsWanted};
 use crate::sample::Sampler;
+use crate::speculative::{self, Drafter, SpecStats, Speculation, Verdict};
 use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
@@ -40,6 +43,8 @@ pub struct GenerationStats {
     pub generated: usize,
     pub decode_secs: f64,
     pub stop: StopReason,
+    /// What speculation did, when it was on.
+    pub spec: Option<SpecStats>,
 }
 
 impl GenerationStats {
@@ -53,8 +58,12 @@ impl GenerationStats {
 
     /// One line for stderr after a reply.
     pub fn summary(&self) -> String {
+        let spec = match &self.spec {
+            Some(s) => format!(" | spec: {}", s.describe(self.generated)),
+            None => String::new(),
+        };
         format!(
-            "[prompt {} tok, {:.1} tok/s | generated {} tok, {:.1} tok/s]",
+            "[prompt {} tok, {:.1} tok/s | generated {} tok, {:.1} tok/s{spec}]",
             self.prompt_tokens,
             self.prefill_tok_s(),
             self.generated,
@@ -85,6 +94,19 @@ pub struct Request<'a> {
     /// The output must satisfy this (`--json`, `--json-schema`, `--regex`,
     /// `--grammar`); each generation starts it afresh.
     pub constraint: Option<&'a CompiledConstraint>,
+    /// Draft tokens and verify them in batched steps. Ignored under a
+    /// constraint: see [`speculation_under`].
+    pub speculation: Speculation,
+}
+
+/// The speculation a request gets. Under an output constraint it is off:
+/// the constraint's masks are computed one token ahead on a helper thread
+/// beside the forward pass, and a draft would need a mask for each of its
+/// positions computed in line before the verify step, and the constraint's
+/// state taken back at every rejection. Constrained output (JSON, a regex)
+/// is also rarely copied from the context, where drafts come from.
+pub fn speculation_under(asked: Speculation, constrained: bool) -> Speculation {
+    if constrained { Speculation::Off } else { asked }
 }
 
 /// Runs one generation. `history` holds every token in the engine's cache
@@ -132,12 +154,14 @@ pub struct Decoded {
 /// The decoding half of [`generate`], for a caller that fed the prompt
 /// itself (chat feeds it in pieces with progress): starts from `logits`,
 /// those of the last token in the engine, which `history` must end with.
-/// `req.prompt` is not fed; the stats count no prompt.
+/// `req.prompt` is not fed; the stats count no prompt. On return the
+/// engine holds exactly `history`: drafted tokens that were not taken are
+/// gone from its cache.
 pub fn decode(
     engine: &mut dyn Engine,
     tok: &Tokenizer,
     sampler: &mut Sampler,
-    mut logits: Vec<f32>,
+    logits: Vec<f32>,
     req: &Request<'_>,
     history: &mut Vec<u32>,
     emit: &mut dyn FnMut(&str),
@@ -167,6 +191,22 @@ pub fn decode(
     let mut lookahead = req
         .constraint
         .map(|c| MaskLookahead::new(c.start(), overlap_from_env()));
+    let mut drafter = match speculation_under(req.speculation, req.constraint.is_some()) {
+        Speculation::Ngram(options) => Some(Drafter::new(history, options)),
+        Speculation::Off => None,
+    };
+    // The last step's logits, one row per fed token: the sampled token's,
+    // then one per drafted token. `drafts[i]` was fed after row i's token,
+    // so row i + 1 holds the logits after it.
+    let width = logits.len();
+    let mut rows = logits;
+    let mut row = 0;
+    let mut drafts: Vec<u32> = Vec::new();
+    // Drafted tokens of the last step that the sampler confirmed.
+    let mut taken = 0;
+    // Tokens of the sequence in the cache: `history`'s length. The engine
+    // may hold drafted tokens beyond it that are not judged yet.
+    let mut cached = engine.position();
     let stop = loop {
         if generated >= req.max_new {
             break StopReason::Limit;
@@ -174,6 +214,7 @@ pub fn decode(
         if (req.interrupted)() {
             break StopReason::Interrupted;
         }
+        let logits = &mut rows[row * width..(row + 1) * width];
         if let Some(lookahead) = &mut lookahead {
             match lookahead.next_tokens() {
                 NextTokens::Complete => break StopReason::ConstraintComplete,
@@ -183,13 +224,23 @@ pub fn decode(
                 }
                 NextTokens::Allowed(mask) => {
                     let masking = Instant::now();
-                    mask_logits(&mut logits, &mask);
+                    mask_logits(logits, &mask);
                     lookahead.add_wait(masking.elapsed().as_secs_f64());
                 }
             }
         }
         let window = sampler.config().repeat_last_n.min(history.len());
-        let next = sampler.sample(&logits, &history[history.len() - window..]);
+        let dist = sampler.distribution(logits, &history[history.len() - window..]);
+        let (next, confirmed) = match drafts.get(row) {
+            Some(&draft) => match speculative::verify(dist, draft) {
+                Verdict::Accepted => {
+                    taken += 1;
+                    (draft, true)
+                }
+                Verdict::Rejected(other) => (other, false),
+            },
+            None => (dist.draw(), false),
+        };
         if req.stop_ids.contains(&next) {
             break StopReason::StopToken(next);
         }
@@ -205,16 +256,67 @@ pub fn decode(
         if cut_at.is_some() {
             break StopReason::StopString;
         }
-        if engine.position() >= engine.capacity() {
+        if cached >= engine.capacity() {
             break StopReason::ContextFull;
         }
-        let mut forward = || engine.forward(&[next], LogitsWanted::Last);
-        logits = match &mut lookahead {
+        history.push(next);
+        cached += 1;
+        if confirmed {
+            // Fed with the last step; its logits are the next row.
+            row += 1;
+            continue;
+        }
+        if let Some(d) = &mut drafter {
+            d.verified(taken);
+        }
+        // Forget the drafted tokens that were not taken, then feed the
+        // sampled token and a new draft after it.
+        engine.truncate(cached - 1);
+        drafts = match &mut drafter {
+            // Tokens past -n would never be used, and the step must fit
+            // in the context.
+            Some(d) => d.draft(
+                history,
+                (req.max_new - generated).min(engine.capacity() - cached),
+            ),
+            None => Vec::new(),
+        };
+        let mut fed = Vec::with_capacity(1 + drafts.len());
+        fed.push(next);
+        fed.extend_from_slice(&drafts);
+        let wanted = if drafts.is_empty() {
+            LogitsWanted::Last
+        } else {
+            LogitsWanted::All
+        };
+        let step = Instant::now();
+        let mut forward = || engine.forward(&fed, wanted);
+        rows = match &mut lookahead {
             Some(lookahead) => lookahead.alongside(forward)?,
             None => forward()?,
         };
-        history.push(next);
+        let rows_wanted = if wanted == LogitsWanted::All {
+            fed.len()
+        } else {
+            1
+        };
+        if rows.len() != rows_wanted * width {
+            anyhow::bail!(
+                "internal error: the engine returned {} logits for {rows_wanted} rows of {width}",
+                rows.len()
+            );
+        }
+        if let Some(d) = &mut drafter {
+            d.step_done(fed.len(), step.elapsed().as_secs_f64());
+        }
+        row = 0;
+        taken = 0;
     };
+    // Drafted tokens fed past the end of the text leave the cache.
+    engine.truncate(cached);
+    if let Some(d) = &mut drafter {
+        d.abandon(taken);
+    }
     let mut stop = stop;
     if cut_at.is_none() {
         // Bytes of an unfinished character, then whatever was held back
@@ -241,6 +343,7 @@ pub fn decode(
             generated,
             decode_secs: start.elapsed().as_secs_f64(),
             stop,
+            spec: drafter.map(|d| d.stats()),
         },
         cut,
         constraint: lookahead.map(MaskLookahead::into_report),
@@ -323,5 +426,352 @@ impl StdoutStream {
     pub fn finish(mut self, end: &str) -> std::io::Result<()> {
         self.write_out(end);
         self.error.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ModelConfig;
+    use crate::sample::SamplerConfig;
+    use crate::speculative::NgramOptions;
+    use crate::tokenizer::TokenKind;
+    use std::cell::Cell;
+
+    /// Letters a..j, then <bos> and <eos>.
+    const LETTERS: usize = 10;
+    const BOS: u32 = 10;
+    const EOS: u32 = 11;
+    const VOCAB: usize = 12;
+
+    fn tokenizer() -> Tokenizer {
+        let letters = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
+        let mut pieces: Vec<(&str, TokenKind)> =
+            letters.iter().map(|l| (*l, TokenKind::Normal)).collect();
+        pieces.push(("<bos>", TokenKind::Control));
+        pieces.push(("<eos>", TokenKind::Control));
+        Tokenizer::for_tests(&pieces)
+    }
+
+    /// A language model whose logits after each position depend on every
+    /// token before it (a hash of the whole prefix), so a cache holding a
+    /// rejected draft, or missing a token, changes every later row. Beside
+    /// that noise it favours the letter after the last one, so the text
+    /// repeats enough for drafts to be accepted and rejected.
+    struct HashLm {
+        seen: Vec<u32>,
+        capacity: usize,
+        config: ModelConfig,
+        /// Tokens fed per forward call, to check the steps' sizes.
+        calls: Vec<usize>,
+    }
+
+    impl HashLm {
+        fn new(capacity: usize) -> HashLm {
+            HashLm {
+                seen: Vec::new(),
+                capacity,
+                config: crate::model::presets::shape("gemma3-270m").expect("known shape"),
+                calls: Vec::new(),
+            }
+        }
+
+        fn row(&self) -> Vec<f32> {
+            let h = self.seen.iter().fold(0x1234_5678u64, |h, &t| {
+                (h ^ u64::from(t)).wrapping_mul(0x100_0000_01B3)
+            });
+            let last = *self.seen.last().unwrap_or(&0) as usize;
+            (0..VOCAB)
+                .map(|v| {
+                    let noise = ((h.rotate_left(v as u32 * 5) >> 40) % 1000) as f32 / 400.0;
+                    let favoured = if v == (last + 1) % LETTERS { 3.0 } else { 0.0 };
+                    // The end of text is possible but rare.
+                    let eos = if v == EOS as usize { -1.5 } else { 0.0 };
+                    if v == BOS as usize {
+                        f32::NEG_INFINITY
+                    } else {
+                        favoured + noise + eos
+                    }
+                })
+                .collect()
+        }
+    }
+
+    impl Engine for HashLm {
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn position(&self) -> usize {
+            self.seen.len()
+        }
+        fn capacity(&self) -> usize {
+            self.capacity
+        }
+        fn truncate(&mut self, len: usize) {
+            self.seen.truncate(len);
+        }
+        fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>> {
+            if self.seen.len() + tokens.len() > self.capacity {
+                anyhow::bail!("over capacity");
+            }
+            self.calls.push(tokens.len());
+            let mut rows = Vec::new();
+            for &t in tokens {
+                self.seen.push(t);
+                let row = self.row();
+                if wanted == LogitsWanted::All {
+                    rows.extend(row);
+                } else {
+                    rows = row;
+                }
+            }
+            Ok(rows)
+        }
+    }
+
+    #[derive(Clone)]
+    struct Setup {
+        sampling: SamplerConfig,
+        seed: u64,
+        capacity: usize,
+        max_new: usize,
+        stop_ids: Vec<u32>,
+        stop_strings: Vec<String>,
+        /// Raise the interrupt once this many pieces were emitted.
+        interrupt_after: Option<usize>,
+    }
+
+    impl Default for Setup {
+        fn default() -> Self {
+            Setup {
+                sampling: SamplerConfig::greedy(),
+                seed: 1,
+                capacity: 1000,
+                max_new: 200,
+                stop_ids: Vec::new(),
+                stop_strings: Vec::new(),
+                interrupt_after: None,
+            }
+        }
+    }
+
+    struct Outcome {
+        text: String,
+        decoded: Decoded,
+        history: Vec<u32>,
+        calls: Vec<usize>,
+    }
+
+    /// Always drafting (step cost 0), so every kind of step happens.
+    fn eager() -> Speculation {
+        Speculation::Ngram(NgramOptions {
+            step_cost: Some(0.0),
+            ..NgramOptions::default()
+        })
+    }
+
+    fn run(setup: &Setup, speculation: Speculation) -> Outcome {
+        let tok = tokenizer();
+        let mut engine = HashLm::new(setup.capacity);
+        let mut sampler = Sampler::new(setup.sampling, setup.seed);
+        // A prompt with repeats, so the first drafts come from it.
+        let prompt = [BOS, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5];
+        let emitted = Cell::new(0);
+        let interrupted = || setup.interrupt_after.is_some_and(|n| emitted.get() >= n);
+        let mut history = Vec::new();
+        let mut text = String::new();
+        let decoded = generate(
+            &mut engine,
+            &tok,
+            &mut sampler,
+            &Request {
+                prompt: &prompt,
+                max_new: setup.max_new,
+                stop_ids: &setup.stop_ids,
+                stop_strings: &setup.stop_strings,
+                interrupted: &interrupted,
+                constraint: None,
+                speculation,
+            },
+            &mut history,
+            &mut |piece| {
+                emitted.set(emitted.get() + 1);
+                text.push_str(piece)
+            },
+        )
+        .expect("generation runs");
+        assert_eq!(
+            engine.seen, history,
+            "the cache holds exactly the history: no rejected draft, nothing missing"
+        );
+        Outcome {
+            text,
+            decoded,
+            history,
+            calls: engine.calls,
+        }
+    }
+
+    /// Runs with and without speculation and checks they agree in every
+    /// respect but the step sizes; returns the speculative run.
+    fn same_either_way(setup: &Setup) -> Outcome {
+        let off = run(setup, Speculation::Off);
+        let on = run(setup, eager());
+        assert_eq!(on.text, off.text);
+        assert_eq!(on.history, off.history);
+        assert_eq!(on.decoded.cut, off.decoded.cut);
+        assert_eq!(on.decoded.stats.stop, off.decoded.stats.stop);
+        assert_eq!(on.decoded.stats.generated, off.decoded.stats.generated);
+        assert_eq!(off.decoded.stats.spec, None);
+        assert!(off.calls[1..].iter().all(|&m| m == 1));
+        let spec = on.decoded.stats.spec.expect("speculation stats");
+        assert_eq!(spec.steps, on.calls.len() - 1, "every decode step counted");
+        assert_eq!(
+            spec.drafted,
+            on.calls[1..].iter().map(|m| m - 1).sum::<usize>(),
+            "every fed draft counted"
+        );
+        on
+    }
+
+    #[test]
+    fn greedy_and_seeded_sampling_are_unchanged_by_speculation() {
+        let configs = [
+            SamplerConfig::greedy(),
+            SamplerConfig {
+                temperature: 0.8,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 5,
+                top_p: 0.9,
+                min_p: 0.0,
+                repeat_penalty: 1.3,
+                repeat_last_n: 6,
+            },
+        ];
+        let (mut drafted, mut accepted) = (0, 0);
+        for sampling in configs {
+            for seed in 0..8 {
+                let on = same_either_way(&Setup {
+                    sampling,
+                    seed,
+                    ..Setup::default()
+                });
+                let spec = on.decoded.stats.spec.expect("stats");
+                drafted += spec.drafted;
+                accepted += spec.accepted;
+            }
+        }
+        // The test means something only if drafts were both taken and refused.
+        assert!(accepted > 100, "{accepted} of {drafted} accepted");
+        assert!(accepted < drafted, "{accepted} of {drafted} accepted");
+    }
+
+    #[test]
+    fn every_way_of_stopping_is_unchanged_by_speculation() {
+        let sampled = SamplerConfig {
+            temperature: 0.9,
+            ..SamplerConfig::default()
+        };
+        for seed in 0..6 {
+            for sampling in [SamplerConfig::greedy(), sampled] {
+                let base = Setup {
+                    sampling,
+                    seed,
+                    ..Setup::default()
+                };
+                // -n in the middle of a draft.
+                for max_new in [1, 2, 7, 13] {
+                    let on = same_either_way(&Setup {
+                        max_new,
+                        ..base.clone()
+                    });
+                    assert_eq!(on.decoded.stats.stop, StopReason::Limit);
+                    assert_eq!(on.decoded.stats.generated, max_new);
+                }
+                // The context's end.
+                for capacity in [12, 15, 40] {
+                    let on = same_either_way(&Setup {
+                        capacity,
+                        ..base.clone()
+                    });
+                    assert_eq!(on.decoded.stats.stop, StopReason::ContextFull);
+                    assert!(on.calls.iter().all(|&m| m > 0));
+                }
+                // Stop tokens, including one the prompt holds (drafts can
+                // propose it).
+                same_either_way(&Setup {
+                    stop_ids: vec![EOS, 7],
+                    ..base.clone()
+                });
+                // Stop strings spanning tokens.
+                for stop in ["cd", "hij", "ja"] {
+                    let on = same_either_way(&Setup {
+                        stop_strings: vec![stop.to_string()],
+                        ..base.clone()
+                    });
+                    assert_eq!(on.decoded.stats.stop, StopReason::StopString);
+                }
+                // Ctrl-C after some pieces.
+                for after in [1, 5, 9] {
+                    let on = same_either_way(&Setup {
+                        interrupt_after: Some(after),
+                        ..base.clone()
+                    });
+                    assert_eq!(on.decoded.stats.stop, StopReason::Interrupted);
+                    assert_eq!(on.decoded.stats.generated, after);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn steps_never_exceed_the_draft_limit_or_the_context() {
+        let on = same_either_way(&Setup {
+            capacity: 60,
+            max_new: 500,
+            ..Setup::default()
+        });
+        assert!(on.calls[1..].iter().all(|&m| m <= 1 + 8), "{:?}", on.calls);
+        assert!(on.calls[1..].iter().any(|&m| m > 1), "{:?}", on.calls);
+        assert_eq!(on.history.len(), 60);
+    }
+
+    #[test]
+    fn the_summary_names_the_speculation_figures() {
+        let mut stats = GenerationStats {
+            prompt_tokens: 10,
+            prefill_secs: 1.0,
+            generated: 30,
+            decode_secs: 1.0,
+            stop: StopReason::Limit,
+            spec: None,
+        };
+        assert!(!stats.summary().contains("spec"));
+        stats.spec = Some(SpecStats {
+            steps: 12,
+            drafted: 40,
+            accepted: 18,
+        });
+        let line = stats.summary();
+        assert!(
+            line.contains("spec: drafted 40, accepted 18 (45%), 2.50 tok/step"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn constraints_turn_speculation_off() {
+        assert_eq!(
+            speculation_under(Speculation::ngram(), false),
+            Speculation::ngram()
+        );
+        assert_eq!(
+            speculation_under(Speculation::ngram(), true),
+            Speculation::Off
+        );
+        assert_eq!(speculation_under(Speculation::Off, false), Speculation::Off);
     }
 }

@@ -16,5 +16,6 @@ pub mod model;
 pub mod perplexity;
 pub mod sample;
 pub mod serve;
+pub mod speculative;
 pub mod stop_strings;
 pub mod tokenizer;

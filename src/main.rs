@@ -8,6 +8,7 @@ use pulsar::constrain::ConstraintSpec;
 use pulsar::engine::packed::WeightFormat;
 use pulsar::jit::cpu::Isa;
 use pulsar::sample::SamplerConfig;
+use pulsar::speculative::Speculation;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -98,6 +99,25 @@ impl From<RunDtypeArg> for commands::Dtype {
             RunDtypeArg::Native => commands::Dtype::Native,
             RunDtypeArg::F16 => commands::Dtype::F16,
             RunDtypeArg::Bf16 => commands::Dtype::Bf16,
+        }
+    }
+}
+
+/// `--spec` of `run` and `chat`.
+#[derive(Clone, Copy, ValueEnum)]
+enum SpecArg {
+    /// Draft the continuation of the longest earlier n-gram of the context
+    /// and verify it in one batched step.
+    Ngram,
+    /// One token per step.
+    Off,
+}
+
+impl From<SpecArg> for Speculation {
+    fn from(s: SpecArg) -> Speculation {
+        match s {
+            SpecArg::Ngram => Speculation::ngram(),
+            SpecArg::Off => Speculation::Off,
         }
     }
 }
@@ -201,6 +221,12 @@ struct GenerationCli {
     /// decodes slower here). Other files are copied as usual.
     #[arg(long)]
     mmap: bool,
+    /// Speculative decoding: draft tokens from n-grams of the prompt and the text so far and
+    /// verify them in one batched step. The output is the same as with `off` (greedy: identical;
+    /// sampled: the same distribution, and the same text for a seed). Off under --json,
+    /// --json-schema, --regex and --grammar.
+    #[arg(long, value_enum, default_value = "ngram")]
+    spec: SpecArg,
     /// Constrain the output to a JSON object (any keys and values). Generation ends when the
     /// object is complete.
     #[arg(long, help_heading = "Structured output")]
@@ -259,6 +285,7 @@ impl GenerationCli {
             in_place: self.mmap,
             dtype: self.dtype.into(),
             constraint,
+            speculation: self.spec.into(),
         })
     }
 }

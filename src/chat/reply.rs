@@ -8,6 +8,7 @@ use crate::constrain::lookahead::ConstraintReport;
 use crate::engine::{Engine, LogitsWanted};
 use crate::generate::{self, GenerationStats, Request, StopReason};
 use crate::sample::Sampler;
+use crate::speculative::Speculation;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
 use std::time::Instant;
@@ -26,6 +27,8 @@ pub struct ReplySettings<'a> {
     pub interrupted: &'a dyn Fn() -> bool,
     /// What every reply must be; each reply starts it afresh.
     pub constraint: Option<&'a CompiledConstraint>,
+    /// Drafting and batched verification of the reply's tokens.
+    pub speculation: Speculation,
 }
 
 #[derive(Clone, Debug)]
@@ -109,6 +112,7 @@ pub fn reply(
                 generated: 0,
                 decode_secs: 0.0,
                 stop: StopReason::Interrupted,
+                spec: None,
             },
             cut_by_context: false,
             abandoned: true,
@@ -134,6 +138,7 @@ pub fn reply(
             stop_strings: settings.stop_strings,
             interrupted: settings.interrupted,
             constraint: settings.constraint,
+            speculation: settings.speculation,
         },
         &mut history,
         emit,

@@ -3,7 +3,10 @@
 //! command output) goes to stderr so that stdout holds only the replies.
 
 use super::run::{load_tokenizer, read_text_file};
-use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
+use super::{
+    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
+    start_constraint,
+};
 use crate::chat::conversation::{ContextPolicy, Conversation};
 use crate::chat::input::Input;
 use crate::chat::interrupt::Interrupt;
@@ -16,6 +19,7 @@ use crate::engine::Engine;
 use crate::generate::{StdoutStream, StopReason};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
+use crate::speculative::{SpecStats, Speculation};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -67,6 +71,8 @@ struct Totals {
     generated: usize,
     decode_secs: f64,
     dropped: usize,
+    /// Speculation over the replies that had it.
+    spec: Option<SpecStats>,
     last: Option<ReplyReport>,
 }
 
@@ -77,6 +83,12 @@ impl Totals {
         self.prefill_secs += r.stats.prefill_secs;
         self.generated += r.stats.generated;
         self.decode_secs += r.stats.decode_secs;
+        if let Some(s) = r.stats.spec {
+            let total = self.spec.get_or_insert_with(SpecStats::default);
+            total.steps += s.steps;
+            total.drafted += s.drafted;
+            total.accepted += s.accepted;
+        }
         self.last = Some(r.clone());
     }
 }
@@ -94,6 +106,8 @@ struct Session<'a> {
     model_end: Vec<u32>,
     /// What every reply must be (`--json`…); each reply starts it afresh.
     constraint: Option<CompiledConstraint>,
+    /// `--spec` as it applies to the replies.
+    speculation: Speculation,
     interrupt: Interrupt,
     totals: Totals,
 }
@@ -149,6 +163,8 @@ impl<'a> Session<'a> {
         let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
+        let speculation =
+            effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
         // Under a constraint the constraint decides where a reply ends; the
         // template's stop strings (the dialogue's "\nUser:") would only cut a
         // valid reply short. The user's own --stop strings still apply.
@@ -209,6 +225,7 @@ impl<'a> Session<'a> {
             );
         }
         Ok(Session {
+            speculation,
             stop_ids,
             stop_strings,
             constraint,
@@ -248,6 +265,7 @@ impl<'a> Session<'a> {
             model_end: &self.model_end,
             interrupted: &interrupted,
             constraint: self.constraint.as_ref(),
+            speculation: self.speculation,
         };
         let need = reply::room_needed(&self.conv, &user_turn, &settings);
         match self.conv.make_room(need, self.args.policy) {
@@ -336,6 +354,9 @@ impl<'a> Session<'a> {
             t.generated,
             t.generated as f64 / t.decode_secs.max(1e-9)
         );
+        if let Some(s) = &t.spec {
+            eprintln!("speculation: {}", s.describe(t.generated));
+        }
         if let Some(last) = &t.last {
             eprintln!("last reply: {}", last.stats.summary());
         }

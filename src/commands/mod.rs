@@ -26,6 +26,7 @@ use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::{fetch, presets};
 use crate::sample::SamplerConfig;
+use crate::speculative::Speculation;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
@@ -68,6 +69,42 @@ pub struct GenerationArgs {
     /// `--json`, `--json-schema`, `--regex` or `--grammar`: what every
     /// reply must be.
     pub constraint: Option<ConstraintSpec>,
+    /// `--spec`: draft tokens and verify them in batched steps.
+    pub speculation: Speculation,
+}
+
+/// Environment variable that fixes the draft-length policy's step-cost
+/// slope instead of measuring it (tests and benchmarks: the draft lengths
+/// then do not depend on timing).
+pub const SPEC_STEP_COST_VAR: &str = "PULSAR_SPEC_STEP_COST";
+
+/// The speculation a command runs with: the one asked for, with
+/// [`SPEC_STEP_COST_VAR`] applied, except under an output constraint, where
+/// it is off and stderr says so once (see
+/// [`crate::generate::speculation_under`] for why).
+pub fn effective_speculation(
+    asked: Speculation,
+    constraint: Option<&ConstraintSpec>,
+) -> Result<Speculation> {
+    let mut asked = asked;
+    if let Speculation::Ngram(options) = &mut asked
+        && let Some(value) = std::env::var_os(SPEC_STEP_COST_VAR)
+    {
+        let value = value.to_string_lossy();
+        match value.trim().parse::<f64>() {
+            Ok(c) if c.is_finite() && c >= 0.0 => options.step_cost = Some(c),
+            _ => bail!("{SPEC_STEP_COST_VAR}={value:?}: expected a number >= 0, e.g. 0.05"),
+        }
+    }
+    let used = crate::generate::speculation_under(asked, constraint.is_some());
+    if let (Some(c), true) = (constraint, used != asked) {
+        eprintln!(
+            "pulsar: --spec {} is off under {}: drafts would need the constraint's mask at every drafted position",
+            asked.name(),
+            c.flag()
+        );
+    }
+    Ok(used)
 }
 
 /// Which forward pass to run.

@@ -1,7 +1,10 @@
 //! `pulsar run`: one prompt in, generated text streamed to stdout; load
 //! time and speeds on stderr.
 
-use super::{ConstraintBuild, GenerationArgs, open_engine, report_constraint, start_constraint};
+use super::{
+    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
+    start_constraint,
+};
 use crate::chat_template::TemplateChoice;
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
@@ -91,6 +94,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let template = choice.as_ref().map(|c| &c.template);
     let stops = generate::stop_ids(&tok);
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
+    let speculation =
+        effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
     // Under a constraint the constraint decides where the output ends; the
     // template's stop strings (the dialogue's "\nUser:") would only cut a
     // valid output short. The user's own --stop strings still apply.
@@ -170,6 +175,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             stop_strings: &stop_strings,
             interrupted: &|| false,
             constraint: constraint.as_ref(),
+            speculation,
         },
         &mut history,
         &mut |piece| out.write(piece),
