@@ -94,19 +94,11 @@ pub struct Request<'a> {
     /// The output must satisfy this (`--json`, `--json-schema`, `--regex`,
     /// `--grammar`); each generation starts it afresh.
     pub constraint: Option<&'a CompiledConstraint>,
-    /// Draft tokens and verify them in batched steps. Ignored under a
-    /// constraint: see [`speculation_under`].
+    /// Draft tokens and verify them in batched steps. Under a constraint
+    /// each row of a step is masked before it is judged, the mask of a row
+    /// after a confirmed draft computed in line, and a draft is cut where
+    /// the constraint would refuse it.
     pub speculation: Speculation,
-}
-
-/// The speculation a request gets. Under an output constraint it is off:
-/// the constraint's masks are computed one token ahead on a helper thread
-/// beside the forward pass, and a draft would need a mask for each of its
-/// positions computed in line before the verify step, and the constraint's
-/// state taken back at every rejection. Constrained output (JSON, a regex)
-/// is also rarely copied from the context, where drafts come from.
-pub fn speculation_under(asked: Speculation, constrained: bool) -> Speculation {
-    if constrained { Speculation::Off } else { asked }
 }
 
 /// Runs one generation. `history` holds every token in the engine's cache
@@ -191,7 +183,7 @@ pub fn decode(
     let mut lookahead = req
         .constraint
         .map(|c| MaskLookahead::new(c.start(), overlap_from_env()));
-    let mut drafter = match speculation_under(req.speculation, req.constraint.is_some()) {
+    let mut drafter = match req.speculation {
         Speculation::Ngram(options) => Some(Drafter::new(history, options)),
         Speculation::Off => None,
     };
@@ -275,10 +267,15 @@ pub fn decode(
         drafts = match &mut drafter {
             // Tokens past -n would never be used, and the step must fit
             // in the context.
-            Some(d) => d.draft(
-                history,
-                (req.max_new - generated).min(engine.capacity() - cached),
-            ),
+            Some(d) => {
+                let room = (req.max_new - generated).min(engine.capacity() - cached);
+                match &mut lookahead {
+                    Some(lookahead) => {
+                        d.draft_within(history, room, |draft| lookahead.allowed_prefix(draft))
+                    }
+                    None => d.draft(history, room),
+                }
+            }
             None => Vec::new(),
         };
         let mut fed = Vec::with_capacity(1 + drafts.len());
@@ -760,18 +757,5 @@ mod tests {
             line.contains("spec: drafted 40, accepted 18 (45%), 2.50 tok/step"),
             "{line}"
         );
-    }
-
-    #[test]
-    fn constraints_turn_speculation_off() {
-        assert_eq!(
-            speculation_under(Speculation::ngram(), false),
-            Speculation::ngram()
-        );
-        assert_eq!(
-            speculation_under(Speculation::ngram(), true),
-            Speculation::Off
-        );
-        assert_eq!(speculation_under(Speculation::Off, false), Speculation::Off);
     }
 }

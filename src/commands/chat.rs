@@ -163,8 +163,7 @@ impl<'a> Session<'a> {
         let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
-        let speculation =
-            effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
+        let speculation = effective_speculation(args.common.speculation)?;
         // Under a constraint the constraint decides where a reply ends; the
         // template's stop strings (the dialogue's "\nUser:") would only cut a
         // valid reply short. The user's own --stop strings still apply.

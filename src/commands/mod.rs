@@ -79,13 +79,8 @@ pub struct GenerationArgs {
 pub const SPEC_STEP_COST_VAR: &str = "PULSAR_SPEC_STEP_COST";
 
 /// The speculation a command runs with: the one asked for, with
-/// [`SPEC_STEP_COST_VAR`] applied, except under an output constraint, where
-/// it is off and stderr says so once (see
-/// [`crate::generate::speculation_under`] for why).
-pub fn effective_speculation(
-    asked: Speculation,
-    constraint: Option<&ConstraintSpec>,
-) -> Result<Speculation> {
+/// [`SPEC_STEP_COST_VAR`] applied.
+pub fn effective_speculation(asked: Speculation) -> Result<Speculation> {
     let mut asked = asked;
     if let Speculation::Ngram(options) = &mut asked
         && let Some(value) = std::env::var_os(SPEC_STEP_COST_VAR)
@@ -96,15 +91,7 @@ pub fn effective_speculation(
             _ => bail!("{SPEC_STEP_COST_VAR}={value:?}: expected a number >= 0, e.g. 0.05"),
         }
     }
-    let used = crate::generate::speculation_under(asked, constraint.is_some());
-    if let (Some(c), true) = (constraint, used != asked) {
-        eprintln!(
-            "pulsar: --spec {} is off under {}: drafts would need the constraint's mask at every drafted position",
-            asked.name(),
-            c.flag()
-        );
-    }
-    Ok(used)
+    Ok(asked)
 }
 
 /// Which forward pass to run.

@@ -94,8 +94,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let template = choice.as_ref().map(|c| &c.template);
     let stops = generate::stop_ids(&tok);
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
-    let speculation =
-        effective_speculation(args.common.speculation, args.common.constraint.as_ref())?;
+    let speculation = effective_speculation(args.common.speculation)?;
     // Under a constraint the constraint decides where the output ends; the
     // template's stop strings (the dialogue's "\nUser:") would only cut a
     // valid output short. The user's own --stop strings still apply.

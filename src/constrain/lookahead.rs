@@ -127,6 +127,16 @@ impl MaskLookahead {
         result
     }
 
+    /// How many leading tokens of a draft the constraint accepts from
+    /// here (see [`ConstraintState::allowed_prefix`]); counted as time on
+    /// the decode path.
+    pub fn allowed_prefix(&mut self, draft: &[u32]) -> usize {
+        let start = Instant::now();
+        let n = self.state.allowed_prefix(draft);
+        self.report.wait_secs += start.elapsed().as_secs_f64();
+        n
+    }
+
     /// Counts time spent applying a mask to the logits.
     pub fn add_wait(&mut self, secs: f64) {
         self.report.wait_secs += secs;

@@ -68,6 +68,13 @@ impl ConstraintState {
             .map_err(|e| format!("{}: {}", self.flag, super::one_line(&e.to_string())))
     }
 
+    /// How many leading tokens of `tokens` the constraint would take one
+    /// after another from here, without taking them (a draft is cut to
+    /// this). A matcher error counts as none allowed.
+    pub fn allowed_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
+
     fn dead_end(&self, why: &str) -> NextTokens {
         NextTokens::DeadEnd(format!("{}: {}", self.flag, super::one_line(why)))
     }
@@ -114,6 +121,17 @@ mod tests {
         assert_eq!(allowed(&mut state), vec![3]);
         state.take(3).unwrap();
         assert_eq!(allowed(&mut state), vec![0, 3]);
+    }
+
+    #[test]
+    fn allowed_prefix_checks_without_taking() {
+        // Ids: 2 "a", 3 "b", 4 "ab".
+        let mut state = start("ab+");
+        assert_eq!(state.allowed_prefix(&[2, 3, 3, 2]), 3);
+        assert_eq!(state.allowed_prefix(&[3]), 0);
+        assert_eq!(state.allowed_prefix(&[4, 3]), 2);
+        // Nothing was taken: "a" and "ab" are still the only starts.
+        assert_eq!(allowed(&mut state), vec![2, 4]);
     }
 
     #[test]

@@ -174,12 +174,30 @@ impl Drafter {
     /// the context this drafter has seen. The caller feeds them after the
     /// context's last token and reports with [`Drafter::verified`].
     pub fn draft(&mut self, context: &[u32], room: usize) -> Vec<u32> {
+        self.draft_within(context, room, |draft| draft.len())
+    }
+
+    /// [`Drafter::draft`] under an output constraint: `allowed(draft)`
+    /// says how many leading tokens of a draft the constraint accepts, and
+    /// the draft is cut there. A token the constraint forbids could never
+    /// be confirmed, so feeding it would only cost a row of the step.
+    pub fn draft_within(
+        &mut self,
+        context: &[u32],
+        room: usize,
+        allowed: impl FnOnce(&[u32]) -> usize,
+    ) -> Vec<u32> {
         self.catch_up(context);
         let (found, continuation) = self.index.draft(room.min(policy::MAX_DRAFT));
         let Some(m) = found else {
             return Vec::new();
         };
         let k = self.policy.draft_len(m.n, continuation.len());
+        let k = if k == 0 {
+            0
+        } else {
+            allowed(&continuation[..k]).min(k)
+        };
         if k == 0 {
             return Vec::new();
         }
