@@ -315,6 +315,9 @@ struct DumpCli {
     /// Model .gguf, HF folder or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     model: Option<PathBuf>,
+    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m; FP16 unless --dtype says otherwise)
+    #[arg(long, conflicts_with = "model")]
+    shape: Option<String>,
     /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
     #[arg(long)]
     out: Option<PathBuf>,
@@ -336,6 +339,7 @@ impl From<DumpCli> for commands::dump::DumpArgs {
     fn from(d: DumpCli) -> commands::dump::DumpArgs {
         commands::dump::DumpArgs {
             model: d.model,
+            shape: d.shape,
             out: d.out,
             json: d.json,
             max_isa: d.max_isa,

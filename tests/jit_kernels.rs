@@ -5,7 +5,7 @@
 use pulsar::jit::cpu::{CpuCaps, Isa};
 use pulsar::jit::emit::gemm::GemmParams;
 use pulsar::jit::emit::gemv::{GemvParams, WeightType};
-use pulsar::jit::kernels::KernelSet;
+use pulsar::jit::kernels::{AttnScores, AttnWsum, Geglu, Gemm, Gemv, KernelSet, RmsNorm, Softmax};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::row_blocks;
 
@@ -94,7 +94,7 @@ fn gemv_matches_reference() {
                 .collect();
             let s = set(&kinds);
             for &k in &ks {
-                let g = s.gemv(wt, k).expect("kernel present");
+                let g = s.get::<Gemv>((wt, k)).expect("kernel present");
                 for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
                     // One extra element in front makes pointers misaligned.
                     for misalign in [0usize, 1] {
@@ -140,7 +140,7 @@ fn gemv_rows_split_across_threads_match_one_call() {
     use pulsar::jit::plan::split_rows;
     let (wt, k, rows) = (WeightType::Bf16, 203usize, 61usize);
     let s = set(&[KernelKind::Gemv(GemvParams { wt, k, unroll: 2 })]);
-    let g = s.gemv(wt, k).unwrap();
+    let g = s.get::<Gemv>((wt, k)).unwrap();
     let mut rng = Rng(4242);
     let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
     let w = blocked(&w, rows, k, 0);
@@ -171,7 +171,7 @@ fn gemv_rejects_bad_shapes() {
         k: 16,
         unroll: 1,
     })]);
-    let g = s.gemv(WeightType::F16, 16).unwrap();
+    let g = s.get::<Gemv>((WeightType::F16, 16)).unwrap();
     let w = vec![0u16; 16 * 4];
     let mut y = vec![0f32; 4];
     assert!(g.run(&w, &[0.0; 15], &mut y, 0..4).is_err());
@@ -180,6 +180,41 @@ fn gemv_rejects_bad_shapes() {
     // A range must start on a 4-row block.
     assert!(g.run(&w, &[0.0; 16], &mut y, 1..4).is_err());
     assert!(g.run(&w, &[0.0; 16], &mut y, 0..4).is_ok());
+}
+
+/// One accessor for every kind: a key finds the kernel that serves it, an
+/// id resolved once binds it again without a search, and an id is refused
+/// by another set or for another key (calling the code would be undefined).
+#[test]
+fn kernels_are_found_by_key_and_bound_by_id() {
+    let kinds = [
+        KernelKind::Gemv(GemvParams {
+            wt: WeightType::F16,
+            k: 16,
+            unroll: 1,
+        }),
+        KernelKind::Softmax,
+    ];
+    let s = set(&kinds);
+    assert!(s.get::<Gemv>((WeightType::F16, 32)).is_none());
+    assert!(s.get::<Gemv>((WeightType::Bf16, 16)).is_none());
+    assert!(s.get::<Gemm>((WeightType::F16, 16)).is_none());
+    let id = s.resolve::<Gemv>((WeightType::F16, 16)).expect("planned");
+    let bound: Gemv = s.bind(id, (WeightType::F16, 16));
+    assert_eq!(
+        bound.name,
+        s.get::<Gemv>((WeightType::F16, 16)).unwrap().name
+    );
+    let softmax: Softmax = s.bind(s.resolve::<Softmax>(()).unwrap(), ());
+    assert_eq!(softmax.name, "softmax");
+
+    let other = set(&kinds);
+    let from_another_set =
+        std::panic::catch_unwind(|| other.bind::<Gemv>(id, (WeightType::F16, 16)).name.len());
+    assert!(from_another_set.is_err(), "an id of another set was bound");
+    let for_another_key =
+        std::panic::catch_unwind(|| s.bind::<Gemv>(id, (WeightType::F16, 32)).name.len());
+    assert!(for_another_key.is_err(), "an id was bound for another K");
 }
 
 /// A row-major matrix in the kernels' row-block layout, after `misalign`
@@ -225,7 +260,7 @@ fn gemm_matches_reference() {
             .collect();
         let s = set(&kinds);
         for &k in &ks {
-            let g = s.gemm(wt, k).unwrap();
+            let g = s.get::<Gemm>((wt, k)).unwrap();
             for rows in [1usize, 3, 4, 6, 9] {
                 for tokens in [1usize, 2, 3, 4, 5, 6, 7, 12, 13] {
                     let misalign = (rows + tokens) % 2;
@@ -254,7 +289,7 @@ fn gemm_spans_several_panels() {
     let panel = pulsar::jit::emit::gemm::panel_rows(k * 2);
     let rows = 2 * panel + 7;
     let s = set(&[KernelKind::Gemm(GemmParams { wt, k })]);
-    let g = s.gemm(wt, k).unwrap();
+    let g = s.get::<Gemm>((wt, k)).unwrap();
     let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
     let x = rng.vec(tokens * k, 1.0);
     let ldy = rows + 1;
@@ -292,7 +327,7 @@ fn rmsnorm_matches_reference() {
             .collect();
         let s = set(&kinds);
         for &dim in &dims {
-            let k = s.rmsnorm(dim).unwrap();
+            let k = s.get::<RmsNorm>(dim).unwrap();
             for rows in [1usize, 2, 3] {
                 let xbuf = rng.vec(rows * dim + 1, 3.0);
                 let x = &xbuf[1..];
@@ -340,7 +375,7 @@ fn geglu_matches_reference() {
         .collect();
     let s = set(&kinds);
     for &w in &widths {
-        let k = s.geglu(w).unwrap();
+        let k = s.get::<Geglu>(w).unwrap();
         for rows in [1usize, 2, 3, 8, 9] {
             let n = rows * w;
             if n < 8 {
@@ -379,7 +414,7 @@ fn attention_scores_match_reference() {
             wt: WeightType::F32,
             k: hd,
         })]);
-        let k = s.attn_scores(hd).unwrap();
+        let k = s.get::<AttnScores>(hd).unwrap();
         for (n_keys, nq) in [
             (1usize, 1usize),
             (2, 4),
@@ -421,7 +456,7 @@ fn attention_scores_match_reference() {
 fn softmax_matches_reference() {
     let mut rng = Rng(3);
     let s = set(&[KernelKind::Softmax]);
-    let k = s.softmax().unwrap();
+    let k = s.get::<Softmax>(()).unwrap();
     for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 100, 1000] {
         let xbuf = rng.vec(n + 1, 20.0);
         let mut x = xbuf[1..].to_vec();
@@ -445,7 +480,7 @@ fn attention_weighted_sum_matches_reference() {
     let mut rng = Rng(77);
     for hd in [8usize, 16, 64, 72, 136, 256] {
         let s = set(&[KernelKind::AttnWsum { head_dim: hd }]);
-        let k = s.attn_wsum(hd).unwrap();
+        let k = s.get::<AttnWsum>(hd).unwrap();
         // Query counts around the 6-query tile; key counts incl. none.
         for (n_keys, nq) in [(0usize, 1usize), (1, 1), (5, 6), (33, 7), (9, 13), (4, 2)] {
             let ldp = n_keys + 3;
@@ -493,7 +528,7 @@ fn planned_kernels_match_reference() {
         for spec in &p.kernels {
             match &spec.kind {
                 KernelKind::Gemv(g) => {
-                    let gemv = s.gemv(g.wt, g.k).unwrap();
+                    let gemv = s.get::<Gemv>((g.wt, g.k)).unwrap();
                     let rows = 7;
                     let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
                     let x = rng.vec(g.k, 1.0);
@@ -508,7 +543,7 @@ fn planned_kernels_match_reference() {
                     }
                 }
                 KernelKind::Gemm(g) => {
-                    let gemm = s.gemm(g.wt, g.k).unwrap();
+                    let gemm = s.get::<Gemm>((g.wt, g.k)).unwrap();
                     let (rows, tokens) = (5, 4);
                     let w: Vec<u16> = (0..rows * g.k).map(|_| to_u16(g.wt, rng.f())).collect();
                     let x = rng.vec(tokens * g.k, 1.0);
@@ -532,7 +567,7 @@ fn planned_kernels_match_reference() {
                     }
                 }
                 KernelKind::RmsNorm { dim, .. } => {
-                    let k = s.rmsnorm(*dim).unwrap();
+                    let k = s.get::<RmsNorm>(*dim).unwrap();
                     let x = rng.vec(*dim, 2.0);
                     let w = rng.vec(*dim, 1.0);
                     let mut out = vec![0f32; *dim];
@@ -543,7 +578,7 @@ fn planned_kernels_match_reference() {
                     }
                 }
                 KernelKind::Geglu { width } => {
-                    let k = s.geglu(*width).unwrap();
+                    let k = s.get::<Geglu>(*width).unwrap();
                     let (g, u) = (rng.vec(*width, 6.0), rng.vec(*width, 1.0));
                     let mut out = vec![0f32; *width];
                     k.run(&g, &u, &mut out).unwrap();

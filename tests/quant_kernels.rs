@@ -22,7 +22,7 @@ use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::jit::cpu::{CpuCaps, Isa};
 use pulsar::jit::emit::gemv_quant::GemvQuantParams;
-use pulsar::jit::kernels::KernelSet;
+use pulsar::jit::kernels::{GemvQuant, KernelSet};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::dtype::{DType, TensorView};
 use pulsar::model::quant_blocks::QuantType;
@@ -105,7 +105,9 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
             Isa::Avx2,
         )
         .expect("emit + verify");
-        let kernel = set.gemv_quant(q, k).expect("the kernel is in the set");
+        let kernel = set
+            .get::<GemvQuant>((q, k))
+            .expect("the kernel is in the set");
         // All rows at once, and in pieces starting on blocks.
         let mut y = vec![0.0f32; rows];
         kernel
@@ -151,7 +153,7 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
         Isa::Avx2,
     )
     .unwrap();
-    let kernel = set.gemv_quant(q, k).unwrap();
+    let kernel = set.get::<GemvQuant>((q, k)).unwrap();
     let mut y = vec![0.0f32; rows];
     assert!(
         kernel
@@ -170,7 +172,7 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
             .is_err()
     );
     // A K that is not whole blocks of 32 gets no kernel handle.
-    assert!(set.gemv_quant(q, 40).is_none());
+    assert!(set.get::<GemvQuant>((q, 40)).is_none());
 }
 
 #[test]
@@ -241,9 +243,10 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
     let mut reference = ReferenceEngine::load(&src).unwrap();
     let (_, trace) = reference.forward_traced(&input).unwrap();
     let hidden = trace.last().and_then(|t| t.last()).expect("final hidden");
-    let head = packed_head(&src);
+    let mut head = packed_head(&src);
     let formats = FastEngine::weight_formats(&src, &options(true)).unwrap();
     let kernels = JitKernels::build(&src.config, formats, 1).unwrap();
+    head.set_kernels(kernels.resolve(&head).expect("the plan covers the head"));
     let (mut gemv, mut gemm) = (vec![0.0f32; vocab], vec![0.0f32; vocab]);
     // SAFETY: one thread owns every row of both outputs.
     unsafe {

@@ -14,6 +14,7 @@ use crate::jit::plan::{Plan, PlanOptions, plan};
 use crate::jit::verify::format_instr;
 use crate::model::config::ModelConfig;
 use crate::model::fetch::default_model_path;
+use crate::model::presets;
 use crate::model::source::ModelSource;
 use anyhow::{Context, Result, bail};
 use iced_x86::{Decoder, DecoderOptions, Instruction};
@@ -28,6 +29,9 @@ pub struct DumpArgs {
     /// A .gguf file, a Hugging Face folder, or a bare config.json (shape
     /// only); `None`: the default model.
     pub model: Option<PathBuf>,
+    /// A known shape (`presets::SHAPES`) instead of a model: its plan,
+    /// without weights.
+    pub shape: Option<String>,
     /// Write KERNEL.bin and KERNEL.asm for every kernel into this folder.
     pub out: Option<PathBuf>,
     /// A JSON summary instead of listings.
@@ -62,19 +66,35 @@ type ModelFormats = Option<(ModelSource, WeightFormats)>;
 fn plan_inputs_with_model(
     args: &DumpArgs,
 ) -> Result<(ModelDims, PlanOptions, PathBuf, ModelFormats)> {
-    let path = model_path(&args.model)?;
-    let is_json = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
     let threads = if args.threads == 0 {
         CpuCaps::detect().cores.max(1)
     } else {
         args.threads
     };
+    // A shape or a bare config.json has no weights: FP16 is assumed
+    // unless --dtype names a format.
+    let shape_formats = || WeightFormats::uniform(args.dtype.format().unwrap_or(WeightFormat::F16));
+    if let Some(name) = &args.shape {
+        let Some(config) = presets::shape(name) else {
+            bail!(
+                "unknown --shape {name:?}; known shapes: {}",
+                presets::SHAPES.join(", ")
+            );
+        };
+        let dims = ModelDims::from(&config);
+        let opts = PlanOptions {
+            max_isa: args.max_isa,
+            ..plan_options(&config, &shape_formats(), threads)
+        };
+        return Ok((dims, opts, PathBuf::from(format!("shape {name}")), None));
+    }
+    let path = model_path(&args.model)?;
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
     let (config, formats, model) = if is_json {
         let config = ModelConfig::from_hf_config(&path)?;
-        let format = args.dtype.format().unwrap_or(WeightFormat::F16);
-        (config, WeightFormats::uniform(format), None)
+        (config, shape_formats(), None)
     } else {
         let src = ModelSource::open(&path)?;
         let opts = args.dtype.fast_options(threads, 1, false);

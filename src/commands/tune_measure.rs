@@ -6,7 +6,7 @@
 use crate::engine::q8_input::Q8Input;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::emit::gemv;
-use crate::jit::kernels::KernelSet;
+use crate::jit::kernels::{Gemm, Gemv, GemvQuant, KernelSet};
 use crate::jit::plan::{KernelKind, Plan};
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
@@ -67,7 +67,7 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             continue;
         };
         let gemv = set
-            .gemv(g.wt, g.k)
+            .get::<Gemv>((g.wt, g.k))
             .context("planned GEMV missing from the kernel set")?;
         let rows = weight_bytes() / (row_blocks::padded_cols(g.k) * 2) / gemv::ROWS * gemv::ROWS;
         let len = row_blocks::padded_len(rows, g.k);
@@ -168,7 +168,7 @@ fn measure_one_quant(
     threads: usize,
 ) -> Result<()> {
     let gemv = set
-        .gemv_quant(q, k)
+        .get::<GemvQuant>((q, k))
         .context("planned GEMV missing from the kernel set")?;
     let block = q.block_bytes(k);
     let rows = weight_bytes() / block * quant_blocks::BLOCK_ROWS;
@@ -209,7 +209,7 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
             continue;
         };
         let gemm = set
-            .gemm(g.wt, g.k)
+            .get::<Gemm>((g.wt, g.k))
             .context("planned GEMM missing from the kernel set")?;
         let rows = ((8usize << 20) / (g.k * 2)).max(8) / 8 * 8;
         let w: Vec<u16> = (0..row_blocks::padded_len(rows, g.k))

@@ -239,24 +239,37 @@ pub struct FastOptions {
     pub in_place: bool,
 }
 
-/// Whether `kernels` can multiply every matrix; the first one they cannot,
-/// and why, if not.
-fn kernels_cover(kernels: &dyn MatKernels, w: &ModelWeights<PackedMatrix>) -> Result<(), String> {
-    let matrices = std::iter::once(("output(lm_head)", 0, &w.embedding)).chain(
-        w.layers.iter().enumerate().flat_map(|(i, l)| {
-            LAYER_MATRICES
-                .iter()
-                .zip(l.matrices())
-                .map(move |(&(_, name), m)| (name, i, m))
-        }),
-    );
-    for (name, layer, m) in matrices {
-        if let Err(why) = kernels.covers(m) {
-            return Err(format!(
-                "the {} kernels cannot multiply {name} (layer {layer}): {why}",
-                kernels.name()
-            ));
+/// Resolves the kernels of every matrix and keeps them with it; on the
+/// first matrix `kernels` cannot multiply, says which and why and changes
+/// nothing.
+fn resolve_kernels(
+    kernels: &dyn MatKernels,
+    w: &mut ModelWeights<PackedMatrix>,
+) -> Result<(), String> {
+    let mut matrices: Vec<(&str, usize, &mut PackedMatrix)> =
+        vec![("output(lm_head)", 0, &mut w.embedding)];
+    for (i, layer) in w.layers.iter_mut().enumerate() {
+        let names = LAYER_MATRICES.iter().map(|&(_, name)| name);
+        matrices.extend(
+            names
+                .zip(layer.matrices_mut())
+                .map(|(name, m)| (name, i, m)),
+        );
+    }
+    let mut resolved = Vec::with_capacity(matrices.len());
+    for (name, layer, m) in &matrices {
+        match kernels.resolve(m) {
+            Ok(k) => resolved.push(k),
+            Err(why) => {
+                return Err(format!(
+                    "the {} kernels cannot multiply {name} (layer {layer}): {why}",
+                    kernels.name()
+                ));
+            }
         }
+    }
+    for ((_, _, m), k) in matrices.iter_mut().zip(resolved) {
+        m.set_kernels(k);
     }
     Ok(())
 }
@@ -463,14 +476,14 @@ impl FastEngine {
 
     pub fn new(
         config: ModelConfig,
-        weights: ModelWeights<PackedMatrix>,
+        mut weights: ModelWeights<PackedMatrix>,
         kernels: Box<dyn MatKernels>,
         opts: &FastOptions,
     ) -> Result<Self> {
         if opts.context == 0 {
             bail!("the context size must be at least 1 token");
         }
-        if let Err(why) = kernels_cover(&*kernels, &weights) {
+        if let Err(why) = resolve_kernels(&*kernels, &mut weights) {
             bail!("internal error: {why}; the plan was made for other weight formats");
         }
         let kv = FlatKv::new(&config, opts.context)?;
@@ -554,7 +567,7 @@ impl FastEngine {
         &mut self,
         kernels: Box<dyn MatKernels>,
     ) -> Result<Box<dyn MatKernels>, (Box<dyn MatKernels>, String)> {
-        if let Err(why) = kernels_cover(&*kernels, &self.weights) {
+        if let Err(why) = resolve_kernels(&*kernels, &mut self.weights) {
             return Err((kernels, why));
         }
         Ok(std::mem::replace(&mut self.kernels, kernels))

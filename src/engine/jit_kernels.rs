@@ -3,7 +3,7 @@
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
 use super::fast::WeightFormats;
-use super::kernels::{GroupAttention, MatKernels, PortableKernels, SharedOut};
+use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
 use super::widen::widen_rows;
@@ -12,7 +12,9 @@ use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
-use crate::jit::kernels::KernelSet;
+use crate::jit::kernels::{
+    AttnScores, AttnWsum, Geglu, Gemm, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm, Softmax,
+};
 use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
 use crate::model::row_blocks;
@@ -44,9 +46,63 @@ pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usiz
 pub struct JitKernels {
     set: KernelSet,
     isa: Isa,
-    /// The feed-forward width the GeGLU kernel was generated for.
-    ffn_width: usize,
+    ops: OpKernels,
     blocking: Blocking,
+}
+
+/// The kernels of the operations other than matrix products, resolved
+/// once for the model's dimensions. `None` where the plan left an
+/// operation to plain Rust (optional kernels it dropped to stay within its
+/// code budget, which its notes say).
+struct OpKernels {
+    /// RMSNorm over the hidden width and, with q/k norms, over a head.
+    norms: Vec<(usize, KernelId)>,
+    /// GeGLU over the feed-forward width.
+    geglu: Option<(usize, KernelId)>,
+    /// Attention scores, softmax and weighted sum, for the head dimension
+    /// (all three or none).
+    attention: Option<(usize, [KernelId; 3])>,
+}
+
+impl OpKernels {
+    fn resolve(set: &KernelSet, config: &ModelConfig) -> Result<OpKernels> {
+        let mut dims = vec![config.hidden];
+        if config.has_qk_norm() && config.head_dim != config.hidden {
+            dims.push(config.head_dim);
+        }
+        let mut norms = Vec::new();
+        for dim in dims {
+            match set.resolve::<RmsNorm>(dim) {
+                Some(id) => norms.push((dim, id)),
+                None => bail!("the kernel plan has no RMSNorm for {dim} values"),
+            }
+        }
+        let width = config.intermediate;
+        let geglu = set.resolve::<Geglu>(width).map(|id| (width, id));
+        let hd = config.head_dim;
+        let attention = match (
+            set.resolve::<AttnScores>(hd),
+            set.resolve::<Softmax>(()),
+            set.resolve::<AttnWsum>(hd),
+        ) {
+            (Some(scores), Some(softmax), Some(wsum)) => Some((hd, [scores, softmax, wsum])),
+            _ => None,
+        };
+        Ok(OpKernels {
+            norms,
+            geglu,
+            attention,
+        })
+    }
+
+    /// The RMSNorm kernel for `dim` values. Panics for a dimension the
+    /// engine never normalises: the plan has one for each it does.
+    fn norm<'a>(&self, set: &'a KernelSet, dim: usize) -> RmsNorm<'a> {
+        let Some(&(_, id)) = self.norms.iter().find(|(d, _)| *d == dim) else {
+            panic!("no RMSNorm kernel was planned for {dim} values");
+        };
+        set.bind(id, dim)
+    }
 }
 
 impl JitKernels {
@@ -68,9 +124,9 @@ impl JitKernels {
     pub fn with_options(config: &ModelConfig, opts: PlanOptions) -> Result<Option<JitKernels>> {
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
+                ops: OpKernels::resolve(&kernels, config)?,
                 set: kernels,
                 isa: plan.kernels.first().map_or(Isa::Avx2, |k| k.isa),
-                ffn_width: config.intermediate,
                 blocking: plan.blocking.clone(),
             })),
             Backend::Reference { reason } => {
@@ -107,10 +163,7 @@ impl JitKernels {
     /// chunks are 126 tokens). FP16 rounds Q8_0 values by at most 2^-11
     /// relative, less than the 8-bit input rounding of the integer GEMV.
     unsafe fn gemm_widened(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut) {
-        let k = self
-            .set
-            .gemm(WeightType::F16, w.cols)
-            .expect("every matrix's kernels are checked at load (`covers`)");
+        let k: Gemm = self.set.bind(tokens_kernel(w), (WeightType::F16, w.cols));
         let tokens = x.len() / w.cols;
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
         // Rows whose FP16 copy fits the plan's panel (in L2 while every
@@ -147,22 +200,35 @@ impl JitKernels {
     }
 }
 
+/// The GEMM resolved for `w` at load.
+fn tokens_kernel(w: &PackedMatrix) -> KernelId {
+    w.kernels()
+        .tokens
+        .expect("the engine resolves every matrix's kernels at load")
+}
+
+/// The GEMV resolved for `w` at load.
+fn one_token_kernel(w: &PackedMatrix) -> KernelId {
+    w.kernels()
+        .one_token
+        .expect("the engine resolves every matrix's kernels at load")
+}
+
 impl MatKernels for JitKernels {
     unsafe fn gemm(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut) {
         if !w.format.is_16bit() {
             return unsafe { self.gemm_widened(w, x, rows, y) };
         }
-        let wt = weight_type(w.format);
+        let key = (weight_type(w.format), w.cols);
         let tokens = x.len() / w.cols;
-        const CHECKED: &str = "every matrix's kernels are checked at load (`covers`)";
         if tokens == 1 {
-            let k = self.set.gemv(wt, w.cols).expect(CHECKED);
+            let k: Gemv = self.set.bind(one_token_kernel(w), key);
             // SAFETY: the caller owns columns `rows` of y.
             let part = unsafe { y.cells(0, rows.clone()) };
             k.run_part(w.data(), x, part, rows)
                 .expect("GEMV arguments sized by the engine");
         } else {
-            let k = self.set.gemm(wt, w.cols).expect(CHECKED);
+            let k: Gemm = self.set.bind(tokens_kernel(w), key);
             assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
             // SAFETY: W has rows < rows.end of K values, x holds tokens·K,
             // y holds tokens rows of `stride` (asserted), and the caller
@@ -181,11 +247,11 @@ impl MatKernels for JitKernels {
     }
 
     unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
-        let k = w
+        let q = w
             .format
             .quant()
-            .and_then(|q| self.set.gemv_quant(q, w.cols))
-            .expect("every matrix's kernels are checked at load (`covers`)");
+            .expect("an integer product needs quantized weights");
+        let k: GemvQuant = self.set.bind(one_token_kernel(w), (q, w.cols));
         // One pass over the rows per token: the LM head at prefill wants
         // only the last token's logits, so several tokens here are rare
         // (`logits --all`, perplexity).
@@ -197,24 +263,23 @@ impl MatKernels for JitKernels {
         }
     }
 
-    fn covers(&self, w: &PackedMatrix) -> Result<(), String> {
-        let (gemv, gemm) = match w.format.quant() {
+    fn resolve(&self, w: &PackedMatrix) -> Result<MatrixKernels, String> {
+        // Quantized weights: the integer GEMV per token, the FP16 GEMM on
+        // widened panels for several.
+        let (one_token, tokens) = match w.format.quant() {
             Some(q) => (
-                self.set.gemv_quant(q, w.cols).is_some(),
-                self.set.gemm(WeightType::F16, w.cols).is_some(),
+                self.set.resolve::<GemvQuant>((q, w.cols)),
+                self.set.resolve::<Gemm>((WeightType::F16, w.cols)),
             ),
             None => {
-                let wt = weight_type(w.format);
-                (
-                    self.set.gemv(wt, w.cols).is_some(),
-                    self.set.gemm(wt, w.cols).is_some(),
-                )
+                let key = (weight_type(w.format), w.cols);
+                (self.set.resolve::<Gemv>(key), self.set.resolve::<Gemm>(key))
             }
         };
-        match (gemv, gemm) {
-            (true, true) => Ok(()),
-            (false, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
-            (_, false) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),
+        match (one_token, tokens) {
+            (Some(_), Some(_)) => Ok(MatrixKernels { one_token, tokens }),
+            (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
+            (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),
         }
     }
 
@@ -227,28 +292,27 @@ impl MatKernels for JitKernels {
     }
 
     fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {
-        match self.set.rmsnorm(w.len()) {
-            Some(k) => k.run(x, w, out, eps).expect("RMSNorm sized by the engine"),
-            None => PortableKernels.rms_norm(x, w, out, eps),
-        }
+        self.ops
+            .norm(&self.set, w.len())
+            .run(x, w, out, eps)
+            .expect("RMSNorm sized by the engine");
     }
 
     fn rms_norm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        match self.set.rmsnorm(w.len()) {
-            Some(k) => k
-                .run_inplace(x, w, eps)
-                .expect("RMSNorm sized by the engine"),
-            None => PortableKernels.rms_norm_in_place(x, w, eps),
-        }
+        self.ops
+            .norm(&self.set, w.len())
+            .run_inplace(x, w, eps)
+            .expect("RMSNorm sized by the engine");
     }
 
     fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        let done = self
-            .set
-            .geglu(self.ffn_width)
-            .is_some_and(|k| k.run(gate, up, out).is_ok());
-        if !done {
-            PortableKernels.geglu(gate, up, out);
+        match self.ops.geglu {
+            Some((width, id)) => self
+                .set
+                .bind::<Geglu>(id, width)
+                .run(gate, up, out)
+                .expect("GeGLU sized by the engine"),
+            None => PortableKernels.geglu(gate, up, out),
         }
     }
 
@@ -259,14 +323,13 @@ impl MatKernels for JitKernels {
         out: &mut [f32],
         mut log_sums: Option<&mut [f32]>,
     ) {
-        let hd = a.head_dim;
-        let (Some(scores), Some(softmax), Some(wsum)) = (
-            self.set.attn_scores(hd),
-            self.set.softmax(),
-            self.set.attn_wsum(hd),
-        ) else {
+        let Some((hd, [scores, softmax, wsum])) = self.ops.attention else {
             return PortableKernels.attend(a, scratch, out, log_sums);
         };
+        assert_eq!(a.head_dim, hd, "attention planned for another head size");
+        let scores: AttnScores = self.set.bind(scores, hd);
+        let softmax: Softmax = self.set.bind(softmax, ());
+        let wsum: AttnWsum = self.set.bind(wsum, hd);
         // One GEMM for the whole block's scores, then each row masked and
         // normalised, then one pass over V shared by every row.
         let n_keys = a.n_keys();

@@ -6,6 +6,7 @@ use super::ops::{self, dot};
 use super::packed::PackedMatrix;
 use super::q8_input::{Q8Input, dot_i8};
 use crate::jit::blocking::Blocking;
+use crate::jit::kernels::KernelId;
 use crate::model::quant_blocks;
 use std::ops::Range;
 
@@ -167,6 +168,18 @@ pub fn merge_key_parts(parts: &[&[f32]], log_sums: &[&[f32]], head_dim: usize, o
     }
 }
 
+/// The JIT kernels that multiply one matrix, resolved once (see
+/// [`MatKernels::resolve`]) and kept with it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MatrixKernels {
+    /// One token at a time: the GEMV (the integer one for quantized
+    /// weights).
+    pub one_token: Option<KernelId>,
+    /// Several tokens at once: the GEMM (the FP16 one, on widened panels,
+    /// for quantized weights).
+    pub tokens: Option<KernelId>,
+}
+
 pub trait MatKernels: Sync {
     /// `y[t][r] = W[r,:] · x[t,:]` for every token `t` of `x` (row-major
     /// `[tokens, w.cols]`) and every row `r` in `rows`.
@@ -185,11 +198,14 @@ pub trait MatKernels: Sync {
         unsafe { gemm_q8_portable(w, x, rows, y) }
     }
 
-    /// Whether these kernels can multiply `w`, checked once per matrix at
-    /// load: a missing kernel is a load error naming the matrix, never a
-    /// quiet fallback on every call. Plain-Rust kernels take any matrix.
-    fn covers(&self, _w: &PackedMatrix) -> Result<(), String> {
-        Ok(())
+    /// The kernels that multiply `w`, found once per matrix when these
+    /// kernels meet the weights and kept with it
+    /// ([`PackedMatrix::set_kernels`]); the calls above use them without a
+    /// search. A missing kernel is a load error naming the matrix, never a
+    /// quiet fallback on every call. Plain-Rust kernels take any matrix and
+    /// need nothing.
+    fn resolve(&self, _w: &PackedMatrix) -> Result<MatrixKernels, String> {
+        Ok(MatrixKernels::default())
     }
 
     /// A short name for reports ("jit avx2", "portable").

@@ -4,6 +4,9 @@
 //! or borrowed zero-copy from a memory-mapped file that already stores them
 //! that way (written by `pulsar convert`).
 
+#[cfg(doc)]
+use super::kernels::MatKernels;
+use super::kernels::MatrixKernels;
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
 use crate::model::gguf_write::q8_0_bytes;
@@ -145,6 +148,9 @@ pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
     storage: Storage,
+    /// The kernels that multiply it, resolved when an engine's kernels
+    /// meet its weights.
+    kernels: MatrixKernels,
 }
 
 /// Anonymous memory of `bytes`, advised for transparent huge pages where
@@ -224,6 +230,7 @@ impl PackedMatrix {
             rows,
             cols,
             storage: Storage::Owned { map, start },
+            kernels: MatrixKernels::default(),
         }
     }
 
@@ -281,6 +288,7 @@ impl PackedMatrix {
                 _arena: arena.clone(),
                 ptr,
             },
+            kernels: MatrixKernels::default(),
         }
     }
 
@@ -306,7 +314,19 @@ impl PackedMatrix {
                 _owner: owner,
                 ptr: t.bytes.as_ptr().cast(),
             },
+            kernels: MatrixKernels::default(),
         })
+    }
+
+    /// The kernels resolved for it (none before an engine's kernels have
+    /// met it, and none for plain-Rust kernels).
+    pub fn kernels(&self) -> MatrixKernels {
+        self.kernels
+    }
+
+    /// Keeps the kernels that multiply it (see [`MatKernels::resolve`]).
+    pub fn set_kernels(&mut self, kernels: MatrixKernels) {
+        self.kernels = kernels;
     }
 
     /// Whether the values are used in place from a mapped file.

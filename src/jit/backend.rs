@@ -70,7 +70,10 @@ mod tests {
                 assert_eq!(plan.kernels.len(), kernels.kernels().len());
                 assert!(
                     kernels
-                        .gemv(crate::jit::emit::gemv::WeightType::F16, 640)
+                        .get::<crate::jit::kernels::Gemv>((
+                            crate::jit::emit::gemv::WeightType::F16,
+                            640
+                        ))
                         .is_some()
                 );
             }

@@ -115,7 +115,42 @@ fn write_perf_map(base: usize, kernels: &[Compiled]) {
 pub struct KernelSet {
     buf: ExecutableBuffer,
     kernels: Vec<Compiled>,
+    /// Tells this set's [`KernelId`]s from another set's.
+    serial: u64,
 }
+
+/// Where a kernel sits in one [`KernelSet`]: found once (when an engine
+/// meets its weights), then used on every call without a search. Valid
+/// only for the set that made it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelId {
+    set: u64,
+    index: u32,
+}
+
+/// A typed entry point to one kernel of a set, found by what its caller
+/// knows (LIBXSMM's descriptor-keyed dispatch): each handle type says which
+/// kernel kinds serve a key and binds their code to the function type its
+/// emitter generated. [`KernelSet::get`] and [`KernelSet::resolve`] are the
+/// one accessor for every kind.
+pub trait Kernel<'a>: Sized {
+    /// What a caller asks for, e.g. a GEMV's weight type and K.
+    type Key: Copy + std::fmt::Debug;
+
+    /// Whether a kernel of `kind` computes what `key` asks for.
+    fn serves(kind: &KernelKind, key: Self::Key) -> bool;
+
+    /// The handle of `compiled`, whose code starts at `entry`.
+    ///
+    /// # Safety
+    /// `entry` must be the mapped, verified code of `compiled`, and its
+    /// kind must serve `key`: its emitter then generated the signature
+    /// this handle calls.
+    unsafe fn bind(compiled: &'a Compiled, entry: *const u8, key: Self::Key) -> Self;
+}
+
+/// Numbers the sets of a process (see [`KernelId`]).
+static NEXT_SET_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl KernelSet {
     /// Maps verified kernels. Only code that passed `verify` can get here.
@@ -136,6 +171,7 @@ impl KernelSet {
         Ok(KernelSet {
             buf,
             kernels: emitted.kernels,
+            serial: NEXT_SET_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -162,87 +198,147 @@ impl KernelSet {
         &self.kernels
     }
 
-    fn find(&self, pred: impl Fn(&KernelKind) -> bool) -> Option<(&Compiled, *const u8)> {
-        let k = self.kernels.iter().find(|k| pred(&k.spec.kind))?;
-        Some((k, self.buf.as_ptr().wrapping_add(k.offset)))
+    /// The kernel that serves `key` as a `K`, if the set has one: a
+    /// search, for set-up code. Hot paths keep a [`KernelId`] from
+    /// [`KernelSet::resolve`] and call [`KernelSet::bind`].
+    pub fn get<'a, K: Kernel<'a>>(&'a self, key: K::Key) -> Option<K> {
+        self.resolve::<K>(key).map(|id| self.bind(id, key))
     }
 
-    /// Decode GEMV for `k` columns of `wt` weights.
-    pub fn gemv(&self, wt: WeightType, k: usize) -> Option<Gemv<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::Gemv(g) if g.wt == wt && g.k == k))?;
-        // SAFETY: p points at verified code with this signature (see emit::gemv).
-        let f = unsafe { std::mem::transmute::<*const u8, GemvFn>(p) };
-        Some(Gemv {
+    /// Finds the kernel that serves `key`, once.
+    pub fn resolve<'a, K: Kernel<'a>>(&'a self, key: K::Key) -> Option<KernelId> {
+        let index = self
+            .kernels
+            .iter()
+            .position(|c| K::serves(&c.spec.kind, key))?;
+        Some(KernelId {
+            set: self.serial,
+            index: u32::try_from(index).expect("fewer than 2^32 kernels"),
+        })
+    }
+
+    /// The kernel `id` as a `K` for `key`, without a search. Panics when
+    /// `id` comes from another set or names a kernel that does not serve
+    /// `key`: ids are resolved from the same keys at load, so either is a
+    /// bug in the engine, and calling the code would be undefined.
+    pub fn bind<'a, K: Kernel<'a>>(&'a self, id: KernelId, key: K::Key) -> K {
+        assert_eq!(
+            id.set, self.serial,
+            "kernel id {id:?} belongs to another kernel set"
+        );
+        let c = &self.kernels[id.index as usize];
+        assert!(
+            K::serves(&c.spec.kind, key),
+            "kernel {} does not serve {key:?}",
+            c.spec.name
+        );
+        // SAFETY: `c` was verified before `map` copied it to `offset` in
+        // the executable buffer, and its kind serves `key` (asserted).
+        unsafe { K::bind(c, self.buf.as_ptr().wrapping_add(c.offset), key) }
+    }
+}
+
+impl<'a> Kernel<'a> for Gemv<'a> {
+    /// The weights' type and K.
+    type Key = (WeightType, usize);
+    fn serves(kind: &KernelKind, (wt, k): Self::Key) -> bool {
+        matches!(kind, KernelKind::Gemv(g) if g.wt == wt && g.k == k)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (wt, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified GEMV code (see emit::gemv).
+        let f = unsafe { std::mem::transmute::<*const u8, GemvFn>(entry) };
+        Gemv {
             f,
             name: &c.spec.name,
             k,
             wt,
-        })
-    }
-
-    /// Integer GEMV for `k` columns of `q` weights (the kernel takes K as
-    /// an argument; the handle fixes it).
-    pub fn gemv_quant(&self, q: QuantType, k: usize) -> Option<GemvQuant<'_>> {
-        if !quant_blocks::fits(k) {
-            return None;
         }
-        let (c, p) = self.find(|kind| matches!(kind, KernelKind::GemvQuant(g) if g.q == q))?;
-        // SAFETY: verified code with the GemvQuantFn signature (see
+    }
+}
+
+impl<'a> Kernel<'a> for GemvQuant<'a> {
+    /// The weights' block type and K (the kernel takes K as an argument,
+    /// the handle fixes it).
+    type Key = (QuantType, usize);
+    fn serves(kind: &KernelKind, (q, k): Self::Key) -> bool {
+        quant_blocks::fits(k) && matches!(kind, KernelKind::GemvQuant(g) if g.q == q)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (q, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified integer GEMV code (see
         // emit::gemv_quant).
-        let f = unsafe { std::mem::transmute::<*const u8, GemvQuantFn>(p) };
-        Some(GemvQuant {
+        let f = unsafe { std::mem::transmute::<*const u8, GemvQuantFn>(entry) };
+        GemvQuant {
             f,
             name: &c.spec.name,
             q,
             k,
-        })
+        }
     }
+}
 
-    /// Prefill GEMM for `k` columns of `wt` weights.
-    pub fn gemm(&self, wt: WeightType, k: usize) -> Option<Gemm<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::Gemm(g) if g.wt == wt && g.k == k))?;
-        // SAFETY: verified code with the GemmFn signature (see emit::gemm).
-        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(p) };
-        Some(Gemm {
+impl<'a> Kernel<'a> for Gemm<'a> {
+    /// The weights' type and K.
+    type Key = (WeightType, usize);
+    fn serves(kind: &KernelKind, (wt, k): Self::Key) -> bool {
+        matches!(kind, KernelKind::Gemm(g) if g.wt == wt && g.k == k)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (wt, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified GEMM code (see emit::gemm).
+        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(entry) };
+        Gemm {
             f,
             name: &c.spec.name,
             k,
             wt,
-        })
+        }
     }
+}
 
-    pub fn rmsnorm(&self, dim: usize) -> Option<RmsNorm<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::RmsNorm { dim: d, .. } if *d == dim))?;
-        // SAFETY: verified code with the RmsNormFn signature.
-        let f = unsafe { std::mem::transmute::<*const u8, RmsNormFn>(p) };
-        Some(RmsNorm {
+impl<'a> Kernel<'a> for RmsNorm<'a> {
+    /// The vector length.
+    type Key = usize;
+    fn serves(kind: &KernelKind, dim: usize) -> bool {
+        matches!(kind, KernelKind::RmsNorm { dim: d, .. } if *d == dim)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, dim: usize) -> Self {
+        // SAFETY: the caller passes verified RMSNorm code.
+        let f = unsafe { std::mem::transmute::<*const u8, RmsNormFn>(entry) };
+        RmsNorm {
             f,
             name: &c.spec.name,
             dim,
-        })
+        }
     }
+}
 
-    pub fn geglu(&self, width: usize) -> Option<Geglu<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::Geglu { width: w } if *w == width))?;
-        // SAFETY: verified code with the GegluFn signature.
-        let f = unsafe { std::mem::transmute::<*const u8, GegluFn>(p) };
-        Some(Geglu {
+impl<'a> Kernel<'a> for Geglu<'a> {
+    /// The feed-forward width.
+    type Key = usize;
+    fn serves(kind: &KernelKind, width: usize) -> bool {
+        matches!(kind, KernelKind::Geglu { width: w } if *w == width)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, width: usize) -> Self {
+        // SAFETY: the caller passes verified GeGLU code.
+        let f = unsafe { std::mem::transmute::<*const u8, GegluFn>(entry) };
+        Geglu {
             f,
             name: &c.spec.name,
             width,
-        })
+        }
     }
+}
 
-    pub fn attn_scores(&self, head_dim: usize) -> Option<AttnScores<'_>> {
-        let (c, p) =
-            self.find(|kind| matches!(kind, KernelKind::AttnScores(g) if g.k == head_dim))?;
-        // SAFETY: verified code with the GemmFn signature (f32 "weights").
-        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(p) };
-        Some(AttnScores {
+impl<'a> Kernel<'a> for AttnScores<'a> {
+    /// The head dimension.
+    type Key = usize;
+    fn serves(kind: &KernelKind, head_dim: usize) -> bool {
+        matches!(kind, KernelKind::AttnScores(g) if g.k == head_dim)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, head_dim: usize) -> Self {
+        // SAFETY: the caller passes verified code of an f32 GEMM, the
+        // GemmFn signature (the keys are its weight rows).
+        let f = unsafe { std::mem::transmute::<*const u8, GemmFn>(entry) };
+        AttnScores {
             gemm: Gemm {
                 f,
                 name: &c.spec.name,
@@ -251,29 +347,40 @@ impl KernelSet {
             },
             name: &c.spec.name,
             head_dim,
-        })
+        }
     }
+}
 
-    pub fn softmax(&self) -> Option<Softmax<'_>> {
-        let (c, p) = self.find(|kind| matches!(kind, KernelKind::Softmax))?;
-        // SAFETY: verified code with the SoftmaxFn signature.
-        let f = unsafe { std::mem::transmute::<*const u8, SoftmaxFn>(p) };
-        Some(Softmax {
+impl<'a> Kernel<'a> for Softmax<'a> {
+    /// One softmax serves every length.
+    type Key = ();
+    fn serves(kind: &KernelKind, (): ()) -> bool {
+        matches!(kind, KernelKind::Softmax)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (): ()) -> Self {
+        // SAFETY: the caller passes verified softmax code.
+        let f = unsafe { std::mem::transmute::<*const u8, SoftmaxFn>(entry) };
+        Softmax {
             f,
             name: &c.spec.name,
-        })
+        }
     }
+}
 
-    pub fn attn_wsum(&self, head_dim: usize) -> Option<AttnWsum<'_>> {
-        let (c, p) = self
-            .find(|kind| matches!(kind, KernelKind::AttnWsum { head_dim: d } if *d == head_dim))?;
-        // SAFETY: verified code with the WsumFn signature.
-        let f = unsafe { std::mem::transmute::<*const u8, WsumFn>(p) };
-        Some(AttnWsum {
+impl<'a> Kernel<'a> for AttnWsum<'a> {
+    /// The head dimension.
+    type Key = usize;
+    fn serves(kind: &KernelKind, head_dim: usize) -> bool {
+        matches!(kind, KernelKind::AttnWsum { head_dim: d } if *d == head_dim)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, head_dim: usize) -> Self {
+        // SAFETY: the caller passes verified weighted-sum code.
+        let f = unsafe { std::mem::transmute::<*const u8, WsumFn>(entry) };
+        AttnWsum {
             f,
             name: &c.spec.name,
             head_dim,
-        })
+        }
     }
 }
 

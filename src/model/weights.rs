@@ -74,6 +74,20 @@ impl<M> LayerWeights<M> {
     pub fn matrices(&self) -> impl Iterator<Item = &M> {
         LAYER_MATRICES.iter().map(|&(role, _)| self.matrix(role))
     }
+
+    /// The seven matrices, mutable, in the order of [`LAYER_MATRICES`].
+    pub fn matrices_mut(&mut self) -> [&mut M; 7] {
+        // The order of LAYER_MATRICES, checked by a test below.
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+    }
 }
 
 pub struct ModelWeights<M> {
@@ -165,5 +179,33 @@ impl F32Matrix {
 
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mutable_matrices_come_in_the_table_order() {
+        let mut layer = LayerWeights {
+            attn_norm: Vec::new(),
+            attn_post_norm: None,
+            ffn_norm: Vec::new(),
+            ffn_post_norm: None,
+            q_norm: None,
+            k_norm: None,
+            q: 0,
+            k: 1,
+            v: 2,
+            o: 3,
+            gate: 4,
+            up: 5,
+            down: 6,
+        };
+        let shared: Vec<i32> = layer.matrices().copied().collect();
+        let mutable: Vec<i32> = layer.matrices_mut().into_iter().map(|m| *m).collect();
+        assert_eq!(shared, mutable);
+        assert_eq!(shared, (0..7).collect::<Vec<_>>());
     }
 }
