@@ -103,7 +103,7 @@ impl From<RunDtypeArg> for commands::Dtype {
     }
 }
 
-/// `--spec` of `run` and `chat`.
+/// `--spec` of `run`, `chat` and `serve`.
 #[derive(Clone, Copy, ValueEnum)]
 enum SpecArg {
     /// Draft the continuation of the longest earlier n-gram of the context
@@ -398,6 +398,10 @@ struct ServeCli {
     /// Seconds running requests may go on after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
+    /// Speculative decoding while one request is decoding: ngram drafts from the request's own
+    /// text, verified in one batched step.
+    #[arg(long, value_enum, default_value = "ngram")]
+    spec: SpecArg,
     /// Defaults for the sampling settings a request leaves out.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -421,6 +425,7 @@ impl ServeCli {
             prefill_chunk: self.prefill_chunk,
             stall_timeout: std::time::Duration::from_secs(self.stall_timeout),
             grace: std::time::Duration::from_secs(self.grace),
+            speculation: self.spec.into(),
             defaults: self.sampling.config(),
         })
     }

@@ -657,6 +657,66 @@ fn requests_share_steps_and_replies_do_not_depend_on_company() {
     assert!(metric(&metrics, "pulsar_kv_cells_used") > 0.0);
 }
 
+/// `--spec ngram` (the default) drafts while a request decodes alone and
+/// changes no reply: greedy and seeded texts equal those of `--spec off`,
+/// and drafts copied from the prompt are confirmed.
+#[test]
+fn speculation_drafts_for_a_lone_request_and_changes_no_reply() {
+    let requests = [
+        (
+            "/v1/completions",
+            json!({"prompt": "red, green, blue, red, green, blue, red, green, blue, red,",
+                   "temperature": 0, "max_tokens": 40}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("Repeat this sentence three times: the quick brown fox jumps over the lazy dog."),
+                   "temperature": 0.8, "seed": 7, "max_tokens": 60}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9,", "temperature": 0,
+                   "max_tokens": 30, "response_format": {"type": "json_object"}}),
+        ),
+    ];
+    let replies = |spec: &str| -> (Vec<Value>, String) {
+        // A fixed step cost in the draft policy: drafts are made whatever
+        // the machine's timings say.
+        let s = Server::start_with_env(
+            &["-c", "512", "--parallel", "2", "--spec", spec],
+            &[("PULSAR_SPEC_STEP_COST", "0.02")],
+        );
+        let out = requests.iter().map(|(p, b)| s.ok(p, b)).collect();
+        (out, s.metrics())
+    };
+    let (off, off_metrics) = replies("off");
+    let (on, on_metrics) = replies("ngram");
+    for ((path, _), (a, b)) in requests.iter().zip(off.iter().zip(&on)) {
+        let text = |v: &Value| {
+            if *path == "/v1/completions" {
+                completion_text(v)
+            } else {
+                chat_text(v)
+            }
+        };
+        assert_eq!(
+            text(a),
+            text(b),
+            "{path}: the reply differs with --spec ngram"
+        );
+        assert_eq!(a["usage"], b["usage"], "{path}: usage differs");
+    }
+    assert_eq!(metric(&off_metrics, "pulsar_drafted_tokens_total"), 0.0);
+    assert!(
+        metric(&on_metrics, "pulsar_accepted_tokens_total") > 0.0,
+        "{on_metrics}"
+    );
+    assert!(
+        metric(&on_metrics, "pulsar_steps_total") < metric(&off_metrics, "pulsar_steps_total"),
+        "speculation saved no step: {on_metrics}"
+    );
+}
+
 #[test]
 fn the_next_turn_of_a_conversation_reuses_the_cache() {
     let s = Server::start(&["-c", "1024", "--parallel", "2"]);

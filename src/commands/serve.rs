@@ -1,8 +1,8 @@
 //! `pulsar serve`: loads the model, the tokenizer, the chat format and the
 //! constraint compiler, then hands them to the server (`crate::serve`).
 
-use super::Dtype;
 use super::run::load_tokenizer;
+use super::{Dtype, effective_speculation};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
 use crate::constrain::{GrammarCompiler, VocabBytes};
@@ -13,6 +13,7 @@ use crate::model::source::ModelSource;
 use crate::sample::SamplerConfig;
 use crate::serve::request::ServeContext;
 use crate::serve::{self, ServeOptions};
+use crate::speculative::Speculation;
 use anyhow::{Result, bail};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     pub stall_timeout: Duration,
     pub grace: Duration,
+    pub speculation: Speculation,
     /// Defaults for the settings a request leaves out.
     pub defaults: SamplerConfig,
 }
@@ -129,6 +131,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             prefill_chunk: args.prefill_chunk.max(1),
             stall_timeout: args.stall_timeout,
             grace: args.grace,
+            speculation: effective_speculation(args.speculation)?,
         },
     )
 }

@@ -19,6 +19,9 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Tokens drafted by speculative decoding, and of them, confirmed.
+    pub drafted_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
     /// Forward steps run, and the sequences and tokens they carried.
     pub steps: AtomicU64,
     pub step_sequences: AtomicU64,
@@ -124,6 +127,18 @@ impl Metrics {
             "counter",
             "Tokens generated.",
             one(get(&self.generated_tokens).to_string()),
+        );
+        metric(
+            "pulsar_drafted_tokens_total",
+            "counter",
+            "Tokens drafted by speculative decoding (fed and verified in a step).",
+            one(get(&self.drafted_tokens).to_string()),
+        );
+        metric(
+            "pulsar_accepted_tokens_total",
+            "counter",
+            "Drafted tokens the sampler confirmed (each saved a step).",
+            one(get(&self.accepted_tokens).to_string()),
         );
         metric(
             "pulsar_decode_tokens_per_second",

@@ -36,6 +36,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use crate::engine::fast::FastEngine;
+use crate::speculative::Speculation;
 
 pub struct ServeOptions {
     pub host: String,
@@ -52,6 +53,8 @@ pub struct ServeOptions {
     pub stall_timeout: Duration,
     /// How long running requests may go on after Ctrl-C or SIGTERM.
     pub grace: Duration,
+    /// Drafting while one request decodes (see `scheduler`).
+    pub speculation: Speculation,
 }
 
 /// Serves until Ctrl-C or SIGTERM, then lets running requests finish
@@ -73,6 +76,7 @@ pub fn run(
             slots: opts.slots,
             prefill_chunk: opts.prefill_chunk,
             stall_timeout: opts.stall_timeout,
+            speculation: opts.speculation,
         };
         std::thread::Builder::new()
             .name("pulsar-engine".into())

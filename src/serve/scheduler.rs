@@ -7,6 +7,18 @@
 //! them. A request that arrives joins at the next step; one that ends frees
 //! its slot for the next waiting request at once.
 //!
+//! # Speculative decoding
+//! While a step would carry one request's one token and nothing else, the
+//! request's drafter (`--spec ngram`) adds a draft from the request's own
+//! text, and the step returns every row's logits: each row is sampled in
+//! turn, and a drafted token is confirmed when the draw equals it (the
+//! standard rule for a deterministic draft, as in `generate::decode`);
+//! the first miss ends the row walk and the unconfirmed drafts leave the
+//! cache. With several requests in a step nothing is drafted: their tokens
+//! already share each weight read, and the m-curve (`pulsar bench
+//! --m-curve`) shows extra tokens in a step cost most of a step's time on
+//! this engine, which a busy batch cannot spare.
+//!
 //! Handlers never wait on this thread: they put jobs in the [`Queue`] (a
 //! mutex held for a push or a pop) and read events from a bounded channel.
 //!
@@ -23,6 +35,8 @@
 //! - so a prompt of more than `EXACT_STEP_MAX_TOKENS` tokens is always fed
 //!   in bulk runs of more than that many tokens, a shorter one in one exact
 //!   run, and generated tokens one at a time (exact);
+//! - drafted tokens (below) go in the same exact runs, so a reply with
+//!   speculation is the reply without it;
 //! - prefix reuse takes only cached positions computed the way a fresh
 //!   prompt would compute them: for a long prompt, the slot's bulk-fed
 //!   prefix (its last prompt, not its reply, which was fed token by token),
@@ -35,6 +49,7 @@ use super::slot::{Event, GenParams, Generation, Outcome};
 use crate::constrain::{CompiledConstraint, NextTokens};
 use crate::engine::LogitsWanted;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
+use crate::speculative::{Drafter, Speculation};
 use crate::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -43,9 +58,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-/// What stepping a generation gave: the outcome, the client's events and
-/// how many tokens were generated.
-type Sampled = (Outcome, Vec<Event>, usize);
+/// What stepping a generation over a step's rows gave.
+struct Sampled {
+    outcome: Outcome,
+    /// For the client.
+    events: Vec<Event>,
+    /// Tokens generated.
+    tokens: usize,
+    /// Drafted tokens confirmed (each already in the cache).
+    confirmed: usize,
+}
 
 /// The shortest bulk run: one token more than an exact one.
 const MIN_BULK: usize = EXACT_STEP_MAX_TOKENS + 1;
@@ -171,6 +193,8 @@ pub struct SchedulerOptions {
     /// How long a request may sit with its channel full (its client not
     /// reading) before it is ended.
     pub stall_timeout: Duration,
+    /// Drafting while one request decodes alone.
+    pub speculation: Speculation,
 }
 
 /// A request being served in a slot.
@@ -183,6 +207,9 @@ struct Active<'t> {
     generation: Generation<'t>,
     /// The token sampled last, to feed in the next step.
     next: Option<u32>,
+    drafter: Option<Drafter>,
+    /// Tokens drafted after `next` in the step in flight.
+    drafts: Vec<u32>,
     events: mpsc::Sender<Event>,
     outbox: VecDeque<Event>,
     stalled_since: Option<Instant>,
@@ -389,7 +416,13 @@ impl<'t> Scheduler<'t> {
             .fetch_add(reuse as u64, Ordering::Relaxed);
         let constraint = job.constraint.as_ref().map(CompiledConstraint::start);
         let generation = Generation::new(self.tok, job.params, constraint, &job.prompt, reuse);
+        let drafter = match self.opts.speculation {
+            Speculation::Ngram(options) => Some(Drafter::new(&job.prompt, options)),
+            Speculation::Off => None,
+        };
         slot.active = Some(Active {
+            drafter,
+            drafts: Vec::new(),
             exact_prompt: job.prompt.len() < MIN_BULK,
             fed: reuse,
             prompt: job.prompt,
@@ -474,6 +507,13 @@ impl<'t> Scheduler<'t> {
         if plan.is_empty() {
             return false;
         }
+        if let [(i, tokens, wanted, 0)] = plan.as_mut_slice() {
+            let drafts = self.draft(*i);
+            if !drafts.is_empty() {
+                tokens.extend_from_slice(&drafts);
+                *wanted = Some(LogitsWanted::All);
+            }
+        }
         let batch: Vec<SeqTokens> = plan
             .iter()
             .map(|(i, tokens, wanted, _)| SeqTokens {
@@ -536,6 +576,8 @@ impl<'t> Scheduler<'t> {
         // next token: each on one of the engine's threads (the sampler
         // scans the whole vocabulary, about a millisecond), in parallel.
         let mut work: Vec<(usize, Vec<f32>, Option<NextTokens>)> = Vec::new();
+        // (slot, tokens fed) per request in the step.
+        let fed: Vec<(usize, usize)> = plan.iter().map(|(i, t, ..)| (*i, t.len())).collect();
         for ((i, tokens, wanted, prompt_fed), logits) in plan.into_iter().zip(logits) {
             let slot = &mut self.slots[i];
             slot.cached.extend_from_slice(&tokens);
@@ -557,14 +599,38 @@ impl<'t> Scheduler<'t> {
         let results = self.sample_all(work);
         let mut generated = 0;
         for (i, result) in results {
-            let Some(active) = &mut self.slots[i].active else {
+            let slot = &mut self.slots[i];
+            let Some(active) = &mut slot.active else {
                 continue;
             };
+            let drafts = std::mem::take(&mut active.drafts);
             match result {
-                Some((outcome, events, tokens)) => {
-                    active.outbox.extend(events);
-                    generated += tokens;
-                    match outcome {
+                Some(sampled) => {
+                    if !drafts.is_empty() {
+                        // The drafts after the last confirmed one leave
+                        // the cache; the drafter learns how it went.
+                        let unconfirmed = drafts.len() - sampled.confirmed;
+                        let keep = slot.cached.len() - unconfirmed;
+                        self.engine.truncate_sequence(slot.seq, keep);
+                        slot.cached.truncate(keep);
+                        if let Some(d) = &mut active.drafter {
+                            d.verified(sampled.confirmed);
+                        }
+                        self.metrics
+                            .drafted_tokens
+                            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+                        self.metrics
+                            .accepted_tokens
+                            .fetch_add(sampled.confirmed as u64, Ordering::Relaxed);
+                    }
+                    // A step this request had alone times a step of its
+                    // size, which the draft policy fits its cost model to.
+                    if let (Some(d), [(_, m)]) = (&mut active.drafter, fed.as_slice()) {
+                        d.step_done(*m, micros as f64 * 1e-6);
+                    }
+                    active.outbox.extend(sampled.events);
+                    generated += sampled.tokens;
+                    match sampled.outcome {
                         Outcome::Feed(next) => active.next = Some(next),
                         Outcome::Finished(_) => self.finish(i),
                     }
@@ -588,8 +654,10 @@ impl<'t> Scheduler<'t> {
     ) -> Vec<(usize, Option<Sampled>)> {
         struct Item<'a, 't> {
             generation: &'a mut Generation<'t>,
+            /// One row per token fed: the sampled one, then each draft.
             logits: Vec<f32>,
             allowed: Option<NextTokens>,
+            drafts: &'a [u32],
             result: Option<Sampled>,
         }
         let mut inputs: Vec<Option<(Vec<f32>, Option<NextTokens>)>> =
@@ -604,10 +672,12 @@ impl<'t> Scheduler<'t> {
             .enumerate()
             .filter_map(|(i, (slot, input))| {
                 let (logits, allowed) = input?;
+                let active = slot.active.as_mut()?;
                 let item = Item {
-                    generation: &mut slot.active.as_mut()?.generation,
+                    generation: &mut active.generation,
                     logits,
                     allowed,
+                    drafts: &active.drafts,
                     result: None,
                 };
                 Some((i, Mutex::new(item)))
@@ -621,9 +691,26 @@ impl<'t> Scheduler<'t> {
             item.result = catch_unwind(AssertUnwindSafe(|| {
                 let before = item.generation.generated();
                 let mut events = Vec::new();
-                let allowed = item.allowed.take();
-                let outcome = item.generation.step(&mut item.logits, allowed, &mut events);
-                (outcome, events, item.generation.generated() - before)
+                let mut allowed = item.allowed.take();
+                let width = item.logits.len() / (1 + item.drafts.len());
+                let mut confirmed = 0;
+                // Row j holds the logits after the j-th drafted token: walk
+                // on while each draw confirms the next draft.
+                let outcome = loop {
+                    let row = &mut item.logits[confirmed * width..(confirmed + 1) * width];
+                    match item.generation.step(row, allowed.take(), &mut events) {
+                        Outcome::Feed(token) if item.drafts.get(confirmed) == Some(&token) => {
+                            confirmed += 1;
+                        }
+                        outcome => break outcome,
+                    }
+                };
+                Sampled {
+                    outcome,
+                    events,
+                    tokens: item.generation.generated() - before,
+                    confirmed,
+                }
             }))
             .ok();
         };
@@ -642,6 +729,31 @@ impl<'t> Scheduler<'t> {
                 (i, item.result)
             })
             .collect()
+    }
+
+    /// A draft to feed after slot `i`'s next token, when it has a drafter,
+    /// kept in the slot until the step's rows are judged. It fits the
+    /// tokens the request may still generate, the slot's context and the
+    /// output constraint.
+    fn draft(&mut self, i: usize) -> Vec<u32> {
+        let capacity = crate::engine::Engine::capacity(&self.engine);
+        let slot = &mut self.slots[i];
+        let Some(active) = &mut slot.active else {
+            return Vec::new();
+        };
+        let Some(drafter) = &mut active.drafter else {
+            return Vec::new();
+        };
+        // After the next token and the draft, the cache must still fit.
+        let room = active
+            .generation
+            .room()
+            .min(capacity.saturating_sub(slot.cached.len() + 1));
+        let generation = &mut active.generation;
+        let history = generation.history().to_vec();
+        let drafts = drafter.draft_within(&history, room, |d| generation.allowed_prefix(d));
+        active.drafts = drafts.clone();
+        drafts
     }
 
     fn count_generated(&mut self, tokens: usize) {

@@ -189,6 +189,25 @@ impl<'t> Generation<'t> {
         self.generated
     }
 
+    /// Prompt and generated tokens so far (what drafts are taken from).
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Tokens that may still be generated.
+    pub fn room(&self) -> usize {
+        self.params.max_tokens.saturating_sub(self.generated)
+    }
+
+    /// How many leading tokens of `draft` the output constraint would take
+    /// from here (all of them without a constraint).
+    pub fn allowed_prefix(&mut self, draft: &[u32]) -> usize {
+        match &mut self.constraint {
+            Some(state) => state.allowed_prefix(draft),
+            None => draft.len(),
+        }
+    }
+
     pub fn is_finished(&self) -> bool {
         self.finished.is_some()
     }
