@@ -5,7 +5,8 @@
 //!
 //! Runs are sequential: the machine has 2 cores and each run uses both.
 
-use serde_json::{Value, json};
+use serde::Deserialize;
+use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -34,123 +35,25 @@ fn generated(args: &[&str]) -> String {
 
 /// The 20 prompt × schema cases: required fields, enums, arrays with
 /// minItems/maxItems, nested objects, numbers with bounds, string patterns.
-fn cases() -> Vec<(&'static str, Value)> {
-    let name = json!({"type": "string", "maxLength": 30});
-    vec![
-        (
-            "Describe a person as JSON with a name and an age.",
-            json!({"type": "object", "properties": {"name": name, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                   "required": ["name", "age"], "additionalProperties": false}),
-        ),
-        (
-            "What color is the sky? Answer in JSON.",
-            json!({"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
-                   "required": ["color"], "additionalProperties": false}),
-        ),
-        (
-            "Give some tags for a blog post about hiking, as JSON.",
-            json!({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                   "minItems": 1, "maxItems": 3}}, "required": ["tags"], "additionalProperties": false}),
-        ),
-        (
-            "Give the name and address of a shop as JSON.",
-            json!({"type": "object", "properties": {"name": name, "address": {"type": "object",
-                   "properties": {"city": name, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                   "required": ["city", "zip"], "additionalProperties": false}},
-                   "required": ["name", "address"], "additionalProperties": false}),
-        ),
-        (
-            "What is the temperature in Paris today? Reply in JSON.",
-            json!({"type": "object", "properties": {"celsius": {"type": "number", "minimum": -50, "maximum": 60}},
-                   "required": ["celsius"], "additionalProperties": false}),
-        ),
-        (
-            "Is the store open? Reply in JSON.",
-            json!({"type": "object", "properties": {"is_open": {"type": "boolean"}},
-                   "required": ["is_open"], "additionalProperties": false}),
-        ),
-        (
-            "Name a famous novel and the year it was published, as JSON.",
-            json!({"type": "object", "properties": {"title": name, "year": {"type": "integer", "minimum": 1800, "maximum": 2030}},
-                   "required": ["title", "year"], "additionalProperties": false}),
-        ),
-        (
-            "List a student's test scores as JSON.",
-            json!({"type": "object", "properties": {"scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
-                   "minItems": 2, "maxItems": 4}}, "required": ["scores"], "additionalProperties": false}),
-        ),
-        (
-            "Describe a product with its price as JSON.",
-            json!({"type": "object", "properties": {"name": name, "price": {"type": "number", "minimum": 0, "maximum": 1000},
-                   "currency": {"enum": ["USD", "EUR"]}}, "required": ["name", "price", "currency"], "additionalProperties": false}),
-        ),
-        (
-            "Give a contact email address as JSON.",
-            json!({"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}},
-                   "required": ["email"], "additionalProperties": false}),
-        ),
-        (
-            "When is the meeting? Reply with a date in JSON.",
-            json!({"type": "object", "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
-                   "required": ["date"], "additionalProperties": false}),
-        ),
-        (
-            "What is the weather like tomorrow? Answer in JSON.",
-            json!({"type": "object", "properties": {"condition": {"enum": ["sunny", "rainy", "cloudy"]},
-                   "high": {"type": "integer", "minimum": -40, "maximum": 50}},
-                   "required": ["condition", "high"], "additionalProperties": false}),
-        ),
-        (
-            "Give a simple pancake recipe as JSON.",
-            json!({"type": "object", "properties": {"ingredients": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                   "minItems": 2, "maxItems": 4}, "servings": {"type": "integer", "minimum": 1, "maximum": 12}},
-                   "required": ["ingredients", "servings"], "additionalProperties": false}),
-        ),
-        (
-            "Give the coordinates of a point as JSON.",
-            json!({"type": "object", "properties": {"x": {"type": "number", "minimum": -100, "maximum": 100},
-                   "y": {"type": "number", "minimum": -100, "maximum": 100}}, "required": ["x", "y"], "additionalProperties": false}),
-        ),
-        (
-            "Create a user profile as JSON.",
-            json!({"type": "object", "properties": {"username": {"type": "string", "pattern": "^[a-z0-9_]{3,12}$"},
-                   "settings": {"type": "object", "properties": {"theme": {"enum": ["light", "dark"]}},
-                   "required": ["theme"], "additionalProperties": false}},
-                   "required": ["username", "settings"], "additionalProperties": false}),
-        ),
-        (
-            "Is water wet? Answer in JSON with your confidence.",
-            json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
-                   "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
-                   "required": ["answer", "confidence"], "additionalProperties": false}),
-        ),
-        (
-            "List two people with their ages as JSON.",
-            json!({"type": "array", "items": {"type": "object", "properties": {"name": name,
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"],
-                   "additionalProperties": false}, "minItems": 1, "maxItems": 2}),
-        ),
-        (
-            "Describe France as JSON.",
-            json!({"type": "object", "properties": {"name": name, "capital": name,
-                   // Without a maximum a greedy model can write digits until -n runs out.
-                   "population": {"type": "integer", "minimum": 0, "maximum": 10_000_000_000u64}},
-                   "required": ["name", "capital", "population"], "additionalProperties": false}),
-        ),
-        (
-            "Recommend a movie as JSON.",
-            json!({"type": "object", "properties": {"title": name, "genres": {"type": "array",
-                   "items": {"enum": ["action", "comedy", "drama", "horror"]}, "minItems": 1, "maxItems": 2},
-                   "rating": {"type": "number", "minimum": 0, "maximum": 10}},
-                   "required": ["title", "genres", "rating"], "additionalProperties": false}),
-        ),
-        (
-            "When does the train leave? Answer in JSON.",
-            json!({"type": "object", "properties": {"event": name,
-                   "time": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"}},
-                   "required": ["event", "time"], "additionalProperties": false}),
-        ),
-    ]
+/// They live in `tests/data/structured_cases.json` so that
+/// `tools/bench_structured.py` runs the same list. Strings have a `maxLength`
+/// and integers a `maximum` (France's population too): without one a greedy
+/// model can write digits until -n runs out. serde_json keeps the file's key
+/// order (`preserve_order`, which llguidance turns on), so the schema text
+/// given to the binary, and with it the property order, is the file's.
+fn cases() -> Vec<(String, Value)> {
+    const FILE: &str = "tests/data/structured_cases.json";
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Case {
+        prompt: String,
+        schema: Value,
+    }
+    let cases: Vec<Case> = serde_json::from_str(include_str!("data/structured_cases.json"))
+        .unwrap_or_else(|e| panic!("{FILE}: {e}"));
+    // An empty list would let every test over it pass without a run.
+    assert!(!cases.is_empty(), "{FILE}: no cases");
+    cases.into_iter().map(|c| (c.prompt, c.schema)).collect()
 }
 
 /// Why `text` is not an instance of `schema`, or `None` when it is.
@@ -168,7 +71,7 @@ fn twenty_schemas_give_valid_json() {
     let mut failures = Vec::new();
     for (prompt, schema) in cases() {
         let schema_text = schema.to_string();
-        let text = generated(&["-p", prompt, "--json-schema", &schema_text]);
+        let text = generated(&["-p", &prompt, "--json-schema", &schema_text]);
         if let Some(why) = invalid_because(&schema, &text) {
             failures.push(format!("{prompt:?} -> {text:?}: {why}"));
         }
@@ -208,7 +111,12 @@ fn json_schema_from_a_file_and_repeatable() {
     let path: PathBuf = dir.join("person.json");
     let (prompt, schema) = cases().swap_remove(0);
     std::fs::write(&path, schema.to_string()).unwrap();
-    let args = ["-p", prompt, "--json-schema", path.to_str().unwrap()];
+    let args = [
+        "-p",
+        prompt.as_str(),
+        "--json-schema",
+        path.to_str().unwrap(),
+    ];
     let first = generated(&args);
     assert_eq!(invalid_because(&schema, &first), None, "{first:?}");
     assert_eq!(generated(&args), first, "greedy runs differ");
