@@ -82,6 +82,49 @@ fn the_first_run_measures_later_runs_reuse_and_other_threads_measure_again() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The full search (`tune --measure`) also times the prefill knobs (too
+/// slow for a launch) and stores them with the rest; a later run with the
+/// same key reuses the whole entry.
+#[test]
+fn the_full_search_stores_the_prefill_knobs_for_later_runs() {
+    let dir = cache("full");
+    let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["tune", "--measure", "--threads", "2", "-m"])
+        .arg(pulsar::model::fetch::default_model_path().unwrap())
+        .env("PULSAR_CACHE_DIR", &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for knob in [
+        "quant_prefetch",
+        "shared_rows_bytes",
+        "prefill_chunk",
+        "widened_panel_bytes",
+    ] {
+        let chosen = stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with(knob) && l.contains("<- chosen"))
+            .count();
+        assert_eq!(chosen, 1, "{knob}: one chosen candidate\n{stdout}");
+    }
+    let stored = entries(&dir);
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    let entry: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stored[0]).unwrap()).unwrap();
+    let chunk = entry["tuned"]["prefill_chunk"]
+        .as_u64()
+        .expect("prefill chunk stored");
+    assert!([63, 126, 252].contains(&chunk), "{entry}");
+    let again = run(&dir, &["--threads", "2"]);
+    assert!(again.contains("tuning reused"), "{again}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_corrupt_entry_is_ignored_and_replaced() {
     let dir = cache("corrupt");

@@ -279,15 +279,26 @@ fn launch_tuning_report(
     let path = autotune::entry_path(&dir, &key);
     let mut out = String::new();
     match autotune::load_entry(&path, &key) {
-        Ok(Some(entry)) => writeln!(
-            out,
-            "tuning: later runs reuse {} (measured in {:.0} ms): quantized GEMV prefetch {} B, \
-             rows shared by exact tokens {} B",
-            path.display(),
-            entry.spent_ms,
-            entry.tuned.quant_prefetch,
-            entry.tuned.shared_rows_bytes
-        )?,
+        Ok(Some(entry)) => {
+            let t = &entry.tuned;
+            let prefill = match (t.prefill_chunk, t.widened_panel_bytes) {
+                (None, None) => String::new(),
+                (chunk, panel) => format!(
+                    ", prefill step {} tokens, widened panel {} B",
+                    chunk.map_or("(plan's)".into(), |c| c.to_string()),
+                    panel.map_or("(plan's)".into(), |p| p.to_string())
+                ),
+            };
+            writeln!(
+                out,
+                "tuning: later runs reuse {} (measured in {:.0} ms): quantized GEMV prefetch {} B, \
+                 rows shared by exact tokens {} B{prefill}",
+                path.display(),
+                entry.spent_ms,
+                t.quant_prefetch,
+                t.shared_rows_bytes
+            )?
+        }
         Ok(None) => writeln!(
             out,
             "tuning: nothing stored for this CPU, model, formats, threads and binary; the first \
@@ -301,7 +312,8 @@ fn launch_tuning_report(
     if !measure {
         return Ok(());
     }
-    let opts = dtype.fast_options(threads, 64, false);
+    // Room for the full search's prefill.
+    let opts = dtype.fast_options(threads, autotune::PREFILL_TOKENS + 8, false);
     let kernels = super::jit_kernels(&config, formats.clone(), threads)?;
     let mut engine = FastEngine::load(&std::sync::Arc::new(src), kernels, &opts)?;
     let entry = autotune::measure(
@@ -321,10 +333,7 @@ fn launch_tuning_report(
     )?;
     writeln!(out, "  {:<20} {:>8} {:>12}", "knob", "value", "median ms")?;
     for c in &entry.candidates {
-        let chosen = match c.knob.as_str() {
-            "quant_prefetch" => entry.tuned.quant_prefetch == c.value,
-            _ => entry.tuned.shared_rows_bytes == c.value,
-        };
+        let chosen = entry.tuned.value_of(&c.knob) == Some(c.value);
         writeln!(
             out,
             "  {:<20} {:>8} {:>12.2}{}",

@@ -8,7 +8,11 @@
 //!   ahead), on a whole decode step: each candidate is its own verified
 //!   kernel set;
 //! - the rows several exact tokens share in cache (`shared_rows_bytes`),
-//!   on a two-token step.
+//!   on a two-token step;
+//! - in the full search only (`pulsar tune --measure`, no time budget):
+//!   the tokens per prefill step and the panel of widened quantized rows,
+//!   on a prefill of [`PREFILL_TOKENS`] tokens (about half a second each,
+//!   too long for a launch; a launch reuses what the full search stored).
 //!
 //! A stored entry names everything it depends on (CPU, features, model
 //! shape, weight formats, threads, this binary); a launch whose key
@@ -49,12 +53,38 @@ const NOISE: f64 = 0.05;
 const PREFETCH_CANDIDATES: [usize; 4] = [0, 4 << 10, QUANT_PREFETCH_BYTES, 16 << 10];
 /// Rows shared by several exact tokens' passes, in bytes.
 const SHARED_ROWS_CANDIDATES: [usize; 3] = [16 << 10, 32 << 10, 64 << 10];
+/// The prompt the full search prefills to time the prefill knobs.
+pub const PREFILL_TOKENS: usize = 252;
+/// Tokens per prefill step tried by the full search: multiples of the
+/// GEMM's 3-token tile that cut [`PREFILL_TOKENS`] evenly.
+const PREFILL_CHUNK_CANDIDATES: [usize; 3] = [63, 126, 252];
+/// Rounds of the full search that time the prefill knobs (each round
+/// prefills 6 times).
+const PREFILL_ROUNDS: usize = 3;
 
 /// What the tuning chose.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tuned {
     pub quant_prefetch: usize,
     pub shared_rows_bytes: usize,
+    /// Measured by the full search only; `None`: the plan's.
+    #[serde(default)]
+    pub prefill_chunk: Option<usize>,
+    #[serde(default)]
+    pub widened_panel_bytes: Option<usize>,
+}
+
+impl Tuned {
+    /// The value chosen for the knob a [`Candidate`] names.
+    pub fn value_of(&self, knob: &str) -> Option<usize> {
+        match knob {
+            "quant_prefetch" => Some(self.quant_prefetch),
+            "shared_rows_bytes" => Some(self.shared_rows_bytes),
+            "prefill_chunk" => self.prefill_chunk,
+            "widened_panel_bytes" => self.widened_panel_bytes,
+            _ => None,
+        }
+    }
 }
 
 /// One candidate's measured time per call (median over the rounds).
@@ -147,8 +177,9 @@ pub fn load_entry(path: &Path, key: &str) -> Result<Option<Entry>> {
     Ok((entry.key == key).then_some(entry))
 }
 
-/// Applies a tuning to an engine: the kernels with its prefetch distance
-/// and its shared rows.
+/// Applies a tuning to an engine: the kernels with its prefetch distance,
+/// its shared rows and, when the full search measured them, its prefill
+/// step and widened panel.
 pub fn apply(
     engine: &mut FastEngine,
     config: &ModelConfig,
@@ -159,9 +190,14 @@ pub fn apply(
     if let Err((_, why)) = engine.replace_kernels(kernels) {
         anyhow::bail!("internal error: tuned kernels refused: {why}");
     }
+    let current = engine.blocking().clone();
     let blocking = Blocking {
         shared_rows_bytes: tuned.shared_rows_bytes,
-        ..engine.blocking().clone()
+        prefill_chunk: tuned.prefill_chunk.unwrap_or(current.prefill_chunk),
+        widened_panel_bytes: tuned
+            .widened_panel_bytes
+            .unwrap_or(current.widened_panel_bytes),
+        ..current
     };
     engine.set_blocking(blocking);
     Ok(())
@@ -276,6 +312,10 @@ pub fn measure(
         engine.truncate(context.len());
         Ok(secs)
     };
+    // The prefill knobs: only in the full search, and only with room for
+    // the prompt.
+    let mut prefill = (budget.is_none() && engine.capacity() > PREFILL_TOKENS)
+        .then(|| PrefillKnobs::new(config, quantized, &base_blocking));
     let mut rounds = 0;
     let mut longest_round = Duration::ZERO;
     loop {
@@ -312,6 +352,11 @@ pub fn measure(
             shared_times[i].push(step(engine, &[token(200 + rounds), token(300 + rounds)])?);
         }
         engine.set_blocking(base_blocking.clone());
+        if let Some(prefill) = &mut prefill {
+            if rounds < PREFILL_ROUNDS {
+                prefill.round(engine, &base_blocking)?;
+            }
+        }
         rounds += 1;
         longest_round = longest_round.max(round_start.elapsed());
         if rounds < min_rounds {
@@ -345,6 +390,16 @@ pub fn measure(
             rounds,
         });
     }
+    if let Some(prefill) = &mut prefill {
+        for (knob, value, times) in prefill.timings() {
+            candidates.push(Candidate {
+                knob: knob.into(),
+                value,
+                median_ms: median(times),
+                rounds: times.len(),
+            });
+        }
+    }
     // The fastest candidate, but the analytic value unless the fastest
     // beats it by more than the noise of a few rounds.
     let best = |knob: &str, analytic: usize| {
@@ -357,9 +412,14 @@ pub fn measure(
             _ => analytic,
         }
     };
+    let measured = |knob: &str| candidates.iter().any(|c| c.knob == knob);
     let tuned = Tuned {
         quant_prefetch: best("quant_prefetch", QUANT_PREFETCH_BYTES),
         shared_rows_bytes: best("shared_rows_bytes", base_blocking.shared_rows_bytes),
+        prefill_chunk: measured("prefill_chunk")
+            .then(|| best("prefill_chunk", base_blocking.prefill_chunk)),
+        widened_panel_bytes: measured("widened_panel_bytes")
+            .then(|| best("widened_panel_bytes", base_blocking.widened_panel_bytes)),
     };
     Ok(Entry {
         key,
@@ -368,6 +428,61 @@ pub fn measure(
         build_ms,
         spent_ms: start.elapsed().as_secs_f64() * 1e3,
     })
+}
+
+/// The full search's prefill knobs: tokens per prefill step and, with
+/// quantized matrices (whose prefill widens row panels), the panel size,
+/// each timed on a prefill of [`PREFILL_TOKENS`] tokens from an empty
+/// cache.
+struct PrefillKnobs {
+    prompt: Vec<u32>,
+    /// (knob, value, times in seconds).
+    knobs: Vec<(&'static str, usize, Vec<f64>)>,
+}
+
+impl PrefillKnobs {
+    fn new(config: &ModelConfig, quantized: bool, base: &Blocking) -> PrefillKnobs {
+        let vocab = config.vocab_size as u32;
+        let prompt = (0..PREFILL_TOKENS as u32)
+            .map(|i| 4 + (i * 7919 + 13) % (vocab - 4))
+            .collect();
+        let mut knobs: Vec<(&'static str, usize, Vec<f64>)> = PREFILL_CHUNK_CANDIDATES
+            .iter()
+            .map(|&c| ("prefill_chunk", c, Vec::new()))
+            .collect();
+        if quantized {
+            let panel = base.widened_panel_bytes;
+            for bytes in [panel / 2, panel, panel * 2] {
+                knobs.push(("widened_panel_bytes", bytes, Vec::new()));
+            }
+        }
+        PrefillKnobs { prompt, knobs }
+    }
+
+    /// Times every candidate once, the others at the plan's values; leaves
+    /// the engine with `base` and an empty cache.
+    fn round(&mut self, engine: &mut FastEngine, base: &Blocking) -> Result<()> {
+        for (knob, value, times) in &mut self.knobs {
+            let mut blocking = base.clone();
+            match *knob {
+                "prefill_chunk" => blocking.prefill_chunk = *value,
+                _ => blocking.widened_panel_bytes = *value,
+            }
+            engine.set_blocking(blocking);
+            engine.truncate(0);
+            let t0 = Instant::now();
+            let result = engine.forward(&self.prompt, LogitsWanted::Last);
+            times.push(t0.elapsed().as_secs_f64());
+            result?;
+        }
+        engine.set_blocking(base.clone());
+        engine.truncate(0);
+        Ok(())
+    }
+
+    fn timings(&mut self) -> impl Iterator<Item = (&'static str, usize, &mut Vec<f64>)> {
+        self.knobs.iter_mut().map(|(k, v, t)| (*k, *v, t))
+    }
 }
 
 #[cfg(test)]
@@ -380,6 +495,8 @@ mod tests {
             tuned: Tuned {
                 quant_prefetch: 4096,
                 shared_rows_bytes: 16384,
+                prefill_chunk: Some(63),
+                widened_panel_bytes: None,
             },
             candidates: Vec::new(),
             build_ms: 3.0,
