@@ -469,7 +469,7 @@ def read_metrics(root):
     return out
 
 
-LONG_PROMPT = " ".join(PROMPTS * 6)  # about 400 tokens: several bulk prefill runs
+LONG_PROMPT = " ".join(PROMPTS * 6)  # hundreds of tokens: several bulk prefill runs
 
 
 class Tally:
