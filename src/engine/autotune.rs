@@ -352,10 +352,10 @@ pub fn measure(
             shared_times[i].push(step(engine, &[token(200 + rounds), token(300 + rounds)])?);
         }
         engine.set_blocking(base_blocking.clone());
-        if let Some(prefill) = &mut prefill {
-            if rounds < PREFILL_ROUNDS {
-                prefill.round(engine, &base_blocking)?;
-            }
+        if let Some(prefill) = &mut prefill
+            && rounds < PREFILL_ROUNDS
+        {
+            prefill.round(engine, &base_blocking)?;
         }
         rounds += 1;
         longest_round = longest_round.max(round_start.elapsed());
