@@ -512,6 +512,70 @@ fn gguf_unknown_dtype() {
     }
 }
 
+/// A quantized tensor whose rows are not whole blocks (the fixture's
+/// hidden width is 39) is refused, naming the tensor, its type and the
+/// block size, before any of its bytes are read.
+#[test]
+fn gguf_quantized_rows_must_be_whole_blocks() {
+    for (id, name, block) in [
+        (8, "Q8_0", 32),
+        (6, "Q5_0", 32),
+        (12, "Q4_K", 256),
+        (14, "Q6_K", 256),
+    ] {
+        let mut w = base_gguf();
+        let i = tensor_index(&w, "blk.1.attn_q.weight");
+        w.tensors[i].type_id = id;
+        expect_gguf_refusal(
+            "quant-rows",
+            &w,
+            &[
+                "\"blk.1.attn_q.weight\"",
+                &format!("row length 39 is not a multiple of the {name} block size {block}"),
+            ],
+        );
+    }
+}
+
+/// A quantized block whose f16 scale is NaN or infinite (a damaged
+/// download) would turn every logit into NaN without a word: the default
+/// model with one scale broken is refused, naming the tensor, its type and
+/// the block.
+#[test]
+fn gguf_quantized_block_with_a_broken_scale() {
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    let file = GgufFile::open(&model).expect("the default model opens");
+    let scratch = Scratch::new("bad-scale");
+    // The first scale of a Q5_0 block; the last (a K type's minimum, or
+    // Q6_K's one scale) of an ffn_down block.
+    for (tensor, block, bad) in [
+        ("blk.0.attn_q.weight", 7, half::f16::NAN),
+        ("blk.0.ffn_down.weight", 3, half::f16::INFINITY),
+    ] {
+        let info = file.tensor_info(tensor).expect("the tensor is in the file");
+        let offsets = info.dtype.scale_offsets();
+        let scale_at = if tensor.contains("ffn_down") {
+            offsets.last()
+        } else {
+            offsets.first()
+        };
+        let scale_at = *scale_at.expect("a quantized tensor");
+        let at = info.start + block * info.dtype.block_bytes() + scale_at;
+        let mut bytes = std::fs::read(&model).expect("model read");
+        bytes[at..at + 2].copy_from_slice(&bad.to_le_bytes());
+        let path = scratch.path("damaged.gguf");
+        std::fs::write(&path, &bytes).expect("copy written");
+        expect_refusal(
+            &path,
+            &path,
+            &[
+                &format!("{tensor:?} is damaged"),
+                &format!("{} block {block} (row 0)", info.dtype),
+            ],
+        );
+    }
+}
+
 #[test]
 fn gguf_missing_tensor() {
     let mut w = base_gguf();

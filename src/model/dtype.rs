@@ -116,6 +116,37 @@ impl DType {
         }
     }
 
+    /// Where each block of a quantized type keeps its f16 scales (the
+    /// super-scale and minimum of the K types), in bytes from the block's
+    /// start; none for the plain and row-block types.
+    pub fn scale_offsets(self) -> &'static [usize] {
+        match self {
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => &[0],
+            DType::Q4K | DType::Q5K => &[0, 2],
+            DType::Q6K => &[128 + 64 + 16],
+            _ => &[],
+        }
+    }
+
+    /// The first block of `bytes` (whole blocks of this type) whose scale
+    /// is NaN or infinite, with that scale: a damaged file, which would
+    /// otherwise turn every logit into NaN without a word.
+    pub fn first_bad_scale(self, bytes: &[u8]) -> Option<(usize, f32)> {
+        let offsets = self.scale_offsets();
+        if offsets.is_empty() {
+            return None;
+        }
+        bytes
+            .chunks_exact(self.block_bytes())
+            .enumerate()
+            .find_map(|(i, block)| {
+                offsets.iter().find_map(|&at| {
+                    let v = half::f16::from_le_bytes([block[at], block[at + 1]]);
+                    (!v.is_finite()).then(|| (i, v.to_f32()))
+                })
+            })
+    }
+
     /// Bytes needed for a row of `elems` values, or `None` when `elems` is not
     /// a whole number of blocks.
     pub fn row_bytes(self, elems: usize) -> Option<usize> {
@@ -189,5 +220,50 @@ impl TensorView<'_> {
             .iter()
             .product();
         (rows, cols)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `blocks` blocks of `dtype`, all scales 1.0.
+    fn blocks(dtype: DType, blocks: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; blocks * dtype.block_bytes()];
+        for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            for &at in dtype.scale_offsets() {
+                block[at..at + 2].copy_from_slice(&half::f16::ONE.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_nan_or_infinite_scale_is_found_in_every_quantized_type() {
+        for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q5_0,
+            DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
+        ] {
+            let good = blocks(dtype, 5);
+            assert_eq!(dtype.first_bad_scale(&good), None, "{dtype}");
+            for (&at, bad) in dtype
+                .scale_offsets()
+                .iter()
+                .zip([half::f16::NAN, half::f16::INFINITY])
+            {
+                let mut bytes = good.clone();
+                let start = 3 * dtype.block_bytes() + at;
+                bytes[start..start + 2].copy_from_slice(&bad.to_le_bytes());
+                let (block, value) = dtype.first_bad_scale(&bytes).expect("found");
+                assert_eq!(block, 3, "{dtype}");
+                assert!(!value.is_finite(), "{dtype}");
+            }
+        }
+        // Types without block scales are not scanned.
+        assert_eq!(DType::F16.first_bad_scale(&[0xff; 8]), None);
     }
 }

@@ -225,6 +225,19 @@ impl ModelSource {
                 view.shape
             );
         }
+        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes) {
+            let per_row = view
+                .shape
+                .last()
+                .map_or(1, |&cols| cols / view.dtype.block_elems());
+            bail!(
+                "{}: tensor {name:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
+                 fetch or convert the file again",
+                file.display(),
+                view.dtype,
+                block / per_row.max(1)
+            );
+        }
         Ok(view)
     }
 
