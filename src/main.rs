@@ -91,6 +91,9 @@ enum RunDtypeArg {
     F16,
     /// Every matrix as BF16.
     Bf16,
+    /// Every matrix quantized to Q8_0 at load where its rows are whole 32-value blocks, the rest FP16.
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 impl From<RunDtypeArg> for commands::Dtype {
@@ -99,6 +102,7 @@ impl From<RunDtypeArg> for commands::Dtype {
             RunDtypeArg::Native => commands::Dtype::Native,
             RunDtypeArg::F16 => commands::Dtype::F16,
             RunDtypeArg::Bf16 => commands::Dtype::Bf16,
+            RunDtypeArg::Q8_0 => commands::Dtype::Q8_0,
         }
     }
 }

@@ -410,6 +410,103 @@ fn types_without_a_kernel_become_q8_0_within_half_a_step() {
     }
 }
 
+/// `--dtype q8_0`: every matrix whose rows are whole blocks is quantized
+/// to Q8_0 at load (the default model's Q5_0 ones requantized from their
+/// exact values), read by the integer kernels, and the logits stay as
+/// close to the reference as the file's own types give.
+#[test]
+fn every_matrix_quantized_to_q8_0_at_load_tracks_the_reference() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
+    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
+    let input = ids(&meta["input_ids"]);
+    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let q8 = FastOptions {
+        format: Some(WeightFormat::Q8_0),
+        native: false,
+        ..options(false)
+    };
+    let formats = FastEngine::weight_formats(&src, &q8).unwrap();
+    assert_eq!(formats.head, WeightFormat::Q8_0);
+    assert!(
+        formats
+            .describe()
+            .ends_with("q8_0 (126 of 126 layer matrices)"),
+        "{}",
+        formats.describe()
+    );
+    let q8_logits = jit_engine(&src, &q8)
+        .forward(&input, LogitsWanted::Last)
+        .unwrap();
+    let native_logits = jit_engine(&src, &options(true))
+        .forward(&input, LogitsWanted::Last)
+        .unwrap();
+    let (d_q8, _) = max_abs_diff(&q8_logits, &expected);
+    let (d_native, _) = max_abs_diff(&native_logits, &expected);
+    println!("max |logit - reference|: q8_0 everywhere {d_q8}, the file's types {d_native}");
+    assert!(d_q8 <= 2.0 * d_native + 0.1, "{d_q8} against {d_native}");
+    let top = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+    };
+    assert_eq!(top(&q8_logits), top(&expected));
+}
+
+/// `--dtype q8_0` on a shape without a file: the plan reads every matrix
+/// with the integer GEMV (gemma-2b's ffn_down at K 16384 included) within
+/// the byte budget, and `bench` runs a shape on random Q8_0 weights.
+#[test]
+fn a_shape_runs_quantized_to_q8_0() {
+    let pulsar = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pulsar"))
+            .args(args)
+            .output()
+            .expect("binary runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    let plan = pulsar(&[
+        "tune",
+        "--shape",
+        "gemma-2b",
+        "--dtype",
+        "q8_0",
+        "--threads",
+        "2",
+    ]);
+    let gemv = plan
+        .lines()
+        .find(|l| l.trim_start().starts_with("gemv_q8_0"))
+        .unwrap_or_else(|| panic!("no Q8_0 GEMV planned:\n{plan}"));
+    assert!(
+        gemv.contains("ffn_down (K 16384)") && gemv.contains("output(lm_head) (K 2048)"),
+        "{gemv}"
+    );
+    assert!(plan.contains("of 5120 B"), "{plan}");
+    let bench = pulsar(&[
+        "bench",
+        "--shape",
+        "gemma3-270m",
+        "--dtype",
+        "q8_0",
+        "--pp",
+        "8",
+        "--tg",
+        "4",
+    ]);
+    assert!(
+        bench.contains("q8_0 LM head + q8_0 (126 of 126 layer matrices)"),
+        "{bench}"
+    );
+}
+
 /// The fast engine's options for the default model in these tests: 2
 /// threads, the file's own types or every matrix widened.
 fn options(native: bool) -> FastOptions {

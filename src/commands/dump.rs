@@ -5,7 +5,6 @@ use super::tune_measure;
 use crate::engine::autotune;
 use crate::engine::fast::{FastEngine, WeightFormats};
 use crate::engine::jit_kernels::plan_options;
-use crate::engine::packed::WeightFormat;
 use crate::fs_atomic::write_atomic;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
@@ -73,7 +72,6 @@ fn plan_inputs_with_model(
     };
     // A shape or a bare config.json has no weights: FP16 is assumed
     // unless --dtype names a format.
-    let shape_formats = || WeightFormats::uniform(args.dtype.format().unwrap_or(WeightFormat::F16));
     if let Some(name) = &args.shape {
         let Some(config) = presets::shape(name) else {
             bail!(
@@ -84,7 +82,7 @@ fn plan_inputs_with_model(
         let dims = ModelDims::from(&config);
         let opts = PlanOptions {
             max_isa: args.max_isa,
-            ..plan_options(&config, &shape_formats(), threads)
+            ..plan_options(&config, &args.dtype.shape_formats(&config), threads)
         };
         return Ok((dims, opts, PathBuf::from(format!("shape {name}")), None));
     }
@@ -94,7 +92,8 @@ fn plan_inputs_with_model(
         .is_some_and(|e| e.eq_ignore_ascii_case("json"));
     let (config, formats, model) = if is_json {
         let config = ModelConfig::from_hf_config(&path)?;
-        (config, shape_formats(), None)
+        let formats = args.dtype.shape_formats(&config);
+        (config, formats, None)
     } else {
         let src = ModelSource::open(&path)?;
         let opts = args.dtype.fast_options(threads, 1, false);

@@ -123,16 +123,27 @@ pub enum Dtype {
     F16,
     /// Every matrix as BF16.
     Bf16,
+    /// Every matrix whose rows are whole 32-value blocks quantized to Q8_0
+    /// at load (an FP16 or BF16 checkpoint then streams half the bytes);
+    /// the rest FP16.
+    Q8_0,
 }
 
 impl Dtype {
-    /// The packed 16-bit format asked for, if one is.
+    /// The packed format asked for, if one is.
     pub fn format(self) -> Option<WeightFormat> {
         match self {
             Dtype::Native => None,
             Dtype::F16 => Some(WeightFormat::F16),
             Dtype::Bf16 => Some(WeightFormat::BF16),
+            Dtype::Q8_0 => Some(WeightFormat::Q8_0),
         }
+    }
+
+    /// The formats of a shape without a file (`--shape`, a bare
+    /// config.json): FP16 unless asked otherwise.
+    pub fn shape_formats(self, config: &ModelConfig) -> WeightFormats {
+        WeightFormats::for_shape(config, self.format().unwrap_or(WeightFormat::F16))
     }
 
     pub fn fast_options(self, threads: usize, context: usize, in_place: bool) -> FastOptions {
@@ -258,9 +269,9 @@ pub fn bench_command(
                 );
             };
             eprintln!("bench: making random {name} weights");
-            let format = dtype.format().unwrap_or(WeightFormat::F16);
-            let weights = synthetic::random_weights(&config, format, 1);
-            let kernels = jit_kernels(&config, WeightFormats::uniform(format), threads)?;
+            let formats = dtype.shape_formats(&config);
+            let weights = synthetic::random_weights(&config, &formats, 1);
+            let kernels = jit_kernels(&config, formats, threads)?;
             (
                 FastEngine::new(config, weights, kernels, &opts)?,
                 format!("{name} (random weights)"),

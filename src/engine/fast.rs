@@ -110,6 +110,29 @@ fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
 
 impl WeightFormats {
     /// All matrices in one 16-bit format.
+    /// The formats of a shape without a file: `format` for every matrix,
+    /// or for a quantized `format`, that type wherever the rows are whole
+    /// blocks and FP16 elsewhere (the widened panels of prefill are FP16).
+    pub fn for_shape(c: &ModelConfig, format: WeightFormat) -> WeightFormats {
+        if format.is_16bit() {
+            return WeightFormats::uniform(format);
+        }
+        let fit = |k: usize| {
+            if quant_blocks::fits(k) {
+                format
+            } else {
+                WeightFormat::F16
+            }
+        };
+        let layer = LAYER_MATRICES.map(|(role, _)| fit(layer_matrix_shape(role, c)[1]));
+        WeightFormats {
+            wide: WeightFormat::F16,
+            head: fit(c.hidden),
+            layers: vec![layer; c.n_layers()],
+            converted: Vec::new(),
+        }
+    }
+
     pub fn uniform(format: WeightFormat) -> WeightFormats {
         WeightFormats {
             wide: format,
@@ -406,6 +429,11 @@ impl FastEngine {
     /// every other one gets the 16-bit format of
     /// [`FastEngine::weight_format_for`].
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
+        // `--dtype q8_0`: that type wherever the rows are whole blocks,
+        // quantized at load; FP16 elsewhere and for prefill's panels.
+        if let Some(format) = opts.format.filter(|f| !f.is_16bit()) {
+            return Ok(WeightFormats::for_shape(&src.config, format));
+        }
         let wide = Self::weight_format_for(src, opts)?;
         let c = &src.config;
         let mut converted: Vec<Conversion> = Vec::new();
@@ -463,7 +491,7 @@ impl FastEngine {
     /// one): the requested one, else BF16 for a BF16 checkpoint (lossless)
     /// and FP16 for everything else, judged by the first layer's Q.
     pub fn weight_format_for(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormat> {
-        if let Some(f) = opts.format {
+        if let Some(f) = opts.format.filter(|f| f.is_16bit()) {
             return Ok(f);
         }
         let c = &src.config;
