@@ -109,7 +109,6 @@ fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
 }
 
 impl WeightFormats {
-    /// All matrices in one 16-bit format.
     /// The formats of a shape without a file: `format` for every matrix,
     /// or for a quantized `format`, that type wherever the rows are whole
     /// blocks and FP16 elsewhere (the widened panels of prefill are FP16).
@@ -133,6 +132,7 @@ impl WeightFormats {
         }
     }
 
+    /// All matrices in one 16-bit format.
     pub fn uniform(format: WeightFormat) -> WeightFormats {
         WeightFormats {
             wide: format,
