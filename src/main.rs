@@ -94,6 +94,9 @@ enum RunDtypeArg {
     /// Every matrix quantized to Q8_0 at load where its rows are whole 32-value blocks, the rest FP16.
     #[value(name = "q8_0")]
     Q8_0,
+    /// As q8_0, in Q4_0 (4 bits and an f16 scale per 32 values).
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl From<RunDtypeArg> for commands::Dtype {
@@ -103,6 +106,7 @@ impl From<RunDtypeArg> for commands::Dtype {
             RunDtypeArg::F16 => commands::Dtype::F16,
             RunDtypeArg::Bf16 => commands::Dtype::Bf16,
             RunDtypeArg::Q8_0 => commands::Dtype::Q8_0,
+            RunDtypeArg::Q4_0 => commands::Dtype::Q4_0,
         }
     }
 }

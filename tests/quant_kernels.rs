@@ -73,6 +73,7 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
     let (dtype, format) = match q {
         QuantType::Q8_0 => (DType::Q8_0, WeightFormat::Q8_0),
         QuantType::Q5_0 => (DType::Q5_0, WeightFormat::Q5_0),
+        QuantType::Q4_0 => (DType::Q4_0, WeightFormat::Q4_0),
     };
     PackedMatrix::convert(
         &TensorView {
@@ -87,7 +88,7 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
 #[test]
 fn the_integer_gemv_stays_within_the_input_rounding_bound() {
     let caps = CpuCaps::detect();
-    for (q, rows, k) in [QuantType::Q8_0, QuantType::Q5_0]
+    for (q, rows, k) in [QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0]
         .into_iter()
         .flat_map(|q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
     {
@@ -454,11 +455,12 @@ fn every_matrix_quantized_to_q8_0_at_load_tracks_the_reference() {
     assert_eq!(top(&q8_logits), top(&expected));
 }
 
-/// `--dtype q8_0` on a shape without a file: the plan reads every matrix
-/// with the integer GEMV (gemma-2b's ffn_down at K 16384 included) within
-/// the byte budget, and `bench` runs a shape on random Q8_0 weights.
+/// `--dtype q8_0|q4_0` on a shape without a file: the plan reads every
+/// matrix with that type's integer GEMV (gemma-2b's ffn_down at K 16384
+/// included) within the byte budget, and `bench` runs a shape on random
+/// weights quantized to it.
 #[test]
-fn a_shape_runs_quantized_to_q8_0() {
+fn a_shape_runs_quantized_to_q8_0_or_q4_0() {
     let pulsar = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_pulsar"))
             .args(args)
@@ -472,39 +474,40 @@ fn a_shape_runs_quantized_to_q8_0() {
         );
         stdout
     };
-    let plan = pulsar(&[
-        "tune",
-        "--shape",
-        "gemma-2b",
-        "--dtype",
-        "q8_0",
-        "--threads",
-        "2",
-    ]);
-    let gemv = plan
-        .lines()
-        .find(|l| l.trim_start().starts_with("gemv_q8_0"))
-        .unwrap_or_else(|| panic!("no Q8_0 GEMV planned:\n{plan}"));
-    assert!(
-        gemv.contains("ffn_down (K 16384)") && gemv.contains("output(lm_head) (K 2048)"),
-        "{gemv}"
-    );
-    assert!(plan.contains("of 5120 B"), "{plan}");
-    let bench = pulsar(&[
-        "bench",
-        "--shape",
-        "gemma3-270m",
-        "--dtype",
-        "q8_0",
-        "--pp",
-        "8",
-        "--tg",
-        "4",
-    ]);
-    assert!(
-        bench.contains("q8_0 LM head + q8_0 (126 of 126 layer matrices)"),
-        "{bench}"
-    );
+    for dtype in ["q8_0", "q4_0"] {
+        let plan = pulsar(&[
+            "tune",
+            "--shape",
+            "gemma-2b",
+            "--dtype",
+            dtype,
+            "--threads",
+            "2",
+        ]);
+        let kernel = format!("gemv_{dtype}");
+        let gemv = plan
+            .lines()
+            .find(|l| l.trim_start().starts_with(&kernel))
+            .unwrap_or_else(|| panic!("no {kernel} planned:\n{plan}"));
+        assert!(
+            gemv.contains("ffn_down (K 16384)") && gemv.contains("output(lm_head) (K 2048)"),
+            "{gemv}"
+        );
+        assert!(plan.contains("of 5120 B"), "{plan}");
+        let bench = pulsar(&[
+            "bench",
+            "--shape",
+            "gemma3-270m",
+            "--dtype",
+            dtype,
+            "--pp",
+            "8",
+            "--tg",
+            "4",
+        ]);
+        let described = format!("{dtype} LM head + {dtype} (126 of 126 layer matrices)");
+        assert!(bench.contains(&described), "{bench}");
+    }
 }
 
 /// The fast engine's options for the default model in these tests: 2

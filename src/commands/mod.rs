@@ -127,6 +127,8 @@ pub enum Dtype {
     /// at load (an FP16 or BF16 checkpoint then streams half the bytes);
     /// the rest FP16.
     Q8_0,
+    /// As `Q8_0`, in Q4_0 (4 bits and an f16 scale per 32 values).
+    Q4_0,
 }
 
 impl Dtype {
@@ -137,6 +139,7 @@ impl Dtype {
             Dtype::F16 => Some(WeightFormat::F16),
             Dtype::Bf16 => Some(WeightFormat::BF16),
             Dtype::Q8_0 => Some(WeightFormat::Q8_0),
+            Dtype::Q4_0 => Some(WeightFormat::Q4_0),
         }
     }
 

@@ -103,7 +103,7 @@ pub struct Conversion {
 /// step of max/127 per 32 values, far below their own rounding.
 fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
     match dtype {
-        DType::Q4_0 | DType::Q4K | DType::Q5K | DType::Q6K => Some(WeightFormat::Q8_0),
+        DType::Q4K | DType::Q5K | DType::Q6K => Some(WeightFormat::Q8_0),
         _ => None,
     }
 }
@@ -249,7 +249,7 @@ pub struct FastOptions {
     /// Tokens per prefill step; 0 takes the plan's (`Blocking`).
     pub prefill_chunk: usize,
     /// Keep matrices in the file's own quantized type where a kernel
-    /// family reads it (Q8_0, Q5_0) instead of widening them to `format`:
+    /// family reads it (Q8_0, Q5_0, Q4_0) instead of widening them to `format`:
     /// the bytes a decode step streams shrink to the file's, and the
     /// values stay the same.
     pub native: bool,

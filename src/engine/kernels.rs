@@ -271,7 +271,7 @@ pub trait MatKernels: Sync {
     }
 }
 
-/// The integer product of quantized weights (Q8_0, Q5_0) and 8-bit inputs
+/// The integer product of quantized weights (Q8_0, Q5_0, Q4_0) and 8-bit inputs
 /// in plain Rust: the arithmetic the JIT's kernels perform, in another
 /// order of the f32 sums.
 ///

@@ -9,7 +9,7 @@ use super::kernels::MatKernels;
 use super::kernels::MatrixKernels;
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
-use crate::model::gguf_write::q8_0_bytes;
+use crate::model::gguf_write::{q4_0_bytes, q8_0_bytes};
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Result, bail};
@@ -28,6 +28,9 @@ pub enum WeightFormat {
     /// GGUF's Q5_0 (5-bit quants, an f16 scale per 32), read by the
     /// integer kernels.
     Q5_0,
+    /// GGUF's Q4_0 (4-bit quants, an f16 scale per 32), read by the
+    /// integer kernels.
+    Q4_0,
 }
 
 impl WeightFormat {
@@ -37,6 +40,7 @@ impl WeightFormat {
             WeightFormat::BF16 => "bf16",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q4_0 => "q4_0",
         }
     }
 
@@ -46,6 +50,7 @@ impl WeightFormat {
             WeightFormat::BF16 => DType::BF16,
             WeightFormat::Q8_0 => DType::Q8_0,
             WeightFormat::Q5_0 => DType::Q5_0,
+            WeightFormat::Q4_0 => DType::Q4_0,
         }
     }
 
@@ -54,6 +59,7 @@ impl WeightFormat {
         match self {
             WeightFormat::Q8_0 => Some(QuantType::Q8_0),
             WeightFormat::Q5_0 => Some(QuantType::Q5_0),
+            WeightFormat::Q4_0 => Some(QuantType::Q4_0),
             _ => None,
         }
     }
@@ -64,6 +70,7 @@ impl WeightFormat {
         match dtype {
             DType::Q8_0 => Some(WeightFormat::Q8_0),
             DType::Q5_0 => Some(WeightFormat::Q5_0),
+            DType::Q4_0 => Some(WeightFormat::Q4_0),
             _ => None,
         }
     }
@@ -79,7 +86,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => Some(DType::F16RowBlocks),
             WeightFormat::BF16 => Some(DType::BF16RowBlocks),
-            WeightFormat::Q8_0 | WeightFormat::Q5_0 => None,
+            WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q4_0 => None,
         }
     }
 
@@ -426,15 +433,15 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
 /// goes.
 fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
-    // The file's own blocks are copied; another type (one no kernel reads)
-    // is requantized to Q8_0 from its exact f32 values.
+    // The file's own blocks are copied; another type (one no kernel reads,
+    // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
     let same_type = WeightFormat::native(t.dtype).and_then(WeightFormat::quant) == Some(q);
-    assert!(
-        same_type || q == QuantType::Q8_0,
-        "a {} tensor cannot become {}",
-        t.dtype,
-        q.name()
-    );
+    let quantize = match q {
+        _ if same_type => None,
+        QuantType::Q8_0 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
+        QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
+        QuantType::Q5_0 => panic!("a {} tensor cannot become q5_0", t.dtype),
+    };
     let mut values = vec![0.0f32; if same_type { 0 } else { cols }];
     let row_bytes = t.bytes.len() / rows.max(1);
     let block_bytes = q.block_bytes(cols);
@@ -449,13 +456,16 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
         let first = first_row + g * group;
         let last = (first + dst.len() / block_bytes * quant_blocks::BLOCK_ROWS).min(rows);
         for r in first..last {
-            if same_type {
-                let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
-                quant_blocks::scatter_row(q, dst, r - first, cols, src);
-            } else {
-                dequant::row_into(t, r, &mut values);
-                let blocks = q8_0_bytes(&values);
-                quant_blocks::scatter_row(q, dst, r - first, cols, &blocks);
+            match quantize {
+                None => {
+                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    quant_blocks::scatter_row(q, dst, r - first, cols, src);
+                }
+                Some(quantize) => {
+                    dequant::row_into(t, r, &mut values);
+                    let blocks = quantize(&values);
+                    quant_blocks::scatter_row(q, dst, r - first, cols, &blocks);
+                }
             }
         }
         TensorView {

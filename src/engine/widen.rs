@@ -128,6 +128,14 @@ mod avx2 {
                 let high = _mm256_slli_epi16::<4>(bits);
                 _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(16))
             }
+            QuantType::Q4_0 => {
+                assert!(payload.len() >= 16);
+                // SAFETY: 16 bytes of nibbles are there (asserted).
+                let nibbles = unsafe { _mm_loadu_si128(payload.as_ptr().cast()) };
+                let low = _mm256_set_m128i(_mm_srli_epi16::<4>(nibbles), nibbles);
+                let low = _mm256_and_si256(low, _mm256_set1_epi8(0x0F));
+                _mm256_sub_epi8(low, _mm256_set1_epi8(8))
+            }
         }
     }
 }
@@ -143,6 +151,7 @@ mod tests {
         for (q, dtype, format) in [
             (QuantType::Q8_0, DType::Q8_0, WeightFormat::Q8_0),
             (QuantType::Q5_0, DType::Q5_0, WeightFormat::Q5_0),
+            (QuantType::Q4_0, DType::Q4_0, WeightFormat::Q4_0),
         ] {
             let (rows, cols) = (9, 96);
             let mut file = Vec::new();

@@ -425,6 +425,30 @@ pub fn q8_0_bytes(values: &[f32]) -> Vec<u8> {
     out
 }
 
+/// Q4_0 blocks of `values` (a multiple of 32 long), as llama.cpp's
+/// reference quantizer makes them: per block, the value of largest
+/// magnitude `m` (with its sign) gives d = m / -8, stored as f16; each
+/// value becomes min(15, trunc(x / d + 8.5)), value j < 16 in the low
+/// nibble of byte j, value j + 16 in its high nibble.
+pub fn q4_0_bytes(values: &[f32]) -> Vec<u8> {
+    assert!(
+        values.len().is_multiple_of(32),
+        "Q4_0 needs whole blocks of 32"
+    );
+    let mut out = Vec::with_capacity(values.len() / 32 * 18);
+    for block in values.chunks_exact(32) {
+        let max = block
+            .iter()
+            .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d = max / -8.0;
+        let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        let q = |x: f32| ((x * inv + 8.5) as i32).min(15) as u8;
+        out.extend((0..16).map(|j| q(block[j]) | (q(block[j + 16]) << 4)));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,5 +576,33 @@ mod tests {
             .expect("malformed file rejected");
         std::fs::remove_file(&path).unwrap();
         assert!(format!("{err:#}").contains("tensors"), "{err:#}");
+    }
+    #[test]
+    fn q4_0_blocks_dequantize_within_half_a_step() {
+        let values: Vec<f32> = (0..96)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let bytes = q4_0_bytes(&values);
+        assert_eq!(bytes.len(), 3 * 18);
+        let shape = [1, 96];
+        let t = crate::model::dtype::TensorView {
+            dtype: DType::Q4_0,
+            shape: &shape,
+            bytes: &bytes,
+        };
+        let mut back = vec![0.0f32; 96];
+        dequant::row_into(&t, 0, &mut back);
+        for (block, got) in values.chunks(32).zip(back.chunks(32)) {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let step = amax / 8.0;
+            for (&x, &y) in block.iter().zip(got) {
+                // Half a step of rounding, plus the f16 rounding of d; the
+                // codes run from -8 to 7 steps, so a value on the side
+                // opposite the largest one may be clipped by up to a step.
+                let clipped = x.abs() > 7.0 * step;
+                let allowed = if clipped { step } else { step * 0.5 };
+                assert!((x - y).abs() <= allowed + amax * 2e-3, "{x} -> {y}");
+            }
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! Quantized weights in row blocks: GGUF's 32-value blocks (Q8_0, Q5_0)
+//! Quantized weights in row blocks: GGUF's 32-value blocks (Q8_0, Q5_0, Q4_0)
 //! regrouped so that an integer GEMV reads 4 rows as one sequential stream,
 //! like the 16-bit row blocks of `row_blocks`, with not one byte more than
 //! the file.
@@ -39,6 +39,10 @@ pub enum QuantType {
     /// by i finds value j's bit at bit 0 of byte j (byte `j % 4` of lane
     /// `j / 4`). The high bits come first (4 bytes), then the nibbles.
     Q5_0,
+    /// 32 four-bit values offset by 8, as the file stores them: value j in
+    /// the low nibble of byte j for j < 16, in the high nibble of byte
+    /// j - 16 otherwise (Q5_0's nibble order).
+    Q4_0,
 }
 
 impl QuantType {
@@ -46,6 +50,7 @@ impl QuantType {
         match self {
             QuantType::Q8_0 => "q8_0",
             QuantType::Q5_0 => "q5_0",
+            QuantType::Q4_0 => "q4_0",
         }
     }
 
@@ -55,6 +60,7 @@ impl QuantType {
         match self {
             QuantType::Q8_0 => 32,
             QuantType::Q5_0 => 20,
+            QuantType::Q4_0 => 16,
         }
     }
 
@@ -84,7 +90,7 @@ impl QuantType {
     /// The file payload of one block in this layout's order.
     fn repack_payload(self, file: &[u8], out: &mut [u8]) {
         match self {
-            QuantType::Q8_0 => out.copy_from_slice(file),
+            QuantType::Q8_0 | QuantType::Q4_0 => out.copy_from_slice(file),
             QuantType::Q5_0 => {
                 let qh = u32::from_le_bytes([file[0], file[1], file[2], file[3]]);
                 let mut moved = 0u32;
@@ -97,8 +103,8 @@ impl QuantType {
         }
     }
 
-    /// The 32 integer values of a payload in this layout (for Q5_0 already
-    /// offset by -16).
+    /// The 32 integer values of a payload in this layout (Q5_0's already
+    /// offset by -16, Q4_0's by -8).
     pub fn values(self, payload: &[u8]) -> [i8; GROUP_COLS] {
         let mut v = [0i8; GROUP_COLS];
         match self {
@@ -118,6 +124,16 @@ impl QuantType {
                     };
                     let high = ((qh >> (8 * (j % 4) + j / 4)) & 1) as u8;
                     *v = (low | high << 4) as i8 - 16;
+                }
+            }
+            QuantType::Q4_0 => {
+                for (j, v) in v.iter_mut().enumerate() {
+                    let nibble = if j < 16 {
+                        payload[j] & 0x0f
+                    } else {
+                        payload[j - 16] >> 4
+                    };
+                    *v = nibble as i8 - 8;
                 }
             }
         }
@@ -197,6 +213,7 @@ mod tests {
         for (q, dtype) in [
             (QuantType::Q8_0, DType::Q8_0),
             (QuantType::Q5_0, DType::Q5_0),
+            (QuantType::Q4_0, DType::Q4_0),
         ] {
             for (rows, cols) in [(4, 64), (7, 96), (1, 32), (9, 640)] {
                 let file = file_bytes(q, rows, cols);

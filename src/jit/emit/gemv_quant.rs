@@ -1,4 +1,4 @@
-//! Integer GEMV for quantized weights (Q8_0, Q5_0): `y[r] = sum_g d_w[r,g]
+//! Integer GEMV for quantized weights (Q8_0, Q5_0, Q4_0): `y[r] = sum_g d_w[r,g]
 //! * d_x[g] * (v_w[r,g] · q_x[g])` for r in `r0..r1`, W in quantized row
 //! blocks (`model::quant_blocks`: per 32-column group, the 4 rows' f16
 //! scales, then their 4 payloads) and x quantized to 8 bits per 32 values
@@ -98,6 +98,16 @@ fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
             ; vpor Ry(dst), Ry(dst), Ry(TEMP)
             ; vpmaddubsw Ry(dst), Ry(dst), ymm5
         ),
+        QuantType::Q4_0 => dynasm!(ops
+            ; .arch x64
+            // Q5_0's low nibbles alone: values 0..15, the offset of 8
+            // taken off per group with x's sum.
+            ; vmovdqu Rx(dst), [BYTE r9 + at]
+            ; vpsrlw Rx(TEMP), Rx(dst), 4
+            ; vinserti128 Ry(dst), Ry(dst), Rx(TEMP), 1
+            ; vpand Ry(dst), Ry(dst), Ry(LOW_NIBBLES)
+            ; vpmaddubsw Ry(dst), Ry(dst), ymm5
+        ),
     }
     dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
 }
@@ -114,6 +124,8 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     broadcast_const(&mut ops, ONES, 0x0001_0001);
     if q == QuantType::Q5_0 {
         broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101);
+    }
+    if q != QuantType::Q8_0 {
         broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
     }
     dynasm!(ops
@@ -172,13 +184,18 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vphaddd ymm8, ymm8, ymm9
         ; vphaddd ymm6, ymm6, ymm8
     );
-    if q == QuantType::Q5_0 {
-        // 16 · sum(x) off each row, in the lower half only (a 128-bit
-        // shuffle zeroes the upper one).
+    // The values' offset (16 for Q5_0, 8 for Q4_0) times sum(x) off each
+    // row, in the lower half only (a 128-bit shuffle zeroes the upper one).
+    let offset_shift = match q {
+        QuantType::Q8_0 => None,
+        QuantType::Q5_0 => Some(4),
+        QuantType::Q4_0 => Some(3),
+    };
+    if let Some(shift) = offset_shift {
         dynasm!(ops
             ; .arch x64
             ; vmovd Rx(CORRECTION), [r10 + r12]
-            ; vpslld Rx(CORRECTION), Rx(CORRECTION), 4
+            ; vpslld Rx(CORRECTION), Rx(CORRECTION), shift
             ; vpshufd Rx(CORRECTION), Rx(CORRECTION), 0
             ; vpsubd ymm6, ymm6, Ry(CORRECTION)
         );
