@@ -133,7 +133,7 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
     let c = src.config.clone();
     // A BF16 checkpoint stays BF16 unless asked otherwise; all else is FP16.
     let format = format.unwrap_or_else(|| {
-        let q = src.tensor(
+        let q = src.tensor_unscanned(
             Role::Layer(0, LayerRole::Q),
             &[c.n_heads * c.head_dim, c.hidden],
         );

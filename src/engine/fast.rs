@@ -442,7 +442,7 @@ impl FastEngine {
                 if !opts.native || !quant_blocks::fits(shape[1]) {
                     return Ok(wide);
                 }
-                let t = src.tensor(role, &shape)?;
+                let t = src.tensor_unscanned(role, &shape)?;
                 if let Some(format) = WeightFormat::native(t.dtype) {
                     return Ok(format);
                 }
@@ -495,7 +495,7 @@ impl FastEngine {
             return Ok(f);
         }
         let c = &src.config;
-        let q = src.tensor(
+        let q = src.tensor_unscanned(
             Role::Layer(0, LayerRole::Q),
             &[c.n_heads * c.head_dim, c.hidden],
         )?;

@@ -193,8 +193,38 @@ impl ModelSource {
         }
     }
 
-    /// The tensor playing `role`, with its shape checked against `expect`.
+    /// The tensor playing `role`, with its shape checked against `expect`
+    /// and, for a quantized type, every block's scale: a damaged file is
+    /// refused here, before its values are read.
     pub fn tensor(&self, role: Role, expect: &[usize]) -> Result<TensorView<'_>> {
+        let (view, file) = self.locate(role, expect)?;
+        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes) {
+            let per_row = view
+                .shape
+                .last()
+                .map_or(1, |&cols| cols / view.dtype.block_elems());
+            bail!(
+                "{}: tensor {:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
+                 fetch or convert the file again",
+                file.display(),
+                self.tensor_name(role),
+                view.dtype,
+                block / per_row.max(1)
+            );
+        }
+        Ok(view)
+    }
+
+    /// Like [`ModelSource::tensor`] without reading the blocks' scales:
+    /// for deciding formats from a tensor's type and size, which need not
+    /// touch every page of the file a second time. Values are read through
+    /// [`ModelSource::tensor`].
+    pub fn tensor_unscanned(&self, role: Role, expect: &[usize]) -> Result<TensorView<'_>> {
+        Ok(self.locate(role, expect)?.0)
+    }
+
+    /// The tensor playing `role`, its shape checked, and the file it is in.
+    fn locate(&self, role: Role, expect: &[usize]) -> Result<(TensorView<'_>, &Path)> {
         let name = self.tensor_name(role);
         let (view, file) = match &self.files {
             Files::Gguf(g) => (g.tensor(&name), g.path()),
@@ -225,20 +255,7 @@ impl ModelSource {
                 view.shape
             );
         }
-        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes) {
-            let per_row = view
-                .shape
-                .last()
-                .map_or(1, |&cols| cols / view.dtype.block_elems());
-            bail!(
-                "{}: tensor {name:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
-                 fetch or convert the file again",
-                file.display(),
-                view.dtype,
-                block / per_row.max(1)
-            );
-        }
-        Ok(view)
+        Ok((view, file))
     }
 
     /// Whether a tensor for `role` exists (for optional tensors).

@@ -745,15 +745,9 @@ impl<'t> Scheduler<'t> {
             return Vec::new();
         };
         // After the next token and the draft, the cache must still fit.
-        let room = active
-            .generation
-            .room()
-            .min(capacity.saturating_sub(slot.cached.len() + 1));
-        let generation = &mut active.generation;
-        let history = generation.history().to_vec();
-        let drafts = drafter.draft_within(&history, room, |d| generation.allowed_prefix(d));
-        active.drafts = drafts.clone();
-        drafts
+        let room = capacity.saturating_sub(slot.cached.len() + 1);
+        active.drafts = active.generation.draft(drafter, room);
+        active.drafts.clone()
     }
 
     fn count_generated(&mut self, tokens: usize) {

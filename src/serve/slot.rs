@@ -12,6 +12,7 @@ use super::api::{ApiError, TokenLogprob, TopLogprob, Usage};
 use crate::constrain::mask::mask_logits;
 use crate::constrain::{ConstraintState, NextTokens};
 use crate::sample::{Sampler, SamplerConfig};
+use crate::speculative::Drafter;
 use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::{SPACE_MARK, StreamDecoder, TokenKind, Tokenizer, parse_byte_piece};
 use std::collections::{HashMap, VecDeque};
@@ -189,23 +190,17 @@ impl<'t> Generation<'t> {
         self.generated
     }
 
-    /// Prompt and generated tokens so far (what drafts are taken from).
-    pub fn history(&self) -> &[u32] {
-        &self.history
-    }
-
-    /// Tokens that may still be generated.
-    pub fn room(&self) -> usize {
-        self.params.max_tokens.saturating_sub(self.generated)
-    }
-
-    /// How many leading tokens of `draft` the output constraint would take
-    /// from here (all of them without a constraint).
-    pub fn allowed_prefix(&mut self, draft: &[u32]) -> usize {
-        match &mut self.constraint {
+    /// A draft from `drafter` to feed after the last token: from the
+    /// prompt and reply so far, at most `room` tokens and no more than the
+    /// request may still generate, cut where the output constraint would
+    /// refuse it.
+    pub fn draft(&mut self, drafter: &mut Drafter, room: usize) -> Vec<u32> {
+        let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
+        let constraint = &mut self.constraint;
+        drafter.draft_within(&self.history, room, |draft| match constraint {
             Some(state) => state.allowed_prefix(draft),
             None => draft.len(),
-        }
+        })
     }
 
     pub fn is_finished(&self) -> bool {
