@@ -1,5 +1,6 @@
 //! `pulsar dump` end to end, driving the built binary.
 
+use pulsar::jit::cpu::CpuCaps;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -132,18 +133,26 @@ fn default_model_dumps_within_budget() {
         check_dump(&j, isa);
         let n = names(&j);
         // The default model's matrices are read in the file's own types:
-        // one integer GEMV per type (K is an argument), a 16-bit GEMM per K
-        // for several tokens.
+        // one integer GEMV and one integer GEMM per type (K is an
+        // argument), VNNI's where the CPU and --max-isa allow it, and no
+        // 16-bit kernel for its matrices.
+        let vnni = isa.is_none() && CpuCaps::detect().avx512_vnni;
+        let gemm_suffix = if vnni { "_vnni_pf" } else { "t8_pf" };
         for kernel in ["gemv_q8_0_r4_pf", "gemv_q5_0_r4_pf"] {
             assert!(n.iter().any(|s| s.starts_with(kernel)), "{kernel} in {n:?}");
         }
-        for k in ["_k640", "_k1024", "_k2048"] {
+        for kernel in ["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"] {
             assert!(
                 n.iter()
-                    .any(|s| s.starts_with("gemm_f16") && s.ends_with(k)),
-                "{k} in {n:?}"
+                    .any(|s| s.starts_with(kernel) && s.contains(gemm_suffix)),
+                "{kernel}..{gemm_suffix} in {n:?}"
             );
         }
+        assert!(
+            !n.iter()
+                .any(|s| s.starts_with("gemm_f16") || s.starts_with("gemv_f16")),
+            "{n:?}"
+        );
         let f16 = dump_json(&[&args[..], &["--dtype", "f16"]].concat());
         let n = names(&f16);
         for k in ["_k640", "_k1024", "_k2048"] {

@@ -38,7 +38,10 @@ fn generated(args: &[&str]) -> String {
 /// They live in `tests/data/structured_cases.json` so that
 /// `tools/bench_structured.py` runs the same list. Strings have a `maxLength`
 /// and integers a `maximum` (France's population too): without one a greedy
-/// model can write digits until -n runs out. serde_json keeps the file's key
+/// model can write digits until -n runs out. A number's fraction is just as
+/// free: the movie's rating is an integer since a greedy run wrote
+/// "1.0000000000000001000…" until -n ran out (after prompts moved to the
+/// integer GEMM, whose 8-bit inputs changed its logits slightly). serde_json keeps the file's key
 /// order (`preserve_order`, which llguidance turns on), so the schema text
 /// given to the binary, and with it the property order, is the file's.
 fn cases() -> Vec<(String, Value)> {

@@ -636,12 +636,16 @@ impl FastEngine {
     }
 
     /// Several independent products in one parallel section (one wake-up).
-    /// The first `exact` tokens of each input are multiplied one at a time
-    /// by the GEMV a decode step uses (so their results are bit-identical
-    /// to a one-token step's), the rest together by the GEMM. When more
-    /// than one pass reads a thread's rows, the rows go in sub-chunks of
-    /// `Blocking::shared_rows_bytes`, so every pass after the first finds them in
-    /// cache: the weights are streamed from memory once per call.
+    /// 16-bit weights: the first `exact` tokens of each input are
+    /// multiplied one at a time by the GEMV a decode step uses (so their
+    /// results are bit-identical to a one-token step's), the rest together
+    /// by the GEMM. When more than one pass reads a thread's rows, the rows
+    /// go in sub-chunks of `Blocking::shared_rows_bytes`, so every pass
+    /// after the first finds them in cache: the weights are streamed from
+    /// memory once per call. Quantized weights: every token's input is
+    /// quantized to 8 bits and all go to the integer kernels in one pass,
+    /// whose results are bit-identical to a one-token step's anyway (the
+    /// GEMM reads each weight once for 8 tokens, see `emit::gemm_quant`).
     fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>, exact: usize) {
         struct Job<'a> {
             w: &'a PackedMatrix,
@@ -652,16 +656,20 @@ impl FastEngine {
             out: SharedOut,
         }
         let mut work = Vec::with_capacity(jobs.len());
-        // An integer GEMV's input is quantized once, here, for every
+        // An integer kernel's input is quantized once, here, for every
         // thread's chunk of rows, and once for the jobs that share it (q, k
-        // and v; gate and up). Bulk tokens go to a GEMM, which widens
-        // quantized weights instead (see `MatKernels::gemm`).
+        // and v; gate and up).
         // Keyed by the input's address: the same slice, not equal values.
         let mut quantized: Vec<(usize, Q8Input)> = Vec::new();
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
-            let exact = exact.min(x.len() / w.cols);
+            let tokens = x.len() / w.cols;
+            let exact = if w.format.quant().is_some() {
+                tokens
+            } else {
+                exact.min(tokens)
+            };
             let q8 = (w.format.quant().is_some() && exact > 0).then(|| {
                 let at = x.as_ptr() as usize;
                 match quantized
@@ -727,7 +735,10 @@ impl FastEngine {
                 let row_bytes = w.bytes() / w.rows.next_multiple_of(b.row_granule).max(1);
                 let min_rows = b.rows_within(b.min_chunk_bytes, row_bytes);
                 let bulk = job.x.len() > job.exact * w.cols;
-                let passes = job.exact + usize::from(bulk);
+                let passes = match job.q8 {
+                    Some(_) => 1,
+                    None => job.exact + usize::from(bulk),
+                };
                 let sub_rows = if passes > 1 {
                     b.rows_within(b.shared_rows_bytes, row_bytes)
                 } else {

@@ -6,18 +6,19 @@ use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
-use super::widen::widen_rows;
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
-    AttnScores, AttnWsum, Geglu, Gemm, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm, Softmax,
+    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
+    Softmax,
 };
+use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
+use crate::model::quant_blocks;
 use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
-use crate::model::row_blocks;
 use anyhow::{Result, bail};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 use std::ops::Range;
@@ -150,56 +151,6 @@ impl JitKernels {
     }
 }
 
-thread_local! {
-    /// Each pool thread's panel of widened weights, reused across calls.
-    static WIDENED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-impl JitKernels {
-    /// A product of several tokens with quantized weights: each panel of
-    /// rows is widened to FP16 row blocks and fed to the FP16 GEMM, which
-    /// reuses it for every token. The widening costs a few operations per
-    /// weight against 2 x tokens FLOPs per weight in the GEMM (prefill
-    /// chunks are 126 tokens). FP16 rounds Q8_0 values by at most 2^-11
-    /// relative, less than the 8-bit input rounding of the integer GEMV.
-    unsafe fn gemm_widened(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut) {
-        let k: Gemm = self.set.bind(tokens_kernel(w), (WeightType::F16, w.cols));
-        let tokens = x.len() / w.cols;
-        assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
-        // Rows whose FP16 copy fits the plan's panel (in L2 while every
-        // token tile reads it).
-        let panel_rows = self
-            .blocking
-            .rows_within(self.blocking.widened_panel_bytes, 2 * w.cols);
-        WIDENED.with_borrow_mut(|panel| {
-            panel.resize(row_blocks::padded_len(panel_rows, w.cols), 0);
-            let mut r0 = rows.start;
-            while r0 < rows.end {
-                let n = (rows.end - r0).min(panel_rows);
-                if !n.is_multiple_of(row_blocks::BLOCK_ROWS) {
-                    // The last block's padding rows must read as zeros.
-                    panel.fill(0);
-                }
-                widen_rows(w, r0..r0 + n, panel);
-                // SAFETY: the panel holds rows 0..n of K values in row
-                // blocks; Y's base moves to column r0, so the kernel writes
-                // columns r0..r0 + n, which the caller owns.
-                unsafe {
-                    k.run_unchecked(
-                        panel.as_ptr(),
-                        x.as_ptr(),
-                        tokens,
-                        y.as_mut_ptr().add(r0),
-                        y.stride,
-                        0..n,
-                    )
-                };
-                r0 += n;
-            }
-        });
-    }
-}
-
 /// The GEMM resolved for `w` at load.
 fn tokens_kernel(w: &PackedMatrix) -> KernelId {
     w.kernels()
@@ -216,9 +167,10 @@ fn one_token_kernel(w: &PackedMatrix) -> KernelId {
 
 impl MatKernels for JitKernels {
     unsafe fn gemm(&self, w: &PackedMatrix, x: &[f32], rows: Range<usize>, y: SharedOut) {
-        if !w.format.is_16bit() {
-            return unsafe { self.gemm_widened(w, x, rows, y) };
-        }
+        assert!(
+            w.format.is_16bit(),
+            "quantized weights are multiplied by gemm_q8 (the engine quantizes their input)"
+        );
         let key = (weight_type(w.format), w.cols);
         let tokens = x.len() / w.cols;
         if tokens == 1 {
@@ -251,25 +203,54 @@ impl MatKernels for JitKernels {
             .format
             .quant()
             .expect("an integer product needs quantized weights");
-        let k: GemvQuant = self.set.bind(one_token_kernel(w), (q, w.cols));
-        // One pass over the rows per token: the LM head at prefill wants
-        // only the last token's logits, so several tokens here are rare
-        // (`logits --all`, perplexity).
-        for t in 0..x.tokens() {
+        if x.tile_count() == 0 {
+            let k: GemvQuant = self.set.bind(one_token_kernel(w), (q, w.cols));
             // SAFETY: the caller owns columns `rows` of y.
-            let part = unsafe { y.cells(t, rows.clone()) };
-            k.run_part(w.raw(), x.token(t), part, rows.clone())
+            let part = unsafe { y.cells(0, rows.clone()) };
+            k.run_part(w.raw(), x.token(0), part, rows)
                 .expect("quantized GEMV arguments sized by the engine");
+            return;
+        }
+        let k: GemmQuant = self.set.bind(tokens_kernel(w), (q, w.cols));
+        assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
+        assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
+        // Every tile passes over a panel of rows while it stays in L2 (the
+        // plan's widened panel: the same room the 16-bit GEMM's panels
+        // get), so the rows are read from memory once.
+        let panel_rows = self
+            .blocking
+            .rows_within(self.blocking.widened_panel_bytes, q.block_bytes(w.cols) / 4);
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = rows.end.min(r0 + panel_rows);
+            for i in 0..x.tile_count() {
+                let (tile, ntok) = x.tile(i);
+                // SAFETY: W holds the blocks of rows < rows.end (asserted
+                // against w.rows), the tile is whole, y holds every token's
+                // row of `stride` (asserted), and the caller owns columns
+                // r0..r1 of them.
+                unsafe {
+                    k.run_unchecked(
+                        w.raw().as_ptr(),
+                        tile.as_ptr(),
+                        ntok,
+                        y.as_mut_ptr().add(i * TILE_TOKENS * y.stride),
+                        y.stride,
+                        r0..r1,
+                    )
+                };
+            }
+            r0 = r1;
         }
     }
 
     fn resolve(&self, w: &PackedMatrix) -> Result<MatrixKernels, String> {
-        // Quantized weights: the integer GEMV per token, the FP16 GEMM on
-        // widened panels for several.
+        // Quantized weights: the integer GEMV for one token, the integer
+        // GEMM for several.
         let (one_token, tokens) = match w.format.quant() {
             Some(q) => (
                 self.set.resolve::<GemvQuant>((q, w.cols)),
-                self.set.resolve::<Gemm>((WeightType::F16, w.cols)),
+                self.set.resolve::<GemmQuant>((q, w.cols)),
             ),
             None => {
                 let key = (weight_type(w.format), w.cols);

@@ -12,7 +12,6 @@ pub mod pool;
 pub mod q8_input;
 pub mod reference;
 pub mod synthetic;
-pub mod widen;
 
 use crate::model::config::ModelConfig;
 use anyhow::Result;

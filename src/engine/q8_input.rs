@@ -11,11 +11,21 @@
 //! format stored with an offset needs (Q5_0: w = v - 16, so w · x = v · x -
 //! 16 · sum(x)). The kernel reads a group's 32 quants with one load, its
 //! scale and its sum with one each.
+//!
+//! Inputs of several tokens are also laid out in tiles of 8 tokens for the
+//! integer GEMM (`jit::emit::gemm_quant`): per group of 32 columns, the
+//! tokens' quants interleaved 4 columns at a time (byte `32c + 4t + j` is
+//! token t's column `4c + j`), then the 8 scales, then the 8 sums. Tokens
+//! past the last are zeros. The values are the same as the per-token
+//! layout's, so the GEMV and the GEMM see the same input.
 
+use crate::jit::emit::gemm_quant::{TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS};
 use crate::model::quant_blocks::GROUP_COLS;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
+    /// The token tiles; empty for a single token.
+    tiles: Vec<u8>,
     k: usize,
     tokens: usize,
 }
@@ -57,7 +67,55 @@ impl Q8Input {
                 sum.copy_from_slice(&total.to_le_bytes());
             }
         }
-        Q8Input { bytes, k, tokens }
+        let mut input = Q8Input {
+            bytes,
+            tiles: Vec::new(),
+            k,
+            tokens,
+        };
+        if tokens > 1 {
+            input.tiles = input.interleave();
+        }
+        input
+    }
+
+    /// The token tiles, built from the per-token layout.
+    fn interleave(&self) -> Vec<u8> {
+        let groups = self.k / GROUP_COLS;
+        let tile_bytes = groups * TILE_GROUP_BYTES;
+        let mut tiles = vec![0u8; self.tokens.div_ceil(TOKENS) * tile_bytes];
+        for t in 0..self.tokens {
+            let tile = &mut tiles[t / TOKENS * tile_bytes..][..tile_bytes];
+            let lane = t % TOKENS;
+            let token = self.token(t);
+            for (g, out) in tile.chunks_exact_mut(TILE_GROUP_BYTES).enumerate() {
+                let quants = &token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
+                for (c, four) in quants.chunks_exact(4).enumerate() {
+                    out[c * 4 * TOKENS + lane * 4..][..4].copy_from_slice(four);
+                }
+                let scale_at = self.k + g * 4;
+                let sum_at = self.k + groups * 4 + g * 4;
+                out[TILE_SCALES_AT + lane * 4..][..4].copy_from_slice(&token[scale_at..][..4]);
+                out[TILE_SUMS_AT + lane * 4..][..4].copy_from_slice(&token[sum_at..][..4]);
+            }
+        }
+        tiles
+    }
+
+    /// Tiles of 8 tokens (none for a single token, which the GEMV takes).
+    pub fn tile_count(&self) -> usize {
+        if self.tiles.is_empty() {
+            0
+        } else {
+            self.tokens.div_ceil(TOKENS)
+        }
+    }
+
+    /// Tile `i`'s bytes and how many real tokens it holds.
+    pub fn tile(&self, i: usize) -> (&[u8], usize) {
+        let tile_bytes = self.k / GROUP_COLS * TILE_GROUP_BYTES;
+        let ntok = (self.tokens - i * TOKENS).min(TOKENS);
+        (&self.tiles[i * tile_bytes..(i + 1) * tile_bytes], ntok)
     }
 
     pub fn k(&self) -> usize {
@@ -116,6 +174,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tiles_hold_each_tokens_quants_scales_and_sums() {
+        let k = 64;
+        let tokens = 11;
+        let x: Vec<f32> = (0..tokens * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+            .collect();
+        let q = Q8Input::quantize(&x, k);
+        assert_eq!(q.tile_count(), 2);
+        for t in 0..16 {
+            let (tile, ntok) = q.tile(t / TOKENS);
+            assert_eq!(ntok, if t < 8 { 8 } else { 3 });
+            let lane = t % TOKENS;
+            for g in 0..k / GROUP_COLS {
+                let group = &tile[g * TILE_GROUP_BYTES..][..TILE_GROUP_BYTES];
+                let scale = f32::from_le_bytes(group[TILE_SCALES_AT + 4 * lane..][..4].try_into().unwrap());
+                let sum = i32::from_le_bytes(group[TILE_SUMS_AT + 4 * lane..][..4].try_into().unwrap());
+                let quants: Vec<u8> = (0..GROUP_COLS)
+                    .map(|col| group[col / 4 * 4 * TOKENS + lane * 4 + col % 4])
+                    .collect();
+                if t < tokens {
+                    let (d, want) = q.group(t, g);
+                    assert_eq!((scale, quants.as_slice()), (d, want));
+                    assert_eq!(sum, want.iter().map(|&b| i32::from(b as i8)).sum::<i32>());
+                } else {
+                    assert_eq!((scale, sum), (0.0, 0));
+                    assert!(quants.iter().all(|&b| b == 0));
+                }
+            }
+        }
+        assert_eq!(Q8Input::quantize(&x[..k], k).tile_count(), 0);
     }
 
     #[test]

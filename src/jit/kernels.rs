@@ -5,7 +5,7 @@
 
 use super::cpu::{CpuCaps, Isa};
 use super::emit::gemv::WeightType;
-use super::emit::{LANES, gemm};
+use super::emit::{LANES, gemm, gemm_quant};
 use super::plan::{KernelKind, KernelSpec, Plan};
 use super::verify::{self, Policy, Verified};
 use crate::model::quant_blocks::{self, QuantType};
@@ -268,6 +268,26 @@ impl<'a> Kernel<'a> for GemvQuant<'a> {
         // emit::gemv_quant).
         let f = unsafe { std::mem::transmute::<*const u8, GemvQuantFn>(entry) };
         GemvQuant {
+            f,
+            name: &c.spec.name,
+            q,
+            k,
+        }
+    }
+}
+
+impl<'a> Kernel<'a> for GemmQuant<'a> {
+    /// The weights' block type and K (an argument of the kernel, fixed by
+    /// the handle).
+    type Key = (QuantType, usize);
+    fn serves(kind: &KernelKind, (q, k): Self::Key) -> bool {
+        quant_blocks::fits(k) && matches!(kind, KernelKind::GemmQuant(g) if g.q == q)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (q, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified integer GEMM code (see
+        // emit::gemm_quant).
+        let f = unsafe { std::mem::transmute::<*const u8, GemmQuantFn>(entry) };
+        GemmQuant {
             f,
             name: &c.spec.name,
             q,
@@ -555,6 +575,100 @@ impl GemvQuant<'_> {
         // scales, and only y_part is written (checked above).
         unsafe { (self.f)(w.as_ptr(), x.as_ptr(), base, rows.start, rows.end, self.k) };
         Ok(())
+    }
+}
+
+type GemmQuantFn = unsafe extern "sysv64" fn(
+    *const u8,
+    *const u8,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
+#[derive(Clone, Copy)]
+pub struct GemmQuant<'a> {
+    f: GemmQuantFn,
+    pub name: &'a str,
+    pub q: QuantType,
+    pub k: usize,
+}
+
+impl GemmQuant<'_> {
+    /// Bytes of one token tile for this K (see `emit::gemm_quant`).
+    pub fn tile_bytes(&self) -> usize {
+        self.k / quant_blocks::GROUP_COLS * gemm_quant::TILE_GROUP_BYTES
+    }
+
+    /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)
+    /// tokens of one tile, W in quantized row blocks (the whole matrix),
+    /// `rows` starting on a block.
+    pub fn run(
+        &self,
+        w: &[u8],
+        tile: &[u8],
+        ntok: usize,
+        y: &mut [f32],
+        ldy: usize,
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        let block_bytes = self.q.block_bytes(self.k);
+        if tile.len() != self.tile_bytes() || !(1..=gemm_quant::TOKENS).contains(&ntok) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "a tile of {} bytes (want {}) with {ntok} tokens (1 to {})",
+                    tile.len(),
+                    self.tile_bytes(),
+                    gemm_quant::TOKENS
+                ),
+            ));
+        }
+        if rows.start > rows.end
+            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
+            || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
+            || rows.end > ldy
+            || !rows_fit(y.len(), ntok, ldy, rows.end)
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "rows {rows:?} of W ({} bytes, K {}) into Y of {} x {ldy} ({} elements), or rows start inside a block",
+                    w.len(),
+                    self.k,
+                    ntok,
+                    y.len()
+                ),
+            ));
+        }
+        // SAFETY: checked above: the blocks read are inside `w`, the tile
+        // is whole, and every element written is inside `y`.
+        unsafe { self.run_unchecked(w.as_ptr(), tile.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };
+        Ok(())
+    }
+
+    /// Raw call for a thread pool whose threads write disjoint row ranges
+    /// of one Y.
+    ///
+    /// # Safety
+    /// `w` must hold the row blocks up to `rows.end` (`rows.start` on a
+    /// block), `tile` a whole tile for K, `ntok` in 1..=8, and `Y[t*ldy +
+    /// r]` must be writable for t < ntok, r in `rows`, with no other thread
+    /// touching those elements.
+    pub unsafe fn run_unchecked(
+        &self,
+        w: *const u8,
+        tile: *const u8,
+        ntok: usize,
+        y: *mut f32,
+        ldy: usize,
+        rows: Range<usize>,
+    ) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.f)(w, tile, y, rows.start, rows.end, self.k, ldy, ntok) };
     }
 }
 

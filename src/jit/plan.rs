@@ -7,6 +7,7 @@ use super::blocking::{Blocking, Reason};
 use super::cpu::{CpuCaps, Isa};
 use super::dims::ModelDims;
 use super::emit::gemm::{self, GemmParams};
+use super::emit::gemm_quant::{self, GemmQuantParams};
 use super::emit::gemv::{self, GemvParams, WeightType};
 use super::emit::gemv_quant::{self, GemvQuantParams};
 use super::emit::{self, LANES};
@@ -27,9 +28,8 @@ pub struct PlanOptions {
     /// Worker threads the rows are split across (0 = all cores).
     pub threads: usize,
     pub weights: WeightType,
-    /// The matrices kept quantized, by type and K: each pair gets an
-    /// integer GEMV. Their several-token products widen panels to the
-    /// 16-bit GEMM of the same K, which the plan always has.
+    /// The matrices kept quantized, by type and K: each type gets an
+    /// integer GEMV (one token) and an integer GEMM (several).
     pub quantized: Vec<QuantizedMatrix>,
     /// The tensors stored in the 16-bit format in at least one layer
     /// (`None`: all of them). A K none of them has gets no 16-bit GEMV.
@@ -69,6 +69,9 @@ pub enum KernelKind {
     Gemv(GemvParams),
     /// Integer GEMV over quantized weights and 8-bit inputs.
     GemvQuant(GemvQuantParams),
+    /// Integer GEMM over quantized weights and tiles of 8 tokens' 8-bit
+    /// inputs.
+    GemmQuant(GemmQuantParams),
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -102,6 +105,16 @@ impl KernelKind {
             KernelKind::GemvQuant(p) => {
                 format!("gemv_{}_r{}_pf{}", p.q.name(), gemv_quant::ROWS, p.prefetch)
             }
+            KernelKind::GemmQuant(p) => {
+                format!(
+                    "gemm_{}_r{}t{}{}_pf{}",
+                    p.q.name(),
+                    gemm_quant::ROWS,
+                    gemm_quant::TOKENS,
+                    if p.vnni { "_vnni" } else { "" },
+                    p.prefetch
+                )
+            }
             KernelKind::Gemm(p) => {
                 format!(
                     "gemm_{}_r{}t{}_k{}",
@@ -123,12 +136,14 @@ impl KernelKind {
         }
     }
 
-    /// Emits the machine code (AVX2 + FMA + F16C).
+    /// Emits the machine code (AVX2 + FMA + F16C; AVX-512 VNNI's
+    /// `vpdpbusd` on ymm registers where a kernel's params ask for it).
     pub fn emit(&self) -> Result<Vec<u8>> {
         let name = self.name();
         match self {
             KernelKind::Gemv(p) => emit::gemv::emit(p, &name),
             KernelKind::GemvQuant(p) => emit::gemv_quant::emit(p, &name),
+            KernelKind::GemmQuant(p) => emit::gemm_quant::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
@@ -239,8 +254,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     };
     let mut notes = Vec::new();
     let isa = Isa::Avx2;
+    // VNNI's byte dot product runs on ymm registers in its EVEX form; the
+    // rest of AVX-512 (zmm, masks) is not emitted.
+    let vnni = allowed_isa == Isa::Avx512 && caps.avx512_vnni;
     if allowed_isa == Isa::Avx512 {
-        notes.push("AVX-512 allowed, but only AVX2 kernels are emitted so far; using them".into());
+        notes.push(if vnni && !opts.quantized.is_empty() {
+            "AVX-512 allowed: the integer GEMMs use VNNI's vpdpbusd on ymm registers; every other kernel is AVX2".into()
+        } else {
+            "AVX-512 allowed, but only AVX2 kernels are emitted for these weights; using them".into()
+        });
     }
 
     // Matrix-vector products of one layer plus the LM head.
@@ -259,8 +281,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();
-    // A 16-bit GEMV only where some 16-bit matrix is multiplied.
-    let gemv_ks: Vec<usize> = ks
+    // 16-bit GEMV and GEMM only where some 16-bit matrix is multiplied.
+    let wide_ks: Vec<usize> = ks
         .iter()
         .copied()
         .filter(|&k| {
@@ -273,11 +295,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             })
         })
         .collect();
-    if gemv_ks.len() < ks.len() {
+    if wide_ks.len() < ks.len() {
         notes.push(format!(
-            "no 16-bit GEMV for K in {:?}: every matrix with that K is quantized",
+            "no 16-bit GEMV or GEMM for K in {:?}: every matrix with that K is quantized",
             ks.iter()
-                .filter(|k| !gemv_ks.contains(k))
+                .filter(|k| !wide_ks.contains(k))
                 .collect::<Vec<_>>()
         ));
     }
@@ -291,6 +313,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         .collect();
     quant_kinds.sort_by_key(|p| p.q.name());
     quant_kinds.dedup();
+    let quant_gemm = |q: QuantType| GemmQuantParams {
+        q,
+        vnni,
+        prefetch: opts.quant_prefetch,
+    };
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -300,8 +327,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     loop {
         let mut kinds = build_kinds(
             dims,
-            &ks,
-            &gemv_ks,
+            &wide_ks,
             opts.weights,
             gemv_unroll,
             norm_unroll,
@@ -317,6 +343,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .join(", ");
             (KernelKind::GemvQuant(p), vec![used_for])
         }));
+        kinds.extend(quant_kinds.iter().map(|p| {
+            (
+                KernelKind::GemmQuant(quant_gemm(p.q)),
+                vec![format!(
+                    "{} products of 2 or more tokens",
+                    p.q.name().to_uppercase()
+                )],
+            )
+        }));
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -331,40 +366,48 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .into_iter()
                 .map(|(kind, used_for)| KernelSpec {
                     name: kind.name(),
+                    isa: match kind {
+                        KernelKind::GemmQuant(p) if p.vnni => Isa::Avx512,
+                        _ => isa,
+                    },
                     kind,
-                    isa,
                     used_for,
                 })
                 .collect();
             let matrices = mats
                 .iter()
-                .map(|&(tensor, rows, k)| MatrixUse {
-                    tensor,
-                    rows,
-                    k,
-                    gemv: if let Some(m) = opts
+                .map(|&(tensor, rows, k)| {
+                    let quantized = opts
                         .quantized
                         .iter()
-                        .find(|m| m.tensor == tensor && m.k == k)
-                    {
-                        KernelKind::GemvQuant(GemvQuantParams {
-                            q: m.q,
-                            prefetch: opts.quant_prefetch,
-                        })
-                        .name()
-                    } else {
-                        KernelKind::Gemv(GemvParams {
-                            wt: opts.weights,
-                            k,
-                            unroll: gemv_unroll,
-                        })
-                        .name()
-                    },
-                    gemm: KernelKind::Gemm(GemmParams {
-                        wt: opts.weights,
+                        .find(|m| m.tensor == tensor && m.k == k);
+                    let (gemv, gemm) = match quantized {
+                        Some(m) => (
+                            KernelKind::GemvQuant(GemvQuantParams {
+                                q: m.q,
+                                prefetch: opts.quant_prefetch,
+                            }),
+                            KernelKind::GemmQuant(quant_gemm(m.q)),
+                        ),
+                        None => (
+                            KernelKind::Gemv(GemvParams {
+                                wt: opts.weights,
+                                k,
+                                unroll: gemv_unroll,
+                            }),
+                            KernelKind::Gemm(GemmParams {
+                                wt: opts.weights,
+                                k,
+                            }),
+                        ),
+                    };
+                    MatrixUse {
+                        tensor,
+                        rows,
                         k,
-                    })
-                    .name(),
+                        gemv: gemv.name(),
+                        gemm: gemm.name(),
+                    }
                 })
                 .collect();
             // The smallest layer matrix in its stored format sizes the
@@ -448,8 +491,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
 #[allow(clippy::too_many_arguments)]
 fn build_kinds(
     dims: &ModelDims,
-    ks: &[usize],
-    gemv_ks: &[usize],
+    wide_ks: &[usize],
     wt: WeightType,
     gemv_unroll: usize,
     norm_unroll: usize,
@@ -469,7 +511,7 @@ fn build_kinds(
         }
         u
     };
-    for &k in gemv_ks {
+    for &k in wide_ks {
         out.push((
             KernelKind::Gemv(GemvParams {
                 wt,
@@ -479,7 +521,7 @@ fn build_kinds(
             uses_of_k(k),
         ));
     }
-    for &k in ks {
+    for &k in wide_ks {
         out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
     }
     out.push((

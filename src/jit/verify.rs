@@ -133,6 +133,7 @@ const ALLOWED: &[Mnemonic] = {
         Ja,
         Jae,
         Jb,
+        Jbe,
         Je,
         Jne,
         Jg,
@@ -198,6 +199,17 @@ const ALLOWED: &[Mnemonic] = {
         Vpsrlvd,
         Vpshufd,
         Vpsubd,
+        // The integer GEMM over token tiles: weights broadcast to every
+        // token's lane, 8-bit dot products, the 4 x 8 results transposed.
+        Vpxor,
+        Vextracti128,
+        Vpbroadcastw,
+        Vpdpbusd,
+        Vunpcklps,
+        Vunpckhps,
+        Vunpcklpd,
+        Vunpckhpd,
+        Vperm2f128,
     ]
 };
 

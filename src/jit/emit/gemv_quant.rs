@@ -20,11 +20,13 @@
 //!
 //! `vpmaddwd` against ones widens the pairs to 8 lane sums in i32. Two
 //! rounds of `vphaddd` fold the 4 rows' lane sums into one register, each
-//! 128-bit half holding the 4 rows' partial sums, which are converted to
-//! f32 and accumulated, times the rows' scales and x's, in one FMA per
-//! group (against one convert, shuffle and FMA per row: 60 bytes less,
-//! which keeps the 16-bit GEMVs' unrolling inside the byte budget). The
-//! two halves are added once per row block.
+//! 128-bit half holding the 4 rows' partial sums; the halves are added in
+//! integers, so each row's group sum is whole (and exact) before it is
+//! converted to f32 and accumulated, times the rows' scales and x's, in
+//! one FMA per group (against one convert, shuffle and FMA per row).
+//! The integer GEMM for several tokens (`gemm_quant`) performs the same
+//! f32 operations in the same order, so a token's result is bit-identical
+//! whichever of the two computed it.
 //!
 //! K comes as an argument, a multiple of 32: it only sizes pointers, so an
 //! immediate would buy nothing but a copy of the kernel per K (308 bytes
@@ -35,8 +37,8 @@
 //! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=K on entry,
 //! then the W group pointer, r10=x scale pointer, r11=end of x quants,
 //! rax=x quant index counting up to 0, rbx=K, rbp=bytes of W per row of a
-//! block, r12=bytes from x's scales to its sums. ymm0 accumulator, ymm4 the 4 rows' scales times x's
-//! (in both halves), ymm5 x quants, ymm6..9 the rows' products, ymm10 and
+//! block, r12=bytes from x's scales to its sums. ymm0 accumulator, xmm4 the 4 rows' scales times x's,
+//! ymm5 x quants, ymm6..9 the rows' products, ymm10 and
 //! ymm11 temporaries, ymm12 bytes of 1 and ymm13 bytes of 15 (Q5_0), ymm14
 //! lane indices, ymm15 16-bit ones.
 
@@ -69,6 +71,47 @@ const LOW_NIBBLES: u8 = 13;
 const IDX: u8 = 14;
 const ONES: u8 = 15;
 
+/// The registers [`unpack_values`] uses besides its destination.
+#[derive(Clone, Copy)]
+pub(super) struct UnpackRegs {
+    pub temp: u8,
+    /// Bytes of 0x0F.
+    pub low_nibbles: u8,
+    /// Bytes of 1 (Q5_0 only).
+    pub byte_ones: u8,
+    /// Lane indices 0..7 (Q5_0 only).
+    pub idx: u8,
+}
+
+/// A Q5_0 or Q4_0 payload at `[r9 + at]` as 32 unsigned bytes in
+/// ymm`dst`: Q5_0's values plus 16 (0..31), Q4_0's plus 8 (0..15). The
+/// integer GEMM ([`super::gemm_quant`]) unpacks with the same code.
+pub(super) fn unpack_values(ops: &mut Asm, q: QuantType, dst: u8, at: i8, r: UnpackRegs) {
+    let nibbles_at = if q == QuantType::Q5_0 { at + 4 } else { at };
+    dynasm!(ops
+        ; .arch x64
+        // Low nibbles: bytes 0..15 of the vector from the low halves of
+        // the 16 bytes, bytes 16..31 from their high halves.
+        ; vmovdqu Rx(dst), [BYTE r9 + nibbles_at]
+        ; vpsrlw Rx(r.temp), Rx(dst), 4
+        ; vinserti128 Ry(dst), Ry(dst), Rx(r.temp), 1
+        ; vpand Ry(dst), Ry(dst), Ry(r.low_nibbles)
+    );
+    if q == QuantType::Q5_0 {
+        dynasm!(ops
+            ; .arch x64
+            // High bits: lane i shifted right by i puts value j's bit at
+            // bit 0 of byte j (see QuantType::Q5_0), then to bit 4.
+            ; vmovd Rx(r.temp), [BYTE r9 + at]
+            ; vpbroadcastd Ry(r.temp), Rx(r.temp)
+            ; vpsrlvd Ry(r.temp), Ry(r.temp), Ry(r.idx)
+            ; vpand Ry(r.temp), Ry(r.temp), Ry(r.byte_ones)
+            ; vpsllw Ry(r.temp), Ry(r.temp), 4
+            ; vpor Ry(dst), Ry(dst), Ry(r.temp)
+        );
+    }
+}
+
 /// Row `row`'s 32 products with x (in ymm5) as 8 i32 lane sums in
 /// ymm`dst`, its payload at `[r9 + at]`.
 fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
@@ -80,34 +123,18 @@ fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
             ; vpabsb Ry(dst), Ry(dst)
             ; vpmaddubsw Ry(dst), Ry(dst), Ry(TEMP)
         ),
-        QuantType::Q5_0 => dynasm!(ops
-            ; .arch x64
-            // Low nibbles: bytes 0..15 of the vector from the low halves
-            // of the 16 bytes, bytes 16..31 from their high halves.
-            ; vmovdqu Rx(dst), [BYTE r9 + at + 4]
-            ; vpsrlw Rx(TEMP), Rx(dst), 4
-            ; vinserti128 Ry(dst), Ry(dst), Rx(TEMP), 1
-            ; vpand Ry(dst), Ry(dst), Ry(LOW_NIBBLES)
-            // High bits: lane i shifted right by i puts value j's bit at
-            // bit 0 of byte j (see QuantType::Q5_0), then to bit 4.
-            ; vmovd Rx(TEMP), [BYTE r9 + at]
-            ; vpbroadcastd Ry(TEMP), Rx(TEMP)
-            ; vpsrlvd Ry(TEMP), Ry(TEMP), Ry(IDX)
-            ; vpand Ry(TEMP), Ry(TEMP), Ry(BYTE_ONES)
-            ; vpsllw Ry(TEMP), Ry(TEMP), 4
-            ; vpor Ry(dst), Ry(dst), Ry(TEMP)
-            ; vpmaddubsw Ry(dst), Ry(dst), ymm5
-        ),
-        QuantType::Q4_0 => dynasm!(ops
-            ; .arch x64
-            // Q5_0's low nibbles alone: values 0..15, the offset of 8
-            // taken off per group with x's sum.
-            ; vmovdqu Rx(dst), [BYTE r9 + at]
-            ; vpsrlw Rx(TEMP), Rx(dst), 4
-            ; vinserti128 Ry(dst), Ry(dst), Rx(TEMP), 1
-            ; vpand Ry(dst), Ry(dst), Ry(LOW_NIBBLES)
-            ; vpmaddubsw Ry(dst), Ry(dst), ymm5
-        ),
+        // Q5_0's values are stored plus 16 and Q4_0's plus 8, already
+        // unsigned: the offset is taken off per group with x's sum.
+        QuantType::Q5_0 | QuantType::Q4_0 => {
+            let regs = UnpackRegs {
+                temp: TEMP,
+                low_nibbles: LOW_NIBBLES,
+                byte_ones: BYTE_ONES,
+                idx: IDX,
+            };
+            unpack_values(ops, q, dst, at, regs);
+            dynasm!(ops ; .arch x64 ; vpmaddubsw Ry(dst), Ry(dst), ymm5);
+        }
     }
     dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
 }
@@ -159,14 +186,12 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; =>group
-        // The 4 rows' f16 scales (lanes 0..3; the other 4 lanes read the
-        // first payload and are never used), times x's scale, then copied
-        // to the upper half, which holds the other 4 lanes of each sum.
+        // The 4 rows' f16 scales times x's scale (lanes 0..3; the upper
+        // lanes read the first payload and are never used).
         ; vcvtph2ps ymm4, [r9]
         ; vmovss xmm5, [r10]
         ; vpbroadcastd ymm5, xmm5
-        ; vmulps ymm4, ymm4, ymm5
-        ; vinsertf128 ymm4, ymm4, xmm4, 1
+        ; vmulps xmm4, xmm4, xmm5
         ; vmovdqu ymm5, [r11 + rax]
     );
     if p.prefetch > 0 {
@@ -183,9 +208,14 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vphaddd ymm6, ymm6, ymm7
         ; vphaddd ymm8, ymm8, ymm9
         ; vphaddd ymm6, ymm6, ymm8
+        // The halves added in integers: each row's group sum is whole
+        // before it is scaled, as in the integer GEMM, so a token's
+        // result does not depend on which kernel computed it.
+        ; vextracti128 Rx(TEMP), ymm6, 1
+        ; vpaddd xmm6, xmm6, Rx(TEMP)
     );
     // The values' offset (16 for Q5_0, 8 for Q4_0) times sum(x) off each
-    // row, in the lower half only (a 128-bit shuffle zeroes the upper one).
+    // row.
     let offset_shift = match q {
         QuantType::Q8_0 => None,
         QuantType::Q5_0 => Some(4),
@@ -197,24 +227,19 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
             ; vmovd Rx(CORRECTION), [r10 + r12]
             ; vpslld Rx(CORRECTION), Rx(CORRECTION), shift
             ; vpshufd Rx(CORRECTION), Rx(CORRECTION), 0
-            ; vpsubd ymm6, ymm6, Ry(CORRECTION)
+            ; vpsubd xmm6, xmm6, Rx(CORRECTION)
         );
     }
     dynasm!(ops
         ; .arch x64
-        ; vcvtdq2ps ymm6, ymm6
-        ; vfmadd231ps ymm0, ymm6, ymm4
+        ; vcvtdq2ps xmm6, xmm6
+        ; vfmadd231ps xmm0, xmm6, xmm4
         ; add r9, q.group_bytes() as i32
         ; add r10, BYTE 4
         ; add rax, BYTE GROUP_COLS as i8
     );
     jback!(ops, jnz, group, group_top);
-    // Both halves' partial sums of the 4 rows, then only valid rows stored.
-    dynasm!(ops
-        ; .arch x64
-        ; vextractf128 xmm1, ymm0, 1
-        ; vaddps xmm0, xmm0, xmm1
-    );
+    // Only valid rows are stored.
     store_rows_and_next_block(&mut ops, IDX, block, block_top);
     dynasm!(ops ; .arch x64 ; =>done);
     restore_callee_saved_and_return(&mut ops);
