@@ -222,7 +222,10 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
             let (tile, _) = xq.tile(0);
             let mut y = vec![0.0f32; 3 * rows];
             assert!(gemm.run(w.raw(), tile, 4, &mut y, rows, 0..rows).is_err());
-            assert!(gemm.run(w.raw(), &tile[1..], 3, &mut y, rows, 0..rows).is_err());
+            assert!(
+                gemm.run(w.raw(), &tile[1..], 3, &mut y, rows, 0..rows)
+                    .is_err()
+            );
             assert!(gemm.run(w.raw(), tile, 3, &mut y, rows, 2..rows).is_err());
             assert!(gemm.run(w.raw(), tile, 0, &mut y, rows, 0..rows).is_err());
         }
@@ -371,7 +374,7 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
     );
     let mut row = vec![0.0f32; head.cols];
     let mut worst = 0.0f64;
-    for r in 0..head.rows {
+    for (r, &got) in gemv.iter().enumerate() {
         head.row_f32(r, &mut row);
         let rounding_8bit: f64 = row
             .chunks(32)
@@ -387,12 +390,11 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
             .map(|(&w, &h)| w as f64 * h as f64)
             .sum();
         let bound = rounding_8bit;
-        let diff = (gemv[r] as f64 - exact).abs();
-        let slack = 1e-5 * gemv[r].abs() as f64 + 1e-4;
+        let diff = (got as f64 - exact).abs();
+        let slack = 1e-5 * got.abs() as f64 + 1e-4;
         assert!(
             diff <= bound + slack,
-            "row {r}: GEMV {} exact {exact} bound {bound}",
-            gemv[r]
+            "row {r}: GEMV {got} exact {exact} bound {bound}"
         );
         worst = worst.max(diff / bound.max(1e-9));
     }

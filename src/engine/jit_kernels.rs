@@ -10,15 +10,15 @@ use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
+use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
     AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
     Softmax,
 };
-use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
-use crate::model::quant_blocks;
 use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
+use crate::model::quant_blocks;
 use anyhow::{Result, bail};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 use std::ops::Range;
@@ -40,7 +40,28 @@ pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usiz
         weights: weight_type(formats.wide),
         quantized: formats.quantized(config),
         wide_tensors: Some(formats.wide_tensors()),
+        max_isa: max_isa_from_env(),
         ..PlanOptions::default()
+    }
+}
+
+/// `PULSAR_MAX_ISA=avx2` keeps every command's kernels to AVX2 (the
+/// integer GEMMs without VNNI, say), as `tune`/`dump --max-isa` do for a
+/// listing: to compare the two on one machine, or to step around a
+/// kernel. Unset: whatever the CPU has.
+fn max_isa_from_env() -> Isa {
+    const VAR: &str = "PULSAR_MAX_ISA";
+    let default = PlanOptions::default().max_isa;
+    match std::env::var(VAR) {
+        Err(std::env::VarError::NotPresent) => default,
+        Ok(value) => value.parse().unwrap_or_else(|e| {
+            eprintln!("pulsar: {VAR}: {e}; using {}", default.name());
+            default
+        }),
+        Err(e) => {
+            eprintln!("pulsar: {VAR}: {e}; using {}", default.name());
+            default
+        }
     }
 }
 

@@ -191,8 +191,10 @@ mod tests {
             let lane = t % TOKENS;
             for g in 0..k / GROUP_COLS {
                 let group = &tile[g * TILE_GROUP_BYTES..][..TILE_GROUP_BYTES];
-                let scale = f32::from_le_bytes(group[TILE_SCALES_AT + 4 * lane..][..4].try_into().unwrap());
-                let sum = i32::from_le_bytes(group[TILE_SUMS_AT + 4 * lane..][..4].try_into().unwrap());
+                let scale =
+                    f32::from_le_bytes(group[TILE_SCALES_AT + 4 * lane..][..4].try_into().unwrap());
+                let sum =
+                    i32::from_le_bytes(group[TILE_SUMS_AT + 4 * lane..][..4].try_into().unwrap());
                 let quants: Vec<u8> = (0..GROUP_COLS)
                     .map(|col| group[col / 4 * 4 * TOKENS + lane * 4 + col % 4])
                     .collect();

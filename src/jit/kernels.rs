@@ -578,16 +578,8 @@ impl GemvQuant<'_> {
     }
 }
 
-type GemmQuantFn = unsafe extern "sysv64" fn(
-    *const u8,
-    *const u8,
-    *mut f32,
-    usize,
-    usize,
-    usize,
-    usize,
-    usize,
-);
+type GemmQuantFn =
+    unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize, usize, usize, usize);
 
 #[derive(Clone, Copy)]
 pub struct GemmQuant<'a> {

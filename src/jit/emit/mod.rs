@@ -12,8 +12,8 @@
 pub mod attention;
 pub mod elementwise;
 pub mod gemm;
-pub mod gemv;
 pub mod gemm_quant;
+pub mod gemv;
 pub mod gemv_quant;
 
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
