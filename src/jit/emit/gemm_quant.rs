@@ -91,6 +91,14 @@ fn acc_i32(row: usize) -> u8 {
     (4 + row) as u8
 }
 
+/// The second set of group sums (odd chunks) of Q8_0 with VNNI, in the
+/// registers only the other variants use.
+const ODD_SUMS: [u8; ROWS] = [TEMP2, ONES, LOW_NIBBLES, IDX];
+
+fn two_sums(p: &GemmQuantParams) -> bool {
+    p.vnni && p.q == QuantType::Q8_0
+}
+
 /// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
 /// pushes and the return address.
 const LDY_AT: i32 = 56;
@@ -128,6 +136,19 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
     let acc = acc_i32(row);
     // AVX2 Q8_0 broadcasts straight from the weights; everything else
     // from the unpacked copy in the red zone.
+    if p.vnni && p.q == QuantType::Q8_0 {
+        let at = (PAYLOADS_AT + row * p.q.payload_bytes()) as i8 + 4 * u;
+        dynasm!(ops
+            ; .arch x64
+            ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]
+            ; vpxor Ry(B), Ry(B), Ry(BYTE_CONST)
+        );
+        // Odd chunks into a second set of sums (registers Q8_0 with VNNI
+        // leaves free), halving each sum's chain of dependent vpdpbusd.
+        let acc = if u == 1 { ODD_SUMS[row] } else { acc };
+        vpdpbusd(ops, acc, B, X);
+        return;
+    }
     if !p.vnni && p.q == QuantType::Q8_0 {
         let at = (PAYLOADS_AT + row * p.q.payload_bytes()) as i8 + 4 * u;
         dynasm!(ops
@@ -226,11 +247,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
         let to = SCRATCH + 32 * row as i8;
         match (q, p.vnni) {
-            (QuantType::Q8_0, false) => continue,
-            (QuantType::Q8_0, true) => dynasm!(ops
-                ; .arch x64
-                ; vpxor Ry(B), Ry(BYTE_CONST), [BYTE r9 + at]
-            ),
+            (QuantType::Q8_0, _) => continue,
             _ => unpack_values(&mut ops, q, B, at, unpack),
         }
         dynasm!(ops ; .arch x64 ; vmovdqu [BYTE rsp + to], Ry(B));
@@ -238,6 +255,10 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     for row in 0..ROWS {
         let a = acc_i32(row);
         dynasm!(ops ; .arch x64 ; vpxor Ry(a), Ry(a), Ry(a));
+        if two_sums(p) {
+            let o = ODD_SUMS[row];
+            dynasm!(ops ; .arch x64 ; vpxor Ry(o), Ry(o), Ry(o));
+        }
     }
     dynasm!(ops ; .arch x64 ; xor eax, eax);
     // Two chunks of 4 columns per pass, 4 passes per group.
@@ -255,6 +276,12 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; cmp eax, GROUP_COLS as i32
     );
     jback!(ops, jb, chunk, chunk_top);
+    if two_sums(p) {
+        for row in 0..ROWS {
+            let (a, o) = (acc_i32(row), ODD_SUMS[row]);
+            dynasm!(ops ; .arch x64 ; vpaddd Ry(a), Ry(a), Ry(o));
+        }
+    }
     // Whole group sums: the offset off, converted, times d_w * d_x.
     if let Some(shift) = offset_shift(p) {
         dynasm!(ops
