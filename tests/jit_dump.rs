@@ -134,11 +134,17 @@ fn default_model_dumps_within_budget() {
         let n = names(&j);
         // The default model's matrices are read in the file's own types:
         // one integer GEMV and one integer GEMM per type (K is an
-        // argument), VNNI's where the CPU and --max-isa allow it, and no
+        // argument), VNNI's where the CPU and --max-isa allow it (of the
+        // GEMVs only Q8_0's gains from it), and no
         // 16-bit kernel for its matrices.
         let vnni = isa.is_none() && CpuCaps::detect().avx512_vnni;
         let gemm_suffix = if vnni { "_vnni_pf" } else { "t8_pf" };
-        for kernel in ["gemv_q8_0_r4_pf", "gemv_q5_0_r4_pf"] {
+        let q8_gemv = if vnni {
+            "gemv_q8_0_r4_vnni_pf"
+        } else {
+            "gemv_q8_0_r4_pf"
+        };
+        for kernel in [q8_gemv, "gemv_q5_0_r4_pf"] {
             assert!(n.iter().any(|s| s.starts_with(kernel)), "{kernel} in {n:?}");
         }
         for kernel in ["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"] {

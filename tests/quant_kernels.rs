@@ -103,7 +103,11 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         let x = inputs(1, k);
         let xq = Q8Input::quantize(&x, k);
         let set = KernelSet::from_kinds(
-            &[KernelKind::GemvQuant(GemvQuantParams { q, prefetch: 8192 })],
+            &[KernelKind::GemvQuant(GemvQuantParams {
+                q,
+                prefetch: 8192,
+                vnni: false,
+            })],
             &caps,
             Isa::Avx2,
         )
@@ -146,7 +150,8 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
 }
 
 /// The integer GEMM over token tiles, with VNNI where this CPU has it and
-/// with AVX2 alone, against the GEMV one token at a time: bit-identical
+/// with AVX2 alone, against the GEMV one token at a time (Q8_0's with VNNI
+/// too, in the VNNI round): bit-identical
 /// (the same integer group sums, scaled and added in the same order), for
 /// partial tiles, partial row blocks and row ranges starting inside the
 /// matrix.
@@ -168,7 +173,11 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
             let w = packed(q, rows, k, &file);
             let set = KernelSet::from_kinds(
                 &[
-                    KernelKind::GemvQuant(GemvQuantParams { q, prefetch: 8192 }),
+                    KernelKind::GemvQuant(GemvQuantParams {
+                        q,
+                        prefetch: 8192,
+                        vnni: vnni && q == QuantType::Q8_0,
+                    }),
                     KernelKind::GemmQuant(GemmQuantParams {
                         q,
                         vnni,
@@ -238,7 +247,11 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
     let w = packed(q, rows, k, &quant_file(q, rows, k, 3));
     let xq = Q8Input::quantize(&inputs(1, k), k);
     let set = KernelSet::from_kinds(
-        &[KernelKind::GemvQuant(GemvQuantParams { q, prefetch: 8192 })],
+        &[KernelKind::GemvQuant(GemvQuantParams {
+            q,
+            prefetch: 8192,
+            vnni: false,
+        })],
         &CpuCaps::detect(),
         Isa::Avx2,
     )

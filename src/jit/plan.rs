@@ -103,7 +103,13 @@ impl KernelKind {
                 )
             }
             KernelKind::GemvQuant(p) => {
-                format!("gemv_{}_r{}_pf{}", p.q.name(), gemv_quant::ROWS, p.prefetch)
+                format!(
+                    "gemv_{}_r{}{}_pf{}",
+                    p.q.name(),
+                    gemv_quant::ROWS,
+                    if p.vnni { "_vnni" } else { "" },
+                    p.prefetch
+                )
             }
             KernelKind::GemmQuant(p) => {
                 format!(
@@ -259,7 +265,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let vnni = allowed_isa == Isa::Avx512 && caps.avx512_vnni;
     if allowed_isa == Isa::Avx512 {
         notes.push(if vnni && !opts.quantized.is_empty() {
-            "AVX-512 allowed: the integer GEMMs use VNNI's vpdpbusd on ymm registers; every other kernel is AVX2".into()
+            "AVX-512 allowed: the integer GEMMs and Q8_0's GEMV use VNNI's vpdpbusd on ymm registers; every other kernel is AVX2".into()
         } else {
             "AVX-512 allowed, but only AVX2 kernels are emitted for these weights; using them".into()
         });
@@ -303,14 +309,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .collect::<Vec<_>>()
         ));
     }
-    let mut quant_kinds: Vec<GemvQuantParams> = opts
-        .quantized
-        .iter()
-        .map(|m| GemvQuantParams {
-            q: m.q,
-            prefetch: opts.quant_prefetch,
-        })
-        .collect();
+    // Only Q8_0's GEMV gains from VNNI (3 instructions a row instead of
+    // 5); Q5_0's and Q4_0's unpacking leaves their products 2 either way.
+    let quant_gemv = |q: QuantType| GemvQuantParams {
+        q,
+        prefetch: opts.quant_prefetch,
+        vnni: vnni && q == QuantType::Q8_0,
+    };
+    let mut quant_kinds: Vec<GemvQuantParams> =
+        opts.quantized.iter().map(|m| quant_gemv(m.q)).collect();
     quant_kinds.sort_by_key(|p| p.q.name());
     quant_kinds.dedup();
     let quant_gemm = |q: QuantType| GemmQuantParams {
@@ -367,7 +374,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .map(|(kind, used_for)| KernelSpec {
                     name: kind.name(),
                     isa: match kind {
-                        KernelKind::GemmQuant(p) if p.vnni => Isa::Avx512,
+                        KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. })
+                        | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. }) => Isa::Avx512,
                         _ => isa,
                     },
                     kind,
@@ -383,10 +391,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         .find(|m| m.tensor == tensor && m.k == k);
                     let (gemv, gemm) = match quantized {
                         Some(m) => (
-                            KernelKind::GemvQuant(GemvQuantParams {
-                                q: m.q,
-                                prefetch: opts.quant_prefetch,
-                            }),
+                            KernelKind::GemvQuant(quant_gemv(m.q)),
                             KernelKind::GemmQuant(quant_gemm(m.q)),
                         ),
                         None => (

@@ -11,8 +11,9 @@
 //! scales at once, then each row's payload. Rows past the last one (up to a
 //! multiple of 4) are zero: scale 0.
 //!
-//! Payloads are the file's bytes, except where a kernel unpacks another
-//! order with fewer instructions (Q5_0's high bits, see [`QuantType::Q5_0`]).
+//! Payloads are the file's bytes, except where a kernel reads another form
+//! with fewer instructions: Q8_0's bytes plus 128 (see [`QuantType::Q8_0`])
+//! and Q5_0's high bits in another order (see [`QuantType::Q5_0`]).
 //! Repacking is exact: a repacked block dequantizes to the very f32 values
 //! the file's block does.
 
@@ -29,7 +30,11 @@ pub const PAYLOADS_AT: usize = BLOCK_ROWS * 2;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QuantType {
-    /// 32 signed bytes; value = d * q.
+    /// 32 signed bytes q, value = d * q, stored as the unsigned bytes q +
+    /// 128 (each byte's top bit flipped): the unsigned side of a byte dot
+    /// product (`vpdpbusd`, `vpmaddubsw`) without a conversion per use,
+    /// like Q5_0's and Q4_0's values, stored plus 16 and 8. Kernels take
+    /// 128 times the sum of x off per group, or flip the bit back.
     Q8_0,
     /// 32 five-bit values offset by 16: 16 bytes of low nibbles (value j
     /// in the low nibble of byte j for j < 16, in the high nibble of byte
@@ -90,7 +95,12 @@ impl QuantType {
     /// The file payload of one block in this layout's order.
     fn repack_payload(self, file: &[u8], out: &mut [u8]) {
         match self {
-            QuantType::Q8_0 | QuantType::Q4_0 => out.copy_from_slice(file),
+            QuantType::Q8_0 => {
+                for (o, &b) in out.iter_mut().zip(file) {
+                    *o = b ^ 0x80;
+                }
+            }
+            QuantType::Q4_0 => out.copy_from_slice(file),
             QuantType::Q5_0 => {
                 let qh = u32::from_le_bytes([file[0], file[1], file[2], file[3]]);
                 let mut moved = 0u32;
@@ -110,7 +120,7 @@ impl QuantType {
         match self {
             QuantType::Q8_0 => {
                 for (v, &b) in v.iter_mut().zip(payload) {
-                    *v = b as i8;
+                    *v = (b ^ 0x80) as i8;
                 }
             }
             QuantType::Q5_0 => {

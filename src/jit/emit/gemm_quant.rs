@@ -20,10 +20,11 @@
 //! Products: with AVX-512 VNNI, `vpdpbusd` (unsigned x signed bytes, 4
 //! products summed into each i32 lane, no 16-bit saturation), encoded here
 //! in its EVEX form on ymm0..15 because dynasm 5.1 has no EVEX. Weights
-//! are the unsigned side: Q5_0/Q4_0 values are stored plus 16/8 already,
-//! Q8_0's get plus 128 (xor 0x80); the offset times the group's sum of x
-//! is subtracted per token. AVX2 alone: `vpmaddubsw` + `vpmaddwd`, Q8_0
-//! through the sign trick as in the GEMV (255 x 127 pairs would saturate).
+//! are the unsigned side, stored so already (Q8_0 plus 128, Q5_0 plus 16,
+//! Q4_0 plus 8; `model::quant_blocks`); the offset times the group's sum
+//! of x is subtracted per token. AVX2 alone: `vpmaddubsw` + `vpmaddwd`,
+//! Q8_0 flipped back to q and through the sign trick as in the GEMV
+//! (255 x 127 pairs would saturate).
 //!
 //! Exactness: each row's group sum is an exact integer, converted,
 //! multiplied by `d_w * d_x` and added with one FMA, group after group,
@@ -45,7 +46,8 @@
 //! output pointer, rax the chunk offset. ymm0..3 the rows' f32 sums, ymm4..7
 //! the rows' group sums in i32, ymm8 x, ymm9 a broadcast weight, ymm10..11
 //! temporaries, ymm12 16-bit ones (AVX2), ymm13 bytes of 15, ymm14 bytes of
-//! 1 (Q5_0) or 0x80 (Q8_0 with VNNI), ymm15 lane indices (Q5_0).
+//! 1 (Q5_0) or 0x80 (Q8_0 without VNNI), ymm15 lane indices (Q5_0); Q8_0
+//! with VNNI uses ymm11..13 and ymm15 for a second set of group sums.
 
 use super::gemv_quant::{UnpackRegs, unpack_values};
 use super::{
@@ -109,7 +111,7 @@ const SCRATCH: i8 = -128;
 
 /// `vpdpbusd ymm dst, ymm unsigned, ymm signed`, EVEX.256.66.0F38.W0 50 /r
 /// with registers 0..15 (R', V' and X set, no mask, no broadcast).
-fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
+pub(super) fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
     let not_r = u8::from(dst < 8);
     let not_b = u8::from(signed < 8);
     ops.push(0x62);
@@ -134,26 +136,27 @@ fn offset_shift(p: &GemmQuantParams) -> Option<i8> {
 /// (ymm8), added into its i32 group sums.
 fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
     let acc = acc_i32(row);
-    // AVX2 Q8_0 broadcasts straight from the weights; everything else
-    // from the unpacked copy in the red zone.
+    // Q8_0 with VNNI broadcasts its stored bytes (q + 128, unsigned)
+    // straight from the row block; everything else from the unpacked copy
+    // in the red zone. (Stores there followed by loads of parts of them
+    // cost: Q8_0 through the red zone took 36.9 ms for an 8-token step,
+    // 33.9 ms broadcasting from the block and flipping each dword's top
+    // bits, before Q8_0 was stored plus 128.)
     if p.vnni && p.q == QuantType::Q8_0 {
         let at = (PAYLOADS_AT + row * p.q.payload_bytes()) as i8 + 4 * u;
-        dynasm!(ops
-            ; .arch x64
-            ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]
-            ; vpxor Ry(B), Ry(B), Ry(BYTE_CONST)
-        );
+        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]);
         // Odd chunks into a second set of sums (registers Q8_0 with VNNI
         // leaves free), halving each sum's chain of dependent vpdpbusd.
         let acc = if u == 1 { ODD_SUMS[row] } else { acc };
         vpdpbusd(ops, acc, B, X);
         return;
     }
-    if !p.vnni && p.q == QuantType::Q8_0 {
-        let at = (PAYLOADS_AT + row * p.q.payload_bytes()) as i8 + 4 * u;
+    let at = SCRATCH + 32 * row as i8 + 4 * u;
+    if p.q == QuantType::Q8_0 {
+        // AVX2: the red zone holds q itself, for the sign trick.
         dynasm!(ops
             ; .arch x64
-            ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]
+            ; vpbroadcastd Ry(B), [BYTE rsp + rax + at]
             ; vpabsb Ry(TEMP2), Ry(B)
             ; vpsignb Ry(T), Ry(X), Ry(B)
             ; vpmaddubsw Ry(T), Ry(TEMP2), Ry(T)
@@ -162,7 +165,6 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
         );
         return;
     }
-    let at = SCRATCH + 32 * row as i8 + 4 * u;
     dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE rsp + rax + at]);
     if p.vnni {
         vpdpbusd(ops, acc, B, X);
@@ -189,8 +191,8 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         broadcast_const(&mut ops, ONES, 0x0001_0001);
     }
     match (q, p.vnni) {
-        (QuantType::Q8_0, true) => broadcast_const(&mut ops, BYTE_CONST, 0x8080_8080),
-        (QuantType::Q8_0, false) => {}
+        (QuantType::Q8_0, false) => broadcast_const(&mut ops, BYTE_CONST, 0x8080_8080),
+        (QuantType::Q8_0, true) => {}
         (QuantType::Q5_0, _) => {
             broadcast_const(&mut ops, BYTE_CONST, 0x0101_0101);
             lane_index(&mut ops, IDX);
@@ -247,7 +249,11 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
         let to = SCRATCH + 32 * row as i8;
         match (q, p.vnni) {
-            (QuantType::Q8_0, _) => continue,
+            (QuantType::Q8_0, true) => continue,
+            (QuantType::Q8_0, false) => dynasm!(ops
+                ; .arch x64
+                ; vpxor Ry(B), Ry(BYTE_CONST), [BYTE r9 + at]
+            ),
             _ => unpack_values(&mut ops, q, B, at, unpack),
         }
         dynasm!(ops ; .arch x64 ; vmovdqu [BYTE rsp + to], Ry(B));

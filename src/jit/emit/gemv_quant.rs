@@ -10,9 +10,12 @@
 //!
 //! Products use AVX2's `vpmaddubsw`, which multiplies unsigned by signed
 //! bytes:
-//! - Q8_0 quants are signed, so the sign trick makes them unsigned:
-//!   |w| · (x · sign(w)) = w · x. A pair sum is at most 2 · 127 · 127 =
-//!   32258 (2 · 128 · 127 = 32512 for a -128), inside i16.
+//! - Q8_0 quants are stored plus 128 (`model::quant_blocks`). With AVX-512
+//!   VNNI, `vpdpbusd` multiplies them as they are, 4 byte pairs into each
+//!   i32 lane with no 16-bit step, and 128 · sum(x) comes off per group.
+//!   Without it, the top bit is flipped back and the sign trick makes the
+//!   quants unsigned: |w| · (x · sign(w)) = w · x. A pair sum is at most
+//!   2 · 127 · 127 = 32258 (2 · 128 · 127 = 32512 for a -128), inside i16.
 //! - Q5_0 values are stored as v = w + 16 in 0..31, already unsigned: the
 //!   products of v are taken as they are (pairs at most 2 · 31 · 128 =
 //!   7936) and 16 · sum(x) is subtracted per group, from the sums the input
@@ -61,12 +64,17 @@ pub struct GemvQuantParams {
     /// 17.4-17.9 with 8 KiB, against 15.5-16.7 for the 16-bit GEMV
     /// (`pulsar tune --measure`); 4 KiB gained less, 16 KiB no more.
     pub prefetch: usize,
+    /// Q8_0's products with AVX-512 VNNI's `vpdpbusd` (its EVEX form on
+    /// ymm registers): 3 instructions a row instead of 5.
+    pub vnni: bool,
 }
 
 pub const ROWS: usize = BLOCK_ROWS;
 const TEMP: u8 = 10;
 const CORRECTION: u8 = 11;
 const BYTE_ONES: u8 = 12;
+/// Bytes of 0x80 (Q8_0 without VNNI), in the register Q5_0's ones use.
+const SIGN_BITS: u8 = 12;
 const LOW_NIBBLES: u8 = 13;
 const IDX: u8 = 14;
 const ONES: u8 = 15;
@@ -114,11 +122,23 @@ pub(super) fn unpack_values(ops: &mut Asm, q: QuantType, dst: u8, at: i8, r: Unp
 
 /// Row `row`'s 32 products with x (in ymm5) as 8 i32 lane sums in
 /// ymm`dst`, its payload at `[r9 + at]`.
-fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
-    match q {
+fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
+    match p.q {
+        // The stored bytes are q + 128, unsigned: VNNI multiplies them as
+        // they are (128 · sum(x) comes off per group); AVX2 flips them back
+        // to q for the sign trick.
+        QuantType::Q8_0 if p.vnni => {
+            dynasm!(ops
+                ; .arch x64
+                ; vmovdqu Ry(TEMP), [BYTE r9 + at]
+                ; vpxor Ry(dst), Ry(dst), Ry(dst)
+            );
+            super::gemm_quant::vpdpbusd(ops, dst, TEMP, 5);
+            return;
+        }
         QuantType::Q8_0 => dynasm!(ops
             ; .arch x64
-            ; vmovdqu Ry(dst), [BYTE r9 + at]
+            ; vpxor Ry(dst), Ry(SIGN_BITS), [BYTE r9 + at]
             ; vpsignb Ry(TEMP), ymm5, Ry(dst)
             ; vpabsb Ry(dst), Ry(dst)
             ; vpmaddubsw Ry(dst), Ry(dst), Ry(TEMP)
@@ -132,7 +152,7 @@ fn row_products(ops: &mut Asm, q: QuantType, dst: u8, at: i8) {
                 byte_ones: BYTE_ONES,
                 idx: IDX,
             };
-            unpack_values(ops, q, dst, at, regs);
+            unpack_values(ops, p.q, dst, at, regs);
             dynasm!(ops ; .arch x64 ; vpmaddubsw Ry(dst), Ry(dst), ymm5);
         }
     }
@@ -149,8 +169,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let group = ops.new_dynamic_label();
     lane_index(&mut ops, IDX);
     broadcast_const(&mut ops, ONES, 0x0001_0001);
-    if q == QuantType::Q5_0 {
-        broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101);
+    match q {
+        QuantType::Q5_0 => broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101),
+        QuantType::Q8_0 if !p.vnni => broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080),
+        _ => {}
     }
     if q != QuantType::Q8_0 {
         broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
@@ -199,7 +221,7 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     }
     for row in 0..ROWS {
         let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
-        row_products(&mut ops, q, 6 + row as u8, at);
+        row_products(&mut ops, p, 6 + row as u8, at);
     }
     dynasm!(ops
         ; .arch x64
@@ -214,10 +236,11 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vextracti128 Rx(TEMP), ymm6, 1
         ; vpaddd xmm6, xmm6, Rx(TEMP)
     );
-    // The values' offset (16 for Q5_0, 8 for Q4_0) times sum(x) off each
+    // The values' offset (128 for Q8_0 with VNNI, 16 for Q5_0, 8 for Q4_0)
+    // times sum(x) off each
     // row.
     let offset_shift = match q {
-        QuantType::Q8_0 => None,
+        QuantType::Q8_0 => p.vnni.then_some(7),
         QuantType::Q5_0 => Some(4),
         QuantType::Q4_0 => Some(3),
     };
