@@ -148,7 +148,14 @@ impl JitKernels {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
                 ops: OpKernels::resolve(&kernels, config)?,
                 set: kernels,
-                isa: plan.kernels.first().map_or(Isa::Avx2, |k| k.isa),
+                // The highest any kernel uses (VNNI's integer kernels are
+                // AVX-512's; the rest AVX2).
+                isa: plan
+                    .kernels
+                    .iter()
+                    .map(|k| k.isa)
+                    .max()
+                    .unwrap_or(Isa::Avx2),
                 blocking: plan.blocking.clone(),
             })),
             Backend::Reference { reason } => {
@@ -286,7 +293,10 @@ impl MatKernels for JitKernels {
     }
 
     fn name(&self) -> String {
-        format!("jit {}", self.isa.name())
+        match self.isa {
+            Isa::Avx512 => "jit avx2 + avx512-vnni".to_string(),
+            Isa::Avx2 => "jit avx2".to_string(),
+        }
     }
 
     fn blocking(&self) -> Blocking {

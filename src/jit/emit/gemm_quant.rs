@@ -49,7 +49,7 @@
 //! 1 (Q5_0) or 0x80 (Q8_0 without VNNI), ymm15 lane indices (Q5_0); Q8_0
 //! with VNNI uses ymm11..13 and ymm15 for a second set of group sums.
 
-use super::gemv_quant::{UnpackRegs, unpack_values};
+use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
 use super::{
     Asm, broadcast_const, count_mask, finish, lane_index, new_asm, reg,
     restore_callee_saved_and_return, save_callee_saved,
@@ -207,12 +207,11 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; mov r12, [rsp + LDY_AT]
         ; shl r12, 2
         ; mov r13, [rsp + NTOK_AT]
-        // rbp: r is a multiple of 4, so r * (K / 32 * one file block) is
-        // its row block's offset; r11: the end of the tile's groups.
-        ; mov rbx, r9
-        ; mov rbp, r9
-        ; shr rbp, 5
-        ; imul rbp, rbp, q.file_block_bytes() as i32
+    );
+    block_stride(&mut ops, q);
+    dynasm!(ops
+        ; .arch x64
+        // r11: the end of the tile's groups.
         ; mov r11, r9
         ; shr r11, 5
         ; imul r11, r11, TILE_GROUP_BYTES as i32
@@ -221,14 +220,9 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; jae =>done
     );
     let block_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>block
-        ; mov r9, rcx
-        ; imul r9, rbp
-        ; add r9, rdi
-        ; mov r10, rsi
-    );
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(&mut ops);
+    dynasm!(ops ; .arch x64 ; mov r10, rsi);
     for row in 0..ROWS {
         let f = acc_f32(row);
         dynasm!(ops ; .arch x64 ; vxorps Ry(f), Ry(f), Ry(f));

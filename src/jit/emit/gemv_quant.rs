@@ -159,6 +159,30 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
     dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
 }
 
+/// rbx = K (from r9) and rbp = the bytes of W per row of a row block: r
+/// is a multiple of 4, so r * (K / 32 * one file block) is its row block's
+/// offset. Shared with the integer GEMM, which takes W, r0, r1 and K in
+/// the same registers.
+pub(super) fn block_stride(ops: &mut Asm, q: QuantType) {
+    dynasm!(ops
+        ; .arch x64
+        ; mov rbx, r9
+        ; mov rbp, r9
+        ; shr rbp, 5
+        ; imul rbp, rbp, q.file_block_bytes() as i32
+    );
+}
+
+/// r9 = the row block of row rcx (W in rdi, stride in rbp).
+pub(super) fn block_pointer(ops: &mut Asm) {
+    dynasm!(ops
+        ; .arch x64
+        ; mov r9, rcx
+        ; imul r9, rbp
+        ; add r9, rdi
+    );
+}
+
 /// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1, k)`.
 pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
@@ -177,15 +201,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if q != QuantType::Q8_0 {
         broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
     }
+    block_stride(&mut ops, q);
     dynasm!(ops
         ; .arch x64
-        // rbp: r is a multiple of 4, so r * (K / 32 * one file block) is
-        // its row block's offset; r12: from a group's x scale to its x sum,
-        // past the K/32 scales.
-        ; mov rbx, r9
-        ; mov rbp, r9
-        ; shr rbp, 5
-        ; imul rbp, rbp, q.file_block_bytes() as i32
+        // r12: from a group's x scale to its x sum, past the K/32 scales.
         ; mov r12, r9
         ; shr r12, 3
         ; lea r11, [rsi + rbx]
@@ -193,12 +212,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; jae =>done
     );
     let block_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(&mut ops);
     dynasm!(ops
         ; .arch x64
-        ; =>block
-        ; mov r9, rcx
-        ; imul r9, rbp
-        ; add r9, rdi
         ; mov r10, r11
         ; xor eax, eax
         ; sub rax, rbx
