@@ -252,12 +252,11 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         dynasm!(ops ; .arch x64 ; vmovdqu [BYTE rsp + to], Ry(B));
     }
-    for row in 0..ROWS {
+    for (row, &odd) in ODD_SUMS.iter().enumerate() {
         let a = acc_i32(row);
         dynasm!(ops ; .arch x64 ; vpxor Ry(a), Ry(a), Ry(a));
         if two_sums(p) {
-            let o = ODD_SUMS[row];
-            dynasm!(ops ; .arch x64 ; vpxor Ry(o), Ry(o), Ry(o));
+            dynasm!(ops ; .arch x64 ; vpxor Ry(odd), Ry(odd), Ry(odd));
         }
     }
     dynasm!(ops ; .arch x64 ; xor eax, eax);
@@ -277,9 +276,9 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     );
     jback!(ops, jb, chunk, chunk_top);
     if two_sums(p) {
-        for row in 0..ROWS {
-            let (a, o) = (acc_i32(row), ODD_SUMS[row]);
-            dynasm!(ops ; .arch x64 ; vpaddd Ry(a), Ry(a), Ry(o));
+        for (row, &odd) in ODD_SUMS.iter().enumerate() {
+            let a = acc_i32(row);
+            dynasm!(ops ; .arch x64 ; vpaddd Ry(a), Ry(a), Ry(odd));
         }
     }
     // Whole group sums: the offset off, converted, times d_w * d_x.
