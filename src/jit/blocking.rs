@@ -39,7 +39,10 @@ pub struct Blocking {
     /// Weight bytes per sub-chunk when several passes (exact tokens, or
     /// exact tokens and a GEMM) read the same rows.
     pub shared_rows_bytes: usize,
-    /// FP16 bytes of quantized rows widened at once for a GEMM.
+    /// Bytes of quantized rows every tile of 8 tokens passes over while
+    /// they stay in L2 (the integer GEMM's panel; named for the FP16
+    /// widening it sized before that GEMM existed, and kept so stored
+    /// tunings still apply).
     pub widened_panel_bytes: usize,
     /// Tokens per unit of prefill attention work.
     pub attention_token_block: usize,
@@ -118,17 +121,21 @@ impl Blocking {
             ),
         });
 
-        // The widened panel is read once per 3-token tile of the prefill
-        // step: a quarter of L2 leaves room for the step's inputs. Capped:
+        // The panel is read once per token tile of a step (8 tokens in the
+        // integer GEMM; the FP16 widening it sized before read it per
+        // 3-token tile): a quarter of L2 leaves room for the step's
+        // inputs. Capped (measured with the widening):
         // on a 2 MiB L2 (Intel Xeon, 2 threads, pp256, alternating x3)
         // 512 KiB panels measured 287-405 tok/s against 80 KiB's 399-429.
         let widened_panel_bytes = (l2 / 4).clamp(16 << 10, WIDENED_PANEL_MAX);
-        let rows_at = |k: usize| (widened_panel_bytes / (2 * k)).max(ROW_GRANULE) / ROW_GRANULE * 4;
+        // Q8_0 rows: 34 bytes per 32 values.
+        let rows_at =
+            |k: usize| (widened_panel_bytes / (k / 32 * 34)).max(ROW_GRANULE) / ROW_GRANULE * 4;
         reasons.push(Reason {
             name: "widened_panel_bytes",
             value: widened_panel_bytes,
             why: format!(
-                "a quarter of L2 ({}{}), at most 80 KiB: {} rows at K {}, {} at K {}",
+                "a quarter of L2 ({}{}), at most 80 KiB, of quantized rows each 8-token tile passes over: {} Q8_0 rows at K {}, {} at K {}",
                 kib(l2),
                 assumed(l2_known),
                 rows_at(dims.hidden),

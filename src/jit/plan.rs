@@ -447,7 +447,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "residual adds".into(),
                 "RoPE".into(),
                 "q4_k/q6_k dequantisation".into(),
-                "quantizing Q8_0 matrices' inputs to 8 bits".into(),
+                "quantizing quantized matrices' inputs to 8 bits (per token, and in tiles of 8 tokens)".into(),
                 "sampling".into(),
             ];
             not_jitted.extend(
