@@ -137,7 +137,9 @@ fn default_model_dumps_within_budget() {
         // argument), VNNI's where the CPU and --max-isa allow it (of the
         // GEMVs only Q8_0's gains from it), and no
         // 16-bit kernel for its matrices.
-        let vnni = isa.is_none() && CpuCaps::detect().avx512_vnni;
+        let caps = CpuCaps::detect();
+        // The plan's rule: VNNI where AVX-512 is allowed and present.
+        let vnni = isa.is_none() && caps.has_avx512() && caps.avx512_vnni;
         let gemm_suffix = if vnni { "_vnni_pf" } else { "t8_pf" };
         let q8_gemv = if vnni {
             "gemv_q8_0_r4_vnni_pf"
