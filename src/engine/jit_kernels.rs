@@ -243,8 +243,8 @@ impl MatKernels for JitKernels {
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
         assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
         // Every tile passes over a panel of rows while it stays in L2 (the
-        // plan's widened panel: the same room the 16-bit GEMM's panels
-        // get), so the rows are read from memory once.
+        // plan's `widened_panel_bytes`), so the rows are read from memory
+        // once.
         let panel_rows = self
             .blocking
             .rows_within(self.blocking.widened_panel_bytes, q.block_bytes(w.cols) / 4);

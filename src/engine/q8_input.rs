@@ -19,7 +19,9 @@
 //! past the last are zeros. The values are the same as the per-token
 //! layout's, so the GEMV and the GEMM see the same input.
 
-use crate::jit::emit::gemm_quant::{TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS};
+use crate::jit::emit::gemm_quant::{
+    TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS, tile_bytes,
+};
 use crate::model::quant_blocks::GROUP_COLS;
 
 pub struct Q8Input {
@@ -82,7 +84,7 @@ impl Q8Input {
     /// The token tiles, built from the per-token layout.
     fn interleave(&self) -> Vec<u8> {
         let groups = self.k / GROUP_COLS;
-        let tile_bytes = groups * TILE_GROUP_BYTES;
+        let tile_bytes = tile_bytes(self.k);
         let mut tiles = vec![0u8; self.tokens.div_ceil(TOKENS) * tile_bytes];
         for t in 0..self.tokens {
             let tile = &mut tiles[t / TOKENS * tile_bytes..][..tile_bytes];
@@ -113,9 +115,9 @@ impl Q8Input {
 
     /// Tile `i`'s bytes and how many real tokens it holds.
     pub fn tile(&self, i: usize) -> (&[u8], usize) {
-        let tile_bytes = self.k / GROUP_COLS * TILE_GROUP_BYTES;
+        let bytes = tile_bytes(self.k);
         let ntok = (self.tokens - i * TOKENS).min(TOKENS);
-        (&self.tiles[i * tile_bytes..(i + 1) * tile_bytes], ntok)
+        (&self.tiles[i * bytes..(i + 1) * bytes], ntok)
     }
 
     pub fn k(&self) -> usize {

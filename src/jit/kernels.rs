@@ -592,7 +592,7 @@ pub struct GemmQuant<'a> {
 impl GemmQuant<'_> {
     /// Bytes of one token tile for this K (see `emit::gemm_quant`).
     pub fn tile_bytes(&self) -> usize {
-        self.k / quant_blocks::GROUP_COLS * gemm_quant::TILE_GROUP_BYTES
+        gemm_quant::tile_bytes(self.k)
     }
 
     /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)

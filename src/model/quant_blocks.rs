@@ -59,6 +59,19 @@ impl QuantType {
         }
     }
 
+    /// What the stored unsigned values carry on top of the signed ones
+    /// (Q8_0 128, Q5_0 16, Q4_0 8), as a power of two: a kernel that
+    /// multiplies the stored bytes as they are takes `sum(x) << shift` off
+    /// each group sum.
+    #[inline]
+    pub fn stored_offset_shift(self) -> u8 {
+        match self {
+            QuantType::Q8_0 => 7,
+            QuantType::Q5_0 => 4,
+            QuantType::Q4_0 => 3,
+        }
+    }
+
     /// Bytes of one row's packed quants in a group.
     #[inline]
     pub fn payload_bytes(self) -> usize {

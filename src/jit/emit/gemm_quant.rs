@@ -127,11 +127,13 @@ pub(super) fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
 /// The offset the weights' unsigned values carry, as a shift of x's sum
 /// (16 = 1 << 4 for Q5_0, ...); none for Q8_0 through the sign trick.
 fn offset_shift(p: &GemmQuantParams) -> Option<i8> {
-    match p.q {
-        QuantType::Q8_0 => p.vnni.then_some(7),
-        QuantType::Q5_0 => Some(4),
-        QuantType::Q4_0 => Some(3),
-    }
+    // AVX2's Q8_0 products are of q itself (the sign trick).
+    (p.vnni || p.q != QuantType::Q8_0).then_some(p.q.stored_offset_shift() as i8)
+}
+
+/// Bytes of one token tile for rows of `k` values.
+pub fn tile_bytes(k: usize) -> usize {
+    k / GROUP_COLS * TILE_GROUP_BYTES
 }
 
 /// Row `row`'s 4 weight bytes at chunk offset rax (+ `u` chunks) times x

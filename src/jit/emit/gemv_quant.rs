@@ -256,12 +256,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     // The values' offset (128 for Q8_0 with VNNI, 16 for Q5_0, 8 for Q4_0)
     // times sum(x) off each
     // row.
-    let offset_shift = match q {
-        QuantType::Q8_0 => p.vnni.then_some(7),
-        QuantType::Q5_0 => Some(4),
-        QuantType::Q4_0 => Some(3),
-    };
-    if let Some(shift) = offset_shift {
+    // AVX2's Q8_0 products are of q itself (the sign trick).
+    let stored_bytes_multiplied = p.vnni || q != QuantType::Q8_0;
+    if stored_bytes_multiplied {
+        let shift = q.stored_offset_shift() as i8;
         dynasm!(ops
             ; .arch x64
             ; vmovd Rx(CORRECTION), [r10 + r12]
