@@ -71,6 +71,12 @@ impl From<ContextFullArg> for ContextPolicy {
 enum DtypeArg {
     F16,
     Bf16,
+    /// Q8_0 (8 bits and an f16 scale per 32 values) where rows are whole 32-value blocks, FP16 elsewhere.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// Q4_0 (4 bits and an f16 scale per 32 values), as q8_0.
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl From<DtypeArg> for WeightFormat {
@@ -78,6 +84,8 @@ impl From<DtypeArg> for WeightFormat {
         match d {
             DtypeArg::F16 => WeightFormat::F16,
             DtypeArg::Bf16 => WeightFormat::BF16,
+            DtypeArg::Q8_0 => WeightFormat::Q8_0,
+            DtypeArg::Q4_0 => WeightFormat::Q4_0,
         }
     }
 }
@@ -524,7 +532,7 @@ enum Command {
         #[arg(long, hide = true)]
         measure: bool,
     },
-    /// Write a model in the fast engine's layout (GGUF, FP16/BF16), loadable zero-copy.
+    /// Write a model in the fast engine's layout (GGUF; FP16, BF16, Q8_0 or Q4_0), loadable zero-copy.
     Convert {
         /// The model to convert: a .gguf file or a Hugging Face folder.
         input: PathBuf,

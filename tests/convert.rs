@@ -5,11 +5,16 @@ mod common;
 
 use common::*;
 use pulsar::engine::fast::{FastEngine, FastOptions};
+use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::kernels::PortableKernels;
-use pulsar::engine::packed::WeightFormat;
+use pulsar::engine::packed::{PackedMatrix, WeightFormat};
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
-use pulsar::model::source::ModelSource;
+use pulsar::model::dequant;
+use pulsar::model::dtype::DType;
+use pulsar::model::gguf::GgufFile;
+use pulsar::model::quant_blocks::QuantType;
+use pulsar::model::source::{LayerRole, ModelSource, Role};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -114,4 +119,130 @@ fn awkward_config_survives_and_loads_zero_copy() {
         "converted awkward-gemma3 differs from the oracle by {diff}"
     );
     std::fs::remove_file(out).ok();
+}
+
+/// The fast engine on the JIT's kernels, planned for the formats `opts`
+/// gives this model.
+fn jit_engine(src: &Arc<ModelSource>, opts: &FastOptions) -> FastEngine {
+    let formats = FastEngine::weight_formats(src, opts).unwrap();
+    let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
+    FastEngine::load(src, kernels, opts).unwrap()
+}
+
+/// `convert --dtype q8_0|q4_0` writes the quantized row blocks that the
+/// same `--dtype` makes at load, under their private types: the file then
+/// computes the very same logits, used in place (`--mmap`) or copied, and
+/// the reference engine reads it too.
+#[test]
+fn quantized_conversion_computes_what_quantizing_at_load_does() {
+    let input = oracle_dir().join("tiny-gemma3-f16");
+    let original = Arc::new(ModelSource::open(&input).unwrap());
+    let tokens = [2u32, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100];
+    for (name, format, q) in [
+        ("q8_0", WeightFormat::Q8_0, QuantType::Q8_0),
+        ("q4_0", WeightFormat::Q4_0, QuantType::Q4_0),
+    ] {
+        let out = convert(&input, &format!("tiny3-{name}"), &["--dtype", name]);
+        let converted = Arc::new(ModelSource::open(&out).unwrap());
+        // Every matrix of this model has whole 32-value rows.
+        let c = &converted.config;
+        let q_proj = converted
+            .tensor(
+                Role::Layer(0, LayerRole::Q),
+                &[c.n_heads * c.head_dim, c.hidden],
+            )
+            .unwrap();
+        assert_eq!(q_proj.dtype, DType::QuantRowBlocks(q), "{name}: attn_q");
+        let head = converted
+            .tensor(Role::Embedding, &[c.vocab_size, c.hidden])
+            .unwrap();
+        assert_eq!(head.dtype, DType::QuantRowBlocks(q), "{name}: token_embd");
+
+        let at_load = FastOptions {
+            threads: 2,
+            context: 32,
+            format: Some(format),
+            prefill_chunk: 64,
+            in_place: false,
+            native: false,
+        };
+        let want = jit_engine(&original, &at_load)
+            .forward(&tokens, LogitsWanted::All)
+            .unwrap();
+        for in_place in [true, false] {
+            let opts = FastOptions {
+                format: None,
+                in_place,
+                native: true,
+                ..at_load
+            };
+            let mut engine = jit_engine(&converted, &opts);
+            assert_eq!(
+                engine.all_weights_borrowed(),
+                in_place,
+                "{name}: weights used in place only with --mmap"
+            );
+            let got = engine.forward(&tokens, LogitsWanted::All).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} (in place: {in_place}): the converted file computes other logits, by up to {}",
+                max_abs_diff(&got, &want).0
+            );
+        }
+        // What the reference engine reads: the very values quantizing at
+        // load gives (dequantized exactly), and logits near the JIT's,
+        // whose inputs are rounded to 8 bits (measured 0.037 for q4_0).
+        let shape = [c.n_heads * c.head_dim, c.hidden];
+        let source = original
+            .tensor(Role::Layer(0, LayerRole::Q), &shape)
+            .unwrap();
+        let packed = PackedMatrix::convert(&source, format);
+        let read = dequant::to_f32(&q_proj);
+        let mut row = vec![0.0f32; shape[1]];
+        for (r, want_row) in read.chunks_exact(shape[1]).enumerate() {
+            packed.row_f32(r, &mut row);
+            assert!(
+                row.iter()
+                    .zip(want_row)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: row {r} of attn_q reads back other values"
+            );
+        }
+        let (to_jit, _) = max_abs_diff(&reference_logits(&out, &tokens), &want);
+        assert!(
+            to_jit < 0.1,
+            "{name}: the reference on the converted file is {to_jit} from the JIT"
+        );
+
+        // A broken scale in the row blocks is refused, naming the row it
+        // belongs to: row block 1, group 1, the third row's scale is row
+        // 6's block 1 (8 blocks a row).
+        let info = GgufFile::open(&out)
+            .unwrap()
+            .tensor_info("blk.0.attn_q.weight")
+            .expect("attn_q in the file")
+            .clone();
+        let at = info.start + (8 + 1) * q.group_bytes() + 2 * 2;
+        let mut bytes = std::fs::read(&out).unwrap();
+        bytes[at..at + 2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+        let damaged = out.with_extension("damaged.gguf");
+        std::fs::write(&damaged, &bytes).unwrap();
+        let err = ModelSource::open(&damaged)
+            .and_then(|src| {
+                src.tensor(Role::Layer(0, LayerRole::Q), &shape)
+                    .map(|_| ())
+            })
+            .expect_err("a NaN scale is refused")
+            .to_string();
+        let rb_name = DType::QuantRowBlocks(q).to_string();
+        assert!(
+            err.contains("\"blk.0.attn_q.weight\" is damaged")
+                && err.contains(&format!("{rb_name} block {} (row 6)", 6 * 8 + 1)),
+            "{err}"
+        );
+        std::fs::remove_file(damaged).ok();
+        std::fs::remove_file(out).ok();
+    }
 }

@@ -522,6 +522,8 @@ fn gguf_quantized_rows_must_be_whole_blocks() {
         (6, "Q5_0", 32),
         (12, "Q4_K", 256),
         (14, "Q6_K", 256),
+        // `pulsar convert --dtype q8_0`'s private row-block type.
+        (0x5055_0108, "Q8_0_R4", 32),
     ] {
         let mut w = base_gguf();
         let i = tensor_index(&w, "blk.1.attn_q.weight");

@@ -114,11 +114,11 @@ pub fn run(
 }
 
 /// Largest step of the m-curve.
-const M_CURVE_MAX: usize = 16;
+pub const M_CURVE_MAX: usize = 16;
 /// Rounds over every m; each m's median is reported.
 const M_CURVE_ROUNDS: usize = 9;
 /// Tokens cached before each timed step.
-const M_CURVE_CONTEXT: usize = 64;
+pub const M_CURVE_CONTEXT: usize = 64;
 
 /// Times a step over m = 1..=16 tokens after the same cached context. The
 /// rounds go over every m in turn, so a slow spell of the machine lands on

@@ -1,12 +1,17 @@
 //! `pulsar convert`: writes a model in exactly the fast engine's layout —
-//! a GGUF v3 file whose matrices are FP16 (or BF16) in the kernels' row
-//! blocks and whose norms are f32 final multipliers — so that it later
-//! loads zero-copy with mmap. The row-block matrices (padding included)
-//! have a Pulsar-private GGML type (`F16_R4X8`, `BF16_R4X8`), so other GGUF
-//! readers refuse the file rather than misread it. Metadata GGUF has no
-//! key for (query_pre_attn_scalar, the local RoPE base, which layers are
-//! global) goes under `pulsar.*` keys.
+//! a GGUF v3 file whose matrices are in the kernels' row blocks and whose
+//! norms are f32 final multipliers — so that it later loads zero-copy with
+//! mmap. Matrices are FP16 or BF16 row blocks, or with `--dtype q8_0|q4_0`
+//! quantized row blocks (`model::quant_blocks`) wherever the rows are whole
+//! 32-value blocks, FP16 elsewhere: the formats `--dtype q8_0|q4_0` gives
+//! at load, so a converted file computes the very same numbers. The
+//! row-block matrices (padding included) have Pulsar-private GGML types
+//! (`F16_R4X8`, `BF16_R4X8`, `Q8_0_R4`, `Q4_0_R4`), so other GGUF readers
+//! refuse the file rather than misread it. Metadata GGUF has no key for
+//! (query_pre_attn_scalar, the local RoPE base, which layers are global)
+//! goes under `pulsar.*` keys.
 
+use crate::engine::fast::WeightFormats;
 use crate::engine::packed::{PackedMatrix, WeightFormat};
 use crate::fs_atomic::AtomicFile;
 use crate::model::config::{Family, ModelConfig};
@@ -14,7 +19,6 @@ use crate::model::dequant;
 use crate::model::dtype::DType;
 use crate::model::gguf::Value;
 use crate::model::gguf_write::{GgufWriter, RawTensor};
-use crate::model::row_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role, gguf_name};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -84,10 +88,15 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
     };
     let key = |k: &str| format!("{arch}.{k}");
     w.add_str("general.architecture", arch);
-    w.add_u32(
-        "general.file_type",
-        if format == WeightFormat::F16 { 1 } else { 32 },
-    );
+    // llama.cpp's file types: mostly F16, Q4_0, Q8_0, BF16.
+    let file_type = match format {
+        WeightFormat::F16 => 1,
+        WeightFormat::Q4_0 => 2,
+        WeightFormat::Q8_0 => 7,
+        WeightFormat::Q5_0 => 8,
+        WeightFormat::BF16 => 32,
+    };
+    w.add_u32("general.file_type", file_type);
     w.add_u32(&key("context_length"), c.max_context as u32);
     w.add_u32(&key("embedding_length"), c.hidden as u32);
     w.add_u32(&key("block_count"), c.n_layers() as u32);
@@ -141,14 +150,8 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
             .unwrap_or(WeightFormat::F16)
     });
 
-    // The file types convert writes: 16-bit row blocks. (Q8_0 row blocks
-    // have no private file type yet.)
-    let Some(matrix_dtype) = format.row_blocked_dtype() else {
-        bail!(
-            "convert writes f16 or bf16 row blocks; --dtype {} is not a file format yet",
-            format.name()
-        );
-    };
+    // Each matrix's format, as `--dtype` gives them at load.
+    let formats = WeightFormats::for_shape(&c, format);
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
     write_config(&mut w, &c, format);
@@ -176,9 +179,10 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
         let (dtype, bytes) = if p.norm {
             (DType::F32, p.shape.iter().product::<usize>() * 4)
         } else {
+            let f = formats.of(p.role);
             (
-                matrix_dtype,
-                row_blocks::padded_len(p.shape[0], p.shape[1]) * 2,
+                f.row_blocked_dtype(),
+                f.matrix_bytes(p.shape[0], p.shape[1]),
             )
         };
         offset = offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
@@ -219,7 +223,7 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
                 .flat_map(|v| (v + c.norm_weight_offset).to_le_bytes())
                 .collect()
         } else {
-            PackedMatrix::convert(&t, format).raw().to_vec()
+            PackedMatrix::convert(&t, formats.of(p.role)).raw().to_vec()
         };
         out.pad_to(header.len() as u64 + at)?;
         out.write(&bytes)?;

@@ -261,7 +261,11 @@ pub fn bench_command(
     in_place: bool,
     args: &bench::BenchArgs,
 ) -> Result<()> {
-    let context = args.prompt_tokens + args.generate_tokens + 2;
+    let mut context = args.prompt_tokens + args.generate_tokens + 2;
+    if args.m_curve {
+        // The m-curve's cached context and its largest step.
+        context = context.max(bench::M_CURVE_CONTEXT + bench::M_CURVE_MAX);
+    }
     let opts = dtype.fast_options(threads, context, in_place);
     let (mut engine, name) = match shape {
         Some(name) => {

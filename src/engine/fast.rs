@@ -415,7 +415,7 @@ impl FastEngine {
         let arena = WeightArena::new(arena_bytes);
         let weights = ModelWeights::load(src, |role, t| {
             let format = formats.of(role);
-            if opts.in_place && Some(t.dtype) == format.row_blocked_dtype() {
+            if opts.in_place && t.dtype == format.row_blocked_dtype() {
                 PackedMatrix::borrowed(owner.clone(), &t)
             } else {
                 Ok(PackedMatrix::convert_into(&t, format, &arena))
@@ -1263,16 +1263,28 @@ impl FastEngine {
         }
         let vocab = self.config.vocab_size;
         let logits = self.logits_of(&rows, exact_rows);
+        if let [only] = &wanted_rows[..]
+            && only.len() == picked.len()
+            && only
+                .iter()
+                .enumerate()
+                .all(|(i, &p)| p == i && picked[p] == picked[0] + i)
+        {
+            // One entry whose rows come in order: its logits as computed,
+            // not copied (8 MiB for a verify step over 8 tokens).
+            return Ok(vec![logits]);
+        }
         Ok(wanted_rows
             .iter()
             .map(|rows| {
                 // A bulk run's last row comes before its other rows.
                 let mut rows = rows.clone();
                 rows.sort_by_key(|&p| picked[p]);
-                rows.iter()
-                    .flat_map(|&p| &logits[p * vocab..(p + 1) * vocab])
-                    .copied()
-                    .collect()
+                let mut out = Vec::with_capacity(rows.len() * vocab);
+                for &p in &rows {
+                    out.extend_from_slice(&logits[p * vocab..(p + 1) * vocab]);
+                }
+                out
             })
             .collect())
     }
@@ -1324,8 +1336,13 @@ impl Engine for FastEngine {
                 tokens: chunk,
                 wanted,
             }];
-            let mut out = self.forward_batch(&step)?;
-            logits.extend(out.pop().unwrap_or_default());
+            let out = self.forward_batch(&step)?.pop().unwrap_or_default();
+            // A single step's logits as they are; a prompt's chunks appended.
+            if logits.is_empty() {
+                logits = out;
+            } else {
+                logits.extend_from_slice(&out);
+            }
         }
         Ok(logits)
     }

@@ -68,10 +68,19 @@ impl WeightFormat {
     /// family reads it.
     pub fn native(dtype: DType) -> Option<WeightFormat> {
         match dtype {
-            DType::Q8_0 => Some(WeightFormat::Q8_0),
-            DType::Q5_0 => Some(WeightFormat::Q5_0),
-            DType::Q4_0 => Some(WeightFormat::Q4_0),
+            DType::Q8_0 | DType::QuantRowBlocks(QuantType::Q8_0) => Some(WeightFormat::Q8_0),
+            DType::Q5_0 | DType::QuantRowBlocks(QuantType::Q5_0) => Some(WeightFormat::Q5_0),
+            DType::Q4_0 | DType::QuantRowBlocks(QuantType::Q4_0) => Some(WeightFormat::Q4_0),
             _ => None,
+        }
+    }
+
+    /// The format of a quantized block type.
+    pub fn of_quant(q: QuantType) -> WeightFormat {
+        match q {
+            QuantType::Q8_0 => WeightFormat::Q8_0,
+            QuantType::Q5_0 => WeightFormat::Q5_0,
+            QuantType::Q4_0 => WeightFormat::Q4_0,
         }
     }
 
@@ -81,12 +90,14 @@ impl WeightFormat {
     }
 
     /// The file type of matrices already in this format and layout, which
-    /// can be used in place (Q8_0 row blocks have no file type yet).
-    pub fn row_blocked_dtype(self) -> Option<DType> {
+    /// can be used in place.
+    pub fn row_blocked_dtype(self) -> DType {
         match self {
-            WeightFormat::F16 => Some(DType::F16RowBlocks),
-            WeightFormat::BF16 => Some(DType::BF16RowBlocks),
-            WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q4_0 => None,
+            WeightFormat::F16 => DType::F16RowBlocks,
+            WeightFormat::BF16 => DType::BF16RowBlocks,
+            WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q4_0 => {
+                DType::QuantRowBlocks(self.quant().expect("a quantized format"))
+            }
         }
     }
 
@@ -305,6 +316,7 @@ impl PackedMatrix {
         let format = match t.dtype {
             DType::F16RowBlocks => WeightFormat::F16,
             DType::BF16RowBlocks => WeightFormat::BF16,
+            DType::QuantRowBlocks(q) => WeightFormat::of_quant(q),
             other => bail!(
                 "a {other} tensor cannot be used in place (only files written by `pulsar convert` can)"
             ),
@@ -433,9 +445,21 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
 /// goes.
 fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut [u8]) {
     let (rows, cols) = t.matrix_dims();
+    if t.dtype == DType::QuantRowBlocks(q) {
+        // Already in this layout (a converted file loaded without --mmap):
+        // the same bytes, padding rows included.
+        let at = first_row / quant_blocks::BLOCK_ROWS * q.block_bytes(cols);
+        let source = TensorView {
+            bytes: &t.bytes[at..at + out.len()],
+            ..*t
+        };
+        out.copy_from_slice(source.bytes);
+        source.release_pages();
+        return;
+    }
     // The file's own blocks are copied; another type (one no kernel reads,
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
-    let same_type = WeightFormat::native(t.dtype).and_then(WeightFormat::quant) == Some(q);
+    let same_type = t.dtype == q.file_dtype();
     let quantize = match q {
         _ if same_type => None,
         QuantType::Q8_0 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
@@ -493,7 +517,7 @@ fn fill_rows(t: &TensorView<'_>, format: WeightFormat, first_row: usize, out: &m
     for (g, dst) in out.chunks_mut(group_len).enumerate() {
         let first = first_row + g * group;
         let last = (first + dst.len() / block_len.max(1) * row_blocks::BLOCK_ROWS).min(rows);
-        let source = if Some(t.dtype) == format.row_blocked_dtype() {
+        let source = if t.dtype == format.row_blocked_dtype() {
             // Already in this layout: whole blocks, padding included.
             let block_bytes = block_len * 2;
             let blocks = first / row_blocks::BLOCK_ROWS * block_bytes
@@ -561,6 +585,40 @@ mod tests {
     fn small_odd_matrices_convert_into_row_blocks() {
         round_trip(6, 13);
         round_trip(1, 1);
+    }
+
+    /// A matrix already in the quantized row blocks (a converted file read
+    /// without --mmap) is copied byte for byte, also when its rows are
+    /// split between threads.
+    #[test]
+    fn quantized_row_blocks_are_copied_as_they_are() {
+        // Over a million values and a row count that is not a multiple of
+        // 4 (a padding row in the last block).
+        let (rows, cols) = (1031, 1024);
+        let values: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| (((i * 37 % 101) as f32 - 50.0) / 8.0).to_le_bytes())
+            .collect();
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let shape = [rows, cols];
+            let f32_view = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &values,
+            };
+            let first = PackedMatrix::convert(&f32_view, format);
+            let stored = first.raw().to_vec();
+            let blocked = TensorView {
+                dtype: format.row_blocked_dtype(),
+                shape: &shape,
+                bytes: &stored,
+            };
+            let again = PackedMatrix::convert(&blocked, format);
+            assert!(
+                again.raw() == first.raw(),
+                "{}: bytes differ",
+                format.name()
+            );
+        }
     }
 
     #[test]

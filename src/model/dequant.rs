@@ -5,6 +5,7 @@
 //! exactly one block into `out` (whose length is the block's element count).
 
 use super::dtype::{DType, TensorView};
+use super::quant_blocks;
 use super::row_blocks;
 use half::{bf16, f16};
 
@@ -167,6 +168,10 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 DType::Q6K => q6_k,
                 DType::F32 | DType::F16 | DType::BF16 => unreachable!(),
                 DType::F16RowBlocks | DType::BF16RowBlocks => unreachable!(),
+                // Rows are spread over row blocks: `row_into` reads them.
+                DType::QuantRowBlocks(q) => {
+                    panic!("{q:?} row blocks dequantize by row (dequant::row_into)")
+                }
             };
             for (block, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
                 decode(block, o);
@@ -192,6 +197,9 @@ pub fn to_f32(t: &TensorView<'_>) -> Vec<f32> {
 /// Row `row` of a matrix-shaped tensor as f32, into `out` (one row long).
 pub fn row_into(t: &TensorView<'_>, row: usize, out: &mut [f32]) {
     let (_, cols) = t.matrix_dims();
+    if let DType::QuantRowBlocks(q) = t.dtype {
+        return quant_blocks::dequant_row(q, t.bytes, row, cols, out);
+    }
     if t.dtype.is_row_blocked() {
         // One row's values are spread over its block: decode them one
         // 8-value group at a time.

@@ -1,5 +1,7 @@
 //! Element types a tensor can be stored in, and their block geometry.
 
+use super::quant_blocks::{self, QuantType};
+use super::row_blocks;
 use std::fmt;
 
 /// Storage type of a tensor as found in a GGUF or safetensors file.
@@ -23,11 +25,21 @@ pub enum DType {
     F16RowBlocks,
     /// BF16 in the row-block layout, as [`DType::F16RowBlocks`].
     BF16RowBlocks,
+    /// A 32-value block type in the integer kernels' row blocks
+    /// (`model::quant_blocks`: 4 rows' blocks per group, values stored as
+    /// the kernels read them), written by `pulsar convert --dtype q8_0`
+    /// or `q4_0`. Private ids, as for [`DType::F16RowBlocks`].
+    QuantRowBlocks(QuantType),
 }
 
 /// GGML type ids of the row-block types, far above GGML's own (under 64).
 const F16_ROW_BLOCKS_ID: u32 = 0x5055_0001;
 const BF16_ROW_BLOCKS_ID: u32 = 0x5055_0030;
+/// Quantized row blocks: this plus the GGML id of the block type.
+const QUANT_ROW_BLOCKS_BASE: u32 = 0x5055_0100;
+const Q8_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 8;
+const Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
+const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -44,6 +56,9 @@ impl DType {
             30 => DType::BF16,
             F16_ROW_BLOCKS_ID => DType::F16RowBlocks,
             BF16_ROW_BLOCKS_ID => DType::BF16RowBlocks,
+            Q8_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q8_0),
+            Q5_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0),
+            Q4_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4_0),
             _ => return None,
         })
     }
@@ -62,13 +77,32 @@ impl DType {
             DType::BF16 => 30,
             DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
             DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
+            DType::QuantRowBlocks(q) => QUANT_ROW_BLOCKS_BASE + q.file_dtype().ggml_id(),
         }
     }
 
     /// Whether rows are stored in the row-block layout rather than one after
     /// another.
     pub fn is_row_blocked(self) -> bool {
-        matches!(self, DType::F16RowBlocks | DType::BF16RowBlocks)
+        matches!(
+            self,
+            DType::F16RowBlocks | DType::BF16RowBlocks | DType::QuantRowBlocks(_)
+        )
+    }
+
+    /// Bytes of a `rows x cols` matrix in a row-block layout, padding
+    /// included; `None` for types stored row after row or on overflow.
+    pub fn row_blocked_len(self, rows: usize, cols: usize) -> Option<usize> {
+        match self {
+            DType::F16RowBlocks | DType::BF16RowBlocks => {
+                row_blocks::padded_len(rows, cols).checked_mul(2)
+            }
+            DType::QuantRowBlocks(q) => rows
+                .div_ceil(quant_blocks::BLOCK_ROWS)
+                .checked_mul(cols / quant_blocks::GROUP_COLS)?
+                .checked_mul(q.group_bytes()),
+            _ => None,
+        }
     }
 
     /// Name of a GGML type id we do not support, for error messages.
@@ -97,6 +131,7 @@ impl DType {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::F16RowBlocks | DType::BF16RowBlocks => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 32,
+            DType::QuantRowBlocks(_) => quant_blocks::GROUP_COLS,
             DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
@@ -110,6 +145,8 @@ impl DType {
             DType::Q8_0 => 2 + 32,
             DType::Q4_0 => 2 + 16,
             DType::Q5_0 => 2 + 4 + 16,
+            // Per row and group: the same bytes as the file's block.
+            DType::QuantRowBlocks(q) => q.file_block_bytes(),
             DType::Q4K => 2 + 2 + 12 + 128,
             DType::Q5K => 2 + 2 + 12 + 32 + 128,
             DType::Q6K => 128 + 64 + 16 + 2,
@@ -124,27 +161,50 @@ impl DType {
             DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => &[0],
             DType::Q4K | DType::Q5K => &[0, 2],
             DType::Q6K => &[128 + 64 + 16],
+            // Per group of a row block (see `scale_unit_bytes`).
+            DType::QuantRowBlocks(_) => &[0, 2, 4, 6],
             _ => &[],
         }
     }
 
-    /// The first block of `bytes` (whole blocks of this type) whose scale
-    /// is NaN or infinite, with that scale: a damaged file, which would
-    /// otherwise turn every logit into NaN without a word.
-    pub fn first_bad_scale(self, bytes: &[u8]) -> Option<(usize, f32)> {
+    /// The bytes that [`DType::scale_offsets`] index into, one after
+    /// another: a block, or a row block's group.
+    fn scale_unit_bytes(self) -> usize {
+        match self {
+            DType::QuantRowBlocks(q) => q.group_bytes(),
+            _ => self.block_bytes(),
+        }
+    }
+
+    /// The first block of `bytes` (whole blocks of this type, rows of
+    /// `cols` values) whose scale is NaN or infinite, with that scale: a
+    /// damaged file, which would otherwise turn every logit into NaN
+    /// without a word. Blocks are counted row after row, as the file's
+    /// type stores them, also for quantized row blocks.
+    pub fn first_bad_scale(self, bytes: &[u8], cols: usize) -> Option<(usize, f32)> {
         let offsets = self.scale_offsets();
         if offsets.is_empty() {
             return None;
         }
-        bytes
-            .chunks_exact(self.block_bytes())
+        let ((i, k), scale) = bytes
+            .chunks_exact(self.scale_unit_bytes())
             .enumerate()
-            .find_map(|(i, block)| {
-                offsets.iter().find_map(|&at| {
-                    let v = half::f16::from_le_bytes([block[at], block[at + 1]]);
-                    (!v.is_finite()).then(|| (i, v.to_f32()))
+            .find_map(|(i, unit)| {
+                offsets.iter().enumerate().find_map(|(k, &at)| {
+                    let v = half::f16::from_le_bytes([unit[at], unit[at + 1]]);
+                    (!v.is_finite()).then_some(((i, k), v.to_f32()))
                 })
-            })
+            })?;
+        let block = match self {
+            // Group i of the row blocks holds row (i / groups) * 4 + k's
+            // block i % groups.
+            DType::QuantRowBlocks(_) => {
+                let groups = (cols / quant_blocks::GROUP_COLS).max(1);
+                (i / groups * quant_blocks::BLOCK_ROWS + k) * groups + i % groups
+            }
+            _ => i,
+        };
+        Some((block, scale))
     }
 
     /// Bytes needed for a row of `elems` values, or `None` when `elems` is not
@@ -171,6 +231,9 @@ impl fmt::Display for DType {
             DType::Q6K => "Q6_K",
             DType::F16RowBlocks => "F16_R4X8",
             DType::BF16RowBlocks => "BF16_R4X8",
+            DType::QuantRowBlocks(QuantType::Q8_0) => "Q8_0_R4",
+            DType::QuantRowBlocks(QuantType::Q5_0) => "Q5_0_R4",
+            DType::QuantRowBlocks(QuantType::Q4_0) => "Q4_0_R4",
         };
         f.write_str(name)
     }
@@ -249,7 +312,7 @@ mod tests {
             DType::Q6K,
         ] {
             let good = blocks(dtype, 5);
-            assert_eq!(dtype.first_bad_scale(&good), None, "{dtype}");
+            assert_eq!(dtype.first_bad_scale(&good, 256), None, "{dtype}");
             for (&at, bad) in dtype
                 .scale_offsets()
                 .iter()
@@ -258,12 +321,28 @@ mod tests {
                 let mut bytes = good.clone();
                 let start = 3 * dtype.block_bytes() + at;
                 bytes[start..start + 2].copy_from_slice(&bad.to_le_bytes());
-                let (block, value) = dtype.first_bad_scale(&bytes).expect("found");
+                let (block, value) = dtype.first_bad_scale(&bytes, 256).expect("found");
                 assert_eq!(block, 3, "{dtype}");
                 assert!(!value.is_finite(), "{dtype}");
             }
         }
         // Types without block scales are not scanned.
-        assert_eq!(DType::F16.first_bad_scale(&[0xff; 8]), None);
+        assert_eq!(DType::F16.first_bad_scale(&[0xff; 8], 4), None);
+    }
+
+    /// In quantized row blocks a group holds 4 rows' scales: a bad one is
+    /// reported as the block of its own row, counted row after row.
+    #[test]
+    fn a_bad_scale_in_row_blocks_names_its_row() {
+        let dtype = DType::QuantRowBlocks(QuantType::Q4_0);
+        let q = QuantType::Q4_0;
+        // 8 rows of 64 columns: 2 row blocks of 2 groups.
+        let mut bytes = vec![0u8; 2 * 2 * q.group_bytes()];
+        assert_eq!(dtype.first_bad_scale(&bytes, 64), None);
+        // Row block 1, group 1, third row's scale: row 6, block 1 of it.
+        let at = (2 + 1) * q.group_bytes() + 2 * 2;
+        bytes[at..at + 2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+        let (block, _) = dtype.first_bad_scale(&bytes, 64).expect("found");
+        assert_eq!(block, 6 * 2 + 1);
     }
 }

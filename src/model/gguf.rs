@@ -8,7 +8,6 @@
 //! allocation.
 
 use super::dtype::{DType, TensorView};
-use super::row_blocks;
 use anyhow::{Context, Result};
 use memmap2::Mmap;
 use std::collections::HashMap;
@@ -313,8 +312,8 @@ impl GgufFile {
             })?;
             let len = if dtype.is_row_blocked() {
                 // Rows and columns padded to whole blocks and groups.
-                row_blocks::padded_len(elems / row.max(1), row)
-                    .checked_mul(dtype.block_bytes())
+                dtype
+                    .row_blocked_len(elems / row.max(1), row)
                     .map(|n| n as u64)
             } else {
                 (row_bytes as u64).checked_mul((elems / row.max(1)) as u64)

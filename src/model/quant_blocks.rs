@@ -82,6 +82,16 @@ impl QuantType {
         }
     }
 
+    /// The GGUF type whose blocks this layout regroups.
+    pub fn file_dtype(self) -> crate::model::dtype::DType {
+        use crate::model::dtype::DType;
+        match self {
+            QuantType::Q8_0 => DType::Q8_0,
+            QuantType::Q5_0 => DType::Q5_0,
+            QuantType::Q4_0 => DType::Q4_0,
+        }
+    }
+
     /// Bytes of one file block: f16 scale and payload.
     #[inline]
     pub fn file_block_bytes(self) -> usize {

@@ -198,11 +198,9 @@ impl ModelSource {
     /// refused here, before its values are read.
     pub fn tensor(&self, role: Role, expect: &[usize]) -> Result<TensorView<'_>> {
         let (view, file) = self.locate(role, expect)?;
-        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes) {
-            let per_row = view
-                .shape
-                .last()
-                .map_or(1, |&cols| cols / view.dtype.block_elems());
+        let cols = view.shape.last().copied().unwrap_or(1);
+        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes, cols) {
+            let per_row = cols / view.dtype.block_elems();
             bail!(
                 "{}: tensor {:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
                  fetch or convert the file again",
