@@ -230,10 +230,7 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
         let damaged = out.with_extension("damaged.gguf");
         std::fs::write(&damaged, &bytes).unwrap();
         let err = ModelSource::open(&damaged)
-            .and_then(|src| {
-                src.tensor(Role::Layer(0, LayerRole::Q), &shape)
-                    .map(|_| ())
-            })
+            .and_then(|src| src.tensor(Role::Layer(0, LayerRole::Q), &shape).map(|_| ()))
             .expect_err("a NaN scale is refused")
             .to_string();
         let rb_name = DType::QuantRowBlocks(q).to_string();

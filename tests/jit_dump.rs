@@ -133,10 +133,11 @@ fn default_model_dumps_within_budget() {
         check_dump(&j, isa);
         let n = names(&j);
         // The default model's matrices are read in the file's own types:
-        // one integer GEMV and one integer GEMM per type (K is an
-        // argument), VNNI's where the CPU and --max-isa allow it (of the
-        // GEMVs only Q8_0's gains from it), and no
-        // 16-bit kernel for its matrices.
+        // one integer GEMV per type (K is an argument), VNNI's where the
+        // CPU and --max-isa allow it (of the GEMVs only Q8_0's gains from
+        // it); Q5_0 panels unpacked into Q8_0's layout for the GEMM, with
+        // Q8_0's offset under VNNI (one GEMM for both types) or their own
+        // under AVX2 (a GEMM each); and no 16-bit kernel for its matrices.
         let caps = CpuCaps::detect();
         // The plan's rule: VNNI where AVX-512 is allowed and present.
         let vnni = isa.is_none() && caps.has_avx512() && caps.avx512_vnni;
@@ -149,13 +150,24 @@ fn default_model_dumps_within_budget() {
         for kernel in [q8_gemv, "gemv_q5_0_r4_pf"] {
             assert!(n.iter().any(|s| s.starts_with(kernel)), "{kernel} in {n:?}");
         }
-        for kernel in ["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"] {
+        let (gemms, unpack): (&[&str], &str) = if vnni {
+            (&["gemm_q8_0_r4t8"], "unpack_q5_0_r4_to_q8_0")
+        } else {
+            (
+                &["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"],
+                "unpack_q5_0_r4_to_bytes",
+            )
+        };
+        for kernel in gemms {
             assert!(
                 n.iter()
                     .any(|s| s.starts_with(kernel) && s.contains(gemm_suffix)),
                 "{kernel}..{gemm_suffix} in {n:?}"
             );
         }
+        let all_gemms = n.iter().filter(|s| s.starts_with("gemm_q")).count();
+        assert_eq!(all_gemms, gemms.len(), "{n:?}");
+        assert!(n.iter().any(|s| s == unpack), "{unpack} in {n:?}");
         assert!(
             !n.iter()
                 .any(|s| s.starts_with("gemm_f16") || s.starts_with("gemv_f16")),

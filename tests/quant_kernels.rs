@@ -24,10 +24,11 @@ use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::jit::cpu::{CpuCaps, Isa};
 use pulsar::jit::emit::gemm_quant::GemmQuantParams;
 use pulsar::jit::emit::gemv_quant::GemvQuantParams;
-use pulsar::jit::kernels::{GemmQuant, GemvQuant, KernelSet};
+use pulsar::jit::emit::unpack_quant::UnpackQuantParams;
+use pulsar::jit::kernels::{GemmQuant, GemvQuant, KernelSet, UnpackQuant};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::dtype::{DType, TensorView};
-use pulsar::model::quant_blocks::QuantType;
+use pulsar::model::quant_blocks::{self, QuantType};
 use pulsar::model::source::ModelSource;
 
 /// A made-up tensor of `q` (GGUF bytes) with quants over the whole range
@@ -171,25 +172,55 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
         {
             let file = quant_file(q, rows, k, (rows * k + 7) as u32);
             let w = packed(q, rows, k, &file);
-            let set = KernelSet::from_kinds(
-                &[
-                    KernelKind::GemvQuant(GemvQuantParams {
-                        q,
-                        prefetch: 8192,
-                        vnni: vnni && q == QuantType::Q8_0,
-                    }),
-                    KernelKind::GemmQuant(GemmQuantParams {
-                        q,
-                        vnni,
-                        prefetch: 8192,
-                    }),
-                ],
-                &caps,
-                max_isa,
-            )
-            .expect("emit + verify");
+            // Q5_0 and Q4_0 are unpacked into Q8_0's layout for the GEMM:
+            // with Q8_0's offset under VNNI, their own under AVX2.
+            let into = if vnni { QuantType::Q8_0 } else { q };
+            let mut kinds = vec![
+                KernelKind::GemvQuant(GemvQuantParams {
+                    q,
+                    prefetch: 8192,
+                    vnni: vnni && q == QuantType::Q8_0,
+                }),
+                KernelKind::GemmQuant(GemmQuantParams {
+                    q: into,
+                    vnni,
+                    prefetch: 8192,
+                }),
+            ];
+            if q != QuantType::Q8_0 {
+                kinds.push(KernelKind::UnpackQuant(UnpackQuantParams { q, into }));
+            }
+            let set = KernelSet::from_kinds(&kinds, &caps, max_isa).expect("emit + verify");
             let gemv = set.get::<GemvQuant>((q, k)).unwrap();
-            let gemm = set.get::<GemmQuant>((q, k)).unwrap();
+            let gemm = set.get::<GemmQuant>((into, k)).unwrap();
+            // The rows in two parts, the second starting on a block inside
+            // the matrix, as the engine's panels and threads split them.
+            let mid = (rows / 2).next_multiple_of(4).min(rows);
+            let layout = match set.get::<UnpackQuant>((q, k)) {
+                None => w.raw().to_vec(),
+                Some(unpack) => {
+                    let mut out = vec![0xAAu8; unpack.out_bytes(0..rows)];
+                    let (first, second) = out.split_at_mut(unpack.out_bytes(0..mid));
+                    unpack.run(w.raw(), 0..mid, first).unwrap();
+                    unpack.run(w.raw(), mid..rows, second).unwrap();
+                    if into == QuantType::Q8_0 {
+                        // Exactly Q8_0 row blocks of the same values.
+                        let (mut a, mut b) = (vec![0.0f32; k], vec![0.0f32; k]);
+                        for r in 0..rows {
+                            quant_blocks::dequant_row(q, w.raw(), r, k, &mut a);
+                            quant_blocks::dequant_row(QuantType::Q8_0, &out, r, k, &mut b);
+                            assert!(
+                                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{q:?} {rows}x{k}: row {r} unpacks to other values"
+                            );
+                        }
+                    }
+                    // Refused: a start inside a block, too small an output.
+                    assert!(unpack.run(w.raw(), 2..rows, &mut out).is_err());
+                    assert!(unpack.run(w.raw(), 0..rows, &mut out[1..]).is_err());
+                    out
+                }
+            };
             for tokens in [2, 5, 8, 11] {
                 let x = inputs(tokens, k);
                 let xq = Q8Input::quantize(&x, k);
@@ -201,12 +232,11 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                 // inside the matrix, and y wider than the rows (ldy).
                 let ldy = rows + 3;
                 let mut got = vec![f32::NAN; tokens * ldy];
-                let mid = (rows / 2).next_multiple_of(4).min(rows);
                 for i in 0..xq.tile_count() {
                     let (tile, ntok) = xq.tile(i);
                     let y = &mut got[i * 8 * ldy..];
-                    gemm.run(w.raw(), tile, ntok, y, ldy, 0..mid).unwrap();
-                    gemm.run(w.raw(), tile, ntok, y, ldy, mid..rows).unwrap();
+                    gemm.run(&layout, tile, ntok, y, ldy, 0..mid).unwrap();
+                    gemm.run(&layout, tile, ntok, y, ldy, mid..rows).unwrap();
                 }
                 for t in 0..tokens {
                     let (g, e) = (&got[t * ldy..][..rows], &want[t * rows..][..rows]);
@@ -230,13 +260,15 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
             let xq = Q8Input::quantize(&inputs(3, k), k);
             let (tile, _) = xq.tile(0);
             let mut y = vec![0.0f32; 3 * rows];
-            assert!(gemm.run(w.raw(), tile, 4, &mut y, rows, 0..rows).is_err());
+            assert!(gemm.run(&layout, tile, 4, &mut y, rows, 0..rows).is_err());
             assert!(
-                gemm.run(w.raw(), &tile[1..], 3, &mut y, rows, 0..rows)
+                gemm.run(&layout, &tile[1..], 3, &mut y, rows, 0..rows)
                     .is_err()
             );
-            assert!(gemm.run(w.raw(), tile, 3, &mut y, rows, 2..rows).is_err());
-            assert!(gemm.run(w.raw(), tile, 0, &mut y, rows, 0..rows).is_err());
+            assert!(gemm.run(&layout, tile, 3, &mut y, rows, 2..rows).is_err());
+            assert!(gemm.run(&layout, tile, 0, &mut y, rows, 0..rows).is_err());
+            let short = &layout[..layout.len() - 1];
+            assert!(gemm.run(short, tile, 3, &mut y, rows, 0..rows).is_err());
         }
     }
 }

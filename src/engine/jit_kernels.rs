@@ -14,14 +14,44 @@ use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
     AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
-    Softmax,
+    Softmax, UnpackQuant,
 };
 use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
-use crate::model::quant_blocks;
+use crate::model::quant_blocks::{self, QuantType};
 use anyhow::{Result, bail};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 use std::ops::Range;
+
+/// A cache line of a thread's panel buffer (the kernels read it aligned).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line {
+    _bytes: [u8; 64],
+}
+
+/// Each thread's buffer for a panel of Q5_0 or Q4_0 rows unpacked into
+/// Q8_0's layout: grown to the largest panel once, then reused by every
+/// product (pool threads live as long as the engine).
+#[derive(Default)]
+struct PanelBuffer(Vec<Line>);
+
+impl PanelBuffer {
+    /// The first `len` bytes, grown if needed (contents undefined).
+    fn bytes(&mut self, len: usize) -> &mut [u8] {
+        let lines = len.div_ceil(64);
+        if self.0.len() < lines {
+            self.0.resize(lines, Line { _bytes: [0; 64] });
+        }
+        // SAFETY: `lines` initialized 64-byte lines hold at least `len`
+        // bytes, borrowed mutably through `self` for as long as the slice.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), len) }
+    }
+}
+
+thread_local! {
+    static PANEL: std::cell::RefCell<PanelBuffer> = std::cell::RefCell::new(PanelBuffer::default());
+}
 
 /// The 16-bit kernels' weight type; Q8_0 matrices have kernels of their own.
 fn weight_type(f: WeightFormat) -> WeightType {
@@ -239,54 +269,97 @@ impl MatKernels for JitKernels {
                 .expect("quantized GEMV arguments sized by the engine");
             return;
         }
-        let k: GemmQuant = self.set.bind(tokens_kernel(w), (q, w.cols));
+        let unpack: Option<UnpackQuant> =
+            w.kernels().unpack.map(|id| self.set.bind(id, (q, w.cols)));
+        assert_eq!(
+            unpack.is_some(),
+            q != QuantType::Q8_0,
+            "unpacking resolved at load"
+        );
+        let gemm_q = unpack.map_or(q, |u| u.into);
+        let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
         assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
         // Every tile passes over a panel of rows while it stays in L2 (the
-        // plan's `widened_panel_bytes`), so the rows are read from memory
-        // once.
+        // plan's `widened_panel_bytes`, in Q8_0's layout), so the rows are
+        // read from memory once, and unpacked once.
+        let q8_row_bytes = QuantType::Q8_0.block_bytes(w.cols) / quant_blocks::BLOCK_ROWS;
         let panel_rows = self
             .blocking
-            .rows_within(self.blocking.widened_panel_bytes, q.block_bytes(w.cols) / 4);
+            .rows_within(self.blocking.widened_panel_bytes, q8_row_bytes);
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = rows.end.min(r0 + panel_rows);
-            for i in 0..x.tile_count() {
-                let (tile, ntok) = x.tile(i);
-                // SAFETY: W holds the blocks of rows < rows.end (asserted
-                // against w.rows), the tile is whole, y holds every token's
-                // row of `stride` (asserted), and the caller owns columns
-                // r0..r1 of them.
-                unsafe {
-                    k.run_unchecked(
-                        w.raw().as_ptr(),
-                        tile.as_ptr(),
-                        ntok,
-                        y.as_mut_ptr().add(i * TILE_TOKENS * y.stride),
-                        y.stride,
-                        r0..r1,
-                    )
-                };
+            let run_tiles = |panel: *const u8, first_row: usize| {
+                for i in 0..x.tile_count() {
+                    let (tile, ntok) = x.tile(i);
+                    // SAFETY: `panel` holds the Q8_0 blocks of rows
+                    // first_row..r1 - r0 + first_row (the whole matrix's, or
+                    // the unpacked panel's), the tile is whole, y holds every
+                    // token's row of `stride` (asserted), and the caller
+                    // owns columns r0..r1 of them: the kernel writes rows
+                    // first_row.. from y + r0 - first_row.
+                    unsafe {
+                        k.run_unchecked(
+                            panel,
+                            tile.as_ptr(),
+                            ntok,
+                            y.as_mut_ptr()
+                                .add(i * TILE_TOKENS * y.stride + r0 - first_row),
+                            y.stride,
+                            first_row..first_row + (r1 - r0),
+                        )
+                    };
+                }
+            };
+            match unpack {
+                None => run_tiles(w.raw().as_ptr(), r0),
+                Some(unpack) => PANEL.with_borrow_mut(|panel| {
+                    let bytes = unpack.out_bytes(r0..r1);
+                    let out = panel.bytes(bytes);
+                    unpack
+                        .run(w.raw(), r0..r1, out)
+                        .expect("a panel of the matrix's rows");
+                    run_tiles(out.as_ptr(), 0);
+                }),
             }
             r0 = r1;
         }
     }
 
     fn resolve(&self, w: &PackedMatrix) -> Result<MatrixKernels, String> {
-        // Quantized weights: the integer GEMV for one token, the integer
-        // GEMM for several.
+        // Quantized weights: the integer GEMV for one token, Q8_0's integer
+        // GEMM for several (Q5_0 and Q4_0 unpacked to Q8_0 first).
+        let unpack = match w.format.quant() {
+            Some(q) if q != QuantType::Q8_0 => {
+                let Some(id) = self.set.resolve::<UnpackQuant>((q, w.cols)) else {
+                    return Err(format!("no unpacking of {} at K {}", q.name(), w.cols));
+                };
+                Some(id)
+            }
+            _ => None,
+        };
         let (one_token, tokens) = match w.format.quant() {
-            Some(q) => (
-                self.set.resolve::<GemvQuant>((q, w.cols)),
-                self.set.resolve::<GemmQuant>((q, w.cols)),
-            ),
+            Some(q) => {
+                // The GEMM for the bytes the unpacking makes.
+                let gemm_q =
+                    unpack.map_or(q, |id| self.set.bind::<UnpackQuant>(id, (q, w.cols)).into);
+                (
+                    self.set.resolve::<GemvQuant>((q, w.cols)),
+                    self.set.resolve::<GemmQuant>((gemm_q, w.cols)),
+                )
+            }
             None => {
                 let key = (weight_type(w.format), w.cols);
                 (self.set.resolve::<Gemv>(key), self.set.resolve::<Gemm>(key))
             }
         };
         match (one_token, tokens) {
-            (Some(_), Some(_)) => Ok(MatrixKernels { one_token, tokens }),
+            (Some(_), Some(_)) => Ok(MatrixKernels {
+                one_token,
+                tokens,
+                unpack,
+            }),
             (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
             (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),
         }

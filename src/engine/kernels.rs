@@ -175,9 +175,12 @@ pub struct MatrixKernels {
     /// One token at a time: the GEMV (the integer one for quantized
     /// weights).
     pub one_token: Option<KernelId>,
-    /// Several tokens at once: the GEMM (the FP16 one, on widened panels,
-    /// for quantized weights).
+    /// Several tokens at once: the GEMM (Q8_0's integer GEMM for every
+    /// quantized type).
     pub tokens: Option<KernelId>,
+    /// Q5_0 and Q4_0: what unpacks panels of rows into Q8_0's layout for
+    /// that GEMM.
+    pub unpack: Option<KernelId>,
 }
 
 pub trait MatKernels: Sync {

@@ -296,6 +296,29 @@ impl<'a> Kernel<'a> for GemmQuant<'a> {
     }
 }
 
+impl<'a> Kernel<'a> for UnpackQuant<'a> {
+    /// The packed block type and K (an argument of the kernel).
+    type Key = (QuantType, usize);
+    fn serves(kind: &KernelKind, (q, k): Self::Key) -> bool {
+        quant_blocks::fits(k) && matches!(kind, KernelKind::UnpackQuant(u) if u.q == q)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (q, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified unpacking code (see
+        // emit::unpack_quant).
+        let f = unsafe { std::mem::transmute::<*const u8, UnpackQuantFn>(entry) };
+        let KernelKind::UnpackQuant(params) = c.spec.kind else {
+            unreachable!("serves() checked the kind")
+        };
+        UnpackQuant {
+            f,
+            name: &c.spec.name,
+            q,
+            into: params.into,
+            k,
+        }
+    }
+}
+
 impl<'a> Kernel<'a> for Gemm<'a> {
     /// The weights' type and K.
     type Key = (WeightType, usize);
@@ -578,6 +601,61 @@ impl GemvQuant<'_> {
     }
 }
 
+type UnpackQuantFn = unsafe extern "sysv64" fn(*const u8, *mut u8, usize, usize, usize);
+
+/// Unpacks Q5_0 or Q4_0 row blocks into Q8_0's (see `emit::unpack_quant`).
+#[derive(Clone, Copy)]
+pub struct UnpackQuant<'a> {
+    f: UnpackQuantFn,
+    pub name: &'a str,
+    pub q: QuantType,
+    /// Whose offset the unpacked bytes carry: the GEMM to run on them.
+    pub into: QuantType,
+    pub k: usize,
+}
+
+impl UnpackQuant<'_> {
+    /// Bytes the rows `rows` take once unpacked (whole row blocks).
+    pub fn out_bytes(&self, rows: Range<usize>) -> usize {
+        QuantType::Q8_0.matrix_bytes(rows.len(), self.k)
+    }
+
+    /// Rows `rows` (starting on a block) of W, the whole matrix in `q`'s
+    /// row blocks, into `out` as Q8_0 row blocks, the first at `out[0]`.
+    pub fn run(&self, w: &[u8], rows: Range<usize>, out: &mut [u8]) -> Result<(), KernelError> {
+        let block_bytes = self.q.block_bytes(self.k);
+        if rows.start > rows.end
+            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
+            || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
+            || out.len() < self.out_bytes(rows.clone())
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "rows {rows:?} of W ({} bytes, K {}) into {} bytes, or rows start inside a block",
+                    w.len(),
+                    self.k,
+                    out.len()
+                ),
+            ));
+        }
+        // SAFETY: checked above: the blocks read are inside `w` and the
+        // blocks written inside `out`.
+        unsafe { self.run_unchecked(w.as_ptr(), rows, out.as_mut_ptr()) };
+        Ok(())
+    }
+
+    /// Raw call.
+    ///
+    /// # Safety
+    /// `w` must hold the row blocks up to `rows.end` (`rows.start` on a
+    /// block) and `out` [`UnpackQuant::out_bytes`] writable bytes.
+    pub unsafe fn run_unchecked(&self, w: *const u8, rows: Range<usize>, out: *mut u8) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.f)(w, out, self.k, rows.start, rows.end) };
+    }
+}
+
 type GemmQuantFn =
     unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize, usize, usize, usize);
 
@@ -596,8 +674,8 @@ impl GemmQuant<'_> {
     }
 
     /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)
-    /// tokens of one tile, W in quantized row blocks (the whole matrix),
-    /// `rows` starting on a block.
+    /// tokens of one tile, W in Q8_0's row-block layout (the whole matrix,
+    /// or an unpacked panel), `rows` starting on a block.
     pub fn run(
         &self,
         w: &[u8],
@@ -607,7 +685,8 @@ impl GemmQuant<'_> {
         ldy: usize,
         rows: Range<usize>,
     ) -> Result<(), KernelError> {
-        let block_bytes = self.q.block_bytes(self.k);
+        // Q8_0's layout, whichever offset the bytes carry.
+        let block_bytes = QuantType::Q8_0.block_bytes(self.k);
         if tile.len() != self.tile_bytes() || !(1..=gemm_quant::TOKENS).contains(&ntok) {
             return Err(shape(
                 self.name,

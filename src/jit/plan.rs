@@ -10,6 +10,7 @@ use super::emit::gemm::{self, GemmParams};
 use super::emit::gemm_quant::{self, GemmQuantParams};
 use super::emit::gemv::{self, GemvParams, WeightType};
 use super::emit::gemv_quant::{self, GemvQuantParams};
+use super::emit::unpack_quant::UnpackQuantParams;
 use super::emit::{self, LANES};
 use crate::model::quant_blocks::QuantType;
 use anyhow::{Result, bail};
@@ -72,6 +73,8 @@ pub enum KernelKind {
     /// Integer GEMM over quantized weights and tiles of 8 tokens' 8-bit
     /// inputs.
     GemmQuant(GemmQuantParams),
+    /// Q5_0 or Q4_0 row blocks unpacked into Q8_0's, for the Q8_0 GEMM.
+    UnpackQuant(UnpackQuantParams),
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -121,6 +124,18 @@ impl KernelKind {
                     p.prefetch
                 )
             }
+            KernelKind::UnpackQuant(p) => {
+                format!(
+                    "unpack_{}_r{}_to_{}",
+                    p.q.name(),
+                    gemm_quant::ROWS,
+                    if p.into == QuantType::Q8_0 {
+                        "q8_0"
+                    } else {
+                        "bytes"
+                    }
+                )
+            }
             KernelKind::Gemm(p) => {
                 format!(
                     "gemm_{}_r{}t{}_k{}",
@@ -150,6 +165,7 @@ impl KernelKind {
             KernelKind::Gemv(p) => emit::gemv::emit(p, &name),
             KernelKind::GemvQuant(p) => emit::gemv_quant::emit(p, &name),
             KernelKind::GemmQuant(p) => emit::gemm_quant::emit(p, &name),
+            KernelKind::UnpackQuant(p) => emit::unpack_quant::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
@@ -179,6 +195,10 @@ pub struct MatrixUse {
     pub k: usize,
     pub gemv: String,
     pub gemm: String,
+    /// Q5_0 and Q4_0: the kernel that unpacks panels of rows into Q8_0's
+    /// layout for the GEMM.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unpack: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -320,8 +340,18 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         opts.quantized.iter().map(|m| quant_gemv(m.q)).collect();
     quant_kinds.sort_by_key(|p| p.q.name());
     quant_kinds.dedup();
+    // Q5_0 and Q4_0 panels are unpacked into Q8_0's layout first (see
+    // emit::unpack_quant); with VNNI their bytes take Q8_0's offset too and
+    // one GEMM serves every type, under AVX2 they keep their own for
+    // vpmaddubsw and each type has its GEMM.
+    let unpack_of = |q: QuantType| {
+        (q != QuantType::Q8_0).then_some(UnpackQuantParams {
+            q,
+            into: if vnni { QuantType::Q8_0 } else { q },
+        })
+    };
     let quant_gemm = |q: QuantType| GemmQuantParams {
-        q,
+        q: unpack_of(q).map_or(q, |u| u.into),
         vnni,
         prefetch: opts.quant_prefetch,
     };
@@ -350,14 +380,30 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .join(", ");
             (KernelKind::GemvQuant(p), vec![used_for])
         }));
-        kinds.extend(quant_kinds.iter().map(|p| {
+        let mut gemms: Vec<(GemmQuantParams, Vec<String>)> = Vec::new();
+        for p in &quant_kinds {
+            let gemm = quant_gemm(p.q);
+            let name = p.q.name().to_uppercase();
+            match gemms.iter_mut().find(|(g, _)| *g == gemm) {
+                Some((_, types)) => types.push(name),
+                None => gemms.push((gemm, vec![name])),
+            }
+        }
+        kinds.extend(gemms.into_iter().map(|(gemm, types)| {
             (
-                KernelKind::GemmQuant(quant_gemm(p.q)),
+                KernelKind::GemmQuant(gemm),
+                vec![format!("{} products of 2 or more tokens", types.join(", "))],
+            )
+        }));
+        kinds.extend(quant_kinds.iter().filter_map(|p| {
+            let unpack = unpack_of(p.q)?;
+            Some((
+                KernelKind::UnpackQuant(unpack),
                 vec![format!(
-                    "{} products of 2 or more tokens",
+                    "{} panels for the GEMM, in Q8_0's layout",
                     p.q.name().to_uppercase()
                 )],
-            )
+            ))
         }));
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
@@ -412,6 +458,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         k,
                         gemv: gemv.name(),
                         gemm: gemm.name(),
+                        unpack: quantized
+                            .and_then(|m| unpack_of(m.q))
+                            .map(|u| KernelKind::UnpackQuant(u).name()),
                     }
                 })
                 .collect();

@@ -156,6 +156,7 @@ const ALLOWED: &[Mnemonic] = {
         Vpcmpgtd,
         Vpslld,
         Vpaddd,
+        Vpaddb,
         Vcvtph2ps,
         Vcvtps2dq,
         Vroundps,

@@ -18,14 +18,21 @@
 //! a step over 8 tokens of the default model measured 2.3-2.6x a one-token
 //! step with all logits, 1.5x with the last token's (`bench --m-curve`).
 //!
+//! Weights come in Q8_0's row-block layout (`model::quant_blocks`): Q8_0
+//! matrices as they are stored, Q5_0 and Q4_0 panels unpacked into it
+//! first (`unpack_quant`), once per panel for all of a prefill's tiles.
+//! The bytes are unsigned values with an offset, which `q` names: Q8_0's
+//! q + 128; an unpacked Q5_0 or Q4_0 panel holds its s + 128 too where
+//! VNNI is used (one GEMM then serves every type), or its own v = s + 16
+//! or s + 8 under AVX2.
+//!
 //! Products: with AVX-512 VNNI, `vpdpbusd` (unsigned x signed bytes, 4
 //! products summed into each i32 lane, no 16-bit saturation), encoded here
-//! in its EVEX form on ymm0..15 because dynasm 5.1 has no EVEX. Weights
-//! are the unsigned side, stored so already (Q8_0 plus 128, Q5_0 plus 16,
-//! Q4_0 plus 8; `model::quant_blocks`); the offset times the group's sum
-//! of x is subtracted per token. AVX2 alone: `vpmaddubsw` + `vpmaddwd`,
-//! Q8_0 flipped back to q and through the sign trick as in the GEMV
-//! (255 x 127 pairs would saturate).
+//! in its EVEX form on ymm0..15 because dynasm 5.1 has no EVEX; the offset
+//! times the group's sum of x is subtracted per token. AVX2 alone:
+//! `vpmaddubsw` + `vpmaddwd` on Q5_0's and Q4_0's small unsigned values
+//! (pairs at most 2 x 31 x 128), Q8_0 flipped back to q and through the
+//! sign trick as in the GEMV (255 x 127 pairs would saturate).
 //!
 //! Exactness: each row's group sum is an exact integer, converted,
 //! multiplied by `d_w * d_x` and added with one FMA, group after group,
@@ -33,11 +40,11 @@
 //! one-token step's (greedy speculation and batched serving then reproduce
 //! plain decoding).
 //!
-//! Q8_0 with VNNI is broadcast straight from the row block. The other
-//! variants unpack their weights (unsigned bytes, or Q8_0's q, 4 rows x
-//! 32) into the red zone below rsp (128 bytes, which a leaf function may
-//! use without moving rsp) and broadcast from there. Rows: r0 a multiple of 4, the last block may
-//! be partial (padding rows are zeros; only valid rows are stored).
+//! Weight bytes are broadcast straight from the row block, except Q8_0
+//! under AVX2, flipped back to q (4 rows x 32) into the red zone below rsp
+//! (128 bytes, which a leaf function may use without moving rsp) for the
+//! sign trick. Rows: r0 a multiple of 4, the last block may be partial
+//! (padding rows are zeros; only valid rows are stored).
 //!
 //! Signature `fn(w, x_tile, y, r0, r1, k, ldy, ntok)`: y points at token
 //! 0's row, token t's output at `y + t*ldy`.
@@ -47,11 +54,10 @@
 //! rbp=bytes of W per row of a block, r12=ldy in bytes, r13=ntok, r14 the
 //! output pointer, rax the chunk offset. ymm0..3 the rows' f32 sums, ymm4..7
 //! the rows' group sums in i32, ymm8 x, ymm9 a broadcast weight, ymm10..11
-//! temporaries, ymm12 16-bit ones (AVX2), ymm13 bytes of 15, ymm14 bytes of
-//! 1 (Q5_0) or 0x80 (Q8_0 without VNNI), ymm15 lane indices (Q5_0); Q8_0
-//! with VNNI uses ymm11..13 and ymm15 for a second set of group sums.
+//! temporaries, ymm12 16-bit ones (AVX2), ymm14 bytes of 0x80 (Q8_0 under
+//! AVX2); with VNNI, ymm11..13 and ymm15 a second set of group sums.
 
-use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
+use super::gemv_quant::{block_pointer, block_stride};
 use super::{
     Asm, broadcast_const, count_mask, finish, lane_index, new_asm, reg,
     restore_callee_saved_and_return, save_callee_saved,
@@ -62,6 +68,8 @@ use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct GemmQuantParams {
+    /// Whose offset the weights' bytes (Q8_0's layout) carry: Q8_0's 128,
+    /// Q5_0's 16 or Q4_0's 8 (see the module's doc).
     pub q: QuantType,
     /// Products with AVX-512 VNNI's `vpdpbusd` rather than AVX2's
     /// `vpmaddubsw` + `vpmaddwd`.
@@ -83,9 +91,7 @@ const B: u8 = 9;
 const T: u8 = 10;
 const TEMP2: u8 = 11;
 const ONES: u8 = 12;
-const LOW_NIBBLES: u8 = 13;
-const BYTE_CONST: u8 = 14;
-const IDX: u8 = 15;
+const SIGN_BITS: u8 = 14;
 
 fn acc_f32(row: usize) -> u8 {
     row as u8
@@ -95,12 +101,17 @@ fn acc_i32(row: usize) -> u8 {
     (4 + row) as u8
 }
 
-/// The second set of group sums (odd chunks) of Q8_0 with VNNI, in the
-/// registers only the other variants use.
-const ODD_SUMS: [u8; ROWS] = [TEMP2, ONES, LOW_NIBBLES, IDX];
+/// The second set of group sums (odd chunks) with VNNI, in registers only
+/// the AVX2 variants use.
+const ODD_SUMS: [u8; ROWS] = [TEMP2, ONES, 13, 15];
 
 fn two_sums(p: &GemmQuantParams) -> bool {
-    p.vnni && p.q == QuantType::Q8_0
+    p.vnni
+}
+
+/// Q8_0 under AVX2: q itself in the red zone, for the sign trick.
+fn sign_trick(p: &GemmQuantParams) -> bool {
+    !p.vnni && p.q == QuantType::Q8_0
 }
 
 /// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
@@ -140,24 +151,8 @@ pub fn tile_bytes(k: usize) -> usize {
 /// (ymm8), added into its i32 group sums.
 fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
     let acc = acc_i32(row);
-    // Q8_0 with VNNI broadcasts its stored bytes (q + 128, unsigned)
-    // straight from the row block; everything else from the unpacked copy
-    // in the red zone. (Stores there followed by loads of parts of them
-    // cost: Q8_0 through the red zone took 36.9 ms for an 8-token step,
-    // 33.9 ms broadcasting from the block and flipping each dword's top
-    // bits, before Q8_0 was stored plus 128.)
-    if p.vnni && p.q == QuantType::Q8_0 {
-        let at = (PAYLOADS_AT + row * p.q.payload_bytes()) as i8 + 4 * u;
-        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]);
-        // Odd chunks into a second set of sums (registers Q8_0 with VNNI
-        // leaves free), halving each sum's chain of dependent vpdpbusd.
-        let acc = if u == 1 { ODD_SUMS[row] } else { acc };
-        vpdpbusd(ops, acc, B, X);
-        return;
-    }
-    let at = SCRATCH + 32 * row as i8 + 4 * u;
-    if p.q == QuantType::Q8_0 {
-        // AVX2: the red zone holds q itself, for the sign trick.
+    if sign_trick(p) {
+        let at = SCRATCH + 32 * row as i8 + 4 * u;
         dynasm!(ops
             ; .arch x64
             ; vpbroadcastd Ry(B), [BYTE rsp + rax + at]
@@ -169,8 +164,16 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
         );
         return;
     }
-    dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE rsp + rax + at]);
+    // Broadcast straight from the row block. (Q8_0 through the red zone
+    // took 36.9 ms for an 8-token step, 33.9 ms broadcasting from the
+    // block and flipping each dword's top bits, before Q8_0 was stored
+    // plus 128; stores followed by loads of parts of them cost.)
+    let at = (PAYLOADS_AT + row * GROUP_COLS) as i8 + 4 * u;
+    dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]);
     if p.vnni {
+        // Odd chunks into a second set of sums, halving each sum's chain
+        // of dependent vpdpbusd.
+        let acc = if u == 1 { ODD_SUMS[row] } else { acc };
         vpdpbusd(ops, acc, B, X);
     } else {
         dynasm!(ops
@@ -184,7 +187,6 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
 
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy, ntok)`.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    let q = p.q;
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
@@ -194,17 +196,8 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if !p.vnni {
         broadcast_const(&mut ops, ONES, 0x0001_0001);
     }
-    match (q, p.vnni) {
-        (QuantType::Q8_0, false) => broadcast_const(&mut ops, BYTE_CONST, 0x8080_8080),
-        (QuantType::Q8_0, true) => {}
-        (QuantType::Q5_0, _) => {
-            broadcast_const(&mut ops, BYTE_CONST, 0x0101_0101);
-            lane_index(&mut ops, IDX);
-        }
-        (QuantType::Q4_0, _) => {}
-    }
-    if q != QuantType::Q8_0 {
-        broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
+    if sign_trick(p) {
+        broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
     dynasm!(ops
         ; .arch x64
@@ -212,7 +205,8 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; shl r12, 2
         ; mov r13, [rsp + NTOK_AT]
     );
-    block_stride(&mut ops, q);
+    // Q8_0's layout whatever the values' offset.
+    block_stride(&mut ops, QuantType::Q8_0);
     dynasm!(ops
         ; .arch x64
         // r11: the end of the tile's groups.
@@ -236,25 +230,17 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if p.prefetch > 0 {
         dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
     }
-    // The 4 rows' values as unsigned bytes, into the red zone.
-    let unpack = UnpackRegs {
-        temp: TEMP2,
-        low_nibbles: LOW_NIBBLES,
-        byte_ones: BYTE_CONST,
-        idx: IDX,
-    };
-    for row in 0..ROWS {
-        let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
-        let to = SCRATCH + 32 * row as i8;
-        match (q, p.vnni) {
-            (QuantType::Q8_0, true) => continue,
-            (QuantType::Q8_0, false) => dynasm!(ops
+    if sign_trick(p) {
+        // The 4 rows' q, for the sign trick, into the red zone.
+        for row in 0..ROWS {
+            let at = (PAYLOADS_AT + row * GROUP_COLS) as i8;
+            let to = SCRATCH + 32 * row as i8;
+            dynasm!(ops
                 ; .arch x64
-                ; vpxor Ry(B), Ry(BYTE_CONST), [BYTE r9 + at]
-            ),
-            _ => unpack_values(&mut ops, q, B, at, unpack),
+                ; vpxor Ry(B), Ry(SIGN_BITS), [BYTE r9 + at]
+                ; vmovdqu [BYTE rsp + to], Ry(B)
+            );
         }
-        dynasm!(ops ; .arch x64 ; vmovdqu [BYTE rsp + to], Ry(B));
     }
     for (row, &odd) in ODD_SUMS.iter().enumerate() {
         let a = acc_i32(row);
@@ -310,7 +296,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     }
     dynasm!(ops
         ; .arch x64
-        ; add r9, q.group_bytes() as i32
+        ; add r9, QuantType::Q8_0.group_bytes() as i32
         ; add r10, TILE_GROUP_BYTES as i32
         ; cmp r10, r11
     );

@@ -1,0 +1,149 @@
+//! Unpacks Q5_0 or Q4_0 row blocks into Q8_0's row-block layout, the one
+//! the integer GEMM (`gemm_quant`) reads.
+//!
+//! Why: the GEMM broadcasts each row's 4 weight bytes to the 8 tokens of a
+//! tile. Q8_0's stored bytes broadcast straight from the row block; Q5_0's
+//! and Q4_0's had to be unpacked into bytes first, in every tile's pass,
+//! which made their GEMM 1.6x Q8_0's per group (14.4 against 8.7 ns per 4
+//! rows x 32 columns x 8 tokens, one thread, from L2). Unpacked once per
+//! panel of rows, the unpacking is shared by every tile of a prefill chunk
+//! (16 tiles for 126 tokens).
+//!
+//! The output has Q8_0's geometry: per 32-column group the 4 rows' f16
+//! scales (copied), then 4 x 32 bytes, one per value. `into` says which
+//! offset the bytes carry: Q8_0's (s + 128, Q8_0's stored form, so that
+//! with VNNI one GEMM serves every type), or the type's own (v = s + 16 or
+//! s + 8, small enough for AVX2's `vpmaddubsw`). Either way a GEMM group
+//! sum is the same exact integer as the GEMV's, so results stay
+//! bit-identical to one-token steps.
+//!
+//! Signature `fn(w, out, k, r0, r1)`: rows r0..r1 of W (r0 a multiple of
+//! 4; whole row blocks, padding rows included) into `out`, which receives
+//! the row blocks one after another from r0's.
+//!
+//! Registers: rdi=W, rsi=out, rcx=row, r8=r1, r9 the W pointer (K on
+//! entry, as `block_stride` wants), rbx=K, rbp=bytes of W per row of a
+//! block, r10 the groups left in a block, r11 the rows left in a group, rax
+//! the scales; ymm0 a row's bytes, ymm10 a temporary, ymm12 bytes of 1
+//! (Q5_0), ymm13 bytes of 15, ymm14 lane indices (Q5_0), ymm15 the bytes
+//! to add.
+
+use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
+use super::{
+    broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
+    save_callee_saved,
+};
+use crate::jback;
+use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct UnpackQuantParams {
+    /// The packed type (Q5_0 or Q4_0).
+    pub q: QuantType,
+    /// Whose offset the unpacked bytes carry: Q8_0's or `q`'s own.
+    pub into: QuantType,
+}
+
+const TEMP: u8 = 10;
+const BYTE_ONES: u8 = 12;
+const LOW_NIBBLES: u8 = 13;
+const IDX: u8 = 14;
+const OFFSET_CHANGE: u8 = 15;
+
+/// What turns an unpacked byte (s plus `q`'s offset) into s plus
+/// `into`'s offset.
+fn offset_change(q: QuantType, into: QuantType) -> u8 {
+    (1u8 << into.stored_offset_shift()) - (1u8 << q.stored_offset_shift())
+}
+
+/// Emits the kernel `extern "sysv64" fn(w, out, k, r0, r1)`.
+pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let q = p.q;
+    anyhow::ensure!(
+        q != QuantType::Q8_0 && (p.into == q || p.into == QuantType::Q8_0),
+        "{name}: unpacks Q5_0 or Q4_0, into their own offset or Q8_0's"
+    );
+    let add = offset_change(q, p.into);
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let group = ops.new_dynamic_label();
+    let row = ops.new_dynamic_label();
+    broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
+    if add != 0 {
+        broadcast_const(&mut ops, OFFSET_CHANGE, u32::from_ne_bytes([add; 4]));
+    }
+    if q == QuantType::Q5_0 {
+        broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101);
+        lane_index(&mut ops, IDX);
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; mov r9, rdx
+    );
+    block_stride(&mut ops, q);
+    dynasm!(ops
+        ; .arch x64
+        ; cmp rcx, r8
+        ; jae =>done
+    );
+    block_pointer(&mut ops);
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>block
+        ; mov r10, rbx
+        ; shr r10, 5
+    );
+    let group_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>group
+        // The 4 scales, as they are.
+        ; mov rax, [r9]
+        ; mov [rsi], rax
+        ; mov r11d, BLOCK_ROWS as i32
+    );
+    let regs = UnpackRegs {
+        temp: TEMP,
+        low_nibbles: LOW_NIBBLES,
+        byte_ones: BYTE_ONES,
+        idx: IDX,
+    };
+    // A loop over the 4 rows rather than 4 copies: 4 x ~90 bytes of
+    // unpacking would not leave the AVX2 plan room for its GeGLU kernel.
+    // r9 and rsi step one row's payload at a time, so that after the 4th
+    // they stand a group's scales short of the next group.
+    let row_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>row);
+    unpack_values(&mut ops, q, 0, PAYLOADS_AT as i8, regs);
+    if add != 0 {
+        dynasm!(ops ; .arch x64 ; vpaddb ymm0, ymm0, Ry(OFFSET_CHANGE));
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; vmovdqu [BYTE rsi + PAYLOADS_AT as i8], ymm0
+        ; add r9, BYTE q.payload_bytes() as i8
+        ; add rsi, BYTE GROUP_COLS as i8
+        ; dec r11d
+    );
+    jback!(ops, jnz, row, row_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, BYTE PAYLOADS_AT as i8
+        ; add rsi, BYTE PAYLOADS_AT as i8
+        ; dec r10
+    );
+    jback!(ops, jnz, group, group_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add rcx, BYTE BLOCK_ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
