@@ -228,7 +228,15 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let group_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>group);
     if p.prefetch > 0 {
-        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
+        // A group of 4 rows is 136 bytes: two lines per group. With one,
+        // an 8-token tile over a 262,144 x 640 Q8_0 matrix from memory
+        // took 16.9-19.2 ns per group on one thread, with two 13.0-15.1
+        // (Xeon, three alternating runs).
+        dynasm!(ops
+            ; .arch x64
+            ; prefetcht0 [r9 + p.prefetch as i32]
+            ; prefetcht0 [r9 + (p.prefetch + 64) as i32]
+        );
     }
     if sign_trick(p) {
         // The 4 rows' q, for the sign trick, into the red zone.
