@@ -16,8 +16,8 @@ use crate::model::quant_blocks::QuantType;
 use anyhow::{Result, bail};
 use std::ops::Range;
 
-/// Bytes ahead the quantized GEMVs prefetch by default (measured, see
-/// `GemvQuantParams::prefetch`).
+/// Bytes ahead the quantized GEMVs prefetch by default, and the integer
+/// GEMM always (measured, see `GemvQuantParams::prefetch`).
 pub const QUANT_PREFETCH_BYTES: usize = 8 << 10;
 
 /// Total machine-code bytes allowed for one model's kernels.
