@@ -188,7 +188,11 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                 }),
             ];
             if q != QuantType::Q8_0 {
-                kinds.push(KernelKind::UnpackQuant(UnpackQuantParams { q, into }));
+                kinds.push(KernelKind::UnpackQuant(UnpackQuantParams {
+                    q,
+                    into,
+                    prefetch: 8192,
+                }));
             }
             let set = KernelSet::from_kinds(&kinds, &caps, max_isa).expect("emit + verify");
             let gemv = set.get::<GemvQuant>((q, k)).unwrap();

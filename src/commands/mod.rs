@@ -73,9 +73,9 @@ pub struct GenerationArgs {
     pub speculation: Speculation,
 }
 
-/// Environment variable that fixes the draft-length policy's step-cost
-/// slope instead of measuring it (tests and benchmarks: the draft lengths
-/// then do not depend on timing).
+/// Environment variable that fixes the draft-length policy's step cost
+/// at `1 + c·k` for `k` drafted tokens instead of measuring it (tests and
+/// benchmarks: the draft lengths then do not depend on timing).
 pub const SPEC_STEP_COST_VAR: &str = "PULSAR_SPEC_STEP_COST";
 
 /// The speculation a command runs with: the one asked for, with

@@ -278,6 +278,10 @@ impl MatKernels for JitKernels {
         );
         let gemm_q = unpack.map_or(q, |u| u.into);
         let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
+        let panel_gemv: Option<GemvQuant> = w
+            .kernels()
+            .panel_one_token
+            .map(|id| self.set.bind(id, (QuantType::Q8_0, w.cols)));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
         assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
         // Every tile passes over a panel of rows while it stays in L2 (the
@@ -290,9 +294,22 @@ impl MatKernels for JitKernels {
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = rows.end.min(r0 + panel_rows);
-            let run_tiles = |panel: *const u8, first_row: usize| {
+            let run_tiles = |panel: &[u8], first_row: usize| {
                 for i in 0..x.tile_count() {
                     let (tile, ntok) = x.tile(i);
+                    if let (1, Some(gemv)) = (ntok, panel_gemv) {
+                        // A lone token in the last tile (a step over 9
+                        // tokens): Q8_0's GEMV over the panel, from L2,
+                        // rather than a tile's 8 lanes for one. Bit-identical
+                        // either way (the same integer group sums, scaled in
+                        // the same order).
+                        let t = i * TILE_TOKENS;
+                        // SAFETY: the caller owns columns r0..r1 of y.
+                        let part = unsafe { y.cells(t, r0..r1) };
+                        gemv.run_part(panel, x.token(t), part, first_row..first_row + (r1 - r0))
+                            .expect("a panel of the matrix's rows");
+                        continue;
+                    }
                     // SAFETY: `panel` holds the Q8_0 blocks of rows
                     // first_row..r1 - r0 + first_row (the whole matrix's, or
                     // the unpacked panel's), the tile is whole, y holds every
@@ -301,7 +318,7 @@ impl MatKernels for JitKernels {
                     // first_row.. from y + r0 - first_row.
                     unsafe {
                         k.run_unchecked(
-                            panel,
+                            panel.as_ptr(),
                             tile.as_ptr(),
                             ntok,
                             y.as_mut_ptr()
@@ -313,14 +330,14 @@ impl MatKernels for JitKernels {
                 }
             };
             match unpack {
-                None => run_tiles(w.raw().as_ptr(), r0),
+                None => run_tiles(w.raw(), r0),
                 Some(unpack) => PANEL.with_borrow_mut(|panel| {
                     let bytes = unpack.out_bytes(r0..r1);
                     let out = panel.bytes(bytes);
                     unpack
                         .run(w.raw(), r0..r1, out)
                         .expect("a panel of the matrix's rows");
-                    run_tiles(out.as_ptr(), 0);
+                    run_tiles(out, 0);
                 }),
             }
             r0 = r1;
@@ -354,11 +371,24 @@ impl MatKernels for JitKernels {
                 (self.set.resolve::<Gemv>(key), self.set.resolve::<Gemm>(key))
             }
         };
+        // Panels in Q8_0's bytes (Q8_0 itself, or unpacked with Q8_0's
+        // offset) can be read by Q8_0's GEMV too.
+        let panel_is_q8_0 = match w.format.quant() {
+            Some(QuantType::Q8_0) => true,
+            Some(q) => unpack.is_some_and(|id| {
+                self.set.bind::<UnpackQuant>(id, (q, w.cols)).into == QuantType::Q8_0
+            }),
+            None => false,
+        };
+        let panel_one_token = panel_is_q8_0
+            .then(|| self.set.resolve::<GemvQuant>((QuantType::Q8_0, w.cols)))
+            .flatten();
         match (one_token, tokens) {
             (Some(_), Some(_)) => Ok(MatrixKernels {
                 one_token,
                 tokens,
                 unpack,
+                panel_one_token,
             }),
             (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
             (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),

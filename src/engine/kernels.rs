@@ -181,6 +181,9 @@ pub struct MatrixKernels {
     /// Q5_0 and Q4_0: what unpacks panels of rows into Q8_0's layout for
     /// that GEMM.
     pub unpack: Option<KernelId>,
+    /// Q8_0's GEMV where the GEMM's panels hold Q8_0's bytes: it takes a
+    /// tile's lone token (see `JitKernels::gemm_q8`).
+    pub panel_one_token: Option<KernelId>,
 }
 
 pub trait MatKernels: Sync {

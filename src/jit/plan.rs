@@ -126,14 +126,15 @@ impl KernelKind {
             }
             KernelKind::UnpackQuant(p) => {
                 format!(
-                    "unpack_{}_r{}_to_{}",
+                    "unpack_{}_r{}_to_{}_pf{}",
                     p.q.name(),
                     gemm_quant::ROWS,
                     if p.into == QuantType::Q8_0 {
                         "q8_0"
                     } else {
                         "bytes"
-                    }
+                    },
+                    p.prefetch
                 )
             }
             KernelKind::Gemm(p) => {
@@ -348,6 +349,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         (q != QuantType::Q8_0).then_some(UnpackQuantParams {
             q,
             into: if vnni { QuantType::Q8_0 } else { q },
+            prefetch: QUANT_PREFETCH_BYTES,
         })
     };
     // The GEMM keeps the analytic distance: the launch tuning times decode

@@ -70,9 +70,10 @@ impl Speculation {
 pub struct NgramOptions {
     /// Most tokens drafted per step (1 ..= [`policy::MAX_DRAFT`]).
     pub max_draft: usize,
-    /// The extra cost of one more token in a step relative to a one-token
-    /// step; `None` measures it from the steps' timings. Fixing it makes
-    /// the draft lengths independent of timing (tests, benchmarks).
+    /// The extra cost of each drafted token relative to a one-token step,
+    /// with no fixed part (`policy::StepCost::per_token`); `None` fits the
+    /// cost to the steps' timings. Fixing it makes the draft lengths
+    /// independent of timing (tests, benchmarks).
     pub step_cost: Option<f64>,
 }
 

@@ -43,6 +43,11 @@ pub struct UnpackQuantParams {
     pub q: QuantType,
     /// Whose offset the unpacked bytes carry: Q8_0's or `q`'s own.
     pub into: QuantType,
+    /// Bytes ahead of each group to prefetch (0: none). The unpacking is
+    /// where a small step's Q5_0 weights come from memory (the GEMM then
+    /// reads the panel from L2), and like the GEMVs it outruns the
+    /// hardware prefetcher.
+    pub prefetch: usize,
 }
 
 const TEMP: u8 = 10;
@@ -101,6 +106,15 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; =>group
+    );
+    if p.prefetch > 0 {
+        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
+        if q.group_bytes() > 64 {
+            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (p.prefetch + 64) as i32]);
+        }
+    }
+    dynasm!(ops
+        ; .arch x64
         // The 4 scales, as they are.
         ; mov rax, [r9]
         ; mov [rsi], rax
