@@ -211,6 +211,8 @@ const ALLOWED: &[Mnemonic] = {
         Vunpcklpd,
         Vunpckhpd,
         Vperm2f128,
+        // The few-token GEMV: the rows' scales for a pair of tokens.
+        Vpbroadcastq,
     ]
 };
 

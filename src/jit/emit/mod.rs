@@ -15,6 +15,7 @@ pub mod gemm;
 pub mod gemm_quant;
 pub mod gemv;
 pub mod gemv_quant;
+pub mod gemv_quant_few;
 pub mod unpack_quant;
 
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
