@@ -675,6 +675,59 @@ impl UnpackQuant<'_> {
     }
 }
 
+/// The 8-bit input of a call over several tokens, for
+/// [`check_tokens_call`].
+struct TokensInput {
+    /// What the input is called in an error.
+    what: &'static str,
+    bytes: usize,
+    want: usize,
+    ntok: usize,
+    max_tokens: usize,
+}
+
+/// The checks of a call `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights in
+/// Q8_0's row-block layout (whichever offset the bytes carry): a whole
+/// input of 1 to `max_tokens` tokens, rows starting on a block and inside
+/// W, and every element written inside Y.
+fn check_tokens_call(
+    name: &str,
+    k: usize,
+    w: &[u8],
+    x: &TokensInput,
+    y: &[f32],
+    ldy: usize,
+    rows: &Range<usize>,
+) -> Result<(), KernelError> {
+    let ntok = x.ntok;
+    if x.bytes != x.want || !(1..=x.max_tokens).contains(&ntok) {
+        return Err(shape(
+            name,
+            format!(
+                "{} of {} bytes (want {}) with {ntok} tokens (1 to {})",
+                x.what, x.bytes, x.want, x.max_tokens
+            ),
+        ));
+    }
+    let block_bytes = QuantType::Q8_0.block_bytes(k);
+    if rows.start > rows.end
+        || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
+        || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
+        || rows.end > ldy
+        || !rows_fit(y.len(), ntok, ldy, rows.end)
+    {
+        return Err(shape(
+            name,
+            format!(
+                "rows {rows:?} of W ({} bytes, K {k}) into Y of {ntok} x {ldy} ({} elements), or rows start inside a block",
+                w.len(),
+                y.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 type GemmQuantFn =
     unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize, usize, usize, usize);
 
@@ -704,36 +757,14 @@ impl GemmQuant<'_> {
         ldy: usize,
         rows: Range<usize>,
     ) -> Result<(), KernelError> {
-        // Q8_0's layout, whichever offset the bytes carry.
-        let block_bytes = QuantType::Q8_0.block_bytes(self.k);
-        if tile.len() != self.tile_bytes() || !(1..=gemm_quant::TOKENS).contains(&ntok) {
-            return Err(shape(
-                self.name,
-                format!(
-                    "a tile of {} bytes (want {}) with {ntok} tokens (1 to {})",
-                    tile.len(),
-                    self.tile_bytes(),
-                    gemm_quant::TOKENS
-                ),
-            ));
-        }
-        if rows.start > rows.end
-            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
-            || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
-            || rows.end > ldy
-            || !rows_fit(y.len(), ntok, ldy, rows.end)
-        {
-            return Err(shape(
-                self.name,
-                format!(
-                    "rows {rows:?} of W ({} bytes, K {}) into Y of {} x {ldy} ({} elements), or rows start inside a block",
-                    w.len(),
-                    self.k,
-                    ntok,
-                    y.len()
-                ),
-            ));
-        }
+        let input = TokensInput {
+            what: "a tile",
+            bytes: tile.len(),
+            want: self.tile_bytes(),
+            ntok,
+            max_tokens: gemm_quant::TOKENS,
+        };
+        check_tokens_call(self.name, self.k, w, &input, y, ldy, &rows)?;
         // SAFETY: checked above: the blocks read are inside `w`, the tile
         // is whole, and every element written is inside `y`.
         unsafe { self.run_unchecked(w.as_ptr(), tile.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };
@@ -790,35 +821,14 @@ impl GemvQuantFew<'_> {
         ldy: usize,
         rows: Range<usize>,
     ) -> Result<(), KernelError> {
-        let block_bytes = QuantType::Q8_0.block_bytes(self.k);
-        if x.len() != self.input_bytes() || !(1..=gemv_quant_few::TOKENS).contains(&ntok) {
-            return Err(shape(
-                self.name,
-                format!(
-                    "an input of {} bytes (want {}) with {ntok} tokens (1 to {})",
-                    x.len(),
-                    self.input_bytes(),
-                    gemv_quant_few::TOKENS
-                ),
-            ));
-        }
-        if rows.start > rows.end
-            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
-            || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
-            || rows.end > ldy
-            || !rows_fit(y.len(), ntok, ldy, rows.end)
-        {
-            return Err(shape(
-                self.name,
-                format!(
-                    "rows {rows:?} of W ({} bytes, K {}) into Y of {} x {ldy} ({} elements), or rows start inside a block",
-                    w.len(),
-                    self.k,
-                    ntok,
-                    y.len()
-                ),
-            ));
-        }
+        let input = TokensInput {
+            what: "an input",
+            bytes: x.len(),
+            want: self.input_bytes(),
+            ntok,
+            max_tokens: gemv_quant_few::TOKENS,
+        };
+        check_tokens_call(self.name, self.k, w, &input, y, ldy, &rows)?;
         // SAFETY: checked above: the blocks read are inside `w`, the input
         // is whole, and every element written is inside `y`.
         unsafe { self.run_unchecked(w.as_ptr(), x.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };

@@ -185,6 +185,31 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
     }
 }
 
+/// The start of a kernel `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights
+/// in Q8_0's row-block layout and an input of `group_bytes` per 32
+/// columns (this GEMM, and `gemv_quant_few`): r12 = ldy in bytes, r13 =
+/// ntok, rbx = K, rbp = the bytes of W per row of a block, r11 = the end
+/// of the input's groups; jumps to `done` when there are no rows.
+pub(super) fn token_call_frame(ops: &mut Asm, group_bytes: usize, done: dynasmrt::DynamicLabel) {
+    dynasm!(ops
+        ; .arch x64
+        ; mov r12, [rsp + LDY_AT]
+        ; shl r12, 2
+        ; mov r13, [rsp + NTOK_AT]
+    );
+    // Q8_0's layout whatever the values' offset.
+    block_stride(ops, QuantType::Q8_0);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r11, r9
+        ; shr r11, 5
+        ; imul r11, r11, group_bytes as i32
+        ; add r11, rsi
+        ; cmp rcx, r8
+        ; jae =>done
+    );
+}
+
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy, ntok)`.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let mut ops = new_asm();
@@ -199,24 +224,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if sign_trick(p) {
         broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
-    dynasm!(ops
-        ; .arch x64
-        ; mov r12, [rsp + LDY_AT]
-        ; shl r12, 2
-        ; mov r13, [rsp + NTOK_AT]
-    );
-    // Q8_0's layout whatever the values' offset.
-    block_stride(&mut ops, QuantType::Q8_0);
-    dynasm!(ops
-        ; .arch x64
-        // r11: the end of the tile's groups.
-        ; mov r11, r9
-        ; shr r11, 5
-        ; imul r11, r11, TILE_GROUP_BYTES as i32
-        ; add r11, rsi
-        ; cmp rcx, r8
-        ; jae =>done
-    );
+    token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
     let block_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>block);
     block_pointer(&mut ops);
@@ -327,7 +335,6 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
 /// weights are dead by now), then one masked store per token that exists,
 /// of the rows that exist. Clobbers r9, r15, rax and ymm4..11.
 fn store_tokens(ops: &mut Asm) {
-    let tokens = ops.new_dynamic_label();
     dynasm!(ops
         ; .arch x64
         ; vunpcklps ymm8, ymm0, ymm1
@@ -348,6 +355,16 @@ fn store_tokens(ops: &mut Asm) {
         ; vmovups [BYTE rsp - 64], ymm6
         ; vmovups [BYTE rsp - 32], ymm7
     );
+    store_red_zone_tokens(ops, -128);
+}
+
+/// Stores the block's rows of each of the ntok (r13) tokens, 4 f32 per
+/// token one after another from `rsp + first` (the red zone), to `y +
+/// t*ldy + r` (rdx = y, rcx = r, r12 = ldy in bytes): one masked store per
+/// token of the rows that exist (`r8 - rcx`). Clobbers r9, r14, r15, rax,
+/// ymm8..10.
+pub(super) fn store_red_zone_tokens(ops: &mut Asm, first: i8) {
+    let tokens = ops.new_dynamic_label();
     lane_index(ops, 9);
     dynasm!(ops
         ; .arch x64
@@ -358,7 +375,7 @@ fn store_tokens(ops: &mut Asm) {
     dynasm!(ops
         ; .arch x64
         ; lea r14, [rdx + rcx * 4]
-        ; lea r15, [BYTE rsp - 128]
+        ; lea r15, [BYTE rsp + first]
         ; mov r9, r13
     );
     let top = ops.offset();

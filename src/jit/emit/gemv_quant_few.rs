@@ -37,12 +37,9 @@
 //! sums (f32, token 0 in the low half), ymm14 tokens 2 and 3's, ymm15 the
 //! rows' scales (twice).
 
-use super::gemm_quant::vpdpbusd;
-use super::gemv_quant::{block_pointer, block_stride};
-use super::{
-    Asm, count_mask, finish, lane_index, new_asm, reg, restore_callee_saved_and_return,
-    save_callee_saved,
-};
+use super::gemm_quant::{store_red_zone_tokens, token_call_frame, vpdpbusd};
+use super::gemv_quant::block_pointer;
+use super::{Asm, finish, new_asm, restore_callee_saved_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -70,11 +67,6 @@ const W_SCALES: u8 = 15;
 fn product(u: usize, row: usize) -> u8 {
     (5 + 4 * u + row) as u8
 }
-
-/// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
-/// pushes and the return address.
-const LDY_AT: i32 = 56;
-const NTOK_AT: i32 = 64;
 
 /// Bytes of the few-token input for rows of `k` values.
 pub fn input_bytes(k: usize) -> usize {
@@ -128,24 +120,7 @@ pub fn emit(p: &GemvQuantFewParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let block = ops.new_dynamic_label();
     let group = ops.new_dynamic_label();
     let one_pair = ops.new_dynamic_label();
-    let tokens = ops.new_dynamic_label();
-    dynasm!(ops
-        ; .arch x64
-        ; mov r12, [rsp + LDY_AT]
-        ; shl r12, 2
-        ; mov r13, [rsp + NTOK_AT]
-    );
-    block_stride(&mut ops, QuantType::Q8_0);
-    dynasm!(ops
-        ; .arch x64
-        // r11: the end of the input's groups.
-        ; mov r11, r9
-        ; shr r11, 5
-        ; imul r11, r11, GROUP_BYTES as i32
-        ; add r11, rsi
-        ; cmp rcx, r8
-        ; jae =>done
-    );
+    token_call_frame(&mut ops, GROUP_BYTES, done);
     let block_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>block);
     block_pointer(&mut ops);
@@ -198,30 +173,7 @@ pub fn emit(p: &GemvQuantFewParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; vmovups [BYTE rsp - 64], Ry(ACC[0])
         ; vmovups [BYTE rsp - 32], Ry(ACC[1])
     );
-    lane_index(&mut ops, 9);
-    dynasm!(ops
-        ; .arch x64
-        ; mov rax, r8
-        ; sub rax, rcx
-    );
-    count_mask(&mut ops, 8, 9, reg::RAX);
-    dynasm!(ops
-        ; .arch x64
-        ; lea r14, [rdx + rcx * 4]
-        ; lea r15, [BYTE rsp - 64]
-        ; mov r9, r13
-    );
-    let tokens_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>tokens
-        ; vmovups xmm10, [r15]
-        ; vmaskmovps [r14], xmm8, xmm10
-        ; add r15, BYTE 16
-        ; add r14, r12
-        ; dec r9
-    );
-    jback!(ops, jnz, tokens, tokens_top);
+    store_red_zone_tokens(&mut ops, -64);
     dynasm!(ops
         ; .arch x64
         ; add rcx, BYTE ROWS as i8
