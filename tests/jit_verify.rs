@@ -110,6 +110,32 @@ fn avx512_under_avx2_max_isa_is_rejected() {
     // on a CPU that has it; the 256-bit width rule still rejects zmm.
     let err = verify("planted", &code, &policy(Isa::Avx512)).unwrap_err();
     assert_eq!(err.check, Check::Operand, "{err}");
+    // A kernel planned at 512 bits (the VNNI integer GEMM) may use zmm0..15,
+    // and its full-width steps may be ymm, but not xmm, nor zmm16..31.
+    let wide = policy(Isa::Avx512).with_vector_bits(512);
+    let ok = asm(|a| {
+        a.vaddps(zmm0, zmm1, zmm2)?;
+        a.vbroadcastss(ymm3, dword_ptr(rdi))?;
+        a.vzeroupper()?;
+        a.ret()
+    });
+    verify("wide", &ok, &wide).unwrap();
+    let narrow_dest = asm(|a| {
+        a.vbroadcastss(xmm3, dword_ptr(rdi))?;
+        a.ret()
+    });
+    assert_eq!(
+        verify("wide", &narrow_dest, &wide).unwrap_err().check,
+        Check::Operand
+    );
+    let high = asm(|a| {
+        a.vaddps(zmm16, zmm1, zmm2)?;
+        a.ret()
+    });
+    assert_eq!(
+        verify("wide", &high, &wide).unwrap_err().check,
+        Check::Operand
+    );
 }
 
 #[test]

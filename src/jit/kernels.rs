@@ -68,7 +68,11 @@ pub fn emit_and_verify_specs(
     let mut kernels = Vec::with_capacity(codes.len());
     let mut offset = 0;
     for (spec, code) in specs.iter().zip(codes) {
-        let verified = verify::verify(&spec.name, &code, &policy)?;
+        let verified = verify::verify(
+            &spec.name,
+            &code,
+            &policy.with_vector_bits(spec.kind.vector_bits()),
+        )?;
         let len = code.len();
         kernels.push(Compiled {
             spec: spec.clone(),

@@ -169,6 +169,16 @@ impl KernelKind {
         }
     }
 
+    /// The widest vectors the kernel uses: 512 bits for the VNNI integer
+    /// GEMM, 256 for every other kernel (the verifier holds each to its
+    /// width).
+    pub fn vector_bits(&self) -> usize {
+        match self {
+            KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. }) => 512,
+            _ => 256,
+        }
+    }
+
     /// Emits the machine code (AVX2 + FMA + F16C; AVX-512 VNNI's
     /// `vpdpbusd` on ymm registers where a kernel's params ask for it).
     pub fn emit(&self) -> Result<Vec<u8>> {

@@ -71,6 +71,14 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// The same features for a kernel of `bits`-wide vectors.
+    pub fn with_vector_bits(&self, bits: usize) -> Policy {
+        Policy {
+            vector_bits: bits,
+            ..self.clone()
+        }
+    }
+
     /// Features = detected CPU features, capped by `max_isa`.
     pub fn new(caps: &CpuCaps, max_isa: Isa) -> Policy {
         use CpuidFeature as F;
@@ -213,6 +221,13 @@ const ALLOWED: &[Mnemonic] = {
         Vperm2f128,
         // The few-token GEMV: the rows' scales for a pair of tokens.
         Vpbroadcastq,
+        // The integer GEMM on 512-bit vectors (VNNI): the tile's two
+        // chunks, the upper lanes' mask, the halves' sums.
+        Vmovdqu32,
+        Vpermd,
+        Vpinsrq,
+        Vpsrlq,
+        Vpmovqd,
     ]
 };
 
@@ -418,7 +433,10 @@ fn check_operands(ins: &Instruction, policy: &Policy) -> Result<(), (Check, Stri
         && ins.op0_kind() == OpKind::Register
     {
         let r = ins.op0_register();
-        if r.size() * 8 != policy.vector_bits {
+        // A 512-bit kernel also has full-width ymm steps.
+        let full = r.size() * 8 == policy.vector_bits
+            || (policy.vector_bits == 512 && r.size() * 8 == 256);
+        if !full {
             return Err((
                 Check::Operand,
                 format!(
