@@ -24,19 +24,25 @@
 //! after another (zeros past the last), then per pair of tokens their sums
 //! and their scales, each repeated 4 times (one per row lane of the
 //! kernel's fold).
+//!
+//! Both are built from the per-token bytes when a kernel first asks for
+//! them (by the first thread; the others wait): a product uses one of the
+//! two, and which one only the kernels know.
 
 use crate::jit::emit::gemm_quant::{
     TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS, tile_bytes,
 };
 use crate::jit::emit::gemv_quant_few;
 use crate::model::quant_blocks::GROUP_COLS;
+use std::sync::OnceLock;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
-    /// The token tiles; empty for a single token.
-    tiles: Vec<u8>,
-    /// The few-token layout; empty unless there are 2 to 4 tokens.
-    few: Vec<u8>,
+    /// The token tiles, built when first asked for: a product takes
+    /// either these or the few-token layout, never both.
+    tiles: OnceLock<Vec<u8>>,
+    /// The few-token layout (2 to 4 tokens), built when first asked for.
+    few: OnceLock<Vec<u8>>,
     k: usize,
     tokens: usize,
 }
@@ -129,20 +135,13 @@ impl Q8Input {
         } else {
             quantize_rows(x, k, &mut bytes);
         }
-        let mut input = Q8Input {
+        Q8Input {
             bytes,
-            tiles: Vec::new(),
-            few: Vec::new(),
+            tiles: OnceLock::new(),
+            few: OnceLock::new(),
             k,
             tokens,
-        };
-        if tokens > 1 {
-            input.tiles = input.interleave();
         }
-        if (2..=gemv_quant_few::TOKENS).contains(&tokens) {
-            input.few = input.few_token_layout();
-        }
-        input
     }
 
     /// The few-token layout, built from the per-token one.
@@ -170,7 +169,9 @@ impl Q8Input {
 
     /// The few-token layout (2 to 4 tokens), if the input has one.
     pub fn few_tokens(&self) -> Option<&[u8]> {
-        (!self.few.is_empty()).then_some(self.few.as_slice())
+        (2..=gemv_quant_few::TOKENS)
+            .contains(&self.tokens)
+            .then(|| self.few.get_or_init(|| self.few_token_layout()).as_slice())
     }
 
     /// The token tiles, built from the per-token layout.
@@ -198,18 +199,20 @@ impl Q8Input {
 
     /// Tiles of 8 tokens (none for a single token, which the GEMV takes).
     pub fn tile_count(&self) -> usize {
-        if self.tiles.is_empty() {
-            0
-        } else {
+        if self.tokens > 1 {
             self.tokens.div_ceil(TOKENS)
+        } else {
+            0
         }
     }
 
     /// Tile `i`'s bytes and how many real tokens it holds.
     pub fn tile(&self, i: usize) -> (&[u8], usize) {
         let bytes = tile_bytes(self.k);
+        assert!(i < self.tile_count(), "tile {i} of {}", self.tile_count());
         let ntok = (self.tokens - i * TOKENS).min(TOKENS);
-        (&self.tiles[i * bytes..(i + 1) * bytes], ntok)
+        let tiles = self.tiles.get_or_init(|| self.interleave());
+        (&tiles[i * bytes..(i + 1) * bytes], ntok)
     }
 
     pub fn k(&self) -> usize {
