@@ -70,7 +70,7 @@ fn short_steps_are_exact(native: bool) {
     for seq in 0..2 {
         step(&mut e, seq, &prompt, LogitsWanted::Last);
     }
-    // 2 to 4: the few-token GEMV where the plan has it (VNNI); 9: a full
+    // 2 to 4: half a tile (VNNI's GEMM skips its second half); 9: a full
     // tile and a lone token, which Q8_0's GEMV takes.
     for m in [2, 3, 4, 5, 9, EXACT_STEP_MAX_TOKENS] {
         let run = tokens(m + 1, 100 + m as u32)[1..].to_vec();

@@ -24,9 +24,8 @@ use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::jit::cpu::{CpuCaps, Isa};
 use pulsar::jit::emit::gemm_quant::GemmQuantParams;
 use pulsar::jit::emit::gemv_quant::GemvQuantParams;
-use pulsar::jit::emit::gemv_quant_few::GemvQuantFewParams;
 use pulsar::jit::emit::unpack_quant::UnpackQuantParams;
-use pulsar::jit::kernels::{GemmQuant, GemvQuant, GemvQuantFew, KernelSet, UnpackQuant};
+use pulsar::jit::kernels::{GemmQuant, GemvQuant, KernelSet, UnpackQuant};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::dtype::{DType, TensorView};
 use pulsar::model::quant_blocks::{self, QuantType};
@@ -276,100 +275,6 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
             assert!(gemm.run(short, tile, 3, &mut y, rows, 0..rows).is_err());
         }
     }
-}
-
-/// The few-token GEMV (2 to 4 tokens, VNNI) against the GEMV one token at
-/// a time: bit-identical, on Q8_0 matrices and on Q5_0 and Q4_0 panels
-/// unpacked with Q8_0's offset, for partial row blocks and row ranges
-/// starting inside the matrix; arguments that do not fit are refused.
-#[test]
-fn the_few_token_gemv_equals_the_gemv_bit_for_bit() {
-    let caps = CpuCaps::detect();
-    if !(caps.avx512_vnni && caps.has_avx512()) {
-        println!(
-            "this CPU has no AVX-512 VNNI: the few-token GEMV is not planned here, nothing to check"
-        );
-        return;
-    }
-    for (q, rows, k) in [QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0]
-        .into_iter()
-        .flat_map(|q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
-    {
-        let file = quant_file(q, rows, k, (rows * k + 11) as u32);
-        let w = packed(q, rows, k, &file);
-        let mut kinds = vec![
-            KernelKind::GemvQuant(GemvQuantParams {
-                q,
-                prefetch: 8192,
-                vnni: q == QuantType::Q8_0,
-            }),
-            KernelKind::GemvQuantFew(GemvQuantFewParams { prefetch: 8192 }),
-        ];
-        if q != QuantType::Q8_0 {
-            kinds.push(KernelKind::UnpackQuant(UnpackQuantParams {
-                q,
-                into: QuantType::Q8_0,
-                prefetch: 8192,
-            }));
-        }
-        let set = KernelSet::from_kinds(&kinds, &caps, Isa::Avx512).expect("emit + verify");
-        let gemv = set.get::<GemvQuant>((q, k)).unwrap();
-        let few = set.get::<GemvQuantFew>(k).unwrap();
-        let layout = match set.get::<UnpackQuant>((q, k)) {
-            None => w.raw().to_vec(),
-            Some(unpack) => {
-                let mut out = vec![0u8; unpack.out_bytes(0..rows)];
-                unpack.run(w.raw(), 0..rows, &mut out).unwrap();
-                out
-            }
-        };
-        let mid = (rows / 2).next_multiple_of(4).min(rows);
-        for tokens in 2..=4 {
-            let xq = Q8Input::quantize(&inputs(tokens, k), k);
-            let input = xq.few_tokens().expect("2 to 4 tokens have the layout");
-            let mut want = vec![0.0f32; tokens * rows];
-            for (t, y) in want.chunks_exact_mut(rows).enumerate() {
-                gemv.run_part(w.raw(), xq.token(t), y, 0..rows).unwrap();
-            }
-            let ldy = rows + 3;
-            let mut got = vec![f32::NAN; tokens * ldy];
-            few.run(&layout, input, tokens, &mut got, ldy, 0..mid)
-                .unwrap();
-            few.run(&layout, input, tokens, &mut got, ldy, mid..rows)
-                .unwrap();
-            for t in 0..tokens {
-                let (g, e) = (&got[t * ldy..][..rows], &want[t * rows..][..rows]);
-                assert!(
-                    g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{q:?} {rows}x{k} token {t} of {tokens}:\n few {g:?}\n gemv {e:?}"
-                );
-                assert!(
-                    got[t * ldy + rows..(t * ldy + ldy).min(got.len())]
-                        .iter()
-                        .all(|v| v.is_nan()),
-                    "{q:?}: wrote past the rows of token {t}"
-                );
-            }
-        }
-        let xq = Q8Input::quantize(&inputs(3, k), k);
-        let input = xq.few_tokens().unwrap();
-        let mut y = vec![0.0f32; 3 * rows];
-        assert!(few.run(&layout, input, 5, &mut y, rows, 0..rows).is_err());
-        assert!(few.run(&layout, input, 0, &mut y, rows, 0..rows).is_err());
-        assert!(
-            few.run(&layout, &input[1..], 3, &mut y, rows, 0..rows)
-                .is_err()
-        );
-        assert!(few.run(&layout, input, 3, &mut y, rows, 2..rows).is_err());
-        assert!(
-            few.run(&layout, input, 3, &mut y[1..], rows, 0..rows)
-                .is_err()
-        );
-        let short = &layout[..layout.len() - 1];
-        assert!(few.run(short, input, 3, &mut y, rows, 0..rows).is_err());
-    }
-    assert!(Q8Input::quantize(&inputs(1, 64), 64).few_tokens().is_none());
-    assert!(Q8Input::quantize(&inputs(5, 64), 64).few_tokens().is_none());
 }
 
 #[test]

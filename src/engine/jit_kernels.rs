@@ -13,8 +13,8 @@ use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
-    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, GemvQuantFew, KernelId,
-    KernelSet, RmsNorm, Softmax, UnpackQuant,
+    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
+    Softmax, UnpackQuant,
 };
 use crate::jit::plan::PlanOptions;
 use crate::model::config::ModelConfig;
@@ -282,8 +282,6 @@ impl MatKernels for JitKernels {
             .kernels()
             .panel_one_token
             .map(|id| self.set.bind(id, (QuantType::Q8_0, w.cols)));
-        let few_tokens: Option<GemvQuantFew> =
-            w.kernels().few_tokens.map(|id| self.set.bind(id, w.cols));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
         assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
         // Every tile passes over a panel of rows while it stays in L2 (the
@@ -297,23 +295,6 @@ impl MatKernels for JitKernels {
         while r0 < rows.end {
             let r1 = rows.end.min(r0 + panel_rows);
             let run_tiles = |panel: &[u8], first_row: usize| {
-                if let (Some(few), Some(input)) = (few_tokens, x.few_tokens()) {
-                    // SAFETY: as for the tiles below: `panel` holds the
-                    // rows' Q8_0 blocks, the input is whole for K, y holds
-                    // every token's row (asserted) and the caller owns
-                    // columns r0..r1 of them.
-                    unsafe {
-                        few.run_unchecked(
-                            panel.as_ptr(),
-                            input.as_ptr(),
-                            x.tokens(),
-                            y.as_mut_ptr().add(r0 - first_row),
-                            y.stride,
-                            first_row..first_row + (r1 - r0),
-                        )
-                    };
-                    return;
-                }
                 for i in 0..x.tile_count() {
                     let (tile, ntok) = x.tile(i);
                     if let (1, Some(gemv)) = (ntok, panel_gemv) {
@@ -402,16 +383,12 @@ impl MatKernels for JitKernels {
         let panel_one_token = panel_is_q8_0
             .then(|| self.set.resolve::<GemvQuant>((QuantType::Q8_0, w.cols)))
             .flatten();
-        let few_tokens = panel_is_q8_0
-            .then(|| self.set.resolve::<GemvQuantFew>(w.cols))
-            .flatten();
         match (one_token, tokens) {
             (Some(_), Some(_)) => Ok(MatrixKernels {
                 one_token,
                 tokens,
                 unpack,
                 panel_one_token,
-                few_tokens,
             }),
             (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
             (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),

@@ -184,9 +184,6 @@ pub struct MatrixKernels {
     /// Q8_0's GEMV where the GEMM's panels hold Q8_0's bytes: it takes a
     /// tile's lone token (see `JitKernels::gemm_q8`).
     pub panel_one_token: Option<KernelId>,
-    /// The few-token GEMV where the panels hold Q8_0's bytes and the plan
-    /// has it (VNNI): it takes steps over 2 to 4 tokens.
-    pub few_tokens: Option<KernelId>,
 }
 
 pub trait MatKernels: Sync {

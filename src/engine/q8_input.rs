@@ -19,30 +19,20 @@
 //! past the last are zeros. The values are the same as the per-token
 //! layout's, so the GEMV and the GEMM see the same input.
 //!
-//! Inputs of 2 to 4 tokens are also laid out for the few-token GEMV
-//! (`jit::emit::gemv_quant_few`): per group the 4 tokens' 32 quants one
-//! after another (zeros past the last), then per pair of tokens their sums
-//! and their scales, each repeated 4 times (one per row lane of the
-//! kernel's fold).
-//!
-//! Both are built from the per-token bytes when a kernel first asks for
-//! them (by the first thread; the others wait): a product uses one of the
-//! two, and which one only the kernels know.
+//! The tiles are built from the per-token bytes when a kernel first asks
+//! for them (by the first thread; the others wait): a product of one token
+//! never needs them.
 
 use crate::jit::emit::gemm_quant::{
     TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS, tile_bytes,
 };
-use crate::jit::emit::gemv_quant_few;
 use crate::model::quant_blocks::GROUP_COLS;
 use std::sync::OnceLock;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
-    /// The token tiles, built when first asked for: a product takes
-    /// either these or the few-token layout, never both.
+    /// The token tiles, built when first asked for.
     tiles: OnceLock<Vec<u8>>,
-    /// The few-token layout (2 to 4 tokens), built when first asked for.
-    few: OnceLock<Vec<u8>>,
     k: usize,
     tokens: usize,
 }
@@ -138,40 +128,9 @@ impl Q8Input {
         Q8Input {
             bytes,
             tiles: OnceLock::new(),
-            few: OnceLock::new(),
             k,
             tokens,
         }
-    }
-
-    /// The few-token layout, built from the per-token one.
-    fn few_token_layout(&self) -> Vec<u8> {
-        use gemv_quant_few::{GROUP_BYTES, PAIR_BYTES, PAIRS_AT};
-        let groups = self.k / GROUP_COLS;
-        let mut out = vec![0u8; gemv_quant_few::input_bytes(self.k)];
-        for (g, group) in out.chunks_exact_mut(GROUP_BYTES).enumerate() {
-            for t in 0..self.tokens {
-                let token = self.token(t);
-                group[t * GROUP_COLS..][..GROUP_COLS]
-                    .copy_from_slice(&token[g * GROUP_COLS..][..GROUP_COLS]);
-                let scale = &token[self.k + g * 4..][..4];
-                let sum = &token[self.k + groups * 4 + g * 4..][..4];
-                let pair = &mut group[PAIRS_AT + t / 2 * PAIR_BYTES..][..PAIR_BYTES];
-                for lane in 0..4 {
-                    let at = (t % 2 * 4 + lane) * 4;
-                    pair[at..at + 4].copy_from_slice(sum);
-                    pair[32 + at..32 + at + 4].copy_from_slice(scale);
-                }
-            }
-        }
-        out
-    }
-
-    /// The few-token layout (2 to 4 tokens), if the input has one.
-    pub fn few_tokens(&self) -> Option<&[u8]> {
-        (2..=gemv_quant_few::TOKENS)
-            .contains(&self.tokens)
-            .then(|| self.few.get_or_init(|| self.few_token_layout()).as_slice())
     }
 
     /// The token tiles, built from the per-token layout.

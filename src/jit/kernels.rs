@@ -5,7 +5,7 @@
 
 use super::cpu::{CpuCaps, Isa};
 use super::emit::gemv::WeightType;
-use super::emit::{LANES, gemm, gemm_quant, gemv_quant_few};
+use super::emit::{LANES, gemm, gemm_quant};
 use super::plan::{KernelKind, KernelSpec, Plan};
 use super::verify::{self, Policy, Verified};
 use crate::model::quant_blocks::{self, QuantType};
@@ -295,25 +295,6 @@ impl<'a> Kernel<'a> for GemmQuant<'a> {
             f,
             name: &c.spec.name,
             q,
-            k,
-        }
-    }
-}
-
-impl<'a> Kernel<'a> for GemvQuantFew<'a> {
-    /// K (an argument of the kernel, fixed by the handle); the weights are
-    /// always in Q8_0's bytes.
-    type Key = usize;
-    fn serves(kind: &KernelKind, k: Self::Key) -> bool {
-        quant_blocks::fits(k) && matches!(kind, KernelKind::GemvQuantFew(_))
-    }
-    unsafe fn bind(c: &'a Compiled, entry: *const u8, k: Self::Key) -> Self {
-        // SAFETY: the caller passes verified few-token GEMV code (see
-        // emit::gemv_quant_few).
-        let f = unsafe { std::mem::transmute::<*const u8, GemmQuantFn>(entry) };
-        GemvQuantFew {
-            f,
-            name: &c.spec.name,
             k,
         }
     }
@@ -794,70 +775,6 @@ impl GemmQuant<'_> {
     ) {
         // SAFETY: guaranteed by the caller.
         unsafe { (self.f)(w, tile, y, rows.start, rows.end, self.k, ldy, ntok) };
-    }
-}
-
-/// The integer GEMV over 2 to 4 tokens (see `emit::gemv_quant_few`); its
-/// signature is the integer GEMM's.
-#[derive(Clone, Copy)]
-pub struct GemvQuantFew<'a> {
-    f: GemmQuantFn,
-    pub name: &'a str,
-    pub k: usize,
-}
-
-impl GemvQuantFew<'_> {
-    /// Bytes of the few-token input for this K.
-    pub fn input_bytes(&self) -> usize {
-        gemv_quant_few::input_bytes(self.k)
-    }
-
-    /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=4)
-    /// tokens of `x` (the few-token layout), W in Q8_0's row-block layout
-    /// with Q8_0's offset (the whole matrix, or an unpacked panel), `rows`
-    /// starting on a block.
-    pub fn run(
-        &self,
-        w: &[u8],
-        x: &[u8],
-        ntok: usize,
-        y: &mut [f32],
-        ldy: usize,
-        rows: Range<usize>,
-    ) -> Result<(), KernelError> {
-        let input = TokensInput {
-            what: "an input",
-            bytes: x.len(),
-            want: self.input_bytes(),
-            ntok,
-            max_tokens: gemv_quant_few::TOKENS,
-        };
-        check_tokens_call(self.name, self.k, w, &input, y, ldy, &rows)?;
-        // SAFETY: checked above: the blocks read are inside `w`, the input
-        // is whole, and every element written is inside `y`.
-        unsafe { self.run_unchecked(w.as_ptr(), x.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };
-        Ok(())
-    }
-
-    /// Raw call for a thread pool whose threads write disjoint row ranges
-    /// of one Y.
-    ///
-    /// # Safety
-    /// `w` must hold the row blocks up to `rows.end` (`rows.start` on a
-    /// block) in Q8_0's bytes, `x` a whole few-token input for K, `ntok` in
-    /// 1..=4, and `Y[t*ldy + r]` must be writable for t < ntok, r in
-    /// `rows`, with no other thread touching those elements.
-    pub unsafe fn run_unchecked(
-        &self,
-        w: *const u8,
-        x: *const u8,
-        ntok: usize,
-        y: *mut f32,
-        ldy: usize,
-        rows: Range<usize>,
-    ) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { (self.f)(w, x, y, rows.start, rows.end, self.k, ldy, ntok) };
     }
 }
 

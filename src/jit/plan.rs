@@ -10,7 +10,6 @@ use super::emit::gemm::{self, GemmParams};
 use super::emit::gemm_quant::{self, GemmQuantParams};
 use super::emit::gemv::{self, GemvParams, WeightType};
 use super::emit::gemv_quant::{self, GemvQuantParams};
-use super::emit::gemv_quant_few::GemvQuantFewParams;
 use super::emit::unpack_quant::UnpackQuantParams;
 use super::emit::{self, LANES};
 use crate::model::quant_blocks::QuantType;
@@ -77,7 +76,6 @@ pub enum KernelKind {
     /// Q5_0 or Q4_0 row blocks unpacked into Q8_0's, for the Q8_0 GEMM.
     UnpackQuant(UnpackQuantParams),
     /// Integer GEMV over 2 to 4 tokens at once (VNNI, Q8_0's layout).
-    GemvQuantFew(GemvQuantFewParams),
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -127,14 +125,6 @@ impl KernelKind {
                     p.prefetch
                 )
             }
-            KernelKind::GemvQuantFew(p) => {
-                format!(
-                    "gemv_q8_0_r{}t{}_vnni_pf{}",
-                    emit::gemv_quant_few::ROWS,
-                    emit::gemv_quant_few::TOKENS,
-                    p.prefetch
-                )
-            }
             KernelKind::UnpackQuant(p) => {
                 format!(
                     "unpack_{}_r{}_to_{}_pf{}",
@@ -180,7 +170,8 @@ impl KernelKind {
     }
 
     /// Emits the machine code (AVX2 + FMA + F16C; AVX-512 VNNI's
-    /// `vpdpbusd` on ymm registers where a kernel's params ask for it).
+    /// `vpdpbusd` where a kernel's params ask for it: on ymm registers in
+    /// Q8_0's GEMV, on zmm in the integer GEMM).
     pub fn emit(&self) -> Result<Vec<u8>> {
         let name = self.name();
         match self {
@@ -188,7 +179,6 @@ impl KernelKind {
             KernelKind::GemvQuant(p) => emit::gemv_quant::emit(p, &name),
             KernelKind::GemmQuant(p) => emit::gemm_quant::emit(p, &name),
             KernelKind::UnpackQuant(p) => emit::unpack_quant::emit(p, &name),
-            KernelKind::GemvQuantFew(p) => emit::gemv_quant_few::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
@@ -303,12 +293,13 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     };
     let mut notes = Vec::new();
     let isa = Isa::Avx2;
-    // VNNI's byte dot product runs on ymm registers in its EVEX form; the
-    // rest of AVX-512 (zmm, masks) is not emitted.
+    // VNNI's byte dot product: on zmm registers in the integer GEMM, on
+    // ymm in Q8_0's GEMV; no other kernel uses AVX-512, and none uses
+    // masks or zmm16..31.
     let vnni = allowed_isa == Isa::Avx512 && caps.avx512_vnni;
     if allowed_isa == Isa::Avx512 {
         notes.push(if vnni && !opts.quantized.is_empty() {
-            "AVX-512 allowed: the integer GEMMs and Q8_0's GEMV use VNNI's vpdpbusd on ymm registers; every other kernel is AVX2".into()
+            "AVX-512 allowed: the integer GEMM uses VNNI's vpdpbusd on zmm registers, Q8_0's GEMV on ymm; every other kernel is AVX2".into()
         } else {
             "AVX-512 allowed, but only AVX2 kernels are emitted for these weights; using them".into()
         });
@@ -389,10 +380,6 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut norm_unroll = 2usize;
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
-    // With VNNI, steps over 2 to 4 tokens of quantized matrices get their
-    // own GEMV (emit::gemv_quant_few); without it they take the GEMM. The
-    // first thing given up for the budget.
-    let mut few_tokens = vnni && !quant_kinds.is_empty();
     loop {
         let mut kinds = build_kinds(
             dims,
@@ -437,14 +424,6 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 )],
             ))
         }));
-        if few_tokens {
-            kinds.push((
-                KernelKind::GemvQuantFew(GemvQuantFewParams {
-                    prefetch: QUANT_PREFETCH_BYTES,
-                }),
-                vec!["products of 2 to 4 tokens with Q8_0's bytes (Q8_0, unpacked panels)".into()],
-            ));
-        }
         let mut sizes = Vec::with_capacity(kinds.len());
         for (k, _) in &kinds {
             sizes.push(k.emit()?.len());
@@ -461,8 +440,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     name: kind.name(),
                     isa: match kind {
                         KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. })
-                        | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. })
-                        | KernelKind::GemvQuantFew(_) => Isa::Avx512,
+                        | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. }) => Isa::Avx512,
                         _ => isa,
                     },
                     kind,
@@ -559,14 +537,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 not_jitted,
             });
         }
-        // Over budget: give up the few-token GEMV first, then unrolling,
-        // then optional kernels.
-        if few_tokens {
-            notes.push(format!(
-                "{total} B > budget: steps over 2 to 4 tokens take the GEMM"
-            ));
-            few_tokens = false;
-        } else if gemv_unroll > 1 {
+        // Over budget: give up unrolling first, then optional kernels.
+        if gemv_unroll > 1 {
             notes.push(format!(
                 "{total} B > budget: gemv unroll {gemv_unroll} -> {}",
                 gemv_unroll / 2

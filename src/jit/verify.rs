@@ -219,15 +219,16 @@ const ALLOWED: &[Mnemonic] = {
         Vunpcklpd,
         Vunpckhpd,
         Vperm2f128,
-        // The few-token GEMV: the rows' scales for a pair of tokens.
-        Vpbroadcastq,
-        // The integer GEMM on 512-bit vectors (VNNI): the tile's two
-        // chunks, the upper lanes' mask, the halves' sums.
+        // The integer GEMM on 512-bit vectors (VNNI): each row's chunks
+        // over its 128-bit lane, 4 tokens' bytes broadcast to every lane,
+        // the row scales spread and the results put in token order.
         Vmovdqu32,
-        Vpermd,
         Vpinsrq,
-        Vpsrlq,
-        Vpmovqd,
+        Vpxord,
+        Vshufi64x2,
+        Vbroadcasti32x4,
+        Vbroadcastf32x4,
+        Vpermps,
     ]
 };
 

@@ -26,14 +26,11 @@
 //! VNNI is used (one GEMM then serves every type), or its own v = s + 16
 //! or s + 8 under AVX2.
 //!
-//! Products: with AVX-512 VNNI, `vpdpbusd` (unsigned x signed bytes, 4
-//! products summed into each i32 lane, no 16-bit saturation) on zmm
-//! registers, two chunks of a row per instruction (see `zmm_passes`),
-//! assembled by iced-x86 because dynasm 5.1 has no EVEX; the offset times
-//! the group's sum of x is subtracted per token. AVX2 alone:
-//! `vpmaddubsw` + `vpmaddwd` on Q5_0's and Q4_0's small unsigned values
-//! (pairs at most 2 x 31 x 128), Q8_0 flipped back to q and through the
-//! sign trick as in the GEMV (255 x 127 pairs would saturate).
+//! This file emits the AVX2 form: `vpmaddubsw` + `vpmaddwd` on Q5_0's and
+//! Q4_0's small unsigned values (pairs at most 2 x 31 x 128), Q8_0
+//! flipped back to q and through the sign trick as in the GEMV (255 x 127
+//! pairs would saturate). With AVX-512 VNNI the same call is served by
+//! `gemm_quant_vnni`, whose lanes are (row, token) pairs on zmm registers.
 //!
 //! Exactness: each row's group sum is an exact integer, converted,
 //! multiplied by `d_w * d_x` and added with one FMA, group after group,
@@ -55,10 +52,7 @@
 //! rbp=bytes of W per row of a block, r12=ldy in bytes, r13=ntok, r14 the
 //! output pointer, rax the chunk offset. ymm0..3 the rows' f32 sums, ymm4..7
 //! the rows' group sums in i32, ymm8 x, ymm9 a broadcast weight, ymm10..11
-//! temporaries, ymm12 16-bit ones (AVX2), ymm14 bytes of 0x80 (Q8_0 under
-//! AVX2); with VNNI, zmm4..7 and zmm11..13, zmm15 the two sets of group
-//! sums (narrowed to ymm4..7 per group), zmm8 x, zmm9 a broadcast weight
-//! and zmm14 the lane permutation.
+//! temporaries, ymm12 16-bit ones, ymm14 bytes of 0x80 (Q8_0).
 
 use super::gemv_quant::{block_pointer, block_stride};
 use super::{
@@ -76,8 +70,8 @@ pub struct GemmQuantParams {
     /// Whose offset the weights' bytes (Q8_0's layout) carry: Q8_0's 128,
     /// Q5_0's 16 or Q4_0's 8 (see the module's doc).
     pub q: QuantType,
-    /// Products with AVX-512 VNNI's `vpdpbusd` rather than AVX2's
-    /// `vpmaddubsw` + `vpmaddwd`.
+    /// Products with AVX-512 VNNI's `vpdpbusd` on zmm registers
+    /// (`gemm_quant_vnni`) rather than AVX2's `vpmaddubsw` + `vpmaddwd`.
     pub vnni: bool,
     /// Bytes ahead of each group to prefetch (0: none), as the GEMV.
     pub prefetch: usize,
@@ -106,17 +100,9 @@ fn acc_i32(row: usize) -> u8 {
     (4 + row) as u8
 }
 
-/// The second set of group sums (odd chunks) with VNNI, in registers only
-/// the AVX2 variants use.
-const ODD_SUMS: [u8; ROWS] = [TEMP2, ONES, 13, 15];
-
-fn two_sums(p: &GemmQuantParams) -> bool {
-    p.vnni
-}
-
 /// Q8_0 under AVX2: q itself in the red zone, for the sign trick.
 fn sign_trick(p: &GemmQuantParams) -> bool {
-    !p.vnni && p.q == QuantType::Q8_0
+    p.q == QuantType::Q8_0
 }
 
 /// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
@@ -144,7 +130,7 @@ pub(super) fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
 /// (16 = 1 << 4 for Q5_0, ...); none for Q8_0 through the sign trick.
 fn offset_shift(p: &GemmQuantParams) -> Option<i8> {
     // AVX2's Q8_0 products are of q itself (the sign trick).
-    (p.vnni || p.q != QuantType::Q8_0).then_some(p.q.stored_offset_shift() as i8)
+    (p.q != QuantType::Q8_0).then_some(p.q.stored_offset_shift() as i8)
 }
 
 /// Bytes of one token tile for rows of `k` values.
@@ -174,20 +160,13 @@ fn chunk_products(ops: &mut Asm, p: &GemmQuantParams, row: usize, u: i8) {
     // block and flipping each dword's top bits, before Q8_0 was stored
     // plus 128; stores followed by loads of parts of them cost.)
     let at = (PAYLOADS_AT + row * GROUP_COLS) as i8 + 4 * u;
-    dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]);
-    if p.vnni {
-        // Odd chunks into a second set of sums, halving each sum's chain
-        // of dependent vpdpbusd.
-        let acc = if u == 1 { ODD_SUMS[row] } else { acc };
-        vpdpbusd(ops, acc, B, X);
-    } else {
-        dynasm!(ops
-            ; .arch x64
-            ; vpmaddubsw Ry(T), Ry(B), Ry(X)
-            ; vpmaddwd Ry(T), Ry(T), Ry(ONES)
-            ; vpaddd Ry(acc), Ry(acc), Ry(T)
-        );
-    }
+    dynasm!(ops
+        ; .arch x64
+        ; vpbroadcastd Ry(B), [BYTE r9 + rax + at]
+        ; vpmaddubsw Ry(T), Ry(B), Ry(X)
+        ; vpmaddwd Ry(T), Ry(T), Ry(ONES)
+        ; vpaddd Ry(acc), Ry(acc), Ry(T)
+    );
 }
 
 /// The start of a kernel `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights
@@ -218,78 +197,25 @@ pub(super) fn token_call_frame(ops: &mut Asm, group_bytes: usize, done: dynasmrt
 /// Assembles the instructions `build` adds with iced-x86's assembler
 /// (dynasm 5.1 has no EVEX) and appends their bytes. Only position-free
 /// instructions (no branches, no rip-relative operands) go this way.
-fn iced(ops: &mut Asm, build: impl FnOnce(&mut CodeAssembler) -> Result<(), IcedError>) {
+pub(super) fn iced(ops: &mut Asm, build: impl FnOnce(&mut CodeAssembler) -> Result<(), IcedError>) {
     let mut a = CodeAssembler::new(64).expect("64-bit assembler");
     build(&mut a).expect("an instruction iced-x86 encodes");
     let bytes = a.assemble(0).expect("position-free instructions");
     ops.extend(bytes);
 }
 
-fn zmm(n: u8) -> AsmRegisterZmm {
-    const ZMM: [AsmRegisterZmm; 16] = [
-        zmm0, zmm1, zmm2, zmm3, zmm4, zmm5, zmm6, zmm7, zmm8, zmm9, zmm10, zmm11, zmm12, zmm13,
-        zmm14, zmm15,
-    ];
-    ZMM[n as usize]
-}
-
-fn ymm(n: u8) -> AsmRegisterYmm {
-    const YMM: [AsmRegisterYmm; 16] = [
-        ymm0, ymm1, ymm2, ymm3, ymm4, ymm5, ymm6, ymm7, ymm8, ymm9, ymm10, ymm11, ymm12, ymm13,
-        ymm14, ymm15,
-    ];
-    YMM[n as usize]
-}
-
-/// With VNNI, two passes of a group (4 chunks of 4 columns) on 512-bit
-/// vectors. A pass's two chunks of the tile (64 bytes: chunk c's 8 tokens,
-/// then chunk c + 1's) are permuted so that lanes 2t and 2t + 1 hold token
-/// t's columns of chunks c and c + 1 (index vector in zmm14); each row's 8
-/// weight bytes of those chunks are broadcast as a qword, so one
-/// `vpdpbusd` takes both chunks of a row, where the ymm form took two.
-/// The products bound the GEMM: from L2, one thread, 8 tokens over 128 x
-/// 640, 5.5 against 6.1 ns per 4 rows x 32 columns. (Broadcasting the
-/// second chunk's dword over the upper 8 lanes with a mask instead, which
-/// needs no permute, took 6.25 ns.) Passes alternate between the two sets
-/// of sums; rax is the chunk offset (0 or 16), r9 the group, r10 the tile
-/// group. `vpdpbusd` on zmm ran at ymm's rate on this CPU (0.133 ns each
-/// over 12 independent chains).
-fn zmm_passes(ops: &mut Asm) {
-    iced(ops, |a| {
-        for pass in 0..2i32 {
-            a.vmovdqu32(zmm(X), zmmword_ptr(r10 + rax * 8 + 64 * pass))?;
-            a.vpermd(zmm(X), zmm14, zmm(X))?;
-            for (row, &odd) in ODD_SUMS.iter().enumerate() {
-                let at = (PAYLOADS_AT + row * GROUP_COLS) as i32 + 8 * pass;
-                a.vpbroadcastq(zmm(B), qword_ptr(r9 + rax + at))?;
-                let acc = if pass == 1 { odd } else { acc_i32(row) };
-                a.vpdpbusd(zmm(acc), zmm(B), zmm(X))?;
-            }
-        }
-        Ok(())
-    });
-}
-
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy, ntok)`.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    if p.vnni {
+        return super::gemm_quant_vnni::emit(p, name);
+    }
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
     let block = ops.new_dynamic_label();
     let group = ops.new_dynamic_label();
     let chunk = ops.new_dynamic_label();
-    if !p.vnni {
-        broadcast_const(&mut ops, ONES, 0x0001_0001);
-    } else {
-        // zmm14: lane 2t from lane t, 2t + 1 from 8 + t (see zmm_passes).
-        iced(&mut ops, |a| {
-            a.mov(rax, 0x0B03_0A02_0901_0800u64)?;
-            a.vmovq(xmm14, rax)?;
-            a.mov(rax, 0x0F07_0E06_0D05_0C04u64)?;
-            a.vpinsrq(xmm14, xmm14, rax, 1)?;
-            a.vpmovzxbd(zmm14, xmm14)
-        });
-    }
+    broadcast_const(&mut ops, ONES, 0x0001_0001);
     if sign_trick(p) {
         broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
@@ -327,49 +253,26 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
             );
         }
     }
-    for (row, &odd) in ODD_SUMS.iter().enumerate() {
+    for row in 0..ROWS {
         let a = acc_i32(row);
         dynasm!(ops ; .arch x64 ; vpxor Ry(a), Ry(a), Ry(a));
-        if two_sums(p) {
-            dynasm!(ops ; .arch x64 ; vpxor Ry(odd), Ry(odd), Ry(odd));
-        }
     }
     dynasm!(ops ; .arch x64 ; xor eax, eax);
-    // Two chunks of 4 columns per pass, 4 passes per group (2 passes per
-    // round on 512-bit vectors with VNNI).
+    // Two chunks of 4 columns per pass, 4 passes per group.
     let chunk_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>chunk);
-    if p.vnni {
-        zmm_passes(&mut ops);
-    } else {
-        for u in 0..2 {
-            dynasm!(ops ; .arch x64 ; vmovdqu Ry(X), [BYTE r10 + rax * 8 + 32 * u]);
-            for row in 0..ROWS {
-                chunk_products(&mut ops, p, row, u);
-            }
+    for u in 0..2 {
+        dynasm!(ops ; .arch x64 ; vmovdqu Ry(X), [BYTE r10 + rax * 8 + 32 * u]);
+        for row in 0..ROWS {
+            chunk_products(&mut ops, p, row, u);
         }
     }
-    let chunk_step: i8 = if p.vnni { 16 } else { 8 };
     dynasm!(ops
         ; .arch x64
-        ; add eax, BYTE chunk_step
+        ; add eax, BYTE 8
         ; cmp eax, GROUP_COLS as i32
     );
     jback!(ops, jb, chunk, chunk_top);
-    if two_sums(p) {
-        // Both sets, then each token's two lanes (2t, 2t + 1), in
-        // integers; the even lanes narrowed to 8 token sums.
-        iced(&mut ops, |a| {
-            for (row, &odd) in ODD_SUMS.iter().enumerate() {
-                let acc = acc_i32(row);
-                a.vpaddd(zmm(acc), zmm(acc), zmm(odd))?;
-                a.vpsrlq(zmm(T), zmm(acc), 32)?;
-                a.vpaddd(zmm(acc), zmm(acc), zmm(T))?;
-                a.vpmovqd(ymm(acc), zmm(acc))?;
-            }
-            Ok(())
-        });
-    }
     // Whole group sums: the offset off, converted, times d_w * d_x.
     if let Some(shift) = offset_shift(p) {
         dynasm!(ops

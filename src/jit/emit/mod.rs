@@ -13,9 +13,9 @@ pub mod attention;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemm_quant;
+pub mod gemm_quant_vnni;
 pub mod gemv;
 pub mod gemv_quant;
-pub mod gemv_quant_few;
 pub mod unpack_quant;
 
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
