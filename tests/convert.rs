@@ -138,8 +138,13 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
     let input = oracle_dir().join("tiny-gemma3-f16");
     let original = Arc::new(ModelSource::open(&input).unwrap());
     let tokens = [2u32, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100];
+    // Q8_0 is written in the layout this CPU's kernels read (16-row blocks
+    // with VNNI).
+    let q8_0 = pulsar::engine::jit_kernels::q8_0_format()
+        .quant()
+        .expect("a Q8_0 layout");
     for (name, format, q) in [
-        ("q8_0", WeightFormat::Q8_0, QuantType::Q8_0),
+        ("q8_0", WeightFormat::Q8_0, q8_0),
         ("q4_0", WeightFormat::Q4_0, QuantType::Q4_0),
     ] {
         let out = convert(&input, &format!("tiny3-{name}"), &["--dtype", name]);
@@ -218,7 +223,7 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
 
         // A broken scale in the row blocks is refused, naming the row it
         // belongs to: row block 1, group 1, the third row's scale is row
-        // 6's block 1 (8 blocks a row).
+        // `block_rows + 2`'s block 1 (8 blocks a row).
         let info = GgufFile::open(&out)
             .unwrap()
             .tensor_info("blk.0.attn_q.weight")
@@ -234,9 +239,10 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
             .expect_err("a NaN scale is refused")
             .to_string();
         let rb_name = DType::QuantRowBlocks(q).to_string();
+        let row = q.block_rows() + 2;
         assert!(
             err.contains("\"blk.0.attn_q.weight\" is damaged")
-                && err.contains(&format!("{rb_name} block {} (row 6)", 6 * 8 + 1)),
+                && err.contains(&format!("{rb_name} block {} (row {row})", row * 8 + 1)),
             "{err}"
         );
         std::fs::remove_file(damaged).ok();

@@ -133,25 +133,35 @@ fn default_model_dumps_within_budget() {
         check_dump(&j, isa);
         let n = names(&j);
         // The default model's matrices are read in the file's own types:
-        // one integer GEMV per type (K is an argument), VNNI's where the
-        // CPU and --max-isa allow it (of the GEMVs only Q8_0's gains from
-        // it); Q5_0 panels unpacked into Q8_0's layout for the GEMM, with
+        // one integer kernel for one token per type (K is an argument),
+        // VNNI's where the CPU and --max-isa allow it; Q5_0 panels
+        // unpacked into Q8_0's layout for the GEMM, with
         // Q8_0's offset under VNNI (one GEMM for both types) or their own
         // under AVX2 (a GEMM each); and no 16-bit kernel for its matrices.
         let caps = CpuCaps::detect();
         // The plan's rule: VNNI where AVX-512 is allowed and present.
         let vnni = isa.is_none() && caps.has_avx512() && caps.avx512_vnni;
         let gemm_suffix = if vnni { "_vnni_pf" } else { "t8_pf" };
-        let q8_gemv = if vnni {
-            "gemv_q8_0_r4_vnni_pf"
+        // With VNNI, Q8_0 is stored in 16-row blocks whose GEMM also takes
+        // single tokens: no Q8_0 GEMV then.
+        let one_token: &[&str] = if vnni {
+            &["gemv_q5_0_r4_pf"]
         } else {
-            "gemv_q8_0_r4_pf"
+            &["gemv_q8_0_r4_pf", "gemv_q5_0_r4_pf"]
         };
-        for kernel in [q8_gemv, "gemv_q5_0_r4_pf"] {
+        for kernel in one_token {
             assert!(n.iter().any(|s| s.starts_with(kernel)), "{kernel} in {n:?}");
         }
+        assert_eq!(
+            n.iter().any(|s| s.starts_with("gemv_q8_0")),
+            !vnni,
+            "a Q8_0 GEMV only without VNNI: {n:?}"
+        );
         let (gemms, unpack): (&[&str], &str) = if vnni {
-            (&["gemm_q8_0_r4t8"], "unpack_q5_0_r4_to_q8_0")
+            (
+                &["gemm_q8_0_r4t8", "gemm_q8_0x16_r16t8"],
+                "unpack_q5_0_r4_to_q8_0",
+            )
         } else {
             (
                 &["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"],

@@ -77,6 +77,7 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
         QuantType::Q8_0 => (DType::Q8_0, WeightFormat::Q8_0),
         QuantType::Q5_0 => (DType::Q5_0, WeightFormat::Q5_0),
         QuantType::Q4_0 => (DType::Q4_0, WeightFormat::Q4_0),
+        QuantType::Q8_0x16 => (DType::Q8_0, WeightFormat::Q8_0x16),
     };
     PackedMatrix::convert(
         &TensorView {
@@ -277,6 +278,88 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
     }
 }
 
+/// The GEMM over Q8_0's 16-row blocks (VNNI), which also takes single
+/// tokens, against the GEMV of Q8_0's 4-row blocks one token at a time:
+/// bit-identical for 1 to 11 tokens (passes of 4, partial passes, a second
+/// tile), partial blocks and a row range starting inside the matrix;
+/// arguments that do not fit are refused.
+#[test]
+fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
+    let caps = CpuCaps::detect();
+    if !(caps.avx512_vnni && caps.has_avx512()) {
+        println!("this CPU has no AVX-512 VNNI: Q8_0x16 is not planned here, nothing to check");
+        return;
+    }
+    for (rows, k) in [(37, 640), (16, 32), (13, 96), (64, 2048), (48, 640)] {
+        let file = quant_file(QuantType::Q8_0, rows, k, (rows * k + 11) as u32);
+        // Each conversion from its own copy: a conversion releases the
+        // source's pages as it goes.
+        let w4 = packed(QuantType::Q8_0, rows, k, &file.clone());
+        let w16 = packed(QuantType::Q8_0x16, rows, k, &file);
+        assert_eq!(w16.bytes(), rows.next_multiple_of(16) * k / 32 * 34);
+        let kinds = [
+            KernelKind::GemvQuant(GemvQuantParams {
+                q: QuantType::Q8_0,
+                prefetch: 8192,
+                vnni: true,
+            }),
+            KernelKind::GemmQuant(GemmQuantParams {
+                q: QuantType::Q8_0x16,
+                vnni: true,
+                prefetch: 8192,
+            }),
+        ];
+        let set = KernelSet::from_kinds(&kinds, &caps, Isa::Avx512).expect("emit + verify");
+        let gemv = set.get::<GemvQuant>((QuantType::Q8_0, k)).unwrap();
+        let gemm = set.get::<GemmQuant>((QuantType::Q8_0x16, k)).unwrap();
+        // The second part starts on a 16-row block inside the matrix, when
+        // there is one.
+        let mid = Some((rows / 2).next_multiple_of(16))
+            .filter(|&m| m < rows)
+            .unwrap_or(0);
+        for tokens in [1, 2, 3, 4, 5, 8, 11] {
+            let x = inputs(tokens, k);
+            let xq = Q8Input::quantize(&x, k);
+            let mut want = vec![0.0f32; tokens * rows];
+            for (t, y) in want.chunks_exact_mut(rows).enumerate() {
+                gemv.run_part(w4.raw(), xq.token(t), y, 0..rows).unwrap();
+            }
+            let ldy = rows + 3;
+            let mut got = vec![f32::NAN; tokens * ldy];
+            for i in 0..xq.tile_count() {
+                let (tile, ntok) = xq.tile(i);
+                let y = &mut got[i * 8 * ldy..];
+                gemm.run(w16.raw(), tile, ntok, y, ldy, 0..mid).unwrap();
+                gemm.run(w16.raw(), tile, ntok, y, ldy, mid..rows).unwrap();
+            }
+            for t in 0..tokens {
+                let (g, e) = (&got[t * ldy..][..rows], &want[t * rows..][..rows]);
+                assert!(
+                    g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows}x{k} token {t} of {tokens}:\n gemm {g:?}\n gemv {e:?}"
+                );
+                assert!(
+                    got[t * ldy + rows..(t * ldy + ldy).min(got.len())]
+                        .iter()
+                        .all(|v| v.is_nan()),
+                    "{rows}x{k}: wrote past the rows of token {t}"
+                );
+            }
+        }
+        // Refused: a start inside a 16-row block, too short a W, a token
+        // count over the tile's.
+        let xq = Q8Input::quantize(&inputs(3, k), k);
+        let (tile, _) = xq.tile(0);
+        let mut y = vec![0.0f32; 3 * rows];
+        if rows > 4 {
+            assert!(gemm.run(w16.raw(), tile, 3, &mut y, rows, 4..rows).is_err());
+        }
+        let short = &w16.raw()[..w16.raw().len() - 1];
+        assert!(gemm.run(short, tile, 3, &mut y, rows, 0..rows).is_err());
+        assert!(gemm.run(w16.raw(), tile, 9, &mut y, rows, 0..rows).is_err());
+    }
+}
+
 #[test]
 fn the_gemv_refuses_arguments_that_do_not_fit() {
     let (q, rows, k) = (QuantType::Q5_0, 8, 64);
@@ -326,9 +409,9 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
         let opts = options(native);
         let formats = FastEngine::weight_formats(&src, &opts).unwrap();
         assert_eq!(
-            formats.head == WeightFormat::Q8_0,
+            formats.head.quant().is_some_and(QuantType::is_q8_0),
             native,
-            "the default model's embedding is Q8_0"
+            "the default model's embedding is Q8_0 (in either layout)"
         );
         if native {
             assert!(
@@ -402,8 +485,8 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
     let mut reference = ReferenceEngine::load(&src).unwrap();
     let (_, trace) = reference.forward_traced(&input).unwrap();
     let hidden = trace.last().and_then(|t| t.last()).expect("final hidden");
-    let mut head = packed_head(&src);
     let formats = FastEngine::weight_formats(&src, &options(true)).unwrap();
+    let mut head = packed_head(&src, formats.head.quant().expect("a quantized head"));
     let kernels = JitKernels::build(&src.config, formats, 1).unwrap();
     head.set_kernels(kernels.resolve(&head).expect("the plan covers the head"));
     let (mut gemv, mut gemm) = (vec![0.0f32; vocab], vec![0.0f32; 2 * vocab]);
@@ -464,8 +547,8 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
 }
 
 /// The default model's embedding as Q8_0 row blocks.
-fn packed_head(src: &ModelSource) -> PackedMatrix {
-    let q = QuantType::Q8_0;
+/// The tied embedding (Q8_0 in the file) in `q`, one of Q8_0's layouts.
+fn packed_head(src: &ModelSource, q: QuantType) -> PackedMatrix {
     let c = &src.config;
     let t = src
         .tensor(
@@ -591,11 +674,11 @@ fn every_matrix_quantized_to_q8_0_at_load_tracks_the_reference() {
         ..options(false)
     };
     let formats = FastEngine::weight_formats(&src, &q8).unwrap();
-    assert_eq!(formats.head, WeightFormat::Q8_0);
+    // Q8_0 in the layout this CPU's kernels read.
+    assert!(formats.head.quant().is_some_and(QuantType::is_q8_0));
+    let layers = format!("{} (126 of 126 layer matrices)", formats.head.name());
     assert!(
-        formats
-            .describe()
-            .ends_with("q8_0 (126 of 126 layer matrices)"),
+        formats.describe().ends_with(&layers),
         "{}",
         formats.describe()
     );
@@ -647,7 +730,16 @@ fn a_shape_runs_quantized_to_q8_0_or_q4_0() {
             "--threads",
             "2",
         ]);
-        let kernel = format!("gemv_{dtype}");
+        // The one-token kernel: Q8_0's in 16-row blocks with VNNI is a GEMM
+        // (it takes single tokens), every other type's a GEMV.
+        let format = match dtype {
+            "q8_0" => pulsar::engine::jit_kernels::q8_0_format(),
+            _ => WeightFormat::Q4_0,
+        };
+        let kernel = match format {
+            WeightFormat::Q8_0x16 => "gemm_q8_0x16".to_string(),
+            _ => format!("gemv_{dtype}"),
+        };
         let gemv = plan
             .lines()
             .find(|l| l.trim_start().starts_with(&kernel))
@@ -668,7 +760,8 @@ fn a_shape_runs_quantized_to_q8_0_or_q4_0() {
             "--tg",
             "4",
         ]);
-        let described = format!("{dtype} LM head + {dtype} (126 of 126 layer matrices)");
+        let name = format.name();
+        let described = format!("{name} LM head + {name} (126 of 126 layer matrices)");
         assert!(bench.contains(&described), "{bench}");
     }
 }

@@ -92,7 +92,7 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
     let file_type = match format {
         WeightFormat::F16 => 1,
         WeightFormat::Q4_0 => 2,
-        WeightFormat::Q8_0 => 7,
+        WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => 7,
         WeightFormat::Q5_0 => 8,
         WeightFormat::BF16 => 32,
     };
@@ -150,8 +150,12 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
             .unwrap_or(WeightFormat::F16)
     });
 
-    // Each matrix's format, as `--dtype` gives them at load.
-    let formats = WeightFormats::for_shape(&c, format);
+    // Each matrix's format, as `--dtype` gives them at load: Q8_0 in the
+    // layout this CPU's kernels read (16-row blocks with VNNI), so that
+    // `--mmap` uses it in place here; a CPU whose kernels read the other
+    // layout regroups the same blocks at load.
+    let formats = WeightFormats::for_shape(&c, format)
+        .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
     write_config(&mut w, &c, format);

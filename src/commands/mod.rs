@@ -144,9 +144,11 @@ impl Dtype {
     }
 
     /// The formats of a shape without a file (`--shape`, a bare
-    /// config.json): FP16 unless asked otherwise.
+    /// config.json): FP16 unless asked otherwise, Q8_0 in the layout this
+    /// CPU's kernels read.
     pub fn shape_formats(self, config: &ModelConfig) -> WeightFormats {
         WeightFormats::for_shape(config, self.format().unwrap_or(WeightFormat::F16))
+            .with_q8_0_as(crate::engine::jit_kernels::q8_0_format())
     }
 
     pub fn fast_options(self, threads: usize, context: usize, in_place: bool) -> FastOptions {

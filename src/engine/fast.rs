@@ -16,7 +16,7 @@ use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
-use crate::model::quant_blocks;
+use crate::model::quant_blocks::{self, QuantType};
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
@@ -130,6 +130,20 @@ impl WeightFormats {
             layers: vec![layer; c.n_layers()],
             converted: Vec::new(),
         }
+    }
+
+    /// The same formats with Q8_0 stored as `q8_0` (one of Q8_0's
+    /// layouts), whichever layout the file has.
+    pub fn with_q8_0_as(mut self, q8_0: WeightFormat) -> WeightFormats {
+        let swap = |f: &mut WeightFormat| {
+            if f.quant().is_some_and(QuantType::is_q8_0) {
+                *f = q8_0;
+            }
+        };
+        swap(&mut self.head);
+        self.layers.iter_mut().flatten().for_each(swap);
+        self.converted.iter_mut().for_each(|c| swap(&mut c.to));
+        self
     }
 
     /// All matrices in one 16-bit format.
@@ -429,6 +443,15 @@ impl FastEngine {
     /// every other one gets the 16-bit format of
     /// [`FastEngine::weight_format_for`].
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
+        let formats = Self::weight_formats_in_file_layouts(src, opts)?;
+        // Q8_0 in the layout this CPU's kernels read.
+        Ok(formats.with_q8_0_as(super::jit_kernels::q8_0_format()))
+    }
+
+    fn weight_formats_in_file_layouts(
+        src: &ModelSource,
+        opts: &FastOptions,
+    ) -> Result<WeightFormats> {
         // `--dtype q8_0`: that type wherever the rows are whole blocks,
         // quantized at load; FP16 elsewhere and for prefill's panels.
         if let Some(format) = opts.format.filter(|f| !f.is_16bit()) {

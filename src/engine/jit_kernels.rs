@@ -95,6 +95,14 @@ fn max_isa_from_env() -> Isa {
     }
 }
 
+/// The format Q8_0 matrices take for this CPU's kernels (and
+/// `PULSAR_MAX_ISA`): 16-row blocks where they use VNNI
+/// (`jit::plan::q8_0_layout`).
+pub fn q8_0_format() -> WeightFormat {
+    let layout = crate::jit::plan::q8_0_layout(&CpuCaps::detect(), max_isa_from_env());
+    WeightFormat::of_quant(layout)
+}
+
 pub struct JitKernels {
     set: KernelSet,
     isa: Isa,
@@ -261,7 +269,9 @@ impl MatKernels for JitKernels {
             .format
             .quant()
             .expect("an integer product needs quantized weights");
-        if x.tile_count() == 0 {
+        // One token: the GEMV, where the type has one (Q8_0x16's GEMM takes
+        // single tokens itself).
+        if x.tokens() == 1 && q != QuantType::Q8_0x16 {
             let k: GemvQuant = self.set.bind(one_token_kernel(w), (q, w.cols));
             // SAFETY: the caller owns columns `rows` of y.
             let part = unsafe { y.cells(0, rows.clone()) };
@@ -271,11 +281,7 @@ impl MatKernels for JitKernels {
         }
         let unpack: Option<UnpackQuant> =
             w.kernels().unpack.map(|id| self.set.bind(id, (q, w.cols)));
-        assert_eq!(
-            unpack.is_some(),
-            q != QuantType::Q8_0,
-            "unpacking resolved at load"
-        );
+        assert_eq!(unpack.is_some(), !q.is_q8_0(), "unpacking resolved at load");
         let gemm_q = unpack.map_or(q, |u| u.into);
         let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
         let panel_gemv: Option<GemvQuant> = w
@@ -283,11 +289,11 @@ impl MatKernels for JitKernels {
             .panel_one_token
             .map(|id| self.set.bind(id, (QuantType::Q8_0, w.cols)));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
-        assert!(rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS));
+        assert!(rows.start.is_multiple_of(gemm_q.block_rows()));
         // Every tile passes over a panel of rows while it stays in L2 (the
         // plan's `widened_panel_bytes`, in Q8_0's layout), so the rows are
         // read from memory once, and unpacked once.
-        let q8_row_bytes = QuantType::Q8_0.block_bytes(w.cols) / quant_blocks::BLOCK_ROWS;
+        let q8_row_bytes = QuantType::Q8_0.file_block_bytes() * (w.cols / quant_blocks::GROUP_COLS);
         let panel_rows = self
             .blocking
             .rows_within(self.blocking.widened_panel_bytes, q8_row_bytes);
@@ -348,7 +354,7 @@ impl MatKernels for JitKernels {
         // Quantized weights: the integer GEMV for one token, Q8_0's integer
         // GEMM for several (Q5_0 and Q4_0 unpacked to Q8_0 first).
         let unpack = match w.format.quant() {
-            Some(q) if q != QuantType::Q8_0 => {
+            Some(q) if !q.is_q8_0() => {
                 let Some(id) = self.set.resolve::<UnpackQuant>((q, w.cols)) else {
                     return Err(format!("no unpacking of {} at K {}", q.name(), w.cols));
                 };
@@ -361,10 +367,12 @@ impl MatKernels for JitKernels {
                 // The GEMM for the bytes the unpacking makes.
                 let gemm_q =
                     unpack.map_or(q, |id| self.set.bind::<UnpackQuant>(id, (q, w.cols)).into);
-                (
-                    self.set.resolve::<GemvQuant>((q, w.cols)),
-                    self.set.resolve::<GemmQuant>((gemm_q, w.cols)),
-                )
+                let gemm = self.set.resolve::<GemmQuant>((gemm_q, w.cols));
+                match q {
+                    // Its GEMM takes single tokens too.
+                    QuantType::Q8_0x16 => (gemm, gemm),
+                    _ => (self.set.resolve::<GemvQuant>((q, w.cols)), gemm),
+                }
             }
             None => {
                 let key = (weight_type(w.format), w.cols);

@@ -294,9 +294,9 @@ pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>
         for t in 0..x.tokens() {
             let mut sum = 0.0f32;
             for g in 0..groups {
-                let (dw, payload) = quant_blocks::group(q, data, r, g, w.cols);
+                let (dw, values) = quant_blocks::group(q, data, r, g, w.cols);
                 let (dx, qx) = x.group(t, g);
-                sum += dot_i8(&q.values(payload), qx) as f32 * (dw * dx);
+                sum += dot_i8(&values, qx) as f32 * (dw * dx);
             }
             // SAFETY: the caller owns columns `rows` of y.
             unsafe { y.cells(t, r..r + 1)[0] = sum };

@@ -31,6 +31,9 @@ pub enum WeightFormat {
     /// GGUF's Q4_0 (4-bit quants, an f16 scale per 32), read by the
     /// integer kernels.
     Q4_0,
+    /// Q8_0 in 16-row blocks (see [`QuantType::Q8_0x16`]): how Q8_0 is
+    /// stored where the integer kernels use AVX-512 VNNI.
+    Q8_0x16,
 }
 
 impl WeightFormat {
@@ -41,6 +44,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q5_0 => "q5_0",
             WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q8_0x16 => "q8_0x16",
         }
     }
 
@@ -48,7 +52,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => DType::F16,
             WeightFormat::BF16 => DType::BF16,
-            WeightFormat::Q8_0 => DType::Q8_0,
+            WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => DType::Q8_0,
             WeightFormat::Q5_0 => DType::Q5_0,
             WeightFormat::Q4_0 => DType::Q4_0,
         }
@@ -60,6 +64,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => Some(QuantType::Q8_0),
             WeightFormat::Q5_0 => Some(QuantType::Q5_0),
             WeightFormat::Q4_0 => Some(QuantType::Q4_0),
+            WeightFormat::Q8_0x16 => Some(QuantType::Q8_0x16),
             _ => None,
         }
     }
@@ -69,6 +74,7 @@ impl WeightFormat {
     pub fn native(dtype: DType) -> Option<WeightFormat> {
         match dtype {
             DType::Q8_0 | DType::QuantRowBlocks(QuantType::Q8_0) => Some(WeightFormat::Q8_0),
+            DType::QuantRowBlocks(QuantType::Q8_0x16) => Some(WeightFormat::Q8_0x16),
             DType::Q5_0 | DType::QuantRowBlocks(QuantType::Q5_0) => Some(WeightFormat::Q5_0),
             DType::Q4_0 | DType::QuantRowBlocks(QuantType::Q4_0) => Some(WeightFormat::Q4_0),
             _ => None,
@@ -81,6 +87,7 @@ impl WeightFormat {
             QuantType::Q8_0 => WeightFormat::Q8_0,
             QuantType::Q5_0 => WeightFormat::Q5_0,
             QuantType::Q4_0 => WeightFormat::Q4_0,
+            QuantType::Q8_0x16 => WeightFormat::Q8_0x16,
         }
     }
 
@@ -95,7 +102,10 @@ impl WeightFormat {
         match self {
             WeightFormat::F16 => DType::F16RowBlocks,
             WeightFormat::BF16 => DType::BF16RowBlocks,
-            WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::Q4_0 => {
+            WeightFormat::Q8_0
+            | WeightFormat::Q5_0
+            | WeightFormat::Q4_0
+            | WeightFormat::Q8_0x16 => {
                 DType::QuantRowBlocks(self.quant().expect("a quantized format"))
             }
         }
@@ -428,10 +438,12 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
     if threads < 2 || rows * cols < 1 << 20 {
         return fill(0, out);
     }
-    // Parts of whole row blocks, which are contiguous in both layouts.
-    let per = rows
-        .div_ceil(threads)
-        .next_multiple_of(row_blocks::BLOCK_ROWS);
+    // Parts of whole row blocks, which are contiguous in every layout.
+    let per = rows.div_ceil(threads).next_multiple_of(
+        format
+            .quant()
+            .map_or(row_blocks::BLOCK_ROWS, |q| q.block_rows()),
+    );
     let part_len = format.matrix_bytes(per, cols);
     std::thread::scope(|s| {
         for (i, part) in out.chunks_mut(part_len).enumerate() {
@@ -448,7 +460,7 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
     if t.dtype == DType::QuantRowBlocks(q) {
         // Already in this layout (a converted file loaded without --mmap):
         // the same bytes, padding rows included.
-        let at = first_row / quant_blocks::BLOCK_ROWS * q.block_bytes(cols);
+        let at = first_row / q.block_rows() * q.block_bytes(cols);
         let source = TensorView {
             bytes: &t.bytes[at..at + out.len()],
             ..*t
@@ -457,32 +469,43 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
         source.release_pages();
         return;
     }
+    // Q8_0 in the other Q8_0 layout (a converted file's 4-row blocks, for
+    // the 16-row kernel): the same blocks, regrouped.
+    let other_q8_0_layout = match t.dtype {
+        DType::QuantRowBlocks(from) if from.is_q8_0() && q.is_q8_0() => Some(from),
+        _ => None,
+    };
     // The file's own blocks are copied; another type (one no kernel reads,
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
-    let same_type = t.dtype == q.file_dtype();
+    let same_type = t.dtype == q.file_dtype() || other_q8_0_layout.is_some();
     let quantize = match q {
         _ if same_type => None,
-        QuantType::Q8_0 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
+        QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q5_0 => panic!("a {} tensor cannot become q5_0", t.dtype),
     };
     let mut values = vec![0.0f32; if same_type { 0 } else { cols }];
     let row_bytes = t.bytes.len() / rows.max(1);
     let block_bytes = q.block_bytes(cols);
+    let block_rows = q.block_rows();
     // About 4 MB of source per release, whole row blocks.
     let group = ((4 << 20) / row_bytes.max(1))
         .max(1)
-        .next_multiple_of(quant_blocks::BLOCK_ROWS);
-    for (g, dst) in out
-        .chunks_mut(group / quant_blocks::BLOCK_ROWS * block_bytes)
-        .enumerate()
-    {
+        .next_multiple_of(block_rows);
+    for (g, dst) in out.chunks_mut(group / block_rows * block_bytes).enumerate() {
         let first = first_row + g * group;
-        let last = (first + dst.len() / block_bytes * quant_blocks::BLOCK_ROWS).min(rows);
+        let last = (first + dst.len() / block_bytes * block_rows).min(rows);
         for r in first..last {
             match quantize {
                 None => {
-                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    let regrouped;
+                    let src = match other_q8_0_layout {
+                        Some(from) => {
+                            regrouped = quant_blocks::q8_0_file_row(from, t.bytes, r, cols);
+                            &regrouped[..]
+                        }
+                        None => &t.bytes[r * row_bytes..(r + 1) * row_bytes],
+                    };
                     quant_blocks::scatter_row(q, dst, r - first, cols, src);
                 }
                 Some(quantize) => {

@@ -156,13 +156,10 @@ impl Q8Input {
         tiles
     }
 
-    /// Tiles of 8 tokens (none for a single token, which the GEMV takes).
+    /// Tiles of 8 tokens (a single token has one too, for the GEMMs that
+    /// take single tokens).
     pub fn tile_count(&self) -> usize {
-        if self.tokens > 1 {
-            self.tokens.div_ceil(TOKENS)
-        } else {
-            0
-        }
+        self.tokens.div_ceil(TOKENS)
     }
 
     /// Tile `i`'s bytes and how many real tokens it holds.
@@ -306,7 +303,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(Q8Input::quantize(&x[..k], k).tile_count(), 0);
+        assert_eq!(Q8Input::quantize(&x[..k], k).tile_count(), 1);
     }
 
     #[test]

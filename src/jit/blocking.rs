@@ -10,9 +10,10 @@ use super::dims::ModelDims;
 use super::emit::gemm;
 use serde::{Deserialize, Serialize};
 
-/// Rows per kernel block: the 16-bit and the quantized row blocks both
-/// interleave 4 rows, so a thread's rows start on a multiple of it.
-pub const ROW_GRANULE: usize = 4;
+/// Rows per kernel block, the largest of any layout (the 16-bit and most
+/// quantized row blocks interleave 4 rows, Q8_0x16 16), so a thread's rows
+/// start on a block of every layout.
+pub const ROW_GRANULE: usize = crate::model::quant_blocks::MAX_BLOCK_ROWS;
 
 /// Tokens per prefill step unless measured otherwise: large enough to
 /// reuse each weight row across many tokens, small enough that the step's
@@ -88,7 +89,7 @@ impl Blocking {
         reasons.push(Reason {
             name: "row_granule",
             value: ROW_GRANULE,
-            why: "the kernels' row block: no block is shared by two threads".into(),
+            why: "the kernels' largest row block (Q8_0x16's 16 rows): no block is shared by two threads".into(),
         });
 
         // Every thread should get a chunk of the smallest matrix, but a
@@ -129,8 +130,9 @@ impl Blocking {
         // 512 KiB panels measured 287-405 tok/s against 80 KiB's 399-429.
         let widened_panel_bytes = (l2 / 4).clamp(16 << 10, WIDENED_PANEL_MAX);
         // Q8_0 rows: 34 bytes per 32 values.
-        let rows_at =
-            |k: usize| (widened_panel_bytes / (k / 32 * 34)).max(ROW_GRANULE) / ROW_GRANULE * 4;
+        let rows_at = |k: usize| {
+            (widened_panel_bytes / (k / 32 * 34)).max(ROW_GRANULE) / ROW_GRANULE * ROW_GRANULE
+        };
         reasons.push(Reason {
             name: "widened_panel_bytes",
             value: widened_panel_bytes,
@@ -252,7 +254,7 @@ mod tests {
         assert_eq!(value("prefill_chunk"), b.prefill_chunk);
         assert_eq!(value("shared_rows_bytes"), b.shared_rows_bytes);
         assert!(reasons.iter().any(|r| r.why.contains("assumed")));
-        assert_eq!(b.rows_within(1000, 680), 4);
+        assert_eq!(b.rows_within(1000, 680), ROW_GRANULE);
         assert_eq!(b.rows_within(32 << 10, 680), 48);
     }
 }

@@ -672,12 +672,11 @@ struct TokensInput {
 }
 
 /// The checks of a call `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights in
-/// Q8_0's row-block layout (whichever offset the bytes carry): a whole
-/// input of 1 to `max_tokens` tokens, rows starting on a block and inside
-/// W, and every element written inside Y.
+/// the row-block layout of `q` (Q8_0's whichever offset the bytes carry,
+/// or Q8_0x16's): a whole input of 1 to `max_tokens` tokens, rows starting
+/// on a block and inside W, and every element written inside Y.
 fn check_tokens_call(
-    name: &str,
-    k: usize,
+    (name, q, k): (&str, QuantType, usize),
     w: &[u8],
     x: &TokensInput,
     y: &[f32],
@@ -694,10 +693,16 @@ fn check_tokens_call(
             ),
         ));
     }
-    let block_bytes = QuantType::Q8_0.block_bytes(k);
+    // Q8_0's 4-row layout, whichever offset the bytes carry, or Q8_0x16's.
+    let layout = if q == QuantType::Q8_0x16 {
+        q
+    } else {
+        QuantType::Q8_0
+    };
+    let block_bytes = layout.block_bytes(k);
     if rows.start > rows.end
-        || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
-        || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
+        || !rows.start.is_multiple_of(layout.block_rows())
+        || rows.end.div_ceil(layout.block_rows()) > w.len() / block_bytes.max(1)
         || rows.end > ldy
         || !rows_fit(y.len(), ntok, ldy, rows.end)
     {
@@ -731,8 +736,9 @@ impl GemmQuant<'_> {
     }
 
     /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)
-    /// tokens of one tile, W in Q8_0's row-block layout (the whole matrix,
-    /// or an unpacked panel), `rows` starting on a block.
+    /// tokens of one tile, W in the row-block layout of `q` (Q8_0's: the
+    /// whole matrix or an unpacked panel; or Q8_0x16's), `rows` starting on
+    /// a block.
     pub fn run(
         &self,
         w: &[u8],
@@ -749,7 +755,7 @@ impl GemmQuant<'_> {
             ntok,
             max_tokens: gemm_quant::TOKENS,
         };
-        check_tokens_call(self.name, self.k, w, &input, y, ldy, &rows)?;
+        check_tokens_call((self.name, self.q, self.k), w, &input, y, ldy, &rows)?;
         // SAFETY: checked above: the blocks read are inside `w`, the tile
         // is whole, and every element written is inside `y`.
         unsafe { self.run_unchecked(w.as_ptr(), tile.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };

@@ -119,7 +119,7 @@ impl KernelKind {
                 format!(
                     "gemm_{}_r{}t{}{}_pf{}",
                     p.q.name(),
-                    gemm_quant::ROWS,
+                    p.q.block_rows(),
                     gemm_quant::TOKENS,
                     if p.vnni { "_vnni" } else { "" },
                     p.prefetch
@@ -266,6 +266,18 @@ pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
     (per / LANES * LANES).clamp(LANES, k.max(LANES)).min(k)
 }
 
+/// How Q8_0 matrices are stored for the kernels of a CPU: in 16-row
+/// blocks where the integer kernels use VNNI (the GEMM whose lanes are
+/// rows, `emit::gemm_q8_0x16`, which also takes single tokens), in Q8_0's
+/// 4-row blocks otherwise. The engine stores them so; the plan then emits
+/// the kernels of the types it is given.
+pub fn q8_0_layout(caps: &CpuCaps, max_isa: Isa) -> QuantType {
+    match caps.effective_isa(max_isa) {
+        Some(Isa::Avx512) if caps.avx512_vnni => QuantType::Q8_0x16,
+        _ => QuantType::Q8_0,
+    }
+}
+
 /// Builds the plan for a model. Pure: same inputs, same plan.
 pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan> {
     dims.validate()?;
@@ -350,16 +362,22 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         prefetch: opts.quant_prefetch,
         vnni: vnni && q == QuantType::Q8_0,
     };
-    let mut quant_kinds: Vec<GemvQuantParams> =
-        opts.quantized.iter().map(|m| quant_gemv(m.q)).collect();
-    quant_kinds.sort_by_key(|p| p.q.name());
-    quant_kinds.dedup();
+    let mut quant_types: Vec<QuantType> = opts.quantized.iter().map(|m| m.q).collect();
+    quant_types.sort_by_key(|q| q.name());
+    quant_types.dedup();
+    // Q8_0x16 has no GEMV: its GEMM takes single tokens too.
+    let has_gemv = |q: QuantType| q != QuantType::Q8_0x16;
+    let quant_kinds: Vec<GemvQuantParams> = quant_types
+        .iter()
+        .filter(|&&q| has_gemv(q))
+        .map(|&q| quant_gemv(q))
+        .collect();
     // Q5_0 and Q4_0 panels are unpacked into Q8_0's layout first (see
     // emit::unpack_quant); with VNNI their bytes take Q8_0's offset too and
     // one GEMM serves every type, under AVX2 they keep their own for
     // vpmaddubsw and each type has its GEMM.
     let unpack_of = |q: QuantType| {
-        (q != QuantType::Q8_0).then_some(UnpackQuantParams {
+        (!q.is_q8_0()).then_some(UnpackQuantParams {
             q,
             into: if vnni { QuantType::Q8_0 } else { q },
             prefetch: QUANT_PREFETCH_BYTES,
@@ -400,27 +418,37 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             (KernelKind::GemvQuant(p), vec![used_for])
         }));
         let mut gemms: Vec<(GemmQuantParams, Vec<String>)> = Vec::new();
-        for p in &quant_kinds {
-            let gemm = quant_gemm(p.q);
-            let name = p.q.name().to_uppercase();
+        for &q in &quant_types {
+            let gemm = quant_gemm(q);
+            let name = q.name().to_uppercase();
             match gemms.iter_mut().find(|(g, _)| *g == gemm) {
                 Some((_, types)) => types.push(name),
                 None => gemms.push((gemm, vec![name])),
             }
         }
         kinds.extend(gemms.into_iter().map(|(gemm, types)| {
-            (
-                KernelKind::GemmQuant(gemm),
-                vec![format!("{} products of 2 or more tokens", types.join(", "))],
-            )
+            let used_for = if has_gemv(gemm.q) {
+                format!("{} products of 2 or more tokens", types.join(", "))
+            } else {
+                // Also the one-token kernel: its matrices, as a GEMV's.
+                let matrices = opts
+                    .quantized
+                    .iter()
+                    .filter(|m| m.q == gemm.q)
+                    .map(|m| format!("{} (K {})", m.tensor, m.k))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!("products of 1 or more tokens: {matrices}")
+            };
+            (KernelKind::GemmQuant(gemm), vec![used_for])
         }));
-        kinds.extend(quant_kinds.iter().filter_map(|p| {
-            let unpack = unpack_of(p.q)?;
+        kinds.extend(quant_types.iter().filter_map(|&q| {
+            let unpack = unpack_of(q)?;
             Some((
                 KernelKind::UnpackQuant(unpack),
                 vec![format!(
                     "{} panels for the GEMM, in Q8_0's layout",
-                    p.q.name().to_uppercase()
+                    q.name().to_uppercase()
                 )],
             ))
         }));
@@ -455,8 +483,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         .iter()
                         .find(|m| m.tensor == tensor && m.k == k);
                     let (gemv, gemm) = match quantized {
-                        Some(m) => (
+                        Some(m) if has_gemv(m.q) => (
                             KernelKind::GemvQuant(quant_gemv(m.q)),
+                            KernelKind::GemmQuant(quant_gemm(m.q)),
+                        ),
+                        Some(m) => (
+                            KernelKind::GemmQuant(quant_gemm(m.q)),
                             KernelKind::GemmQuant(quant_gemm(m.q)),
                         ),
                         None => (

@@ -229,6 +229,10 @@ const ALLOWED: &[Mnemonic] = {
         Vbroadcasti32x4,
         Vbroadcastf32x4,
         Vpermps,
+        // The GEMM over Q8_0x16: the rows of a partial block as an opmask
+        // (1 << rows) - 1, the count clamped to 16 (with Cmovb).
+        Kmovw,
+        Bts,
     ]
 };
 
@@ -394,7 +398,8 @@ fn check_operands(ins: &Instruction, policy: &Policy) -> Result<(), (Check, Stri
         match ins.op_kind(i) {
             OpKind::Register => {
                 let r = ins.op_register(i);
-                if r.is_k() {
+                // Opmasks only in 512-bit kernels (partial stores).
+                if r.is_k() && policy.vector_bits < 512 {
                     return Err((
                         Check::Operand,
                         format!("mask register {r:?} in a {}-bit kernel", policy.vector_bits),

@@ -40,6 +40,8 @@ const QUANT_ROW_BLOCKS_BASE: u32 = 0x5055_0100;
 const Q8_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 8;
 const Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
 const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
+/// Q8_0 in 16-row blocks: its own id, the block type's plus 0x80.
+const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -59,6 +61,7 @@ impl DType {
             Q8_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q8_0),
             Q5_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0),
             Q4_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4_0),
+            Q8_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q8_0x16),
             _ => return None,
         })
     }
@@ -77,6 +80,7 @@ impl DType {
             DType::BF16 => 30,
             DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
             DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
+            DType::QuantRowBlocks(QuantType::Q8_0x16) => Q8_0X16_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(q) => QUANT_ROW_BLOCKS_BASE + q.file_dtype().ggml_id(),
         }
     }
@@ -98,7 +102,7 @@ impl DType {
                 row_blocks::padded_len(rows, cols).checked_mul(2)
             }
             DType::QuantRowBlocks(q) => rows
-                .div_ceil(quant_blocks::BLOCK_ROWS)
+                .div_ceil(q.block_rows())
                 .checked_mul(cols / quant_blocks::GROUP_COLS)?
                 .checked_mul(q.group_bytes()),
             _ => None,
@@ -162,6 +166,9 @@ impl DType {
             DType::Q4K | DType::Q5K => &[0, 2],
             DType::Q6K => &[128 + 64 + 16],
             // Per group of a row block (see `scale_unit_bytes`).
+            DType::QuantRowBlocks(QuantType::Q8_0x16) => {
+                &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
+            }
             DType::QuantRowBlocks(_) => &[0, 2, 4, 6],
             _ => &[],
         }
@@ -198,9 +205,9 @@ impl DType {
         let block = match self {
             // Group i of the row blocks holds row (i / groups) * 4 + k's
             // block i % groups.
-            DType::QuantRowBlocks(_) => {
+            DType::QuantRowBlocks(q) => {
                 let groups = (cols / quant_blocks::GROUP_COLS).max(1);
-                (i / groups * quant_blocks::BLOCK_ROWS + k) * groups + i % groups
+                (i / groups * q.block_rows() + k) * groups + i % groups
             }
             _ => i,
         };
@@ -234,6 +241,7 @@ impl fmt::Display for DType {
             DType::QuantRowBlocks(QuantType::Q8_0) => "Q8_0_R4",
             DType::QuantRowBlocks(QuantType::Q5_0) => "Q5_0_R4",
             DType::QuantRowBlocks(QuantType::Q4_0) => "Q4_0_R4",
+            DType::QuantRowBlocks(QuantType::Q8_0x16) => "Q8_0_R16",
         };
         f.write_str(name)
     }

@@ -14,17 +14,28 @@
 //! Payloads are the file's bytes, except where a kernel reads another form
 //! with fewer instructions: Q8_0's bytes plus 128 (see [`QuantType::Q8_0`])
 //! and Q5_0's high bits in another order (see [`QuantType::Q5_0`]).
+//!
+//! One layout has other blocks: [`QuantType::Q8_0x16`], Q8_0's bytes in
+//! blocks of 16 rows interleaved by 4 bytes, for the VNNI kernel whose
+//! lanes are rows (`jit::emit::gemm_q8_0x16`).
 //! Repacking is exact: a repacked block dequantizes to the very f32 values
 //! the file's block does.
 
 use half::f16;
 
-/// Rows per block (as for the 16-bit layout).
+/// Rows per block (as for the 16-bit layout), for every type but
+/// [`QuantType::Q8_0x16`] (see [`QuantType::block_rows`]).
 pub const BLOCK_ROWS: usize = 4;
+/// The most rows any type's block holds: a row range split on multiples of
+/// it starts on a block of every type.
+pub const MAX_BLOCK_ROWS: usize = 16;
 /// Columns per quantized block.
 pub const GROUP_COLS: usize = 32;
-/// Offset of the first row's payload inside a group (after the 4 scales).
+/// Offset of the first row's payload inside a group (after the 4 scales),
+/// in the 4-row layouts.
 pub const PAYLOADS_AT: usize = BLOCK_ROWS * 2;
+/// Bytes of a chunk of a row: what one lane of `vpdpbusd` multiplies.
+pub const CHUNK_BYTES: usize = 4;
 
 /// The block types kept quantized, with what differs between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -48,6 +59,13 @@ pub enum QuantType {
     /// the low nibble of byte j for j < 16, in the high nibble of byte
     /// j - 16 otherwise (Q5_0's nibble order).
     Q4_0,
+    /// Q8_0's values (q + 128, the same bytes) in blocks of 16 rows: each
+    /// group holds the 16 rows' scales (32 bytes), then per chunk c of 4
+    /// columns the 16 rows' 4 bytes side by side (64 bytes: row r's at
+    /// `64c + 4r`). A 64-byte load is one chunk of 16 rows, the lanes of a
+    /// 512-bit `vpdpbusd` against one token's 4 bytes broadcast from
+    /// memory, so the kernel needs no shuffle and no horizontal sum.
+    Q8_0x16,
 }
 
 impl QuantType {
@@ -56,7 +74,22 @@ impl QuantType {
             QuantType::Q8_0 => "q8_0",
             QuantType::Q5_0 => "q5_0",
             QuantType::Q4_0 => "q4_0",
+            QuantType::Q8_0x16 => "q8_0x16",
         }
+    }
+
+    /// Rows per block of this layout.
+    #[inline]
+    pub fn block_rows(self) -> usize {
+        match self {
+            QuantType::Q8_0x16 => MAX_BLOCK_ROWS,
+            _ => BLOCK_ROWS,
+        }
+    }
+
+    /// Whether the bytes are Q8_0's (plus 128), in either layout.
+    pub fn is_q8_0(self) -> bool {
+        matches!(self, QuantType::Q8_0 | QuantType::Q8_0x16)
     }
 
     /// What the stored unsigned values carry on top of the signed ones
@@ -66,7 +99,7 @@ impl QuantType {
     #[inline]
     pub fn stored_offset_shift(self) -> u8 {
         match self {
-            QuantType::Q8_0 => 7,
+            QuantType::Q8_0 | QuantType::Q8_0x16 => 7,
             QuantType::Q5_0 => 4,
             QuantType::Q4_0 => 3,
         }
@@ -76,7 +109,7 @@ impl QuantType {
     #[inline]
     pub fn payload_bytes(self) -> usize {
         match self {
-            QuantType::Q8_0 => 32,
+            QuantType::Q8_0 | QuantType::Q8_0x16 => 32,
             QuantType::Q5_0 => 20,
             QuantType::Q4_0 => 16,
         }
@@ -86,7 +119,7 @@ impl QuantType {
     pub fn file_dtype(self) -> crate::model::dtype::DType {
         use crate::model::dtype::DType;
         match self {
-            QuantType::Q8_0 => DType::Q8_0,
+            QuantType::Q8_0 | QuantType::Q8_0x16 => DType::Q8_0,
             QuantType::Q5_0 => DType::Q5_0,
             QuantType::Q4_0 => DType::Q4_0,
         }
@@ -98,10 +131,11 @@ impl QuantType {
         2 + self.payload_bytes()
     }
 
-    /// Bytes of one group of a row block: 4 scales, then 4 payloads.
+    /// Bytes of one group of a row block: its rows' scales, then their
+    /// payloads.
     #[inline]
     pub fn group_bytes(self) -> usize {
-        BLOCK_ROWS * self.file_block_bytes()
+        self.block_rows() * self.file_block_bytes()
     }
 
     /// Bytes of one row block of `cols` columns.
@@ -112,13 +146,13 @@ impl QuantType {
 
     /// Bytes a `rows x cols` matrix takes, padding rows included.
     pub fn matrix_bytes(self, rows: usize, cols: usize) -> usize {
-        rows.div_ceil(BLOCK_ROWS) * self.block_bytes(cols)
+        rows.div_ceil(self.block_rows()) * self.block_bytes(cols)
     }
 
     /// The file payload of one block in this layout's order.
     fn repack_payload(self, file: &[u8], out: &mut [u8]) {
         match self {
-            QuantType::Q8_0 => {
+            QuantType::Q8_0 | QuantType::Q8_0x16 => {
                 for (o, &b) in out.iter_mut().zip(file) {
                     *o = b ^ 0x80;
                 }
@@ -141,7 +175,7 @@ impl QuantType {
     pub fn values(self, payload: &[u8]) -> [i8; GROUP_COLS] {
         let mut v = [0i8; GROUP_COLS];
         match self {
-            QuantType::Q8_0 => {
+            QuantType::Q8_0 | QuantType::Q8_0x16 => {
                 for (v, &b) in v.iter_mut().zip(payload) {
                     *v = (b ^ 0x80) as i8;
                 }
@@ -179,46 +213,96 @@ pub fn fits(cols: usize) -> bool {
     cols > 0 && cols.is_multiple_of(GROUP_COLS)
 }
 
-/// Where row `r`'s scale and payload of group `g` sit.
+/// Where row `r`'s scale of group `g` sits.
 #[inline]
 fn scale_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
-    r / BLOCK_ROWS * q.block_bytes(cols) + g * q.group_bytes() + r % BLOCK_ROWS * 2
+    let rows = q.block_rows();
+    r / rows * q.block_bytes(cols) + g * q.group_bytes() + r % rows * 2
 }
 
+/// Where row `r`'s payload bytes `CHUNK_BYTES * c ..` of group `g` sit, for
+/// each chunk c: one run in the 4-row layouts, 4 bytes per chunk in
+/// Q8_0x16's.
 #[inline]
-fn payload_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
-    r / BLOCK_ROWS * q.block_bytes(cols)
-        + g * q.group_bytes()
-        + PAYLOADS_AT
-        + r % BLOCK_ROWS * q.payload_bytes()
+fn chunk_at(q: QuantType, r: usize, g: usize, cols: usize, c: usize) -> usize {
+    let rows = q.block_rows();
+    let group = r / rows * q.block_bytes(cols) + g * q.group_bytes() + rows * 2;
+    match q {
+        QuantType::Q8_0x16 => group + c * rows * CHUNK_BYTES + r % rows * CHUNK_BYTES,
+        _ => group + r % rows * q.payload_bytes() + c * CHUNK_BYTES,
+    }
 }
 
 /// Copies one GGUF row (`cols / 32` file blocks) into row `r` of a matrix
 /// in the layout. Nothing is requantized.
 pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_row: &[u8]) {
+    let mut payload = [0u8; GROUP_COLS];
     for (g, block) in file_row.chunks_exact(q.file_block_bytes()).enumerate() {
         let s = scale_at(q, r, g, cols);
         data[s..s + 2].copy_from_slice(&block[..2]);
-        let p = payload_at(q, r, g, cols);
-        q.repack_payload(&block[2..], &mut data[p..p + q.payload_bytes()]);
+        let payload = &mut payload[..q.payload_bytes()];
+        q.repack_payload(&block[2..], payload);
+        for (c, chunk) in payload.chunks(CHUNK_BYTES).enumerate() {
+            let at = chunk_at(q, r, g, cols, c);
+            data[at..at + chunk.len()].copy_from_slice(chunk);
+        }
     }
 }
 
-/// Row `r`'s scale and payload of group `g`.
+/// Row `r`'s scale and payload of group `g` (the payload in this layout's
+/// order, as one run).
 #[inline]
-pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> (f32, &[u8]) {
+fn group_payload(
+    q: QuantType,
+    data: &[u8],
+    r: usize,
+    g: usize,
+    cols: usize,
+) -> (u16, [u8; GROUP_COLS]) {
     let s = scale_at(q, r, g, cols);
-    let d = f16::from_bits(u16::from_le_bytes([data[s], data[s + 1]])).to_f32();
-    let p = payload_at(q, r, g, cols);
-    (d, &data[p..p + q.payload_bytes()])
+    let mut payload = [0u8; GROUP_COLS];
+    for (c, chunk) in payload[..q.payload_bytes()]
+        .chunks_mut(CHUNK_BYTES)
+        .enumerate()
+    {
+        let at = chunk_at(q, r, g, cols, c);
+        chunk.copy_from_slice(&data[at..at + chunk.len()]);
+    }
+    (u16::from_le_bytes([data[s], data[s + 1]]), payload)
+}
+
+/// Row `r`'s scale and 32 integer values of group `g`.
+#[inline]
+pub fn group(
+    q: QuantType,
+    data: &[u8],
+    r: usize,
+    g: usize,
+    cols: usize,
+) -> (f32, [i8; GROUP_COLS]) {
+    let (d, payload) = group_payload(q, data, r, g, cols);
+    (f16::from_bits(d).to_f32(), q.values(&payload))
+}
+
+/// Row `r` of a Q8_0 matrix in either layout as the file stores it: per
+/// group the f16 scale, then the 32 signed bytes.
+pub fn q8_0_file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
+    assert!(q.is_q8_0(), "{} is not a Q8_0 layout", q.name());
+    let mut out = Vec::with_capacity(cols / GROUP_COLS * q.file_block_bytes());
+    for g in 0..cols / GROUP_COLS {
+        let (d, payload) = group_payload(q, data, r, g, cols);
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend(payload.iter().map(|b| b ^ 0x80));
+    }
+    out
 }
 
 /// Row `r` of a matrix in the layout, dequantized exactly as the file's
 /// blocks dequantize: `f16(d) as f32 * value`.
 pub fn dequant_row(q: QuantType, data: &[u8], r: usize, cols: usize, out: &mut [f32]) {
     for (g, part) in out[..cols].chunks_exact_mut(GROUP_COLS).enumerate() {
-        let (d, payload) = group(q, data, r, g, cols);
-        for (o, v) in part.iter_mut().zip(q.values(payload)) {
+        let (d, values) = group(q, data, r, g, cols);
+        for (o, v) in part.iter_mut().zip(values) {
             *o = d * f32::from(v);
         }
     }
@@ -247,12 +331,16 @@ mod tests {
             (QuantType::Q8_0, DType::Q8_0),
             (QuantType::Q5_0, DType::Q5_0),
             (QuantType::Q4_0, DType::Q4_0),
+            (QuantType::Q8_0x16, DType::Q8_0),
         ] {
-            for (rows, cols) in [(4, 64), (7, 96), (1, 32), (9, 640)] {
+            for (rows, cols) in [(4, 64), (7, 96), (1, 32), (9, 640), (16, 64), (37, 96)] {
                 let file = file_bytes(q, rows, cols);
                 let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
                 let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
-                assert_eq!(packed.len(), rows.next_multiple_of(4) * row_bytes);
+                assert_eq!(
+                    packed.len(),
+                    rows.next_multiple_of(q.block_rows()) * row_bytes
+                );
                 for r in 0..rows {
                     let src = &file[r * row_bytes..(r + 1) * row_bytes];
                     scatter_row(q, &mut packed, r, cols, src);
@@ -272,10 +360,40 @@ mod tests {
                         .zip(&got)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{q:?} {rows}x{cols} row {r}");
+                    if q.is_q8_0() {
+                        let src = &file[r * row_bytes..(r + 1) * row_bytes];
+                        assert_eq!(q8_0_file_row(q, &packed, r, cols), src, "{q:?} row {r}");
+                    }
                 }
-                if rows % BLOCK_ROWS != 0 {
+                if rows % q.block_rows() != 0 {
                     dequant_row(q, &packed, rows, cols, &mut got);
                     assert!(got.iter().all(|&v| v == 0.0), "padding rows are zero");
+                }
+            }
+        }
+    }
+
+    /// Q8_0x16 keeps each chunk of 4 columns of 16 rows in one 64-byte run,
+    /// which its kernel loads as one vector.
+    #[test]
+    fn q8_0x16_interleaves_16_rows_by_chunks_of_4_bytes() {
+        let q = QuantType::Q8_0x16;
+        let (rows, cols) = (16, 64);
+        let file = file_bytes(QuantType::Q8_0, rows, cols);
+        let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
+        let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
+        for r in 0..rows {
+            scatter_row(q, &mut packed, r, cols, &file[r * row_bytes..][..row_bytes]);
+        }
+        for r in 0..rows {
+            for g in 0..cols / GROUP_COLS {
+                let block = &file[r * row_bytes + g * 34..][..34];
+                let group = &packed[g * q.group_bytes()..][..q.group_bytes()];
+                assert_eq!(group[2 * r..2 * r + 2], block[..2], "scale of row {r}");
+                for c in 0..GROUP_COLS / CHUNK_BYTES {
+                    let at = 32 + 64 * c + 4 * r;
+                    let want: Vec<u8> = block[2 + 4 * c..][..4].iter().map(|b| b ^ 0x80).collect();
+                    assert_eq!(group[at..at + 4], want[..], "row {r} group {g} chunk {c}");
                 }
             }
         }

@@ -206,6 +206,9 @@ pub(super) fn iced(ops: &mut Asm, build: impl FnOnce(&mut CodeAssembler) -> Resu
 
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy, ntok)`.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    if p.q == QuantType::Q8_0x16 {
+        return super::gemm_q8_0x16::emit(p, name);
+    }
     if p.vnni {
         return super::gemm_quant_vnni::emit(p, name);
     }

@@ -136,6 +136,7 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
             super::gemm_quant::vpdpbusd(ops, dst, TEMP, 5);
             return;
         }
+        QuantType::Q8_0x16 => unreachable!("emit refuses Q8_0x16"),
         QuantType::Q8_0 => dynasm!(ops
             ; .arch x64
             ; vpxor Ry(dst), Ry(SIGN_BITS), [BYTE r9 + at]
@@ -186,6 +187,10 @@ pub(super) fn block_pointer(ops: &mut Asm) {
 /// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1, k)`.
 pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
+    anyhow::ensure!(
+        q != QuantType::Q8_0x16,
+        "kernel {name}: Q8_0x16 has no GEMV (its GEMM, emit::gemm_q8_0x16, takes single tokens)"
+    );
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();

@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod elementwise;
 pub mod gemm;
+pub mod gemm_q8_0x16;
 pub mod gemm_quant;
 pub mod gemm_quant_vnni;
 pub mod gemv;

@@ -1,0 +1,248 @@
+//! The integer GEMM (and GEMV) for Q8_0 stored in 16-row blocks
+//! ([`QuantType::Q8_0x16`]), AVX-512 VNNI: `y[t, r] = sum_g d_w[r,g] *
+//! d_x[t,g] * (q_w[r,g] · q_x[t,g])` for r in `r0..r1` and t < `ntok`
+//! (1..=8), the call and the token tiles of `gemm_quant`, the results of
+//! the GEMV of Q8_0's 4-row blocks bit for bit.
+//!
+//! The lanes of a 512-bit vector are 16 rows. A group's chunk c (4 columns
+//! of 16 rows) is one 64-byte load, and one `vpdpbusd` multiplies it by a
+//! token's 4 bytes of chunk c broadcast from the tile (`{1to16}`): no
+//! shuffle, no horizontal sum, 8 multiply-adds per token per 16 rows x 32
+//! columns. The group's scaling is then one conversion, one product of
+//! scales and one FMA per token for 16 rows, with the GEMV's order of
+//! operations: `f += float(sum - (sum_x << 7)) * (d_w * d_x)`.
+//!
+//! Tokens go 4 at a time (a pass): a pass reads the block's 16 rows x K
+//! (10 KiB for K = 640) and the next pass reads them again from L1 or L2.
+//! Fewer than 4 tokens in a pass compute the absent ones from the tile's
+//! zeros and store nothing for them. Measured from L2, one thread, 128 x
+//! 640 (ns per 4 rows x 32 columns; the GEMM over 4-row blocks in
+//! brackets): 8 tokens 3.3 (5.0), 4 tokens 1.9 (3.1), 2 tokens 1.2 (3.1),
+//! 1 token 1.0.
+//!
+//! Rows: r0 a multiple of 16; the last block may be partial (its padding
+//! rows are zeros). Stores are masked (k1) to the rows that exist.
+//!
+//! Registers: zmm0..3 the 4 tokens' group sums over even chunks, zmm4..7
+//! over odd chunks (two chains each), zmm8..11 their f32 sums, zmm12/13 a
+//! chunk of weights, zmm14 the 16 row scales, zmm15 a temporary. General
+//! registers as `gemm_quant`'s frame (`token_call_frame`), plus r15 the
+//! block's first group, rax the pass's first token and rbx the round of
+//! the chunk loop (K, in rbx on entry, is not needed past the frame).
+
+use super::gemm_quant::{
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, iced, token_call_frame,
+};
+use super::gemv_quant::block_pointer;
+use super::{Asm, finish, new_asm, restore_callee_saved_and_return, save_callee_saved};
+use crate::jback;
+use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, QuantType};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use iced_x86::code_asm::*;
+
+const Q: QuantType = QuantType::Q8_0x16;
+/// Rows per block: the 16 dword lanes of a zmm register.
+pub const ROWS: usize = 16;
+/// Tokens per pass over a block.
+const PASS_TOKENS: usize = 4;
+const CHUNKS: usize = GROUP_COLS / CHUNK_BYTES;
+/// Where the first chunk of a group starts (after the 16 f16 scales).
+const CHUNKS_AT: i32 = (ROWS * 2) as i32;
+
+const EVEN_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm0, zmm1, zmm2, zmm3];
+const ODD_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm4, zmm5, zmm6, zmm7];
+const F32_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm8, zmm9, zmm10, zmm11];
+const WEIGHTS: [AsmRegisterZmm; 2] = [zmm12, zmm13];
+const ROW_SCALES: AsmRegisterZmm = zmm14;
+const TEMP: AsmRegisterZmm = zmm15;
+
+/// Chunks per round of the chunk loop: a loop of two rounds rather than 8
+/// copies keeps the kernel within the plan's budget.
+const ROUND_CHUNKS: usize = CHUNKS / 2;
+
+/// One group of the pass: 16 rows x 32 columns (r9) against the first
+/// `tokens` (4, or 1 for a call of one token) of the tile group (r10),
+/// scaled into the f32 sums. rbx counts the rounds' input bytes (0, 128);
+/// a round's weights are twice as far (r9 + 2 rbx).
+fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
+    let round = ops.new_dynamic_label();
+    iced(ops, |a| {
+        for s in EVEN_SUMS[..tokens].iter().chain(&ODD_SUMS[..tokens]) {
+            a.vpxord(*s, *s, *s)?;
+        }
+        a.xor(ebx, ebx)
+    });
+    let round_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>round);
+    let x_round = (ROUND_CHUNKS * CHUNK_BYTES * super::gemm_quant::TOKENS) as i32;
+    iced(ops, |a| {
+        if prefetch > 0 {
+            // 5 lines a round: the group's 544 bytes, ahead.
+            for line in 0..5 {
+                a.prefetcht0(byte_ptr(r9 + rbx * 2 + prefetch as i32 + 64 * line))?;
+            }
+        }
+        for c in 0..ROUND_CHUNKS {
+            let w = WEIGHTS[c % 2];
+            let sums = if c % 2 == 0 { &EVEN_SUMS } else { &ODD_SUMS };
+            let at = CHUNKS_AT + (c * ROWS * CHUNK_BYTES) as i32;
+            a.vmovdqu32(w, zmmword_ptr(r9 + rbx * 2 + at))?;
+            for (t, &s) in sums[..tokens].iter().enumerate() {
+                let x = (c * CHUNK_BYTES * super::gemm_quant::TOKENS + t * 4) as i32;
+                a.vpdpbusd(s, w, dword_bcst(r10 + rbx + x))?;
+            }
+        }
+        Ok(())
+    });
+    dynasm!(ops
+        ; .arch x64
+        ; add ebx, x_round
+        ; cmp ebx, 2 * x_round
+    );
+    jback!(ops, jb, round, round_top);
+    let shift = Q.stored_offset_shift() as u32;
+    iced(ops, |a| {
+        a.vcvtph2ps(ROW_SCALES, ymmword_ptr(r9))?;
+        for t in 0..tokens {
+            let (even, odd, f) = (EVEN_SUMS[t], ODD_SUMS[t], F32_SUMS[t]);
+            let at = (t * 4) as i32;
+            a.vpaddd(even, even, odd)?;
+            a.vpslld(TEMP, dword_bcst(r10 + TILE_SUMS_AT as i32 + at), shift)?;
+            a.vpsubd(even, even, TEMP)?;
+            a.vcvtdq2ps(even, even)?;
+            a.vmulps(
+                TEMP,
+                ROW_SCALES,
+                dword_bcst(r10 + TILE_SCALES_AT as i32 + at),
+            )?;
+            a.vfmadd231ps(f, even, TEMP)?;
+        }
+        Ok(())
+    });
+}
+
+/// Stores the pass's tokens (those below ntok, r13) at `y + t*ldy + r`,
+/// one store each masked (k1) to the rows that exist (`r8 - rcx`, at most
+/// 16). (Through the red zone and two `vmaskmovps` of 8 rows each, the
+/// stores took 96 more bytes of code, which the plan's budget lacked.)
+/// Clobbers r9, r10 and k1.
+fn store_pass(ops: &mut Asm) {
+    let done = ops.new_dynamic_label();
+    dynasm!(ops
+        ; .arch x64
+        ; mov r9, r8
+        ; sub r9, rcx
+        ; mov r10d, ROWS as i32
+        ; cmp r10, r9
+        ; cmovb r9, r10
+        ; xor r10d, r10d
+        ; bts r10d, r9d
+        ; dec r10d
+    );
+    iced(ops, |a| a.kmovw(k1, r10d));
+    dynasm!(ops
+        ; .arch x64
+        ; mov r10, rax
+        ; imul r10, r12
+        ; add r10, r14
+        ; mov r9, r13
+        ; sub r9, rax
+    );
+    for (t, f) in F32_SUMS.into_iter().enumerate() {
+        if t > 0 {
+            dynasm!(ops
+                ; .arch x64
+                ; cmp r9, t as i32
+                ; jbe =>done
+            );
+        }
+        iced(ops, |a| a.vmovups(zmmword_ptr(r10).k1(), f));
+        dynasm!(ops ; .arch x64 ; add r10, r12);
+    }
+    dynasm!(ops ; .arch x64 ; =>done);
+}
+
+/// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy,
+/// ntok)` (see `gemm_quant`).
+pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    anyhow::ensure!(
+        p.q == Q && p.vnni,
+        "kernel {name}: the 16-row GEMM reads Q8_0x16 with VNNI only"
+    );
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let pass = ops.new_dynamic_label();
+    token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
+    let block_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(&mut ops);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r15, r9
+        ; lea r14, [rdx + rcx * 4]
+        ; xor eax, eax
+    );
+    let pass_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>pass
+        ; mov r9, r15
+        ; lea r10, [rsi + rax * 4]
+    );
+    iced(&mut ops, |a| {
+        for f in F32_SUMS {
+            a.vpxord(f, f, f)?;
+        }
+        Ok(())
+    });
+    // A call of one token (a decode step) takes a loop of its own: the
+    // 4-token loop's 3 idle tokens made a step of the default model 15%
+    // slower.
+    let one_token = ops.new_dynamic_label();
+    let stored = ops.new_dynamic_label();
+    dynasm!(ops
+        ; .arch x64
+        ; cmp r13, BYTE 1
+        ; je =>one_token
+    );
+    for tokens in [PASS_TOKENS, 1] {
+        let group = ops.new_dynamic_label();
+        if tokens == 1 {
+            dynasm!(ops ; .arch x64 ; =>one_token);
+        }
+        let group_top = ops.offset();
+        dynasm!(ops ; .arch x64 ; =>group);
+        group_step(&mut ops, p.prefetch, tokens);
+        // A pass starts 16 bytes into the tile's first group, so r10
+        // passes the end (r11) after its last group whatever the pass.
+        dynasm!(ops
+            ; .arch x64
+            ; add r9, Q.group_bytes() as i32
+            ; add r10, TILE_GROUP_BYTES as i32
+            ; cmp r10, r11
+        );
+        jback!(ops, jb, group, group_top);
+        if tokens == PASS_TOKENS {
+            dynasm!(ops ; .arch x64 ; jmp =>stored);
+        }
+    }
+    dynasm!(ops ; .arch x64 ; =>stored);
+    store_pass(&mut ops);
+    dynasm!(ops
+        ; .arch x64
+        ; add rax, BYTE PASS_TOKENS as i8
+        ; cmp rax, r13
+    );
+    jback!(ops, jb, pass, pass_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add rcx, BYTE ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
