@@ -12,27 +12,28 @@
 //! 16 · sum(x)). The kernel reads a group's 32 quants with one load, its
 //! scale and its sum with one each.
 //!
-//! Inputs of several tokens are also laid out in tiles of 8 tokens for the
-//! integer GEMM (`jit::emit::gemm_quant`): per group of 32 columns, the
-//! tokens' quants interleaved 4 columns at a time (byte `32c + 4t + j` is
-//! token t's column `4c + j`), then the 8 scales, then the 8 sums. Tokens
-//! past the last are zeros. The values are the same as the per-token
-//! layout's, so the GEMV and the GEMM see the same input.
+//! The tokens are also laid out in tiles of 8 for the integer GEMMs
+//! (`jit::emit::gemm_quant`, `gemm_q8_0x16`, which takes single tokens
+//! too): per group of 32 columns, the tokens' quants interleaved 4 columns
+//! at a time (byte `32c + 4t + j` is token t's column `4c + j`), then the
+//! 8 scales, then the 8 sums. Tokens past the last are zeros. The values
+//! are the same as the per-token layout's, so the GEMV and the GEMMs see
+//! the same input.
 //!
-//! The tiles are built from the per-token bytes when a kernel first asks
-//! for them (by the first thread; the others wait): a product of one token
-//! never needs them.
+//! The tiles are built with the quantization, before the rows are split
+//! across threads. (Built by the first thread that asked, inside the
+//! parallel section, they made the other thread sleep on a futex: 4% of a
+//! 4-stream server's samples in waking threads.)
 
 use crate::jit::emit::gemm_quant::{
     TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS, tile_bytes,
 };
 use crate::model::quant_blocks::GROUP_COLS;
-use std::sync::OnceLock;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
-    /// The token tiles, built when first asked for.
-    tiles: OnceLock<Vec<u8>>,
+    /// The token tiles.
+    tiles: Vec<u8>,
     k: usize,
     tokens: usize,
 }
@@ -125,12 +126,14 @@ impl Q8Input {
         } else {
             quantize_rows(x, k, &mut bytes);
         }
-        Q8Input {
+        let mut input = Q8Input {
             bytes,
-            tiles: OnceLock::new(),
+            tiles: Vec::new(),
             k,
             tokens,
-        }
+        };
+        input.tiles = input.interleave();
+        input
     }
 
     /// The token tiles, built from the per-token layout.
@@ -167,8 +170,7 @@ impl Q8Input {
         let bytes = tile_bytes(self.k);
         assert!(i < self.tile_count(), "tile {i} of {}", self.tile_count());
         let ntok = (self.tokens - i * TOKENS).min(TOKENS);
-        let tiles = self.tiles.get_or_init(|| self.interleave());
-        (&tiles[i * bytes..(i + 1) * bytes], ntok)
+        (&self.tiles[i * bytes..(i + 1) * bytes], ntok)
     }
 
     pub fn k(&self) -> usize {
