@@ -15,10 +15,12 @@
 //! Tokens go 4 at a time (a pass): a pass reads the block's 16 rows x K
 //! (10 KiB for K = 640) and the next pass reads them again from L1 or L2.
 //! Fewer than 4 tokens in a pass compute the absent ones from the tile's
-//! zeros and store nothing for them. Measured from L2, one thread, 128 x
-//! 640 (ns per 4 rows x 32 columns; the GEMM over 4-row blocks in
-//! brackets): 8 tokens 3.3 (5.0), 4 tokens 1.9 (3.1), 2 tokens 1.2 (3.1),
-//! 1 token 1.0.
+//! zeros and store nothing for them; a call of one token has a loop of its
+//! own. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
+//! columns; the 4-row GEMM of `gemm_quant_vnni` in brackets): 8 tokens 3.8
+//! (5.4), 4 tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3).
+//! Straight-line code for a group's 8 chunks measured 3.3 ns for 8 tokens,
+//! but the plan's budget has no room for it.
 //!
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
