@@ -407,16 +407,20 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             norm_unroll,
             &optional,
         );
-        kinds.extend(quant_kinds.iter().map(|&p| {
-            let used_for = opts
-                .quantized
+        // The matrices stored in `q`, as a one-token kernel lists them.
+        let matrices_in = |q: QuantType| {
+            opts.quantized
                 .iter()
-                .filter(|m| m.q == p.q)
+                .filter(|m| m.q == q)
                 .map(|m| format!("{} (K {})", m.tensor, m.k))
                 .collect::<Vec<_>>()
-                .join(", ");
-            (KernelKind::GemvQuant(p), vec![used_for])
-        }));
+                .join(", ")
+        };
+        kinds.extend(
+            quant_kinds
+                .iter()
+                .map(|&p| (KernelKind::GemvQuant(p), vec![matrices_in(p.q)])),
+        );
         let mut gemms: Vec<(GemmQuantParams, Vec<String>)> = Vec::new();
         for &q in &quant_types {
             let gemm = quant_gemm(q);
@@ -431,14 +435,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 format!("{} products of 2 or more tokens", types.join(", "))
             } else {
                 // Also the one-token kernel: its matrices, as a GEMV's.
-                let matrices = opts
-                    .quantized
-                    .iter()
-                    .filter(|m| m.q == gemm.q)
-                    .map(|m| format!("{} (K {})", m.tensor, m.k))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                format!("products of 1 or more tokens: {matrices}")
+                format!("products of 1 or more tokens: {}", matrices_in(gemm.q))
             };
             (KernelKind::GemmQuant(gemm), vec![used_for])
         }));

@@ -36,8 +36,8 @@
 //! registers as in `gemm_quant` (`token_call_frame`).
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, iced, store_red_zone_tokens,
-    token_call_frame,
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, iced, prefetch_group,
+    store_red_zone_tokens, token_call_frame,
 };
 use super::gemv_quant::block_pointer;
 use super::{Asm, finish, new_asm, restore_callee_saved_and_return, save_callee_saved};
@@ -163,14 +163,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     });
     let group_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>group);
-    if p.prefetch > 0 {
-        // Two lines per group of 136 bytes (see gemm_quant).
-        dynasm!(ops
-            ; .arch x64
-            ; prefetcht0 [r9 + p.prefetch as i32]
-            ; prefetcht0 [r9 + (p.prefetch + 64) as i32]
-        );
-    }
+    prefetch_group(&mut ops, p.prefetch);
     let row_bytes = GROUP_COLS as i32;
     iced(&mut ops, |a| {
         a.vmovdqu32(ROWS_01, zmmword_ptr(r9 + PAYLOADS_AT as i32))?;
