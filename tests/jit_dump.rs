@@ -135,7 +135,7 @@ fn default_model_dumps_within_budget() {
         // The default model's matrices are read in the file's own types:
         // one integer kernel for one token per type (K is an argument),
         // VNNI's where the CPU and --max-isa allow it; Q5_0 panels
-        // unpacked into Q8_0's layout for the GEMM, with
+        // unpacked for the GEMM, into Q8_0x16's blocks with
         // Q8_0's offset under VNNI (one GEMM for both types) or their own
         // under AVX2 (a GEMM each); and no 16-bit kernel for its matrices.
         let caps = CpuCaps::detect();
@@ -157,11 +157,10 @@ fn default_model_dumps_within_budget() {
             !vnni,
             "a Q8_0 GEMV only without VNNI: {n:?}"
         );
+        // With VNNI one GEMM, Q8_0x16's, serves Q8_0 and the Q5_0 panels
+        // unpacked into its 16-row blocks.
         let (gemms, unpack): (&[&str], &str) = if vnni {
-            (
-                &["gemm_q8_0_r4t8", "gemm_q8_0x16_r16t8"],
-                "unpack_q5_0_r4_to_q8_0",
-            )
+            (&["gemm_q8_0x16_r16t8"], "unpack_q5_0_r4_to_q8_0x16")
         } else {
             (
                 &["gemm_q8_0_r4t8", "gemm_q5_0_r4t8"],

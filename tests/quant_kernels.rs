@@ -160,22 +160,32 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
 #[test]
 fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
     let caps = CpuCaps::detect();
-    let mut variants = vec![(false, Isa::Avx2)];
+    // (VNNI, the layout Q5_0 and Q4_0 are unpacked into): under AVX2 Q8_0's
+    // 4-row layout with their own offset; with VNNI Q8_0's offset, in 4-row
+    // blocks (the 4-row GEMM) or in 16-row blocks (Q8_0x16's GEMM, which the
+    // plans use).
+    let mut variants = vec![(false, None)];
     if caps.avx512_vnni && caps.has_avx512() {
-        variants.push((true, Isa::Avx512));
+        variants.push((true, Some(QuantType::Q8_0)));
+        variants.push((true, Some(QuantType::Q8_0x16)));
     } else {
         println!("this CPU has no AVX-512 VNNI: only the AVX2 GEMM is checked");
     }
-    for (vnni, max_isa) in variants {
-        for (q, rows, k) in [QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0]
-            .into_iter()
-            .flat_map(|q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
+    for (vnni, vnni_into) in variants {
+        let max_isa = if vnni { Isa::Avx512 } else { Isa::Avx2 };
+        let types: &[QuantType] = match vnni_into {
+            // Q8_0 itself is stored in 16-row blocks there (see
+            // the_16_row_gemm_equals_the_gemv_bit_for_bit).
+            Some(QuantType::Q8_0x16) => &[QuantType::Q5_0, QuantType::Q4_0],
+            _ => &[QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0],
+        };
+        for (q, rows, k) in types
+            .iter()
+            .flat_map(|&q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
         {
             let file = quant_file(q, rows, k, (rows * k + 7) as u32);
             let w = packed(q, rows, k, &file);
-            // Q5_0 and Q4_0 are unpacked into Q8_0's layout for the GEMM:
-            // with Q8_0's offset under VNNI, their own under AVX2.
-            let into = if vnni { QuantType::Q8_0 } else { q };
+            let into = vnni_into.unwrap_or(q);
             let mut kinds = vec![
                 KernelKind::GemvQuant(GemvQuantParams {
                     q,
@@ -199,8 +209,12 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
             let gemv = set.get::<GemvQuant>((q, k)).unwrap();
             let gemm = set.get::<GemmQuant>((into, k)).unwrap();
             // The rows in two parts, the second starting on a block inside
-            // the matrix, as the engine's panels and threads split them.
-            let mid = (rows / 2).next_multiple_of(4).min(rows);
+            // the matrix (when there is one), as the engine's panels and
+            // threads split them.
+            let block_rows = if into == QuantType::Q8_0x16 { 16 } else { 4 };
+            let mid = Some((rows / 2).next_multiple_of(block_rows))
+                .filter(|&m| m < rows)
+                .unwrap_or(0);
             let layout = match set.get::<UnpackQuant>((q, k)) {
                 None => w.raw().to_vec(),
                 Some(unpack) => {
@@ -208,12 +222,13 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                     let (first, second) = out.split_at_mut(unpack.out_bytes(0..mid));
                     unpack.run(w.raw(), 0..mid, first).unwrap();
                     unpack.run(w.raw(), mid..rows, second).unwrap();
-                    if into == QuantType::Q8_0 {
-                        // Exactly Q8_0 row blocks of the same values.
+                    if into.is_q8_0() {
+                        // Exactly Q8_0 row blocks (4 or 16 rows) of the
+                        // same values.
                         let (mut a, mut b) = (vec![0.0f32; k], vec![0.0f32; k]);
                         for r in 0..rows {
                             quant_blocks::dequant_row(q, w.raw(), r, k, &mut a);
-                            quant_blocks::dequant_row(QuantType::Q8_0, &out, r, k, &mut b);
+                            quant_blocks::dequant_row(into, &out, r, k, &mut b);
                             assert!(
                                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                                 "{q:?} {rows}x{k}: row {r} unpacks to other values"

@@ -619,17 +619,29 @@ pub struct UnpackQuant<'a> {
 }
 
 impl UnpackQuant<'_> {
-    /// Bytes the rows `rows` take once unpacked (whole row blocks).
-    pub fn out_bytes(&self, rows: Range<usize>) -> usize {
-        QuantType::Q8_0.matrix_bytes(rows.len(), self.k)
+    /// The layout of the output: Q8_0's 4-row blocks (whichever offset
+    /// the bytes carry) or Q8_0x16's.
+    fn out_layout(&self) -> QuantType {
+        match self.into {
+            QuantType::Q8_0x16 => QuantType::Q8_0x16,
+            _ => QuantType::Q8_0,
+        }
     }
 
-    /// Rows `rows` (starting on a block) of W, the whole matrix in `q`'s
-    /// row blocks, into `out` as Q8_0 row blocks, the first at `out[0]`.
+    /// Bytes the rows `rows` take once unpacked (whole row blocks).
+    pub fn out_bytes(&self, rows: Range<usize>) -> usize {
+        self.out_layout().matrix_bytes(rows.len(), self.k)
+    }
+
+    /// Rows `rows` (starting on a block of the output's layout) of W, the
+    /// whole matrix in `q`'s row blocks, into `out` in the output's layout,
+    /// the first block at `out[0]`. Rows of the output's last block past
+    /// W's are zeros.
     pub fn run(&self, w: &[u8], rows: Range<usize>, out: &mut [u8]) -> Result<(), KernelError> {
         let block_bytes = self.q.block_bytes(self.k);
+        let layout = self.out_layout();
         if rows.start > rows.end
-            || !rows.start.is_multiple_of(quant_blocks::BLOCK_ROWS)
+            || !rows.start.is_multiple_of(layout.block_rows())
             || rows.end.div_ceil(quant_blocks::BLOCK_ROWS) > w.len() / block_bytes.max(1)
             || out.len() < self.out_bytes(rows.clone())
         {
@@ -643,6 +655,10 @@ impl UnpackQuant<'_> {
                 ),
             ));
         }
+        // The kernel writes W's 4-row blocks only: a 16-row block it ends
+        // inside gets zeros (scale 0) for the rest.
+        let whole_blocks = rows.len() / layout.block_rows() * layout.block_bytes(self.k);
+        out[whole_blocks..self.out_bytes(rows.clone())].fill(0);
         // SAFETY: checked above: the blocks read are inside `w` and the
         // blocks written inside `out`.
         unsafe { self.run_unchecked(w.as_ptr(), rows, out.as_mut_ptr()) };

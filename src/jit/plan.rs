@@ -130,8 +130,8 @@ impl KernelKind {
                     "unpack_{}_r{}_to_{}_pf{}",
                     p.q.name(),
                     gemm_quant::ROWS,
-                    if p.into == QuantType::Q8_0 {
-                        "q8_0"
+                    if p.into.is_q8_0() {
+                        p.into.name()
                     } else {
                         "bytes"
                     },
@@ -372,14 +372,14 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         .filter(|&&q| has_gemv(q))
         .map(|&q| quant_gemv(q))
         .collect();
-    // Q5_0 and Q4_0 panels are unpacked into Q8_0's layout first (see
-    // emit::unpack_quant); with VNNI their bytes take Q8_0's offset too and
-    // one GEMM serves every type, under AVX2 they keep their own for
-    // vpmaddubsw and each type has its GEMM.
+    // Q5_0 and Q4_0 panels are unpacked first (see emit::unpack_quant):
+    // with VNNI into Q8_0x16's 16-row blocks, so that one GEMM (Q8_0x16's)
+    // serves every type; under AVX2 into Q8_0's 4-row layout with their own
+    // offset for vpmaddubsw, each type with its GEMM.
     let unpack_of = |q: QuantType| {
         (!q.is_q8_0()).then_some(UnpackQuantParams {
             q,
-            into: if vnni { QuantType::Q8_0 } else { q },
+            into: if vnni { QuantType::Q8_0x16 } else { q },
             prefetch: QUANT_PREFETCH_BYTES,
         })
     };

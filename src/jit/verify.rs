@@ -203,6 +203,11 @@ const ALLOWED: &[Mnemonic] = {
         Vpsrlw,
         Vpsllw,
         Vinserti128,
+        // Unpacking into 16-row blocks: 4 rows x 8 chunks transposed.
+        Vpunpckldq,
+        Vpunpckhdq,
+        Vpunpcklqdq,
+        Vpunpckhqdq,
         Vpand,
         Vpor,
         Vpsrlvd,

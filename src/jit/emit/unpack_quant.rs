@@ -30,7 +30,7 @@
 
 use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
 use super::{
-    broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
+    Asm, broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
     save_callee_saved,
 };
 use crate::jback;
@@ -66,9 +66,12 @@ fn offset_change(q: QuantType, into: QuantType) -> u8 {
 pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
     anyhow::ensure!(
-        q != QuantType::Q8_0 && (p.into == q || p.into == QuantType::Q8_0),
+        !q.is_q8_0() && (p.into == q || p.into.is_q8_0()),
         "{name}: unpacks Q5_0 or Q4_0, into their own offset or Q8_0's"
     );
+    if p.into == QuantType::Q8_0x16 {
+        return emit_into_16_rows(p, name);
+    }
     let add = offset_change(q, p.into);
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
@@ -76,14 +79,7 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let block = ops.new_dynamic_label();
     let group = ops.new_dynamic_label();
     let row = ops.new_dynamic_label();
-    broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
-    if add != 0 {
-        broadcast_const(&mut ops, OFFSET_CHANGE, u32::from_ne_bytes([add; 4]));
-    }
-    if q == QuantType::Q5_0 {
-        broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101);
-        lane_index(&mut ops, IDX);
-    }
+    unpack_constants(&mut ops, q, add);
     dynasm!(ops
         ; .arch x64
         ; mov r9, rdx
@@ -148,6 +144,140 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         ; add r9, BYTE PAYLOADS_AT as i8
         ; add rsi, BYTE PAYLOADS_AT as i8
+        ; dec r10
+    );
+    jback!(ops, jnz, group, group_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add rcx, BYTE BLOCK_ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
+
+/// The constants both forms use: bytes of 15, the offset's change (when
+/// there is one), bytes of 1 and lane indices (Q5_0).
+fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
+    broadcast_const(ops, LOW_NIBBLES, 0x0F0F_0F0F);
+    if add != 0 {
+        broadcast_const(ops, OFFSET_CHANGE, u32::from_ne_bytes([add; 4]));
+    }
+    if q == QuantType::Q5_0 {
+        broadcast_const(ops, BYTE_ONES, 0x0101_0101);
+        lane_index(ops, IDX);
+    }
+}
+
+/// The unpacking into Q8_0x16's 16-row blocks (for the GEMM of
+/// `gemm_q8_0x16`, with VNNI): rows r0..r1, r0 a multiple of 16, into
+/// `out` from r0's 16-row block on. Each 4-row block's group is unpacked
+/// row by row (ymm0..3), transposed so that each 4 columns of the 4 rows
+/// are 16 bytes side by side (`vpunpck*dq`, `vpunpck*qdq`: chunks c and
+/// c + 4 in the halves of ymm c), and stored where its rows sit in the
+/// 16-row block (16 bytes at `32 + 64c + 16 * (block % 4)`, its scales at
+/// `8 * (block % 4)`). A last 16-row block's missing 4-row blocks are not
+/// written: the caller zeroes them.
+///
+/// Registers: r13 = r0, r15 = the bytes of a 16-row block of the output
+/// (K / 32 * 544), r11 the group's scales and r12 its chunks in the
+/// output, r10 the groups left; the rest as above.
+fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let q = p.q;
+    let into = QuantType::Q8_0x16;
+    let add = offset_change(q, into);
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let group = ops.new_dynamic_label();
+    unpack_constants(&mut ops, q, add);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r9, rdx
+    );
+    block_stride(&mut ops, q);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r13, rcx
+        ; imul r15, rbx, (into.group_bytes() / GROUP_COLS) as i32
+        ; cmp rcx, r8
+        ; jae =>done
+    );
+    block_pointer(&mut ops);
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>block
+        // The 16-row block's first group in the output, and where in it
+        // this 4-row block's rows go.
+        ; mov rax, rcx
+        ; sub rax, r13
+        ; shr rax, 4
+        ; imul rax, r15
+        ; add rax, rsi
+        ; mov r10, rcx
+        ; shr r10, 2
+        ; and r10, 3
+        ; lea r11, [rax + r10 * 8]
+        ; lea r12, [r11 + r10 * 8]
+        ; mov r10, rbx
+        ; shr r10, 5
+    );
+    let group_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>group);
+    if p.prefetch > 0 {
+        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
+        if q.group_bytes() > 64 {
+            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (p.prefetch + 64) as i32]);
+        }
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; mov rax, [r9]
+        ; mov [r11], rax
+    );
+    let regs = UnpackRegs {
+        temp: TEMP,
+        low_nibbles: LOW_NIBBLES,
+        byte_ones: BYTE_ONES,
+        idx: IDX,
+    };
+    for row in 0..BLOCK_ROWS as u8 {
+        let at = (PAYLOADS_AT + usize::from(row) * q.payload_bytes()) as i8;
+        unpack_values(&mut ops, q, row, at, regs);
+        if add != 0 {
+            dynasm!(ops ; .arch x64 ; vpaddb Ry(row), Ry(row), Ry(OFFSET_CHANGE));
+        }
+    }
+    // ymm c: chunk c of rows 0..3 in its low half, chunk c + 4 in its high.
+    dynasm!(ops
+        ; .arch x64
+        ; vpunpckldq ymm4, ymm0, ymm1
+        ; vpunpckhdq ymm5, ymm0, ymm1
+        ; vpunpckldq ymm6, ymm2, ymm3
+        ; vpunpckhdq ymm7, ymm2, ymm3
+        ; vpunpcklqdq ymm0, ymm4, ymm6
+        ; vpunpckhqdq ymm1, ymm4, ymm6
+        ; vpunpcklqdq ymm2, ymm5, ymm7
+        ; vpunpckhqdq ymm3, ymm5, ymm7
+    );
+    let chunk_at = |c: usize| (into.block_rows() * 2 + 64 * c) as i32;
+    for c in 0..4u8 {
+        let (low, high) = (chunk_at(usize::from(c)), chunk_at(usize::from(c) + 4));
+        dynasm!(ops
+            ; .arch x64
+            ; vmovdqu [r12 + low], Rx(c)
+            ; vextracti128 [r12 + high], Ry(c), 1
+        );
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, q.group_bytes() as i32
+        ; add r11, into.group_bytes() as i32
+        ; add r12, into.group_bytes() as i32
         ; dec r10
     );
     jback!(ops, jnz, group, group_top);
