@@ -17,10 +17,10 @@
 //! Fewer than 4 tokens in a pass compute the absent ones from the tile's
 //! zeros and store nothing for them; a call of one token has a loop of its
 //! own. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
-//! columns; the 4-row GEMM of `gemm_quant_vnni` in brackets): 8 tokens 3.8
-//! (5.4), 4 tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3).
-//! Straight-line code for a group's 8 chunks measured 3.3 ns for 8 tokens,
-//! but the plan's budget has no room for it.
+//! columns; the 4-row GEMM of `gemm_quant_vnni` in brackets), with a loop
+//! of two rounds of chunks: 8 tokens 3.8 (5.4), 4 tokens 2.0 (3.3), 2
+//! tokens 1.9 (3.3), 1 token 1.0 (3.3); see `group_step` for the
+//! straight-line form.
 //!
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
@@ -58,15 +58,16 @@ const WEIGHTS: [AsmRegisterZmm; 2] = [zmm12, zmm13];
 const ROW_SCALES: AsmRegisterZmm = zmm14;
 const TEMP: AsmRegisterZmm = zmm15;
 
-/// Chunks per round of the chunk loop: a loop of two rounds rather than 8
-/// copies keeps the kernel within the plan's budget.
-const ROUND_CHUNKS: usize = CHUNKS / 2;
-
 /// One group of the pass: 16 rows x 32 columns (r9) against the first
 /// `tokens` (4, or 1 for a call of one token) of the tile group (r10),
-/// scaled into the f32 sums. rbx counts the rounds' input bytes (0, 128);
-/// a round's weights are twice as far (r9 + 2 rbx).
+/// scaled into the f32 sums. The 4-token step is straight-line code (3.3
+/// ns per 4 rows x 32 columns x 8 tokens from L2, against 3.8 for a loop
+/// of two rounds of 4 chunks); the 1-token step, bound by memory, loops
+/// over the rounds to save code: rbx counts the rounds' input bytes (0,
+/// 128), a round's weights twice as far (r9 + 2 rbx).
 fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
+    let rounds = if tokens == PASS_TOKENS { 1 } else { 2 };
+    let round_chunks = CHUNKS / rounds;
     let round = ops.new_dynamic_label();
     iced(ops, |a| {
         for s in EVEN_SUMS[..tokens].iter().chain(&ODD_SUMS[..tokens]) {
@@ -76,15 +77,15 @@ fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
     });
     let round_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>round);
-    let x_round = (ROUND_CHUNKS * CHUNK_BYTES * super::gemm_quant::TOKENS) as i32;
+    let x_round = (round_chunks * CHUNK_BYTES * super::gemm_quant::TOKENS) as i32;
     iced(ops, |a| {
         if prefetch > 0 {
-            // 5 lines a round: the group's 544 bytes, ahead.
-            for line in 0..5 {
+            // The group's 544 bytes ahead (9 lines), over its rounds.
+            for line in 0..Q.group_bytes().div_ceil(64 * rounds) as i32 {
                 a.prefetcht0(byte_ptr(r9 + rbx * 2 + prefetch as i32 + 64 * line))?;
             }
         }
-        for c in 0..ROUND_CHUNKS {
+        for c in 0..round_chunks {
             let w = WEIGHTS[c % 2];
             let sums = if c % 2 == 0 { &EVEN_SUMS } else { &ODD_SUMS };
             let at = CHUNKS_AT + (c * ROWS * CHUNK_BYTES) as i32;
@@ -96,12 +97,14 @@ fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
         }
         Ok(())
     });
-    dynasm!(ops
-        ; .arch x64
-        ; add ebx, x_round
-        ; cmp ebx, 2 * x_round
-    );
-    jback!(ops, jb, round, round_top);
+    if rounds > 1 {
+        dynasm!(ops
+            ; .arch x64
+            ; add ebx, x_round
+            ; cmp ebx, rounds as i32 * x_round
+        );
+        jback!(ops, jb, round, round_top);
+    }
     let shift = Q.stored_offset_shift() as u32;
     iced(ops, |a| {
         a.vcvtph2ps(ROW_SCALES, ymmword_ptr(r9))?;
