@@ -103,12 +103,7 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; .arch x64
         ; =>group
     );
-    if p.prefetch > 0 {
-        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
-        if q.group_bytes() > 64 {
-            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (p.prefetch + 64) as i32]);
-        }
-    }
+    prefetch_source(&mut ops, q, p.prefetch);
     dynasm!(ops
         ; .arch x64
         // The 4 scales, as they are.
@@ -116,19 +111,13 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; mov [rsi], rax
         ; mov r11d, BLOCK_ROWS as i32
     );
-    let regs = UnpackRegs {
-        temp: TEMP,
-        low_nibbles: LOW_NIBBLES,
-        byte_ones: BYTE_ONES,
-        idx: IDX,
-    };
     // A loop over the 4 rows rather than 4 copies: 4 x ~90 bytes of
     // unpacking would not leave the AVX2 plan room for its GeGLU kernel.
     // r9 and rsi step one row's payload at a time, so that after the 4th
     // they stand a group's scales short of the next group.
     let row_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>row);
-    unpack_values(&mut ops, q, 0, PAYLOADS_AT as i8, regs);
+    unpack_values(&mut ops, q, 0, PAYLOADS_AT as i8, REGS);
     if add != 0 {
         dynasm!(ops ; .arch x64 ; vpaddb ymm0, ymm0, Ry(OFFSET_CHANGE));
     }
@@ -147,6 +136,36 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; dec r10
     );
     jback!(ops, jnz, group, group_top);
+    next_block_and_return(ops, (block, block_top), done, name)
+}
+
+/// The registers `unpack_values` works with.
+const REGS: UnpackRegs = UnpackRegs {
+    temp: TEMP,
+    low_nibbles: LOW_NIBBLES,
+    byte_ones: BYTE_ONES,
+    idx: IDX,
+};
+
+/// Prefetches the source group `prefetch` bytes ahead of r9 (none for
+/// 0): one line, two for a group over 64 bytes (Q5_0's 88).
+fn prefetch_source(ops: &mut Asm, q: QuantType, prefetch: usize) {
+    if prefetch > 0 {
+        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + prefetch as i32]);
+        if q.group_bytes() > 64 {
+            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (prefetch + 64) as i32]);
+        }
+    }
+}
+
+/// Both forms' end: the next 4-row block while rcx < r1 (r8), then
+/// return.
+fn next_block_and_return(
+    mut ops: Asm,
+    (block, block_top): (dynasmrt::DynamicLabel, dynasmrt::AssemblyOffset),
+    done: dynasmrt::DynamicLabel,
+    name: &str,
+) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops
         ; .arch x64
         ; add rcx, BYTE BLOCK_ROWS as i8
@@ -228,26 +247,15 @@ fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8
     );
     let group_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>group);
-    if p.prefetch > 0 {
-        dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
-        if q.group_bytes() > 64 {
-            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (p.prefetch + 64) as i32]);
-        }
-    }
+    prefetch_source(&mut ops, q, p.prefetch);
     dynasm!(ops
         ; .arch x64
         ; mov rax, [r9]
         ; mov [r11], rax
     );
-    let regs = UnpackRegs {
-        temp: TEMP,
-        low_nibbles: LOW_NIBBLES,
-        byte_ones: BYTE_ONES,
-        idx: IDX,
-    };
     for row in 0..BLOCK_ROWS as u8 {
         let at = (PAYLOADS_AT + usize::from(row) * q.payload_bytes()) as i8;
-        unpack_values(&mut ops, q, row, at, regs);
+        unpack_values(&mut ops, q, row, at, REGS);
         if add != 0 {
             dynasm!(ops ; .arch x64 ; vpaddb Ry(row), Ry(row), Ry(OFFSET_CHANGE));
         }
@@ -281,13 +289,5 @@ fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8
         ; dec r10
     );
     jback!(ops, jnz, group, group_top);
-    dynasm!(ops
-        ; .arch x64
-        ; add rcx, BYTE BLOCK_ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
+    next_block_and_return(ops, (block, block_top), done, name)
 }
