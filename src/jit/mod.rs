@@ -13,6 +13,8 @@
 //! | `gemv(wt, k)` | `run(w, x, y, rows)`, `run_part(w, x, y_part, rows)` | `(w: *const u16, x: *const f32, y: *mut f32, r0, r1)` |
 //! | `gemv_quant(q, k)` | `run_part(w, x, y_part, rows)` | `(w: *const u8, x: *const u8, y: *mut f32, r0, r1, k)` |
 //! | `gemm(wt, k)` | `run(w, x, tokens, y, ldy, rows)`, `unsafe run_unchecked` | `(w, x, y, r0, r1, tokens, ldy)` |
+//! | `gemm_quant(q, k)` | `run(w, tile, ntok, y, ldy, rows)`, `unsafe run_unchecked` | `(w, tile, y, r0, r1, k, ldy, ntok)`; Q8_0x16's also takes single tokens |
+//! | `unpack_quant(q, k)` | `run(w, rows, out)` (zeroes a last block's missing rows), `unsafe run_unchecked` | `(w, out, k, r0, r1)` |
 //! | `rmsnorm(dim)` | `run(x, w, out, eps)`, `run_inplace(x, w, eps)` | `(x, w, out, rows, eps: f32)` |
 //! | `geglu(width)` | `run(gate, up, out)` (n >= 8) | `(gate, up, out, rows)` |
 //! | `attn_scores(head_dim)` | `run(keys, queries, scores)` | the GEMM's, keys as f32 weights |
