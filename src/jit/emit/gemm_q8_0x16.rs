@@ -36,7 +36,7 @@ use super::gemm_quant::{
     GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, iced, token_call_frame,
 };
 use super::gemv_quant::block_pointer;
-use super::{Asm, finish, new_asm, restore_callee_saved_and_return, save_callee_saved};
+use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -241,13 +241,5 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; cmp rax, r13
     );
     jback!(ops, jb, pass, pass_top);
-    dynasm!(ops
-        ; .arch x64
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
+    next_block_and_return(ops, ROWS, (block, block_top), done, name)
 }

@@ -56,8 +56,8 @@
 
 use super::gemv_quant::{block_pointer, block_stride};
 use super::{
-    Asm, broadcast_const, count_mask, finish, lane_index, new_asm, reg,
-    restore_callee_saved_and_return, save_callee_saved,
+    Asm, broadcast_const, count_mask, lane_index, new_asm, next_block_and_return, reg,
+    save_callee_saved,
 };
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
@@ -312,15 +312,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     );
     jback!(ops, jb, group, group_top);
     store_tokens(&mut ops);
-    dynasm!(ops
-        ; .arch x64
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
+    next_block_and_return(ops, ROWS, (block, block_top), done, name)
 }
 
 /// Stores the block's 4 rows x 8 tokens (ymm0..3, lanes = tokens) as

@@ -40,7 +40,7 @@ use super::gemm_quant::{
     store_red_zone_tokens, token_call_frame,
 };
 use super::gemv_quant::block_pointer;
-use super::{Asm, finish, new_asm, restore_callee_saved_and_return, save_callee_saved};
+use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{GROUP_COLS, PAYLOADS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -210,13 +210,5 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         Ok(())
     });
     store_red_zone_tokens(&mut ops, -128);
-    dynasm!(ops
-        ; .arch x64
-        ; add rcx, BYTE super::gemm_quant::ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
+    next_block_and_return(ops, super::gemm_quant::ROWS, (block, block_top), done, name)
 }

@@ -98,6 +98,27 @@ pub fn restore_callee_saved_and_return(ops: &mut Asm) {
     );
 }
 
+/// The end of a kernel that walks row blocks of `rows` rows: the next
+/// block while rcx < r1 (r8), then `done`, the callee-saved registers
+/// restored, return; finishes the buffer.
+pub fn next_block_and_return(
+    mut ops: Asm,
+    rows: usize,
+    (block, block_top): (dynasmrt::DynamicLabel, dynasmrt::AssemblyOffset),
+    done: dynasmrt::DynamicLabel,
+    name: &str,
+) -> anyhow::Result<Vec<u8>> {
+    dynasm!(ops
+        ; .arch x64
+        ; add rcx, BYTE rows as i8
+        ; cmp rcx, r8
+    );
+    crate::jback!(ops, jb, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
+
 /// Backward conditional jump to `label` defined at `top`: the 2-byte short
 /// form when it reaches, else the 6-byte near form.
 #[macro_export]

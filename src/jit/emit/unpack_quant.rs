@@ -29,10 +29,7 @@
 //! to add.
 
 use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
-use super::{
-    Asm, broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
-    save_callee_saved,
-};
+use super::{Asm, broadcast_const, lane_index, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -136,7 +133,7 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; dec r10
     );
     jback!(ops, jnz, group, group_top);
-    next_block_and_return(ops, (block, block_top), done, name)
+    next_block_and_return(ops, BLOCK_ROWS, (block, block_top), done, name)
 }
 
 /// The registers `unpack_values` works with.
@@ -156,25 +153,6 @@ fn prefetch_source(ops: &mut Asm, q: QuantType, prefetch: usize) {
             dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (prefetch + 64) as i32]);
         }
     }
-}
-
-/// Both forms' end: the next 4-row block while rcx < r1 (r8), then
-/// return.
-fn next_block_and_return(
-    mut ops: Asm,
-    (block, block_top): (dynasmrt::DynamicLabel, dynasmrt::AssemblyOffset),
-    done: dynasmrt::DynamicLabel,
-    name: &str,
-) -> anyhow::Result<Vec<u8>> {
-    dynasm!(ops
-        ; .arch x64
-        ; add rcx, BYTE BLOCK_ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
 }
 
 /// The constants both forms use: bytes of 15, the offset's change (when
@@ -289,5 +267,5 @@ fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8
         ; dec r10
     );
     jback!(ops, jnz, group, group_top);
-    next_block_and_return(ops, (block, block_top), done, name)
+    next_block_and_return(ops, BLOCK_ROWS, (block, block_top), done, name)
 }
