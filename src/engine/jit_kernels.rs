@@ -31,7 +31,7 @@ struct Line {
 }
 
 /// Each thread's buffer for a panel of Q5_0 or Q4_0 rows unpacked into
-/// Q8_0's layout: grown to the largest panel once, then reused by every
+/// 16-row blocks: grown to the largest panel once, then reused by every
 /// product (pool threads live as long as the engine).
 #[derive(Default)]
 struct PanelBuffer(Vec<Line>);
@@ -284,14 +284,13 @@ impl MatKernels for JitKernels {
         assert_eq!(unpack.is_some(), !q.is_q8_0(), "unpacking resolved at load");
         let gemm_q = unpack.map_or(q, |u| u.into);
         let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
-        let panel_gemv: Option<GemvQuant> = w
-            .kernels()
-            .panel_one_token
-            .map(|id| self.set.bind(id, (QuantType::Q8_0, w.cols)));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
-        assert!(rows.start.is_multiple_of(gemm_q.block_rows()));
+        assert!(
+            rows.start
+                .is_multiple_of(crate::jit::emit::gemm_quant::ROWS)
+        );
         // Every tile passes over a panel of rows while it stays in L2 (the
-        // plan's `widened_panel_bytes`, in Q8_0's layout), so the rows are
+        // plan's `widened_panel_bytes`, at Q8_0's bytes per row), so the rows are
         // read from memory once, and unpacked once.
         let q8_row_bytes = QuantType::Q8_0.file_block_bytes() * (w.cols / quant_blocks::GROUP_COLS);
         let panel_rows = self
@@ -303,20 +302,7 @@ impl MatKernels for JitKernels {
             let run_tiles = |panel: &[u8], first_row: usize| {
                 for i in 0..x.tile_count() {
                     let (tile, ntok) = x.tile(i);
-                    if let (1, Some(gemv)) = (ntok, panel_gemv) {
-                        // A lone token in the last tile (a step over 9
-                        // tokens): Q8_0's GEMV over the panel, from L2,
-                        // rather than a tile's 8 lanes for one. Bit-identical
-                        // either way (the same integer group sums, scaled in
-                        // the same order).
-                        let t = i * TILE_TOKENS;
-                        // SAFETY: the caller owns columns r0..r1 of y.
-                        let part = unsafe { y.cells(t, r0..r1) };
-                        gemv.run_part(panel, x.token(t), part, first_row..first_row + (r1 - r0))
-                            .expect("a panel of the matrix's rows");
-                        continue;
-                    }
-                    // SAFETY: `panel` holds the Q8_0 blocks of rows
+                    // SAFETY: `panel` holds the 16-row blocks of rows
                     // first_row..r1 - r0 + first_row (the whole matrix's, or
                     // the unpacked panel's), the tile is whole, y holds every
                     // token's row of `stride` (asserted), and the caller
@@ -379,24 +365,11 @@ impl MatKernels for JitKernels {
                 (self.set.resolve::<Gemv>(key), self.set.resolve::<Gemm>(key))
             }
         };
-        // Panels in Q8_0's bytes (Q8_0 itself, or unpacked with Q8_0's
-        // offset) can be read by Q8_0's GEMV too.
-        let panel_is_q8_0 = match w.format.quant() {
-            Some(QuantType::Q8_0) => true,
-            Some(q) => unpack.is_some_and(|id| {
-                self.set.bind::<UnpackQuant>(id, (q, w.cols)).into == QuantType::Q8_0
-            }),
-            None => false,
-        };
-        let panel_one_token = panel_is_q8_0
-            .then(|| self.set.resolve::<GemvQuant>((QuantType::Q8_0, w.cols)))
-            .flatten();
         match (one_token, tokens) {
             (Some(_), Some(_)) => Ok(MatrixKernels {
                 one_token,
                 tokens,
                 unpack,
-                panel_one_token,
             }),
             (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
             (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),

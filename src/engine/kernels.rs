@@ -175,15 +175,12 @@ pub struct MatrixKernels {
     /// One token at a time: the GEMV (the integer one for quantized
     /// weights).
     pub one_token: Option<KernelId>,
-    /// Several tokens at once: the GEMM (Q8_0's integer GEMM for every
-    /// quantized type).
+    /// Several tokens at once: the GEMM (for quantized weights the integer
+    /// GEMM over 16-row blocks).
     pub tokens: Option<KernelId>,
-    /// Q5_0 and Q4_0: what unpacks panels of rows into Q8_0's layout for
+    /// Q5_0 and Q4_0: what unpacks panels of rows into 16-row blocks for
     /// that GEMM.
     pub unpack: Option<KernelId>,
-    /// Q8_0's GEMV where the GEMM's panels hold Q8_0's bytes: it takes a
-    /// tile's lone token (see `JitKernels::gemm_q8`).
-    pub panel_one_token: Option<KernelId>,
 }
 
 pub trait MatKernels: Sync {

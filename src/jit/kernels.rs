@@ -619,13 +619,10 @@ pub struct UnpackQuant<'a> {
 }
 
 impl UnpackQuant<'_> {
-    /// The layout of the output: Q8_0's 4-row blocks (whichever offset
-    /// the bytes carry) or Q8_0x16's.
+    /// The layout of the output: Q8_0x16's 16-row blocks, whichever
+    /// offset the bytes carry.
     fn out_layout(&self) -> QuantType {
-        match self.into {
-            QuantType::Q8_0x16 => QuantType::Q8_0x16,
-            _ => QuantType::Q8_0,
-        }
+        QuantType::Q8_0x16
     }
 
     /// Bytes the rows `rows` take once unpacked (whole row blocks).
@@ -688,11 +685,11 @@ struct TokensInput {
 }
 
 /// The checks of a call `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights in
-/// the row-block layout of `q` (Q8_0's whichever offset the bytes carry,
-/// or Q8_0x16's): a whole input of 1 to `max_tokens` tokens, rows starting
-/// on a block and inside W, and every element written inside Y.
+/// Q8_0x16's 16-row blocks (whichever offset the bytes carry): a whole
+/// input of 1 to `max_tokens` tokens, rows starting on a block and inside
+/// W, and every element written inside Y.
 fn check_tokens_call(
-    (name, q, k): (&str, QuantType, usize),
+    (name, k): (&str, usize),
     w: &[u8],
     x: &TokensInput,
     y: &[f32],
@@ -709,12 +706,7 @@ fn check_tokens_call(
             ),
         ));
     }
-    // Q8_0's 4-row layout, whichever offset the bytes carry, or Q8_0x16's.
-    let layout = if q == QuantType::Q8_0x16 {
-        q
-    } else {
-        QuantType::Q8_0
-    };
+    let layout = QuantType::Q8_0x16;
     let block_bytes = layout.block_bytes(k);
     if rows.start > rows.end
         || !rows.start.is_multiple_of(layout.block_rows())
@@ -752,9 +744,9 @@ impl GemmQuant<'_> {
     }
 
     /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)
-    /// tokens of one tile, W in the row-block layout of `q` (Q8_0's: the
-    /// whole matrix or an unpacked panel; or Q8_0x16's), `rows` starting on
-    /// a block.
+    /// tokens of one tile, W in Q8_0x16's 16-row blocks (a Q8_0 matrix, or
+    /// a panel unpacked into them with the offset `q` names), `rows`
+    /// starting on a block.
     pub fn run(
         &self,
         w: &[u8],
@@ -771,7 +763,7 @@ impl GemmQuant<'_> {
             ntok,
             max_tokens: gemm_quant::TOKENS,
         };
-        check_tokens_call((self.name, self.q, self.k), w, &input, y, ldy, &rows)?;
+        check_tokens_call((self.name, self.k), w, &input, y, ldy, &rows)?;
         // SAFETY: checked above: the blocks read are inside `w`, the tile
         // is whole, and every element written is inside `y`.
         unsafe { self.run_unchecked(w.as_ptr(), tile.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };

@@ -12,7 +12,7 @@ use super::emit::gemv::{self, GemvParams, WeightType};
 use super::emit::gemv_quant::{self, GemvQuantParams};
 use super::emit::unpack_quant::UnpackQuantParams;
 use super::emit::{self, LANES};
-use crate::model::quant_blocks::QuantType;
+use crate::model::quant_blocks::{self, QuantType};
 use anyhow::{Result, bail};
 use std::ops::Range;
 
@@ -70,12 +70,12 @@ pub enum KernelKind {
     Gemv(GemvParams),
     /// Integer GEMV over quantized weights and 8-bit inputs.
     GemvQuant(GemvQuantParams),
-    /// Integer GEMM over quantized weights and tiles of 8 tokens' 8-bit
-    /// inputs.
+    /// Integer GEMM over quantized weights in 16-row blocks and tiles of 8
+    /// tokens' 8-bit inputs (Q8_0's single tokens too).
     GemmQuant(GemmQuantParams),
-    /// Q5_0 or Q4_0 row blocks unpacked into Q8_0's, for the Q8_0 GEMM.
+    /// Q5_0 or Q4_0 row blocks unpacked into 16-row blocks, for the GEMM.
     UnpackQuant(UnpackQuantParams),
-    /// Integer GEMV over 2 to 4 tokens at once (VNNI, Q8_0's layout).
+    /// The 16-bit GEMM over several tokens.
     Gemm(GemmParams),
     RmsNorm {
         dim: usize,
@@ -91,6 +91,15 @@ pub enum KernelKind {
     AttnWsum {
         head_dim: usize,
     },
+}
+
+/// The name of values of `q` (its offset) in Q8_0x16's 16-row blocks:
+/// `q8_0x16`, `q5_0x16`.
+fn rows16_name(q: QuantType) -> String {
+    match q {
+        QuantType::Q8_0 | QuantType::Q8_0x16 => QuantType::Q8_0x16.name().to_string(),
+        _ => format!("{}x16", q.name()),
+    }
 }
 
 impl KernelKind {
@@ -118,8 +127,8 @@ impl KernelKind {
             KernelKind::GemmQuant(p) => {
                 format!(
                     "gemm_{}_r{}t{}{}_pf{}",
-                    p.q.name(),
-                    p.q.block_rows(),
+                    rows16_name(p.q),
+                    gemm_quant::ROWS,
                     gemm_quant::TOKENS,
                     if p.vnni { "_vnni" } else { "" },
                     p.prefetch
@@ -129,12 +138,8 @@ impl KernelKind {
                 format!(
                     "unpack_{}_r{}_to_{}_pf{}",
                     p.q.name(),
-                    gemm_quant::ROWS,
-                    if p.into.is_q8_0() {
-                        p.into.name()
-                    } else {
-                        "bytes"
-                    },
+                    quant_blocks::BLOCK_ROWS,
+                    rows16_name(p.into),
                     p.prefetch
                 )
             }
@@ -267,14 +272,14 @@ pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
 }
 
 /// How Q8_0 matrices are stored for the kernels of a CPU: in 16-row
-/// blocks where the integer kernels use VNNI (the GEMM whose lanes are
-/// rows, `emit::gemm_q8_0x16`, which also takes single tokens), in Q8_0's
-/// 4-row blocks otherwise. The engine stores them so; the plan then emits
-/// the kernels of the types it is given.
+/// blocks wherever the JIT runs (the integer GEMM's lanes are rows, with
+/// VNNI or AVX2, and it also takes single tokens: see `emit::gemm_quant`),
+/// in Q8_0's 4-row blocks for a CPU it cannot serve. The engine stores
+/// them so; the plan then emits the kernels of the types it is given.
 pub fn q8_0_layout(caps: &CpuCaps, max_isa: Isa) -> QuantType {
     match caps.effective_isa(max_isa) {
-        Some(Isa::Avx512) if caps.avx512_vnni => QuantType::Q8_0x16,
-        _ => QuantType::Q8_0,
+        Some(_) => QuantType::Q8_0x16,
+        None => QuantType::Q8_0,
     }
 }
 
@@ -372,10 +377,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         .filter(|&&q| has_gemv(q))
         .map(|&q| quant_gemv(q))
         .collect();
-    // Q5_0 and Q4_0 panels are unpacked first (see emit::unpack_quant):
-    // with VNNI into Q8_0x16's 16-row blocks, so that one GEMM (Q8_0x16's)
-    // serves every type; under AVX2 into Q8_0's 4-row layout with their own
-    // offset for vpmaddubsw, each type with its GEMM.
+    // Q5_0 and Q4_0 panels are unpacked first (see emit::unpack_quant)
+    // into Q8_0x16's 16-row blocks: with VNNI with Q8_0's offset, so that
+    // one GEMM (Q8_0x16's) serves every type; under AVX2 with their own,
+    // small enough for vpmaddubsw without Q8_0's sign trick, each type with
+    // its GEMM. (Under AVX2 with Q8_0's offset, a prefill of 512 tokens
+    // measured 432-482 tok/s against 500-568 for the 4-row GEMM before.)
     let unpack_of = |q: QuantType| {
         (!q.is_q8_0()).then_some(UnpackQuantParams {
             q,
@@ -387,10 +394,20 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // steps (the GEMVs) only, and a distance that won there by noise, off
     // say, costs the GEMM most (an 8-token tile from memory: 24.5 ns per
     // group without prefetching, 13-15 with 8 KiB).
-    let quant_gemm = |q: QuantType| GemmQuantParams {
-        q: unpack_of(q).map_or(q, |u| u.into),
-        vnni,
-        prefetch: QUANT_PREFETCH_BYTES,
+    // AVX2's GEMM of unpacked panels reads them from L2, where they were
+    // just written: no prefetching (which also leaves the plan room for
+    // its GeGLU). Q8_0x16's GEMM also reads Q8_0 from memory.
+    let quant_gemm = |q: QuantType| {
+        let gemm_q = unpack_of(q).map_or(q, |u| u.into);
+        GemmQuantParams {
+            q: gemm_q,
+            vnni,
+            prefetch: if gemm_q == QuantType::Q8_0x16 {
+                QUANT_PREFETCH_BYTES
+            } else {
+                0
+            },
+        }
     };
 
     // Candidate unroll levels, most aggressive first.
@@ -444,7 +461,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             Some((
                 KernelKind::UnpackQuant(unpack),
                 vec![format!(
-                    "{} panels for the GEMM, in Q8_0's layout",
+                    "{} panels for the GEMM, in 16-row blocks",
                     q.name().to_uppercase()
                 )],
             ))

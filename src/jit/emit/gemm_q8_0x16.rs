@@ -17,7 +17,8 @@
 //! Fewer than 4 tokens in a pass compute the absent ones from the tile's
 //! zeros and store nothing for them; a call of one token has a loop of its
 //! own. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
-//! columns; the 4-row GEMM of `gemm_quant_vnni` in brackets), with a loop
+//! columns; the 4-row GEMM with (row, token) lanes it replaced in
+//! brackets), with a loop
 //! of two rounds of chunks: 8 tokens 3.8 (5.4), 4 tokens 2.0 (3.3), 2
 //! tokens 1.9 (3.3), 1 token 1.0 (3.3); see `group_step` for the
 //! straight-line form.

@@ -133,7 +133,7 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
                 ; vmovdqu Ry(TEMP), [BYTE r9 + at]
                 ; vpxor Ry(dst), Ry(dst), Ry(dst)
             );
-            super::gemm_quant::vpdpbusd(ops, dst, TEMP, 5);
+            vpdpbusd(ops, dst, TEMP, 5);
             return;
         }
         QuantType::Q8_0x16 => unreachable!("emit refuses Q8_0x16"),
@@ -182,6 +182,19 @@ pub(super) fn block_pointer(ops: &mut Asm) {
         ; imul r9, rbp
         ; add r9, rdi
     );
+}
+
+/// `vpdpbusd ymm dst, ymm unsigned, ymm signed`, EVEX.256.66.0F38.W0 50 /r
+/// with registers 0..15 (R', V' and X set, no mask, no broadcast).
+pub(super) fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
+    let not_r = u8::from(dst < 8);
+    let not_b = u8::from(signed < 8);
+    ops.push(0x62);
+    ops.push(not_r << 7 | 1 << 6 | not_b << 5 | 1 << 4 | 0b10);
+    ops.push((!unsigned & 0xF) << 3 | 1 << 2 | 0b01);
+    ops.push(0b01 << 5 | 1 << 3);
+    ops.push(0x50);
+    ops.push(0xC0 | (dst & 7) << 3 | (signed & 7));
 }
 
 /// Emits the kernel `extern "sysv64" fn(w, x, y, r0, r1, k)`.
@@ -294,4 +307,27 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     dynasm!(ops ; .arch x64 ; =>done);
     restore_callee_saved_and_return(&mut ops);
     finish(ops, name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iced_x86::{Decoder, DecoderOptions, Mnemonic, Register};
+
+    #[test]
+    fn the_evex_dot_product_decodes_as_written() {
+        for (dst, u, s) in [(4u8, 9u8, 8u8), (0, 15, 3), (12, 1, 14)] {
+            let mut ops = new_asm();
+            vpdpbusd(&mut ops, dst, u, s);
+            let bytes = ops.finalize().expect("no labels");
+            let mut d = Decoder::with_ip(64, &bytes, 0, DecoderOptions::NONE);
+            let ins = d.decode();
+            assert_eq!(ins.len(), bytes.len());
+            assert_eq!(ins.mnemonic(), Mnemonic::Vpdpbusd);
+            let ymm = |n: u8| Register::YMM0 as u32 + u32::from(n);
+            assert_eq!(ins.op0_register() as u32, ymm(dst));
+            assert_eq!(ins.op1_register() as u32, ymm(u));
+            assert_eq!(ins.op2_register() as u32, ymm(s));
+        }
+    }
 }

@@ -1,30 +1,29 @@
-//! Unpacks Q5_0 or Q4_0 row blocks into Q8_0's row-block layout, the one
-//! the integer GEMM (`gemm_quant`) reads.
+//! Unpacks Q5_0 or Q4_0 row blocks into Q8_0x16's 16-row blocks, the
+//! layout the integer GEMM (`gemm_quant`) reads.
 //!
-//! Why: the GEMM broadcasts each row's 4 weight bytes to the 8 tokens of a
-//! tile. Q8_0's stored bytes broadcast straight from the row block; Q5_0's
-//! and Q4_0's had to be unpacked into bytes first, in every tile's pass,
-//! which made their GEMM 1.6x Q8_0's per group (14.4 against 8.7 ns per 4
-//! rows x 32 columns x 8 tokens, one thread, from L2). Unpacked once per
-//! panel of rows, the unpacking is shared by every tile of a prefill chunk
-//! (16 tiles for 126 tokens).
+//! Why: the GEMM multiplies each chunk of 4 columns of its rows by every
+//! token of a tile. Q8_0's stored bytes are ready for it; Q5_0's and
+//! Q4_0's had to be unpacked into bytes first, in every tile's pass, which
+//! made their GEMM 1.6x Q8_0's per group (14.4 against 8.7 ns per 4 rows x
+//! 32 columns x 8 tokens, one thread, from L2, with the earlier 4-row
+//! layout). Unpacked once per panel of rows, the unpacking is shared by
+//! every tile of a prefill chunk (16 tiles for 126 tokens).
 //!
-//! The output has Q8_0's geometry: per 32-column group the 4 rows' f16
-//! scales (copied), then 4 x 32 bytes, one per value. `into` says which
-//! offset the bytes carry: Q8_0's (s + 128, Q8_0's stored form, so that
-//! with VNNI one GEMM serves every type), or the type's own (v = s + 16 or
-//! s + 8, small enough for AVX2's `vpmaddubsw`). Either way a GEMM group
-//! sum is the same exact integer as the GEMV's, so results stay
-//! bit-identical to one-token steps.
+//! `into` says which offset the bytes carry: Q8_0's (s + 128, Q8_0x16's
+//! stored form, so that with VNNI one GEMM serves every type), or the
+//! type's own (v = s + 16 or s + 8, small enough for AVX2's `vpmaddubsw`
+//! without the sign trick Q8_0 needs). Either way a GEMM group sum is the
+//! same exact integer as the GEMV's, so results stay bit-identical to
+//! one-token steps.
 //!
 //! Signature `fn(w, out, k, r0, r1)`: rows r0..r1 of W (r0 a multiple of
-//! 4; whole row blocks, padding rows included) into `out`, which receives
-//! the row blocks one after another from r0's.
+//! 16; whole 4-row blocks, padding rows included) into `out`, which
+//! receives the 16-row blocks one after another from r0's.
 //!
 //! Registers: rdi=W, rsi=out, rcx=row, r8=r1, r9 the W pointer (K on
 //! entry, as `block_stride` wants), rbx=K, rbp=bytes of W per row of a
-//! block, r10 the groups left in a block, r11 the rows left in a group, rax
-//! the scales; ymm0 a row's bytes, ymm10 a temporary, ymm12 bytes of 1
+//! block, r10 the groups left in a block, rax the scales; ymm0..3 the rows'
+//! bytes, ymm4..7 their transposition, ymm10 a temporary, ymm12 bytes of 1
 //! (Q5_0), ymm13 bytes of 15, ymm14 lane indices (Q5_0), ymm15 the bytes
 //! to add.
 
@@ -61,79 +60,11 @@ fn offset_change(q: QuantType, into: QuantType) -> u8 {
 
 /// Emits the kernel `extern "sysv64" fn(w, out, k, r0, r1)`.
 pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    let q = p.q;
     anyhow::ensure!(
-        !q.is_q8_0() && (p.into == q || p.into.is_q8_0()),
-        "{name}: unpacks Q5_0 or Q4_0, into their own offset or Q8_0's"
+        !p.q.is_q8_0() && (p.into == p.q || p.into == QuantType::Q8_0x16),
+        "{name}: unpacks Q5_0 or Q4_0 into 16-row blocks, with their own offset or Q8_0's"
     );
-    if p.into == QuantType::Q8_0x16 {
-        return emit_into_16_rows(p, name);
-    }
-    let add = offset_change(q, p.into);
-    let mut ops = new_asm();
-    save_callee_saved(&mut ops);
-    let done = ops.new_dynamic_label();
-    let block = ops.new_dynamic_label();
-    let group = ops.new_dynamic_label();
-    let row = ops.new_dynamic_label();
-    unpack_constants(&mut ops, q, add);
-    dynasm!(ops
-        ; .arch x64
-        ; mov r9, rdx
-    );
-    block_stride(&mut ops, q);
-    dynasm!(ops
-        ; .arch x64
-        ; cmp rcx, r8
-        ; jae =>done
-    );
-    block_pointer(&mut ops);
-    let block_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>block
-        ; mov r10, rbx
-        ; shr r10, 5
-    );
-    let group_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>group
-    );
-    prefetch_source(&mut ops, q, p.prefetch);
-    dynasm!(ops
-        ; .arch x64
-        // The 4 scales, as they are.
-        ; mov rax, [r9]
-        ; mov [rsi], rax
-        ; mov r11d, BLOCK_ROWS as i32
-    );
-    // A loop over the 4 rows rather than 4 copies: 4 x ~90 bytes of
-    // unpacking would not leave the AVX2 plan room for its GeGLU kernel.
-    // r9 and rsi step one row's payload at a time, so that after the 4th
-    // they stand a group's scales short of the next group.
-    let row_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>row);
-    unpack_values(&mut ops, q, 0, PAYLOADS_AT as i8, REGS);
-    if add != 0 {
-        dynasm!(ops ; .arch x64 ; vpaddb ymm0, ymm0, Ry(OFFSET_CHANGE));
-    }
-    dynasm!(ops
-        ; .arch x64
-        ; vmovdqu [BYTE rsi + PAYLOADS_AT as i8], ymm0
-        ; add r9, BYTE q.payload_bytes() as i8
-        ; add rsi, BYTE GROUP_COLS as i8
-        ; dec r11d
-    );
-    jback!(ops, jnz, row, row_top);
-    dynasm!(ops
-        ; .arch x64
-        ; add r9, BYTE PAYLOADS_AT as i8
-        ; add rsi, BYTE PAYLOADS_AT as i8
-        ; dec r10
-    );
-    jback!(ops, jnz, group, group_top);
-    next_block_and_return(ops, BLOCK_ROWS, (block, block_top), done, name)
+    emit_into_16_rows(p, name)
 }
 
 /// The registers `unpack_values` works with.
@@ -168,8 +99,7 @@ fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
     }
 }
 
-/// The unpacking into Q8_0x16's 16-row blocks (for the GEMM of
-/// `gemm_q8_0x16`, with VNNI): rows r0..r1, r0 a multiple of 16, into
+/// The unpacking into Q8_0x16's 16-row blocks: rows r0..r1, r0 a multiple of 16, into
 /// `out` from r0's 16-row block on. Each 4-row block's group is unpacked
 /// row by row (ymm0..3), transposed so that each 4 columns of the 4 rows
 /// are 16 bytes side by side (`vpunpck*dq`, `vpunpck*qdq`: chunks c and
@@ -183,8 +113,9 @@ fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
 /// output, r10 the groups left; the rest as above.
 fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
+    // The output's geometry; `p.into` only says which offset its bytes carry.
     let into = QuantType::Q8_0x16;
-    let add = offset_change(q, into);
+    let add = offset_change(q, p.into);
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();

@@ -1,0 +1,340 @@
+//! The integer GEMM under AVX2 over 16-row blocks ([`QuantType::Q8_0x16`]'s
+//! layout), in two forms: Q8_0x16 itself, which also takes single tokens
+//! (Q8_0's GEMV under AVX2 then), and Q5_0 or Q4_0 panels unpacked into
+//! those blocks with their own offset (`unpack_quant`). The call, the token
+//! tiles and the results are `gemm_q8_0x16`'s (its VNNI form), bit for bit.
+//!
+//! Why rows as lanes under AVX2 too: the 4-row GEMM this replaced put 8
+//! tokens in a vector's lanes and paid for all 8 whatever the step's
+//! count, so a step over 2 tokens of the default model cost 1.89-2.06x a
+//! one-token step and one over 8 2.14-2.42x (`bench --m-curve`, AMD EPYC
+//! with AVX2 only); now 1.10-1.17x and 2.02-2.33x. Here a vector's 8 dword
+//! lanes are 8 rows: a chunk (4 columns) of 8 rows is one 32-byte load,
+//! shared by every token, and each token costs its own products only: a
+//! broadcast of its 4 bytes, `vpmaddubsw` + `vpmaddwd` and an add per 8
+//! rows x 4 columns. So the work grows with the tokens present, not with
+//! the tile's 8 slots. An 8-token step stays bound by these products (72%
+//! of its samples in this kernel): AVX2 has no cheaper byte dot product.
+//!
+//! Q8_0x16's stored bytes are q + 128 (VNNI's unsigned operand);
+//! `vpmaddubsw` on them would saturate (255 x 127 pairs), so each chunk is
+//! flipped back to q once (`vpxor` 0x80) and multiplied through the sign
+//! trick, `|q| * (x * sign q)`. An unpacked panel's values (s + 16, s + 8)
+//! multiply as they are (at most 2 x 31 x 127 a pair) and lose their
+//! offset from the group sum, `sum - (sum_x << shift)`: one product fewer
+//! per token, which a prompt's steps (58% of their products in Q5_0)
+//! need: through the sign trick a prefill measured 432-482 tok/s against
+//! 500-568 for the 4-row GEMM before, with its own offset 415-508 against
+//! 451-468 (alternating, 4 runs). Either way the group sum is the exact
+//! integer of VNNI's form, scaled as there: `f += float(sum) * (d_w *
+//! d_x)`.
+//!
+//! A pass takes 2 tokens over both halves of the block (rows 0..7 and
+//! 8..15 of each 64-byte chunk). Q8_0x16's odd last token, or a call of
+//! one token (a decode step), takes a pass of 1; a panel's (its one-token
+//! steps go through Q5_0's GEMV) rides a pass of 2 with the tile's zeros.
+//! Each pass reads the block's 16 rows x K (10 KiB for K = 640) and the
+//! next one reads them again from L1 or L2.
+//!
+//! Rows: r0 a multiple of 16; the last block may be partial (its padding
+//! rows are zeros). Stores are masked to the rows that exist.
+//!
+//! Registers: ymm0..3 the group sums in i32 of (token, half) = (t, h) at
+//! 2t + h, ymm4..7 their f32 sums at 4 + 2t + h, ymm8/9 the chunk's q of
+//! each half, ymm10/11 its |q| (a panel's values), ymm12 a token's broadcast bytes, ymm13 a
+//! temporary, ymm14 16-bit ones, ymm15 bytes of 0x80. General registers as
+//! `gemm_q8_0x16`: `gemm_quant`'s frame (`token_call_frame`), r15 the
+//! block's first group, r14 the block's outputs, rax the pass's first
+//! token, rbx the chunk's offset in the tile (4 x 8 tokens per chunk; the
+//! weights' is twice that).
+
+use super::gemm_quant::{
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, token_call_frame,
+};
+use super::gemv_quant::block_pointer;
+use super::{
+    Asm, broadcast_const, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg,
+    save_callee_saved,
+};
+use crate::jback;
+use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, QuantType};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+
+const Q: QuantType = QuantType::Q8_0x16;
+/// Rows per block, two vectors' worth.
+pub const ROWS: usize = 16;
+const HALF_ROWS: usize = 8;
+/// Tokens of a full pass.
+const PASS_TOKENS: usize = 2;
+/// Bytes of a chunk of one token in the tile (4 columns of 8 tokens).
+const TILE_CHUNK_BYTES: i32 = (CHUNK_BYTES * super::gemm_quant::TOKENS) as i32;
+/// Where the first chunk of a group starts (after the 16 f16 scales).
+const CHUNKS_AT: i32 = (ROWS * 2) as i32;
+
+const SIGNED: [u8; 2] = [8, 9];
+const MAGNITUDE: [u8; 2] = [10, 11];
+const X: u8 = 12;
+const TEMP: u8 = 13;
+const ONES: u8 = 14;
+const SIGN_BITS: u8 = 15;
+
+fn group_sum(t: usize, h: usize) -> u8 {
+    (2 * t + h) as u8
+}
+
+fn f32_sum(t: usize, h: usize) -> u8 {
+    (4 + 2 * t + h) as u8
+}
+
+/// Whether the weights go through the sign trick: Q8_0x16's q + 128 do;
+/// an unpacked Q5_0 or Q4_0 panel's small unsigned values (s + 16, s + 8)
+/// multiply as they are, their offset taken off each group sum as VNNI
+/// takes Q8_0's (`sum - (sum_x << shift)`).
+fn sign_trick(q: QuantType) -> bool {
+    q == Q
+}
+
+/// One group of the pass: 16 rows x 32 columns (r9) against `tokens` (2
+/// or 1) tokens of the tile group (r10), scaled into the f32 sums. The
+/// chunks loop (rbx), one per round: straight-line, a 2-token step would
+/// be about 900 bytes.
+fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
+    let chunk = ops.new_dynamic_label();
+    for t in 0..tokens {
+        for h in 0..2 {
+            let s = group_sum(t, h);
+            dynasm!(ops ; .arch x64 ; vpxor Ry(s), Ry(s), Ry(s));
+        }
+    }
+    if prefetch > 0 {
+        // The group's 544 bytes ahead: 9 lines.
+        for line in 0..Q.group_bytes().div_ceil(64) as i32 {
+            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + prefetch as i32 + 64 * line]);
+        }
+    }
+    dynasm!(ops ; .arch x64 ; xor ebx, ebx);
+    let chunk_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>chunk);
+    for h in 0..2 {
+        let at = (CHUNKS_AT as usize + h * HALF_ROWS * CHUNK_BYTES) as i8;
+        if sign_trick(q) {
+            dynasm!(ops
+                ; .arch x64
+                ; vpxor Ry(SIGNED[h]), Ry(SIGN_BITS), [BYTE r9 + rbx * 2 + at]
+                ; vpabsb Ry(MAGNITUDE[h]), Ry(SIGNED[h])
+            );
+        } else {
+            dynasm!(ops ; .arch x64 ; vmovdqu Ry(MAGNITUDE[h]), [BYTE r9 + rbx * 2 + at]);
+        }
+    }
+    for t in 0..tokens {
+        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(X), [BYTE r10 + rbx + 4 * t as i8]);
+        for h in 0..2 {
+            let s = group_sum(t, h);
+            if sign_trick(q) {
+                dynasm!(ops
+                    ; .arch x64
+                    ; vpsignb Ry(TEMP), Ry(X), Ry(SIGNED[h])
+                    ; vpmaddubsw Ry(TEMP), Ry(MAGNITUDE[h]), Ry(TEMP)
+                );
+            } else {
+                dynasm!(ops ; .arch x64 ; vpmaddubsw Ry(TEMP), Ry(MAGNITUDE[h]), Ry(X));
+            }
+            dynasm!(ops
+                ; .arch x64
+                ; vpmaddwd Ry(TEMP), Ry(TEMP), Ry(ONES)
+                ; vpaddd Ry(s), Ry(s), Ry(TEMP)
+            );
+        }
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; add ebx, BYTE TILE_CHUNK_BYTES as i8
+        ; cmp ebx, (GROUP_COLS / CHUNK_BYTES) as i32 * TILE_CHUNK_BYTES
+    );
+    jback!(ops, jb, chunk, chunk_top);
+    // Scaling: the offset off (unpacked panels), the halves' 8 row scales,
+    // each token's d_x, as VNNI's.
+    let row_scales = SIGNED;
+    let x_scale = MAGNITUDE[0];
+    let product = MAGNITUDE[1];
+    for (h, &scales) in row_scales.iter().enumerate() {
+        dynasm!(ops ; .arch x64 ; vcvtph2ps Ry(scales), [BYTE r9 + (2 * HALF_ROWS * h) as i8]);
+    }
+    for t in 0..tokens {
+        if !sign_trick(q) {
+            let at = (TILE_SUMS_AT + 4 * t) as i32;
+            dynasm!(ops
+                ; .arch x64
+                ; vpbroadcastd Ry(X), [r10 + at]
+                ; vpslld Ry(X), Ry(X), q.stored_offset_shift() as i8
+            );
+            for h in 0..2 {
+                let s = group_sum(t, h);
+                dynasm!(ops ; .arch x64 ; vpsubd Ry(s), Ry(s), Ry(X));
+            }
+        }
+        let at = (TILE_SCALES_AT + 4 * t) as i32;
+        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(x_scale), [r10 + at]);
+        for (h, &scales) in row_scales.iter().enumerate() {
+            let (s, f) = (group_sum(t, h), f32_sum(t, h));
+            dynasm!(ops
+                ; .arch x64
+                ; vcvtdq2ps Ry(s), Ry(s)
+                ; vmulps Ry(product), Ry(scales), Ry(x_scale)
+                ; vfmadd231ps Ry(f), Ry(s), Ry(product)
+            );
+        }
+    }
+}
+
+/// Stores the pass's `tokens` (from rax) at `y + t*ldy + r`, each half
+/// masked to the rows that exist (`r8 - rcx`, less 8 for the second); a
+/// second half without rows is not stored at all (`vmaskmovps` would not
+/// write it, but its address may lie past y's end), nor a second token
+/// past ntok (r13). Clobbers rbx, r9, r10 and ymm8..12.
+fn store_pass(ops: &mut Asm, tokens: usize, second_if_present: bool) {
+    let skip = ops.new_dynamic_label();
+    // lane_index takes rax, the pass's first token: kept in rbx meanwhile.
+    dynasm!(ops ; .arch x64 ; mov rbx, rax);
+    lane_index(ops, 12);
+    dynasm!(ops
+        ; .arch x64
+        ; mov rax, rbx
+        ; mov r9, r8
+        ; sub r9, rcx
+    );
+    count_mask(ops, 8, 12, reg::R9);
+    dynasm!(ops ; .arch x64 ; sub r9, BYTE HALF_ROWS as i8);
+    count_mask(ops, 9, 12, reg::R9);
+    if second_if_present {
+        dynasm!(ops ; .arch x64 ; lea rbx, [rax + 1]);
+    }
+    for h in 0..2 {
+        let half_done = ops.new_dynamic_label();
+        if h == 1 {
+            dynasm!(ops
+                ; .arch x64
+                ; test r9, r9
+                ; jle =>skip
+            );
+        }
+        dynasm!(ops
+            ; .arch x64
+            ; mov r10, rax
+            ; imul r10, r12
+            ; add r10, r14
+        );
+        for t in 0..tokens {
+            if t > 0 {
+                if second_if_present {
+                    dynasm!(ops
+                        ; .arch x64
+                        ; cmp rbx, r13
+                        ; jae =>half_done
+                    );
+                }
+                dynasm!(ops ; .arch x64 ; add r10, r12);
+            }
+            let mask = 8 + h as u8;
+            let at = (4 * HALF_ROWS * h) as i8;
+            dynasm!(ops ; .arch x64 ; vmaskmovps [BYTE r10 + at], Ry(mask), Ry(f32_sum(t, h)));
+        }
+        dynasm!(ops ; .arch x64 ; =>half_done);
+    }
+    dynasm!(ops ; .arch x64 ; =>skip);
+}
+
+/// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy,
+/// ntok)` (see `gemm_quant`) for Q8_0x16, or for Q5_0 or Q4_0 panels
+/// unpacked into its 16-row blocks with their own offset.
+pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    anyhow::ensure!(
+        !p.vnni && (p.q == Q || !p.q.is_q8_0()),
+        "kernel {name}: the AVX2 16-row GEMM reads Q8_0x16, or Q5_0 or Q4_0 values in its blocks"
+    );
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let pass = ops.new_dynamic_label();
+    broadcast_const(&mut ops, ONES, 0x0001_0001);
+    if sign_trick(p.q) {
+        broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
+    }
+    token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
+    let block_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(&mut ops);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r15, r9
+        ; lea r14, [rdx + rcx * 4]
+        ; xor eax, eax
+    );
+    let pass_top = ops.offset();
+    let single = ops.new_dynamic_label();
+    dynasm!(ops
+        ; .arch x64
+        ; =>pass
+        ; mov r9, r15
+        ; lea r10, [rsi + rax * 4]
+    );
+    // Q8_0x16 serves decode steps: a last odd token (and a call of one)
+    // takes a pass of its own. An unpacked panel only serves steps of
+    // several tokens (one token reads Q5_0 through its GEMV), so a lone
+    // token rides a pass of 2 with the tile's zeros, stored alone: the
+    // code of a 1-token pass would not fit the plan's budget beside.
+    let pass_sizes: &[usize] = if sign_trick(p.q) {
+        dynasm!(ops
+            ; .arch x64
+            ; mov rbx, r13
+            ; sub rbx, rax
+        );
+        cmp_imm8(&mut ops, reg::RBX, PASS_TOKENS as i8);
+        dynasm!(ops ; .arch x64 ; jb =>single);
+        &[PASS_TOKENS, 1]
+    } else {
+        &[PASS_TOKENS]
+    };
+    let store = ops.new_dynamic_label();
+    for &tokens in pass_sizes {
+        if tokens == 1 {
+            dynasm!(ops ; .arch x64 ; =>single);
+        }
+        let group = ops.new_dynamic_label();
+        for t in 0..tokens {
+            for h in 0..2 {
+                let f = f32_sum(t, h);
+                dynasm!(ops ; .arch x64 ; vxorps Ry(f), Ry(f), Ry(f));
+            }
+        }
+        let group_top = ops.offset();
+        dynasm!(ops ; .arch x64 ; =>group);
+        group_step(&mut ops, p.q, p.prefetch, tokens);
+        // A pass starts 4 bytes per token into the tile's first group, so
+        // r10 passes the end (r11) after its last group whatever the pass.
+        dynasm!(ops
+            ; .arch x64
+            ; add r9, Q.group_bytes() as i32
+            ; add r10, TILE_GROUP_BYTES as i32
+            ; cmp r10, r11
+        );
+        jback!(ops, jb, group, group_top);
+        if tokens == PASS_TOKENS && pass_sizes.len() > 1 {
+            dynasm!(ops ; .arch x64 ; jmp =>store);
+        }
+    }
+    // One store for both passes: a pass of 1 is the last, whose second
+    // token (past ntok) is not stored, and the step of 2 then ends the
+    // passes as well.
+    dynasm!(ops ; .arch x64 ; =>store);
+    store_pass(&mut ops, PASS_TOKENS, true);
+    dynasm!(ops
+        ; .arch x64
+        ; add rax, BYTE PASS_TOKENS as i8
+        ; cmp rax, r13
+    );
+    jback!(ops, jb, pass, pass_top);
+    next_block_and_return(ops, ROWS, (block, block_top), done, name)
+}
