@@ -2,10 +2,10 @@
 //!
 //! A step over `1 + k` tokens (the sampled token and `k` drafted ones)
 //! costs `t(1) · (1 + a + b·k)` for `k ≥ 1`: `a` is what any batched step
-//! costs beyond a one-token one (the fast engine's integer GEMM runs 8
-//! token lanes whether 2 or 8 are used: on the default model a step over 2
-//! tokens measured 1.34x a one-token step, over 8 1.53x, over 9 1.87x,
-//! `bench --m-curve`), `b` the extra cost of each further token. If each
+//! costs beyond a one-token one, `b` the extra cost of each further token
+//! (`bench --m-curve` on the default model: with AVX-512 VNNI a step over 2
+//! tokens 1.06-1.10x a one-token step, over 8 1.42-1.56x; with AVX2 alone
+//! 1.14-1.17x and 2.02-2.16x, its byte products costing more). If each
 //! drafted token is accepted with probability `α` given that the ones
 //! before it were, the step yields `1 + α + … + α^k = (1 − α^(k+1)) / (1 −
 //! α)` tokens. The policy picks the `k` that maximizes tokens per unit of
