@@ -93,7 +93,7 @@ impl From<DtypeArg> for WeightFormat {
 /// `--dtype` of the commands that run a model.
 #[derive(Clone, Copy, ValueEnum)]
 enum RunDtypeArg {
-    /// The file's own types where a kernel reads them (the Q8_0 embedding and LM head), the rest FP16.
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0); Q4_K, Q5_K and Q6_K requantized to Q8_0 (said on stderr); 16-bit matrices as FP16.
     Native,
     /// Every matrix widened to FP16.
     F16,

@@ -115,8 +115,9 @@ impl EngineKind {
 /// `--dtype`: the formats the fast engine keeps its matrices in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Dtype {
-    /// The file's own types where a kernel reads them (today the Q8_0
-    /// embedding and LM head); the rest as FP16 (BF16 checkpoints as BF16).
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0,
+    /// Q4_0), other quantized types requantized to Q8_0; 16-bit matrices
+    /// as FP16 (BF16 checkpoints as BF16).
     #[default]
     Native,
     /// Every matrix as FP16.

@@ -164,6 +164,7 @@ const ALLOWED: &[Mnemonic] = {
         Vpcmpgtd,
         Vpslld,
         Vpaddd,
+        Vpaddw,
         Vpaddb,
         Vcvtph2ps,
         Vcvtps2dq,

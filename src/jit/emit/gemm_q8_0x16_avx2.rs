@@ -20,10 +20,11 @@
 //! `vpmaddubsw` on them would saturate (255 x 127 pairs), so each chunk is
 //! flipped back to q once (`vpxor` 0x80) and multiplied through the sign
 //! trick, `|q| * (x * sign q)`. An unpacked panel's values (s + 16, s + 8)
-//! multiply as they are (at most 2 x 31 x 127 a pair) and lose their
-//! offset from the group sum, `sum - (sum_x << shift)`: one product fewer
-//! per token, which a prompt's steps (58% of their products in Q5_0)
-//! need: through the sign trick a prefill measured 432-482 tok/s against
+//! multiply as they are (at most 2 x 31 x 128 a pair, so two chunks'
+//! pair sums add up in 16 bits before one `vpmaddwd`) and lose their
+//! offset from the group sum, `sum - (sum_x << shift)`: 3 multiplications
+//! per token per 2 chunks instead of 4 (and 6 with the sign trick), which
+//! a prompt's steps (58% of their products in Q5_0) need: through the sign trick a prefill measured 432-482 tok/s against
 //! 500-568 for the 4-row GEMM before, with its own offset 415-508 against
 //! 451-468 (alternating, 4 runs). Either way the group sum is the exact
 //! integer of VNNI's form, scaled as there: `f += float(sum) * (d_w *
@@ -41,8 +42,10 @@
 //!
 //! Registers: ymm0..3 the group sums in i32 of (token, half) = (t, h) at
 //! 2t + h, ymm4..7 their f32 sums at 4 + 2t + h, ymm8/9 the chunk's q of
-//! each half, ymm10/11 its |q| (a panel's values), ymm12 a token's broadcast bytes, ymm13 a
-//! temporary, ymm14 16-bit ones, ymm15 bytes of 0x80. General registers as
+//! each half (a panel's two chunks of a half), ymm10/11 its |q| (the two
+//! chunks' products), ymm12 a token's broadcast bytes, ymm13 a temporary,
+//! ymm14 16-bit ones, ymm15 bytes of 0x80 (a panel: the second chunk's
+//! token bytes). General registers as
 //! `gemm_q8_0x16`: `gemm_quant`'s frame (`token_call_frame`), r15 the
 //! block's first group, r14 the block's outputs, rax the pass's first
 //! token, rbx the chunk's offset in the tile (4 x 8 tokens per chunk; the
@@ -94,6 +97,77 @@ fn sign_trick(q: QuantType) -> bool {
     q == Q
 }
 
+/// One chunk (rbx) of Q8_0x16 for `tokens`: each half flipped back to q
+/// and its |q| once, then per token the sign trick. Advances rbx.
+fn sign_trick_chunk(ops: &mut Asm, tokens: usize) {
+    for h in 0..2 {
+        let at = (CHUNKS_AT as usize + h * HALF_ROWS * CHUNK_BYTES) as i8;
+        dynasm!(ops
+            ; .arch x64
+            ; vpxor Ry(SIGNED[h]), Ry(SIGN_BITS), [BYTE r9 + rbx * 2 + at]
+            ; vpabsb Ry(MAGNITUDE[h]), Ry(SIGNED[h])
+        );
+    }
+    for t in 0..tokens {
+        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(X), [BYTE r10 + rbx + 4 * t as i8]);
+        for h in 0..2 {
+            let s = group_sum(t, h);
+            dynasm!(ops
+                ; .arch x64
+                ; vpsignb Ry(TEMP), Ry(X), Ry(SIGNED[h])
+                ; vpmaddubsw Ry(TEMP), Ry(MAGNITUDE[h]), Ry(TEMP)
+                ; vpmaddwd Ry(TEMP), Ry(TEMP), Ry(ONES)
+                ; vpaddd Ry(s), Ry(s), Ry(TEMP)
+            );
+        }
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; add ebx, BYTE TILE_CHUNK_BYTES as i8
+        ; cmp ebx, (GROUP_COLS / CHUNK_BYTES) as i32 * TILE_CHUNK_BYTES
+    );
+}
+
+/// Two chunks (rbx) of an unpacked panel for `tokens`, a half at a time:
+/// the two chunks' 16-bit pair sums are added before one `vpmaddwd`, which
+/// the small values allow (2 x 2 x 31 x 128 < 2^15), so a token costs 3
+/// multiplications per 2 chunks instead of 4. Advances rbx.
+fn small_values_chunks(ops: &mut Asm, tokens: usize) {
+    let (first, second) = (MAGNITUDE[0], MAGNITUDE[1]);
+    let other = SIGN_BITS;
+    for h in 0..2 {
+        // The next chunk is 64 bytes on: a 1-byte displacement but for the
+        // second half's (128).
+        let at = CHUNKS_AT + (h * HALF_ROWS * CHUNK_BYTES) as i32;
+        let next = at + 2 * TILE_CHUNK_BYTES;
+        dynasm!(ops ; .arch x64 ; vmovdqu Ry(SIGNED[0]), [BYTE r9 + rbx * 2 + at as i8]);
+        if let Ok(next) = i8::try_from(next) {
+            dynasm!(ops ; .arch x64 ; vmovdqu Ry(SIGNED[1]), [BYTE r9 + rbx * 2 + next]);
+        } else {
+            dynasm!(ops ; .arch x64 ; vmovdqu Ry(SIGNED[1]), [r9 + rbx * 2 + next]);
+        }
+        for t in 0..tokens {
+            let s = group_sum(t, h);
+            let x = 4 * t as i8;
+            dynasm!(ops
+                ; .arch x64
+                ; vpbroadcastd Ry(X), [BYTE r10 + rbx + x]
+                ; vpmaddubsw Ry(first), Ry(SIGNED[0]), Ry(X)
+                ; vpbroadcastd Ry(other), [BYTE r10 + rbx + x + TILE_CHUNK_BYTES as i8]
+                ; vpmaddubsw Ry(second), Ry(SIGNED[1]), Ry(other)
+                ; vpaddw Ry(first), Ry(first), Ry(second)
+                ; vpmaddwd Ry(first), Ry(first), Ry(ONES)
+                ; vpaddd Ry(s), Ry(s), Ry(first)
+            );
+        }
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; add ebx, BYTE 2 * TILE_CHUNK_BYTES as i8
+        ; cmp ebx, (GROUP_COLS / CHUNK_BYTES) as i32 * TILE_CHUNK_BYTES
+    );
+}
+
 /// One group of the pass: 16 rows x 32 columns (r9) against `tokens` (2
 /// or 1) tokens of the tile group (r10), scaled into the f32 sums. The
 /// chunks loop (rbx), one per round: straight-line, a 2-token step would
@@ -107,51 +181,29 @@ fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
         }
     }
     if prefetch > 0 {
-        // The group's 544 bytes ahead: 9 lines.
+        // The group's 544 bytes ahead: 9 lines, from rbx (the chunks'
+        // counter, free until the loop) 128 bytes into them, so that 4 of
+        // the 9 take a 1-byte displacement (15 bytes fewer, which the
+        // plan's budget needed).
+        let base = prefetch as i32 + 128;
+        dynasm!(ops ; .arch x64 ; lea rbx, [r9 + base]);
         for line in 0..Q.group_bytes().div_ceil(64) as i32 {
-            dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + prefetch as i32 + 64 * line]);
+            let at = 64 * line - 128;
+            match i8::try_from(at) {
+                Ok(0) => dynasm!(ops ; .arch x64 ; prefetcht0 [rbx]),
+                Ok(at) => dynasm!(ops ; .arch x64 ; prefetcht0 [BYTE rbx + at]),
+                Err(_) => dynasm!(ops ; .arch x64 ; prefetcht0 [rbx + at]),
+            }
         }
     }
     dynasm!(ops ; .arch x64 ; xor ebx, ebx);
     let chunk_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>chunk);
-    for h in 0..2 {
-        let at = (CHUNKS_AT as usize + h * HALF_ROWS * CHUNK_BYTES) as i8;
-        if sign_trick(q) {
-            dynasm!(ops
-                ; .arch x64
-                ; vpxor Ry(SIGNED[h]), Ry(SIGN_BITS), [BYTE r9 + rbx * 2 + at]
-                ; vpabsb Ry(MAGNITUDE[h]), Ry(SIGNED[h])
-            );
-        } else {
-            dynasm!(ops ; .arch x64 ; vmovdqu Ry(MAGNITUDE[h]), [BYTE r9 + rbx * 2 + at]);
-        }
+    if sign_trick(q) {
+        sign_trick_chunk(ops, tokens);
+    } else {
+        small_values_chunks(ops, tokens);
     }
-    for t in 0..tokens {
-        dynasm!(ops ; .arch x64 ; vpbroadcastd Ry(X), [BYTE r10 + rbx + 4 * t as i8]);
-        for h in 0..2 {
-            let s = group_sum(t, h);
-            if sign_trick(q) {
-                dynasm!(ops
-                    ; .arch x64
-                    ; vpsignb Ry(TEMP), Ry(X), Ry(SIGNED[h])
-                    ; vpmaddubsw Ry(TEMP), Ry(MAGNITUDE[h]), Ry(TEMP)
-                );
-            } else {
-                dynasm!(ops ; .arch x64 ; vpmaddubsw Ry(TEMP), Ry(MAGNITUDE[h]), Ry(X));
-            }
-            dynasm!(ops
-                ; .arch x64
-                ; vpmaddwd Ry(TEMP), Ry(TEMP), Ry(ONES)
-                ; vpaddd Ry(s), Ry(s), Ry(TEMP)
-            );
-        }
-    }
-    dynasm!(ops
-        ; .arch x64
-        ; add ebx, BYTE TILE_CHUNK_BYTES as i8
-        ; cmp ebx, (GROUP_COLS / CHUNK_BYTES) as i32 * TILE_CHUNK_BYTES
-    );
     jback!(ops, jb, chunk, chunk_top);
     // Scaling: the offset off (unpacked panels), the halves' 8 row scales,
     // each token's d_x, as VNNI's.
