@@ -34,9 +34,9 @@
 //! the chunk loop (K, in rbx on entry, is not needed past the frame).
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, iced, token_call_frame,
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, block_and_pass_top, iced,
+    next_group, token_call_frame,
 };
-use super::gemv_quant::block_pointer;
 use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, QuantType};
@@ -181,22 +181,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let block = ops.new_dynamic_label();
     let pass = ops.new_dynamic_label();
     token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
-    let block_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>block);
-    block_pointer(&mut ops);
-    dynasm!(ops
-        ; .arch x64
-        ; mov r15, r9
-        ; lea r14, [rdx + rcx * 4]
-        ; xor eax, eax
-    );
-    let pass_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>pass
-        ; mov r9, r15
-        ; lea r10, [rsi + rax * 4]
-    );
+    let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
     iced(&mut ops, |a| {
         for f in F32_SUMS {
             a.vpxord(f, f, f)?;
@@ -221,15 +206,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
         group_step(&mut ops, p.prefetch, tokens);
-        // A pass starts 16 bytes into the tile's first group, so r10
-        // passes the end (r11) after its last group whatever the pass.
-        dynasm!(ops
-            ; .arch x64
-            ; add r9, Q.group_bytes() as i32
-            ; add r10, TILE_GROUP_BYTES as i32
-            ; cmp r10, r11
-        );
-        jback!(ops, jb, group, group_top);
+        next_group(&mut ops, (group, group_top));
         if tokens == PASS_TOKENS {
             dynasm!(ops ; .arch x64 ; jmp =>stored);
         }

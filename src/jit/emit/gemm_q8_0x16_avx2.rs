@@ -52,9 +52,9 @@
 //! weights' is twice that).
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, token_call_frame,
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, block_and_pass_top,
+    next_group, token_call_frame,
 };
-use super::gemv_quant::block_pointer;
 use super::{
     Asm, broadcast_const, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg,
     save_callee_saved,
@@ -240,12 +240,12 @@ fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
     }
 }
 
-/// Stores the pass's `tokens` (from rax) at `y + t*ldy + r`, each half
+/// Stores the pass's 2 tokens (from rax) at `y + t*ldy + r`, each half
 /// masked to the rows that exist (`r8 - rcx`, less 8 for the second); a
 /// second half without rows is not stored at all (`vmaskmovps` would not
 /// write it, but its address may lie past y's end), nor a second token
 /// past ntok (r13). Clobbers rbx, r9, r10 and ymm8..12.
-fn store_pass(ops: &mut Asm, tokens: usize, second_if_present: bool) {
+fn store_pass(ops: &mut Asm) {
     let skip = ops.new_dynamic_label();
     // lane_index takes rax, the pass's first token: kept in rbx meanwhile.
     dynasm!(ops ; .arch x64 ; mov rbx, rax);
@@ -259,9 +259,7 @@ fn store_pass(ops: &mut Asm, tokens: usize, second_if_present: bool) {
     count_mask(ops, 8, 12, reg::R9);
     dynasm!(ops ; .arch x64 ; sub r9, BYTE HALF_ROWS as i8);
     count_mask(ops, 9, 12, reg::R9);
-    if second_if_present {
-        dynasm!(ops ; .arch x64 ; lea rbx, [rax + 1]);
-    }
+    dynasm!(ops ; .arch x64 ; lea rbx, [rax + 1]);
     for h in 0..2 {
         let half_done = ops.new_dynamic_label();
         if h == 1 {
@@ -277,16 +275,14 @@ fn store_pass(ops: &mut Asm, tokens: usize, second_if_present: bool) {
             ; imul r10, r12
             ; add r10, r14
         );
-        for t in 0..tokens {
+        for t in 0..PASS_TOKENS {
             if t > 0 {
-                if second_if_present {
-                    dynasm!(ops
-                        ; .arch x64
-                        ; cmp rbx, r13
-                        ; jae =>half_done
-                    );
-                }
-                dynasm!(ops ; .arch x64 ; add r10, r12);
+                dynasm!(ops
+                    ; .arch x64
+                    ; cmp rbx, r13
+                    ; jae =>half_done
+                    ; add r10, r12
+                );
             }
             let mask = 8 + h as u8;
             let at = (4 * HALF_ROWS * h) as i8;
@@ -315,23 +311,8 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
     token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
-    let block_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>block);
-    block_pointer(&mut ops);
-    dynasm!(ops
-        ; .arch x64
-        ; mov r15, r9
-        ; lea r14, [rdx + rcx * 4]
-        ; xor eax, eax
-    );
-    let pass_top = ops.offset();
+    let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
     let single = ops.new_dynamic_label();
-    dynasm!(ops
-        ; .arch x64
-        ; =>pass
-        ; mov r9, r15
-        ; lea r10, [rsi + rax * 4]
-    );
     // Q8_0x16 serves decode steps: a last odd token (and a call of one)
     // takes a pass of its own. An unpacked panel only serves steps of
     // several tokens (one token reads Q5_0 through its GEMV), so a lone
@@ -364,15 +345,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
         group_step(&mut ops, p.q, p.prefetch, tokens);
-        // A pass starts 4 bytes per token into the tile's first group, so
-        // r10 passes the end (r11) after its last group whatever the pass.
-        dynasm!(ops
-            ; .arch x64
-            ; add r9, Q.group_bytes() as i32
-            ; add r10, TILE_GROUP_BYTES as i32
-            ; cmp r10, r11
-        );
-        jback!(ops, jb, group, group_top);
+        next_group(&mut ops, (group, group_top));
         if tokens == PASS_TOKENS && pass_sizes.len() > 1 {
             dynasm!(ops ; .arch x64 ; jmp =>store);
         }
@@ -381,7 +354,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     // token (past ntok) is not stored, and the step of 2 then ends the
     // passes as well.
     dynasm!(ops ; .arch x64 ; =>store);
-    store_pass(&mut ops, PASS_TOKENS, true);
+    store_pass(&mut ops);
     dynasm!(ops
         ; .arch x64
         ; add rax, BYTE PASS_TOKENS as i8

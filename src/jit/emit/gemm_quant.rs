@@ -42,9 +42,9 @@
 //! stored).
 
 use super::Asm;
-use super::gemv_quant::block_stride;
+use super::gemv_quant::{block_pointer, block_stride};
 use crate::model::quant_blocks::{GROUP_COLS, QuantType};
-use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use dynasmrt::{AssemblyOffset, DynamicLabel, DynasmApi, DynasmLabelApi, dynasm};
 use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
@@ -102,6 +102,50 @@ pub(super) fn token_call_frame(ops: &mut Asm, group_bytes: usize, done: dynasmrt
         ; cmp rcx, r8
         ; jae =>done
     );
+}
+
+/// The top of a 16-row block (label `block`) and of a pass over it
+/// (label `pass`), as both forms of the GEMM loop: r9 = the block's first
+/// group, kept in r15, r14 = the block's outputs (`y + r`), rax = 0 the
+/// pass's first token; each pass then restarts r9 and points r10 at its
+/// first token in the tile. Returns the two labels' offsets for the
+/// backward jumps.
+pub(super) fn block_and_pass_top(
+    ops: &mut Asm,
+    block: DynamicLabel,
+    pass: DynamicLabel,
+) -> (AssemblyOffset, AssemblyOffset) {
+    let block_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(ops);
+    dynasm!(ops
+        ; .arch x64
+        ; mov r15, r9
+        ; lea r14, [rdx + rcx * 4]
+        ; xor eax, eax
+    );
+    let pass_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>pass
+        ; mov r9, r15
+        ; lea r10, [rsi + rax * 4]
+    );
+    (block_top, pass_top)
+}
+
+/// The end of a group: r9 and r10 to the next group of the block and of
+/// the tile, back to `group` while the tile has one. A pass starts 4 bytes
+/// per token into the tile's first group, so r10 passes the end (r11)
+/// after its last group whatever the pass.
+pub(super) fn next_group(ops: &mut Asm, (group, group_top): (DynamicLabel, AssemblyOffset)) {
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, QuantType::Q8_0x16.group_bytes() as i32
+        ; add r10, TILE_GROUP_BYTES as i32
+        ; cmp r10, r11
+    );
+    crate::jback!(ops, jb, group, group_top);
 }
 
 /// Assembles the instructions `build` adds with iced-x86's assembler
