@@ -717,6 +717,58 @@ fn speculation_drafts_for_a_lone_request_and_changes_no_reply() {
     );
 }
 
+/// Requests decoding together draft too, their draft lengths chosen
+/// together, and still change no reply: greedy and seeded texts equal
+/// those of `--spec off`.
+#[test]
+fn speculation_drafts_in_steps_shared_by_several_requests() {
+    let requests = [
+        json!({"prompt": "red, green, blue, red, green, blue, red, green, blue, red,",
+               "temperature": 0, "max_tokens": 40}),
+        json!({"prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,",
+               "temperature": 0, "max_tokens": 40}),
+        json!({"prompt": "Monday, Tuesday, Wednesday, Monday, Tuesday, Wednesday, Monday,",
+               "temperature": 0.8, "seed": 3, "max_tokens": 40}),
+    ];
+    let replies = |spec: &str| -> (Vec<String>, String) {
+        // A fixed step cost: drafts are made whatever the timings say.
+        let s = Server::start_with_env(
+            &["-c", "512", "--parallel", "3", "--spec", spec],
+            &[("PULSAR_SPEC_STEP_COST", "0.02")],
+        );
+        let texts = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|b| {
+                    let s = &s;
+                    scope.spawn(move || completion_text(&s.ok("/v1/completions", b)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        (texts, s.metrics())
+    };
+    let (off, off_metrics) = replies("off");
+    let (on, on_metrics) = replies("ngram");
+    assert_eq!(off, on, "a reply differs with --spec ngram in shared steps");
+    assert!(
+        metric(&on_metrics, "pulsar_step_batch_max") >= 2.0,
+        "{on_metrics}"
+    );
+    assert_eq!(
+        metric(&off_metrics, "pulsar_batch_drafted_tokens_total"),
+        0.0
+    );
+    assert!(
+        metric(&on_metrics, "pulsar_batch_drafted_tokens_total") > 0.0,
+        "nothing was drafted in a shared step: {on_metrics}"
+    );
+    assert!(
+        metric(&on_metrics, "pulsar_accepted_tokens_total") > 0.0,
+        "{on_metrics}"
+    );
+}
+
 #[test]
 fn the_next_turn_of_a_conversation_reuses_the_cache() {
     let s = Server::start(&["-c", "1024", "--parallel", "2"]);

@@ -22,6 +22,8 @@ pub struct Metrics {
     /// Tokens drafted by speculative decoding, and of them, confirmed.
     pub drafted_tokens: AtomicU64,
     pub accepted_tokens: AtomicU64,
+    /// Of the drafted tokens, those drafted in steps of several requests.
+    pub batch_drafted_tokens: AtomicU64,
     /// Forward steps run, and the sequences and tokens they carried.
     pub steps: AtomicU64,
     pub step_sequences: AtomicU64,
@@ -133,6 +135,12 @@ impl Metrics {
             "counter",
             "Tokens drafted by speculative decoding (fed and verified in a step).",
             one(get(&self.drafted_tokens).to_string()),
+        );
+        metric(
+            "pulsar_batch_drafted_tokens_total",
+            "counter",
+            "Of the drafted tokens, those drafted in steps shared by several requests.",
+            one(get(&self.batch_drafted_tokens).to_string()),
         );
         metric(
             "pulsar_accepted_tokens_total",

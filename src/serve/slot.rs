@@ -12,7 +12,7 @@ use super::api::{ApiError, TokenLogprob, TopLogprob, Usage};
 use crate::constrain::mask::mask_logits;
 use crate::constrain::{ConstraintState, NextTokens};
 use crate::sample::{Sampler, SamplerConfig};
-use crate::speculative::Drafter;
+use crate::speculative::{DraftOffer, Drafter};
 use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::{SPACE_MARK, StreamDecoder, TokenKind, Tokenizer, parse_byte_piece};
 use std::collections::{HashMap, VecDeque};
@@ -198,6 +198,17 @@ impl<'t> Generation<'t> {
         let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
         let constraint = &mut self.constraint;
         drafter.draft_within(&self.history, room, |draft| match constraint {
+            Some(state) => state.allowed_prefix(draft),
+            None => draft.len(),
+        })
+    }
+
+    /// The draft [`Generation::draft`] would take from, before its length
+    /// is chosen (a step of several requests chooses them together).
+    pub fn offer_draft(&mut self, drafter: &mut Drafter, room: usize) -> Option<DraftOffer> {
+        let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
+        let constraint = &mut self.constraint;
+        drafter.offer(&self.history, room, |draft| match constraint {
             Some(state) => state.allowed_prefix(draft),
             None => draft.len(),
         })

@@ -137,6 +137,17 @@ pub fn verify(dist: Distribution<'_>, draft: u32) -> Verdict {
     }
 }
 
+/// A draft before its length is chosen ([`Drafter::offer`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftOffer {
+    /// The length of the n-gram match it continues.
+    pub match_len: usize,
+    /// The estimated probability that each of its tokens is accepted
+    /// given the ones before it were.
+    pub acceptance: f64,
+    pub tokens: Vec<u32>,
+}
+
 /// Longest n-gram the drafter matches.
 const MATCH_N: usize = ngram::MAX_N;
 
@@ -188,23 +199,45 @@ impl Drafter {
         room: usize,
         allowed: impl FnOnce(&[u32]) -> usize,
     ) -> Vec<u32> {
-        self.catch_up(context);
-        let (found, continuation) = self.index.draft(room.min(policy::MAX_DRAFT));
-        let Some(m) = found else {
+        let Some(offer) = self.offer(context, room, allowed) else {
             return Vec::new();
         };
-        let k = self.policy.draft_len(m.n, continuation.len());
-        let k = if k == 0 {
-            0
-        } else {
-            allowed(&continuation[..k]).min(k)
-        };
+        let k = self.policy.draft_len(offer.match_len, offer.tokens.len());
+        self.take(offer, k)
+    }
+
+    /// The draft the context offers, before its length is chosen: the
+    /// continuation of the longest match (at most `room` tokens, cut where
+    /// `allowed` says) and how likely each of its tokens is to be
+    /// accepted. Pass it to [`Drafter::take`] with the length chosen.
+    pub fn offer(
+        &mut self,
+        context: &[u32],
+        room: usize,
+        allowed: impl FnOnce(&[u32]) -> usize,
+    ) -> Option<DraftOffer> {
+        self.catch_up(context);
+        let (found, continuation) = self.index.draft(room.min(policy::MAX_DRAFT));
+        let m = found?;
+        let usable = allowed(continuation).min(continuation.len());
+        (usable > 0).then(|| DraftOffer {
+            match_len: m.n,
+            acceptance: self.policy.acceptance(m.n),
+            tokens: continuation[..usable].to_vec(),
+        })
+    }
+
+    /// The first `k` tokens of `offer` as the draft to verify (none when
+    /// `k` is 0); report the verdict with [`Drafter::verified`].
+    pub fn take(&mut self, mut offer: DraftOffer, k: usize) -> Vec<u32> {
+        let k = k.min(offer.tokens.len());
         if k == 0 {
             return Vec::new();
         }
-        self.pending = Some((m.n, k));
+        self.pending = Some((offer.match_len, k));
         self.stats.drafted += k;
-        continuation[..k].to_vec()
+        offer.tokens.truncate(k);
+        offer.tokens
     }
 
     /// The last draft was judged: its first `accepted` tokens were taken,

@@ -268,6 +268,138 @@ impl DraftPolicy {
     }
 }
 
+/// Most tokens a server step may carry with its sequences' drafts: one
+/// tile of the integer GEMM (under AVX2 alone a step of the default model
+/// over 12 tokens took 80 ms where 4 took 26, a stall every stream in it
+/// feels). [`batch_draft_lens`] stops there, and
+/// [`BatchStepTimes`] times steps up to this size.
+pub const MAX_BATCH_TOKENS: usize = 8;
+
+/// The times of a server's decode steps by their token count, fitted to
+/// `t(m) = t0 + t1 · m` over steps of several tokens: what one more token
+/// adds to a step that already carries several sequences' tokens. Unlike
+/// [`DraftPolicy::step_cost`] this needs no one-token step as its base,
+/// which a busy server never takes.
+#[derive(Clone, Debug)]
+pub struct BatchStepTimes {
+    /// Index m − 1: steps over m = 1 ..= [`MAX_BATCH_TOKENS`] tokens.
+    timings: [Timing; MAX_BATCH_TOKENS],
+}
+
+impl Default for BatchStepTimes {
+    fn default() -> Self {
+        BatchStepTimes {
+            timings: [Timing::default(); MAX_BATCH_TOKENS],
+        }
+    }
+}
+
+impl BatchStepTimes {
+    /// Records one decode step over `m` tokens (of one or more sequences).
+    pub fn record(&mut self, m: usize, secs: f64) {
+        if let Some(t) = m.checked_sub(1).and_then(|i| self.timings.get_mut(i)) {
+            t.add(secs);
+        }
+    }
+
+    /// What one more token costs relative to a step over `m` ≥ 2 tokens:
+    /// `t1 / t(m)` from a weighted least-squares fit over the sizes m ≥ 2
+    /// timed so far; infinite (no drafts) before two sizes have been
+    /// timed. Steps of 2, 3 and 4 requests without drafts, and a lone
+    /// request's drafted steps, time the sizes a server meets anyway.
+    ///
+    /// (Starting from the prior curve instead, whose `b / (1 + a + b · (m
+    /// − 1))` is 0.03 at m = 4, drafted 1-3 tokens per request into 4
+    /// streams' first steps, where AVX2 alone measured 0.17-0.25: 4
+    /// streams of the default model 139.3, 152.2 and 160.2 tok/s against
+    /// 163.3, 152.3 and 153.4 without batched drafts, p95 time between
+    /// tokens 42 against 33 ms; `tools/serve_load.py --levels 4
+    /// --requests 3 --rounds 2`, alternating.)
+    pub fn marginal(&self, m: usize) -> f64 {
+        let points: Vec<(f64, f64, f64)> = self
+            .timings
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter(|(_, t)| t.weight > 0.0)
+            .map(|(i, t)| ((i + 1) as f64, t.mean, t.weight))
+            .collect();
+        if points.len() < 2 {
+            return f64::INFINITY;
+        }
+        let total: f64 = points.iter().map(|p| p.2).sum();
+        let mean_x = points.iter().map(|p| p.2 * p.0).sum::<f64>() / total;
+        let mean_y = points.iter().map(|p| p.2 * p.1).sum::<f64>() / total;
+        let sxx: f64 = points.iter().map(|p| p.2 * (p.0 - mean_x).powi(2)).sum();
+        let sxy: f64 = points
+            .iter()
+            .map(|p| p.2 * (p.0 - mean_x) * (p.1 - mean_y))
+            .sum();
+        let slope = (sxy / sxx).max(0.0);
+        let at_m = mean_y + slope * (m as f64 - mean_x);
+        if at_m > 0.0 {
+            slope / at_m
+        } else {
+            f64::INFINITY
+        }
+    }
+}
+
+/// How much more than its priced cost a drafted token in a shared step
+/// must yield. The price is the forward step's time alone; the rows'
+/// logits and sampling, and the wait a longer step imposes on every other
+/// stream in it, come on top. Priced at 1x, drafts in shared steps gave
+/// the default model no throughput (AVX2 alone, `tools/serve_load.py
+/// --levels 2,4 --requests 3 --rounds 2`, three alternating pairs: 4
+/// streams median 144.6 against 153.9 tok/s without them, 2 streams 123.1
+/// against 108.8, all within the runs' spread) and 6-14 ms more p95 time
+/// between tokens (40-46 against 32-34 ms at 4 streams). At 2x, AVX2's
+/// 0.17-0.25 per token leaves only drafts close to certain, while an
+/// engine whose small batches cost little still drafts what is likely
+/// confirmed.
+pub const BATCH_DRAFT_MARGIN: f64 = 2.0;
+
+/// How many drafted tokens each sequence of a server step verifies, when
+/// several sequences each feed their sampled token: `plain` of them have
+/// no draft to offer, and offer i is (its draft's acceptance estimate α_i,
+/// the tokens it holds). A sequence's
+/// j-th drafted token yields α_i^j expected tokens (all before it
+/// accepted); each costs `marginal(m)` of a step over m tokens. Tokens are
+/// added best first while one raises the step's expected tokens per unit
+/// of time by a margin, i.e. while its yield exceeds the step's expected
+/// tokens times its relative cost times [`BATCH_DRAFT_MARGIN`]. The yields of a sequence fall with j, so taking the
+/// best first is optimal for a cost that grows by the same amount per
+/// token. (One sequence alone has the jump from a one-token step to a
+/// batched one to pay: [`DraftPolicy::draft_len`].)
+pub fn batch_draft_lens(
+    plain: usize,
+    offers: &[(f64, usize)],
+    marginal: impl Fn(usize) -> f64,
+) -> Vec<usize> {
+    let mut lens = vec![0; offers.len()];
+    let mut m = plain + offers.len();
+    let mut expected = m as f64;
+    while m < MAX_BATCH_TOKENS {
+        let best = offers
+            .iter()
+            .zip(&lens)
+            .enumerate()
+            .filter(|(_, ((_, available), len))| *len < available)
+            .map(|(i, ((alpha, _), &len))| (i, alpha.powi(len as i32 + 1)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((i, gain)) = best else {
+            break;
+        };
+        if gain <= BATCH_DRAFT_MARGIN * expected * marginal(m) {
+            break;
+        }
+        lens[i] += 1;
+        expected += gain;
+        m += 1;
+    }
+    lens
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,5 +523,60 @@ mod tests {
             p.record_step(1, 0.01);
         }
         assert!(p.draft_len(1, 8) > 0);
+    }
+
+    #[test]
+    fn batch_drafts_go_where_they_yield_most_while_they_pay() {
+        // Two sequences, α = 0.9 and 0.8, each token 0.05 of a step over m
+        // (a flat marginal for the arithmetic), 0.1 with the margin. Best first: 0.9, 0.81,
+        // 0.8, 0.729, 0.656, 0.64 each beat the expected tokens before
+        // them times 0.1 (2, 2.9, 3.71, 4.51, 5.24, 5.90); the next, 0.59,
+        // does not (6.54 · 0.1).
+        let lens = batch_draft_lens(0, &[(0.9, 8), (0.8, 8)], |_| 0.05);
+        assert_eq!(lens, vec![4, 2]);
+        // Best first means a weak draft waits for the strong one's yields
+        // to fall below it: at 0.9 and 0.5 the first stops at 0.531 < 0.57
+        // before the second's 0.5 is reached.
+        assert_eq!(
+            batch_draft_lens(0, &[(0.9, 8), (0.5, 8)], |_| 0.05),
+            vec![5, 0]
+        );
+        // A sequence without a draft still counts: three plain ones make
+        // every token dearer.
+        let lens = batch_draft_lens(3, &[(0.9, 8), (0.5, 8)], |_| 0.05);
+        assert_eq!(lens, vec![3, 0]);
+        // No more than each draft holds, nor than the step's limit.
+        assert_eq!(
+            batch_draft_lens(0, &[(0.99, 2), (0.99, 1)], |_| 0.01),
+            vec![2, 1]
+        );
+        let lens = batch_draft_lens(2, &[(0.99, 8), (0.99, 8)], |_| 0.001);
+        assert_eq!(lens.iter().sum::<usize>() + 4, MAX_BATCH_TOKENS);
+        // Costs that cannot be paid: nothing.
+        assert_eq!(
+            batch_draft_lens(0, &[(0.9, 8), (0.9, 8)], |_| f64::INFINITY),
+            vec![0, 0]
+        );
+    }
+
+    #[test]
+    fn batch_step_times_fit_the_cost_of_one_more_token() {
+        let mut t = BatchStepTimes::default();
+        assert_eq!(t.marginal(4), f64::INFINITY, "nothing timed");
+        // One-token steps are no base here; one size alone gives no slope.
+        t.record(1, 0.010);
+        t.record(4, 0.020);
+        assert_eq!(t.marginal(4), f64::INFINITY);
+        // t(m) = 12 ms + 2 ms · m: at m = 4, 2 / 20.
+        for _ in 0..20 {
+            for m in [2, 3, 4, 6, 9] {
+                t.record(m, 0.012 + 0.002 * m as f64);
+            }
+        }
+        assert!((t.marginal(4) - 0.1).abs() < 0.01, "{}", t.marginal(4));
+        assert!(t.marginal(9) < t.marginal(4));
+        // Sizes past the limit are not kept.
+        t.record(MAX_BATCH_TOKENS + 1, 1.0);
+        assert!((t.marginal(4) - 0.1).abs() < 0.01);
     }
 }
