@@ -195,12 +195,10 @@ impl<'t> Generation<'t> {
     /// request may still generate, cut where the output constraint would
     /// refuse it.
     pub fn draft(&mut self, drafter: &mut Drafter, room: usize) -> Vec<u32> {
-        let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
-        let constraint = &mut self.constraint;
-        drafter.draft_within(&self.history, room, |draft| match constraint {
-            Some(state) => state.allowed_prefix(draft),
-            None => draft.len(),
-        })
+        match self.offer_draft(drafter, room) {
+            Some(offer) => drafter.take_alone(offer),
+            None => Vec::new(),
+        }
     }
 
     /// The draft [`Generation::draft`] would take from, before its length

@@ -199,9 +199,15 @@ impl Drafter {
         room: usize,
         allowed: impl FnOnce(&[u32]) -> usize,
     ) -> Vec<u32> {
-        let Some(offer) = self.offer(context, room, allowed) else {
-            return Vec::new();
-        };
+        match self.offer(context, room, allowed) {
+            Some(offer) => self.take_alone(offer),
+            None => Vec::new(),
+        }
+    }
+
+    /// [`Drafter::take`] with the length this sequence's policy chooses for
+    /// a step it has to itself.
+    pub fn take_alone(&mut self, offer: DraftOffer) -> Vec<u32> {
         let k = self.policy.draft_len(offer.match_len, offer.tokens.len());
         self.take(offer, k)
     }

@@ -96,6 +96,20 @@ impl StepCost {
 /// a plain step to time it again (at most one step in 32 without a draft).
 const RETIME_AFTER: usize = 32;
 
+/// A weighted least-squares line through `(x, y, weight)` points with at
+/// least two distinct x: the weighted means of x and y, and the slope.
+fn fit_line(points: &[(f64, f64, f64)]) -> (f64, f64, f64) {
+    let total: f64 = points.iter().map(|p| p.2).sum();
+    let mean_x = points.iter().map(|p| p.2 * p.0).sum::<f64>() / total;
+    let mean_y = points.iter().map(|p| p.2 * p.1).sum::<f64>() / total;
+    let sxx: f64 = points.iter().map(|p| p.2 * (p.0 - mean_x).powi(2)).sum();
+    let sxy: f64 = points
+        .iter()
+        .map(|p| p.2 * (p.0 - mean_x) * (p.1 - mean_y))
+        .sum();
+    (mean_x, mean_y, sxy / sxx)
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct Acceptance {
     hits: f64,
@@ -200,15 +214,8 @@ impl DraftPolicy {
                 points.push((i as f64, t.mean / one.mean - 1.0, t.weight));
             }
         }
-        let total: f64 = points.iter().map(|p| p.2).sum();
-        let mean_x = points.iter().map(|p| p.2 * p.0).sum::<f64>() / total;
-        let mean_y = points.iter().map(|p| p.2 * p.1).sum::<f64>() / total;
-        let sxx: f64 = points.iter().map(|p| p.2 * (p.0 - mean_x).powi(2)).sum();
-        let sxy: f64 = points
-            .iter()
-            .map(|p| p.2 * (p.0 - mean_x) * (p.1 - mean_y))
-            .sum();
-        let per_token = (sxy / sxx).max(0.0);
+        let (mean_x, mean_y, slope) = fit_line(&points);
+        let per_token = slope.max(0.0);
         StepCost {
             batched: (mean_y - per_token * mean_x).max(0.0),
             per_token,
@@ -327,15 +334,8 @@ impl BatchStepTimes {
         if points.len() < 2 {
             return f64::INFINITY;
         }
-        let total: f64 = points.iter().map(|p| p.2).sum();
-        let mean_x = points.iter().map(|p| p.2 * p.0).sum::<f64>() / total;
-        let mean_y = points.iter().map(|p| p.2 * p.1).sum::<f64>() / total;
-        let sxx: f64 = points.iter().map(|p| p.2 * (p.0 - mean_x).powi(2)).sum();
-        let sxy: f64 = points
-            .iter()
-            .map(|p| p.2 * (p.0 - mean_x) * (p.1 - mean_y))
-            .sum();
-        let slope = (sxy / sxx).max(0.0);
+        let (mean_x, mean_y, slope) = fit_line(&points);
+        let slope = slope.max(0.0);
         let at_m = mean_y + slope * (m as f64 - mean_x);
         if at_m > 0.0 {
             slope / at_m
@@ -362,12 +362,12 @@ pub const BATCH_DRAFT_MARGIN: f64 = 2.0;
 /// How many drafted tokens each sequence of a server step verifies, when
 /// several sequences each feed their sampled token: `plain` of them have
 /// no draft to offer, and offer i is (its draft's acceptance estimate α_i,
-/// the tokens it holds). A sequence's
-/// j-th drafted token yields α_i^j expected tokens (all before it
-/// accepted); each costs `marginal(m)` of a step over m tokens. Tokens are
-/// added best first while one raises the step's expected tokens per unit
-/// of time by a margin, i.e. while its yield exceeds the step's expected
-/// tokens times its relative cost times [`BATCH_DRAFT_MARGIN`]. The yields of a sequence fall with j, so taking the
+/// the tokens it holds). A sequence's j-th drafted token yields α_i^j
+/// expected tokens (all before it accepted); each costs `marginal(m)` of a
+/// step over m tokens. Tokens are added best first while one raises the
+/// step's expected tokens per unit of time by a margin: while its yield
+/// exceeds the step's expected tokens times its relative cost times
+/// [`BATCH_DRAFT_MARGIN`]. A sequence's yields fall with j, so taking the
 /// best first is optimal for a cost that grows by the same amount per
 /// token. (One sequence alone has the jump from a one-token step to a
 /// batched one to pay: [`DraftPolicy::draft_len`].)
