@@ -858,6 +858,10 @@ impl<'t> Scheduler<'t> {
         let Some(mut active) = self.slots[index].active.take() else {
             return;
         };
+        // The gauges first: a client that reads /metrics right after its
+        // reply must not find its slot still busy (tests/serve.rs did, when
+        // the rest of the step ran before the loop's own publish).
+        self.publish();
         if let Flush::Full = flush(&active.events, &mut active.outbox) {
             self.leftovers.push(Leftover {
                 events: active.events,
@@ -871,7 +875,14 @@ impl<'t> Scheduler<'t> {
     /// the step that failed may have left it part-written.
     fn fail(&mut self, index: usize, error: ApiError) {
         let slot = &mut self.slots[index];
-        if let Some(mut active) = slot.active.take() {
+        let freed = slot.active.take();
+        slot.cached.clear();
+        slot.bulk_len = 0;
+        let seq = slot.seq;
+        self.engine.truncate_sequence(seq, 0);
+        // The gauges before the client hears (see `finish`).
+        self.publish();
+        if let Some(mut active) = freed {
             active.outbox.push_back(Event::Failed(error));
             if let Flush::Full = flush(&active.events, &mut active.outbox) {
                 self.leftovers.push(Leftover {
@@ -881,9 +892,6 @@ impl<'t> Scheduler<'t> {
                 });
             }
         }
-        slot.cached.clear();
-        slot.bulk_len = 0;
-        self.engine.truncate_sequence(slot.seq, 0);
     }
 
     /// The grace period is over: every running request ends with an error.
