@@ -424,6 +424,7 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
     if args.measure {
         tune_measure::measure_gemv(&plan, &caps, args.common.max_isa)?;
         tune_measure::measure_gemv_quant(&plan, &caps, args.common.max_isa)?;
+        tune_measure::measure_gemm_quant(&plan, &caps, args.common.max_isa)?;
         tune_measure::measure_gemm(&plan, &caps, args.common.max_isa)?;
     }
     Ok(())

@@ -5,10 +5,11 @@
 
 use crate::engine::q8_input::Q8Input;
 use crate::jit::cpu::{CpuCaps, Isa};
+use crate::jit::emit::gemm_quant::TOKENS;
 use crate::jit::emit::gemv;
-use crate::jit::kernels::{Gemm, Gemv, GemvQuant, KernelSet};
+use crate::jit::kernels::{Gemm, GemmQuant, Gemv, GemvQuant, KernelSet};
 use crate::jit::plan::{KernelKind, Plan};
-use crate::model::quant_blocks::{self, QuantType};
+use crate::model::quant_blocks::{self, GROUP_COLS, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use std::ops::Range;
@@ -172,15 +173,7 @@ fn measure_one_quant(
         .context("planned GEMV missing from the kernel set")?;
     let block = q.block_bytes(k);
     let rows = weight_bytes() / block * quant_blocks::BLOCK_ROWS;
-    let mut seed = 0x9E37_79B9u32;
-    let w: Vec<u8> = (0..rows / quant_blocks::BLOCK_ROWS * block)
-        .map(|_| {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            // Bytes in 8..56 make every f16 scale a normal number
-            // (exponent 2..13): no subnormal slows the arithmetic.
-            8 + (seed >> 24) as u8 % 48
-        })
-        .collect();
+    let w = synthetic_blocks(rows / quant_blocks::BLOCK_ROWS * block);
     let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
     let xq = Q8Input::quantize(&x, k);
     let mut y = vec![0f32; rows];
@@ -196,6 +189,71 @@ fn measure_one_quant(
         );
     }
     Ok(())
+}
+
+/// The integer GEMM over Q8_0x16 blocks (the LM head's and decode's
+/// kernel under AVX2) at 1, 2, 4 and 8 tokens of one tile, 1 thread:
+/// GB/s of weight bytes and each step's cost against one token's, the
+/// m-curve of `bench --m-curve` for this kernel alone. With
+/// `PULSAR_MEASURE_KIB` small enough for L2, it times the arithmetic.
+pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
+    let set = KernelSet::build(plan, caps, max_isa)?;
+    let q = QuantType::Q8_0x16;
+    let Some(spec) = plan
+        .kernels
+        .iter()
+        .find(|s| matches!(&s.kind, KernelKind::GemmQuant(g) if g.q == q))
+    else {
+        return Ok(());
+    };
+    let k = plan
+        .matrices
+        .iter()
+        .filter(|m| m.gemm == spec.name)
+        .map(|m| m.k)
+        .min()
+        .unwrap_or(GROUP_COLS * 20);
+    let gemm = set
+        .get::<GemmQuant>((q, k))
+        .context("planned quantized GEMM missing from the kernel set")?;
+    let rows = weight_bytes() / q.block_bytes(k) * q.block_rows();
+    let w = synthetic_blocks(rows / q.block_rows() * q.block_bytes(k));
+    let x: Vec<f32> = (0..TOKENS * k)
+        .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+        .collect();
+    let xq = Q8Input::quantize(&x, k);
+    let (tile, _) = xq.tile(0);
+    let mut y = vec![0f32; TOKENS * rows];
+    let mut one_token = None;
+    for ntok in [1usize, 2, 4, 8] {
+        let secs = best_of(|| {
+            if let Err(e) = gemm.run(&w, tile, ntok, &mut y, rows, 0..rows) {
+                panic!("measuring {}: {e}", spec.name);
+            }
+        });
+        let base = *one_token.get_or_insert(secs);
+        println!(
+            "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {k}, {ntok} token(s), {:.2} ms/call = {:.2}x one token, 1 thread)",
+            spec.name,
+            w.len() as f64 / secs / 1e9,
+            secs * 1e3,
+            secs / base
+        );
+    }
+    Ok(())
+}
+
+/// Random quantized bytes for timing: every f16 scale (any 2 bytes) a
+/// normal number, so no subnormal slows the arithmetic.
+fn synthetic_blocks(len: usize) -> Vec<u8> {
+    let mut seed = 0x9E37_79B9u32;
+    (0..len)
+        .map(|_| {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            // Bytes in 8..56 make every f16 scale's exponent 2..13.
+            8 + (seed >> 24) as u8 % 48
+        })
+        .collect()
 }
 
 /// Prefill GEMM throughput (GFLOP/s) for each planned K, at the engine's

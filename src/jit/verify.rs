@@ -204,6 +204,8 @@ const ALLOWED: &[Mnemonic] = {
         Vpsrlw,
         Vpsllw,
         Vinserti128,
+        Vpsrld,
+        Vbroadcasti128,
         // Unpacking into 16-row blocks: 4 rows x 8 chunks transposed.
         Vpunpckldq,
         Vpunpckhdq,

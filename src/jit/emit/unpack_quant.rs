@@ -23,11 +23,12 @@
 //! Registers: rdi=W, rsi=out, rcx=row, r8=r1, r9 the W pointer (K on
 //! entry, as `block_stride` wants), rbx=K, rbp=bytes of W per row of a
 //! block, r10 the groups left in a block, rax the scales; ymm0..3 the rows'
-//! bytes, ymm4..7 their transposition, ymm10 a temporary, ymm12 bytes of 1
-//! (Q5_0), ymm13 bytes of 15, ymm14 lane indices (Q5_0), ymm15 the bytes
+//! bytes, ymm4..7 their transposition, ymm8 the nibbles' dword shifts,
+//! ymm10 a temporary, ymm12 bytes of 1
+//! (Q5_0), ymm13 bytes of 15, ymm14 lane indices, ymm15 the bytes
 //! to add.
 
-use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, unpack_values};
+use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, nibble_shifts, unpack_values};
 use super::{Asm, broadcast_const, lane_index, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
@@ -46,6 +47,7 @@ pub struct UnpackQuantParams {
     pub prefetch: usize,
 }
 
+const NIBBLE_SHIFTS: u8 = 8;
 const TEMP: u8 = 10;
 const BYTE_ONES: u8 = 12;
 const LOW_NIBBLES: u8 = 13;
@@ -73,6 +75,7 @@ const REGS: UnpackRegs = UnpackRegs {
     low_nibbles: LOW_NIBBLES,
     byte_ones: BYTE_ONES,
     idx: IDX,
+    nibble_shifts: NIBBLE_SHIFTS,
 };
 
 /// Prefetches the source group `prefetch` bytes ahead of r9 (none for
@@ -87,7 +90,8 @@ fn prefetch_source(ops: &mut Asm, q: QuantType, prefetch: usize) {
 }
 
 /// The constants both forms use: bytes of 15, the offset's change (when
-/// there is one), bytes of 1 and lane indices (Q5_0).
+/// there is one), lane indices and the nibbles' shifts, bytes of 1
+/// (Q5_0).
 fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
     broadcast_const(ops, LOW_NIBBLES, 0x0F0F_0F0F);
     if add != 0 {
@@ -95,8 +99,9 @@ fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
     }
     if q == QuantType::Q5_0 {
         broadcast_const(ops, BYTE_ONES, 0x0101_0101);
-        lane_index(ops, IDX);
     }
+    lane_index(ops, IDX);
+    nibble_shifts(ops, NIBBLE_SHIFTS, IDX);
 }
 
 /// The unpacking into Q8_0x16's 16-row blocks: rows r0..r1, r0 a multiple of 16, into
