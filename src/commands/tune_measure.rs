@@ -9,7 +9,7 @@ use crate::jit::emit::gemm_quant::TOKENS;
 use crate::jit::emit::gemv;
 use crate::jit::kernels::{Gemm, GemmQuant, Gemv, GemvQuant, KernelSet};
 use crate::jit::plan::{KernelKind, Plan};
-use crate::model::quant_blocks::{self, GROUP_COLS, QuantType};
+use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Context, Result};
 use std::ops::Range;
@@ -206,13 +206,16 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
     else {
         return Ok(());
     };
-    let k = plan
+    // The smallest K a matrix multiplies with it: the LM head's.
+    let Some(k) = plan
         .matrices
         .iter()
         .filter(|m| m.gemm == spec.name)
         .map(|m| m.k)
         .min()
-        .unwrap_or(GROUP_COLS * 20);
+    else {
+        return Ok(());
+    };
     let gemm = set
         .get::<GemmQuant>((q, k))
         .context("planned quantized GEMM missing from the kernel set")?;
@@ -226,11 +229,15 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
     let mut y = vec![0f32; TOKENS * rows];
     let mut one_token = None;
     for ntok in [1usize, 2, 4, 8] {
+        let mut err = None;
         let secs = best_of(|| {
             if let Err(e) = gemm.run(&w, tile, ntok, &mut y, rows, 0..rows) {
-                panic!("measuring {}: {e}", spec.name);
+                err = Some(e);
             }
         });
+        if let Some(e) = err {
+            return Err(e.into());
+        }
         let base = *one_token.get_or_insert(secs);
         println!(
             "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {k}, {ntok} token(s), {:.2} ms/call = {:.2}x one token, 1 thread)",
