@@ -539,6 +539,25 @@ fn gguf_quantized_rows_must_be_whole_blocks() {
     }
 }
 
+/// A converted file from before Q5_0's rows went in pairs: its blocks
+/// would multiply into nonsense under today's kernels, so the file is
+/// refused, naming the tensor and saying to convert again.
+#[test]
+fn gguf_q5_0_row_blocks_of_the_retired_layout() {
+    let mut w = base_gguf();
+    let i = tensor_index(&w, "blk.1.attn_q.weight");
+    w.tensors[i].type_id = pulsar::model::dtype::RETIRED_Q5_0_ROW_BLOCKS_ID;
+    expect_gguf_refusal(
+        "retired-q5_0",
+        &w,
+        &[
+            "\"blk.1.attn_q.weight\"",
+            "earlier pulsar convert",
+            "convert the model again",
+        ],
+    );
+}
+
 /// A quantized block whose f16 scale is NaN or infinite (a damaged
 /// download) would turn every logit into NaN without a word: the default
 /// model with one scale broken is refused, naming the tensor, its type and

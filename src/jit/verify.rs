@@ -216,6 +216,13 @@ const ALLOWED: &[Mnemonic] = {
         Vpsrlvd,
         Vpshufd,
         Vpsubd,
+        // Q5_0's row pairs: their high-bit word broadcast to 4 qword lanes
+        // shifted by the lane's own count, rows split across halves.
+        Vpbroadcastq,
+        Vpmovzxbq,
+        Vpsrlvq,
+        Vpsllvq,
+        Vperm2i128,
         // The integer GEMM over token tiles: weights broadcast to every
         // token's lane, 8-bit dot products, the 4 x 8 results transposed.
         Vpxor,
@@ -252,6 +259,8 @@ const FULL_WIDTH_DEST: &[Mnemonic] = {
     &[
         Vbroadcastss,
         Vpbroadcastd,
+        Vpbroadcastq,
+        Vpmovzxbq,
         Vcvtph2ps,
         Vpmovzxwd,
         Vpmovsxbd,

@@ -38,7 +38,13 @@ const BF16_ROW_BLOCKS_ID: u32 = 0x5055_0030;
 /// Quantized row blocks: this plus the GGML id of the block type.
 const QUANT_ROW_BLOCKS_BASE: u32 = 0x5055_0100;
 const Q8_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 8;
-const Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
+/// Q5_0 with its rows in pairs (`quant_blocks::QuantType::Q5_0`). The
+/// id of the block type alone marked the earlier layout, one row at a
+/// time, which no kernel reads any more ([`RETIRED_Q5_0_ROW_BLOCKS_ID`]).
+const Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x40;
+/// Q5_0 row blocks as `pulsar convert` wrote them before 2026-12: read
+/// as an error that says to convert again.
+pub const RETIRED_Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
 const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 /// Q8_0 in 16-row blocks: its own id, the block type's plus 0x80.
 const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
@@ -81,6 +87,7 @@ impl DType {
             DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
             DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(QuantType::Q8_0x16) => Q8_0X16_ROW_BLOCKS_ID,
+            DType::QuantRowBlocks(QuantType::Q5_0) => Q5_0_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(q) => QUANT_ROW_BLOCKS_BASE + q.file_dtype().ggml_id(),
         }
     }

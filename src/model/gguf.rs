@@ -275,6 +275,11 @@ impl GgufFile {
             }
             shape.reverse();
             let type_id = cur.u32().map_err(tfail)?;
+            if type_id == crate::model::dtype::RETIRED_Q5_0_ROW_BLOCKS_ID {
+                return Err(tfail(
+                    "Q5_0 row blocks in the layout of an earlier pulsar convert, which this version no longer reads; convert the model again with this version".into(),
+                ));
+            }
             let dtype = DType::from_ggml_id(type_id).ok_or_else(|| {
                 tfail(format!(
                     "tensor type {} (id {type_id}) is not supported; supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K",

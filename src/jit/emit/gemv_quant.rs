@@ -37,14 +37,21 @@
 //! multiple of 4; the last block may be partial, its padding rows are
 //! zeros and only valid rows are stored.
 //!
+//! Q5_0 and Q4_0 take their rows in pairs ([`unpack_pair`]): one vector
+//! holds the first 16 values of both rows, another their last 16, each
+//! multiplied by x's matching half broadcast to both halves, so a pair's
+//! 8 lane sums are 4 of each row, folded by `vphaddd` like 4 rows' 8.
+//!
 //! Registers: rdi=W, rsi=x, rdx=y, rcx=r (from r0), r8=r1, r9=K on entry,
 //! then the W group pointer, r10=x scale pointer, r11=end of x quants,
 //! rax=x quant index counting up to 0, rbx=K, rbp=bytes of W per row of a
-//! block, r12=bytes from x's scales to its sums. ymm0 accumulator, ymm1 the
-//! nibbles' dword shifts (Q5_0, Q4_0), xmm4 the 4 rows' scales times x's,
-//! ymm5 x quants, ymm6..9 the rows' products, ymm10 and
-//! ymm11 temporaries, ymm12 bytes of 1 and ymm13 bytes of 15 (Q5_0), ymm14
-//! lane indices, ymm15 16-bit ones.
+//! block, r12=bytes from x's scales to its sums. ymm0 accumulator, xmm4
+//! the 4 rows' scales times x's, ymm14 lane indices, ymm15 16-bit ones.
+//! Q8_0: ymm5 x quants, ymm6..9 the rows' products, ymm10 and ymm11
+//! temporaries, ymm12 bytes of 0x80. Pairs: ymm1 and ymm2 x's halves,
+//! ymm3 and ymm5 the high bits' qword shifts (Q5_0), ymm6 and ymm7 the
+//! pairs' products, ymm8..10 temporaries, ymm11 bytes of 0xF0, ymm12
+//! bytes of 0x10 (Q5_0), ymm13 bytes of 0x0F.
 
 use super::{
     Asm, broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
@@ -71,83 +78,139 @@ pub struct GemvQuantParams {
 }
 
 pub const ROWS: usize = BLOCK_ROWS;
-/// Dword shifts for the nibbles (Q5_0, Q4_0).
-const NIBBLE_SHIFTS: u8 = 1;
 const TEMP: u8 = 10;
 const CORRECTION: u8 = 11;
-const BYTE_ONES: u8 = 12;
-/// Bytes of 0x80 (Q8_0 without VNNI), in the register Q5_0's ones use.
+/// Bytes of 0x80 (Q8_0 without VNNI).
 const SIGN_BITS: u8 = 12;
-const LOW_NIBBLES: u8 = 13;
 const IDX: u8 = 14;
 const ONES: u8 = 15;
 
-/// The registers [`unpack_values`] uses besides its destination.
+/// The registers of the pair kernels (Q5_0, Q4_0).
+const X_FIRST: u8 = 1;
+const X_LAST: u8 = 2;
+const PAIR_PRODUCTS: [u8; 2] = [6, 7];
+const PAIR_REGS: PairRegs = PairRegs {
+    last: 8,
+    temp: 9,
+    temp2: 10,
+    low_nibbles: 13,
+    high_nibbles: 11,
+    bit4: 12,
+    right_shifts: 3,
+    left_shifts: 5,
+};
+/// The offset's correction in the pair kernels (a temporary by then).
+const PAIR_CORRECTION: u8 = 8;
+
+/// Whether a type's kernels take its rows in pairs ([`unpack_pair`]).
+pub(super) fn in_pairs(q: QuantType) -> bool {
+    matches!(q, QuantType::Q5_0 | QuantType::Q4_0)
+}
+
+/// Offset of pair `pair`'s bytes (rows 2 * pair and 2 * pair + 1) inside
+/// a group: Q5_0's high-bit word and nibbles, Q4_0's nibbles.
+pub(super) fn pair_at(q: QuantType, pair: usize) -> i8 {
+    (PAYLOADS_AT + pair * 2 * q.payload_bytes()) as i8
+}
+
+/// The registers [`unpack_pair`] uses besides its two destinations.
 #[derive(Clone, Copy)]
-pub(super) struct UnpackRegs {
+pub(super) struct PairRegs {
+    /// The vector of the pair's last 16 values of each row.
+    pub last: u8,
     pub temp: u8,
+    pub temp2: u8,
     /// Bytes of 0x0F.
     pub low_nibbles: u8,
-    /// Bytes of 1 (Q5_0 only).
-    pub byte_ones: u8,
-    /// Lane indices 0..7 (Q5_0 only).
-    pub idx: u8,
-    /// Dword shifts 0 (lanes 0..3) and 4 (lanes 4..7): see
-    /// [`nibble_shifts`].
-    pub nibble_shifts: u8,
+    /// Bytes of 0xF0.
+    pub high_nibbles: u8,
+    /// Bytes of 0x10 (Q5_0 only).
+    pub bit4: u8,
+    /// Qword shifts [0, 1, 2, 3] and [4, 3, 2, 1] (Q5_0 only).
+    pub right_shifts: u8,
+    pub left_shifts: u8,
 }
 
-/// Sets ymm`dst` to the dword shifts `[0, 0, 0, 0, 4, 4, 4, 4]` from the
-/// lane indices in ymm`idx`: shifting a payload's 16 nibble bytes,
-/// broadcast to both halves, by them puts the low nibbles' values in the
-/// low half and the high nibbles' in the high one in a single instruction.
-pub(super) fn nibble_shifts(ops: &mut Asm, dst: u8, idx: u8) {
-    dynasm!(ops
-        ; .arch x64
-        ; vpsrld Ry(dst), Ry(idx), 2
-        ; vpslld Ry(dst), Ry(dst), 2
-    );
+/// Sets the constants [`unpack_pair`] reads: the nibble masks, and for
+/// Q5_0 bytes of 0x10 and the qword shifts, each widened from 4 bytes.
+/// (Deriving [0, 1, 2, 3] from the lane indices with `vpsrlq ymm, ymm,
+/// 33` went wrong: dynasm-rs 5.1 encodes that as the xmm form, zeroing
+/// lanes 2 and 3, as it does `vbroadcastss ymm, [mem]`.) Clobbers rax.
+pub(super) fn pair_constants(ops: &mut Asm, q: QuantType, r: PairRegs) {
+    broadcast_const(ops, r.low_nibbles, 0x0F0F_0F0F);
+    broadcast_const(ops, r.high_nibbles, 0xF0F0_F0F0);
+    if q == QuantType::Q5_0 {
+        broadcast_const(ops, r.bit4, 0x1010_1010);
+        for (reg, counts) in [(r.right_shifts, 0x0302_0100), (r.left_shifts, 0x0102_0304)] {
+            dynasm!(ops
+                ; .arch x64
+                ; mov eax, counts
+                ; vmovd Rx(reg), eax
+                ; vpmovzxbq Ry(reg), Rx(reg)
+            );
+        }
+    }
 }
 
-/// A Q5_0 or Q4_0 payload at `[r9 + at]` as 32 unsigned bytes in
-/// ymm`dst`: Q5_0's values plus 16 (0..31), Q4_0's plus 8 (0..15). The
-/// unpacking for the integer GEMM (`unpack_quant`) uses the same code.
+/// A pair of Q5_0 or Q4_0 rows at `[r9 + at]` as unsigned bytes (Q5_0's
+/// values plus 16, 0..31; Q4_0's plus 8, 0..15): ymm`first` = the first
+/// 16 values of the first row, then of the second; ymm`r.last` = their
+/// last 16 likewise. The unpacking for the integer GEMM (`unpack_quant`)
+/// uses the same code.
 ///
-/// The Q5_0 GEMV is bound by its instructions, not by memory: it reads
-/// at the same rate from L2 as from DRAM. Broadcasting the nibbles and
-/// the high bits straight from memory (8 instructions a row instead of 10)
-/// took it from 9.9-10.2 to 11.5-11.6 GB/s from L2 (`PULSAR_MEASURE_KIB=256
-/// pulsar tune --measure`, AMD EPYC with AVX2, alternating), and a
-/// one-thread decode of the default model from 45.62 to 47.80 tok/s
-/// (medians of 3, `bench --threads 1`).
-pub(super) fn unpack_values(ops: &mut Asm, q: QuantType, dst: u8, at: i8, r: UnpackRegs) {
-    let nibbles_at = if q == QuantType::Q5_0 { at + 4 } else { at };
+/// Why pairs: one row at a time, the Q5_0 GEMV was bound by its
+/// instructions (the same rate from L2 as from DRAM), at 8 instructions a
+/// row to unpack (10 before the nibbles and high bits were broadcast from
+/// memory: 9.9-10.2 against 11.5-11.6 GB/s from L2). A pair takes 10 for
+/// both rows and its products 4 instead of 2 x 2, and the GEMV now reads at
+/// the plain read's rate on one thread: 14.0-14.3 against 9.8 GB/s from
+/// DRAM (`pulsar tune --measure`, AMD EPYC with AVX2, alternating); decode
+/// of the default model 47.08 against 42.74 tok/s on one thread, 79.02
+/// against 72.06 on two (medians of 3, `bench --pp 512 --tg 128`).
+pub(super) fn unpack_pair(ops: &mut Asm, q: QuantType, first: u8, at: i8, r: PairRegs) {
+    let nibbles_at = if q == QuantType::Q5_0 { at + 8 } else { at };
     dynasm!(ops
         ; .arch x64
-        // Low nibbles: bytes 0..15 of the vector from the low halves of
-        // the 16 bytes, bytes 16..31 from their high halves: the 16 bytes
-        // in both halves, the high half shifted by 4 (3 instructions where
-        // a load, a shift and an insert across halves took 4).
-        ; vbroadcasti128 Ry(dst), [BYTE r9 + nibbles_at]
-        ; vpsrlvd Ry(dst), Ry(dst), Ry(r.nibble_shifts)
-        ; vpand Ry(dst), Ry(dst), Ry(r.low_nibbles)
+        // Both rows' 16 nibble bytes in one load: the low nibbles are the
+        // first 16 values of each, the high ones the last 16.
+        ; vpand Ry(first), Ry(r.low_nibbles), [BYTE r9 + nibbles_at]
+        ; vpand Ry(r.last), Ry(r.high_nibbles), [BYTE r9 + nibbles_at]
+        ; vpsrlw Ry(r.last), Ry(r.last), 4
     );
     if q == QuantType::Q5_0 {
         dynasm!(ops
             ; .arch x64
-            // High bits: lane i shifted right by i puts value j's bit at
-            // bit 0 of byte j (see QuantType::Q5_0), then to bit 4.
-            ; vpbroadcastd Ry(r.temp), [BYTE r9 + at]
-            ; vpsrlvd Ry(r.temp), Ry(r.temp), Ry(r.idx)
-            ; vpand Ry(r.temp), Ry(r.temp), Ry(r.byte_ones)
-            ; vpsllw Ry(r.temp), Ry(r.temp), 4
-            ; vpor Ry(dst), Ry(dst), Ry(r.temp)
+            // The pair's 64 high bits in every qword lane, lane k shifted
+            // so that each byte's bit lands on bit 4 (QuantType::Q5_0).
+            ; vpbroadcastq Ry(r.temp), [BYTE r9 + at]
+            ; vpsllvq Ry(r.temp2), Ry(r.temp), Ry(r.left_shifts)
+            ; vpsrlvq Ry(r.temp), Ry(r.temp), Ry(r.right_shifts)
+            ; vpand Ry(r.temp), Ry(r.temp), Ry(r.bit4)
+            ; vpand Ry(r.temp2), Ry(r.temp2), Ry(r.bit4)
+            ; vpor Ry(first), Ry(first), Ry(r.temp)
+            ; vpor Ry(r.last), Ry(r.last), Ry(r.temp2)
         );
     }
 }
 
+/// Pair `pair`'s products with x (its halves in ymm1 and ymm2) as 8 i32
+/// lane sums in ymm`dst`: lanes 0..3 the first row's, 4..7 the second's.
+/// Two bytes' products (at most 31 x 127 each) and two such pairs, from
+/// the first and the last 16 values, add up within 16 bits.
+fn pair_products(ops: &mut Asm, q: QuantType, dst: u8, pair: usize) {
+    let r = PAIR_REGS;
+    unpack_pair(ops, q, dst, pair_at(q, pair), r);
+    dynasm!(ops
+        ; .arch x64
+        ; vpmaddubsw Ry(dst), Ry(dst), Ry(X_FIRST)
+        ; vpmaddubsw Ry(r.last), Ry(r.last), Ry(X_LAST)
+        ; vpaddw Ry(dst), Ry(dst), Ry(r.last)
+        ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES)
+    );
+}
+
 /// Row `row`'s 32 products with x (in ymm5) as 8 i32 lane sums in
-/// ymm`dst`, its payload at `[r9 + at]`.
+/// ymm`dst`, its payload at `[r9 + at]` (Q8_0).
 fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
     match p.q {
         // The stored bytes are q + 128, unsigned: VNNI multiplies them as
@@ -170,19 +233,7 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
             ; vpabsb Ry(dst), Ry(dst)
             ; vpmaddubsw Ry(dst), Ry(dst), Ry(TEMP)
         ),
-        // Q5_0's values are stored plus 16 and Q4_0's plus 8, already
-        // unsigned: the offset is taken off per group with x's sum.
-        QuantType::Q5_0 | QuantType::Q4_0 => {
-            let regs = UnpackRegs {
-                temp: TEMP,
-                low_nibbles: LOW_NIBBLES,
-                byte_ones: BYTE_ONES,
-                idx: IDX,
-                nibble_shifts: NIBBLE_SHIFTS,
-            };
-            unpack_values(ops, p.q, dst, at, regs);
-            dynasm!(ops ; .arch x64 ; vpmaddubsw Ry(dst), Ry(dst), ymm5);
-        }
+        QuantType::Q5_0 | QuantType::Q4_0 => unreachable!("in pairs: pair_products"),
     }
     dynasm!(ops ; .arch x64 ; vpmaddwd Ry(dst), Ry(dst), Ry(ONES));
 }
@@ -238,14 +289,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let group = ops.new_dynamic_label();
     lane_index(&mut ops, IDX);
     broadcast_const(&mut ops, ONES, 0x0001_0001);
-    match q {
-        QuantType::Q5_0 => broadcast_const(&mut ops, BYTE_ONES, 0x0101_0101),
-        QuantType::Q8_0 if !p.vnni => broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080),
-        _ => {}
-    }
-    if q != QuantType::Q8_0 {
-        broadcast_const(&mut ops, LOW_NIBBLES, 0x0F0F_0F0F);
-        nibble_shifts(&mut ops, NIBBLE_SHIFTS, IDX);
+    if in_pairs(q) {
+        pair_constants(&mut ops, q, PAIR_REGS);
+    } else if !p.vnni {
+        broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
     block_stride(&mut ops, q);
     dynasm!(ops
@@ -267,6 +314,9 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         ; sub rax, rbx
         ; vxorps ymm0, ymm0, ymm0
     );
+    // x's scale goes where x's quants go next (Q8_0), or in a temporary
+    // (pairs: ymm5 holds a constant).
+    let x_scale = if in_pairs(q) { PAIR_REGS.temp } else { 5 };
     let group_top = ops.offset();
     dynasm!(ops
         ; .arch x64
@@ -274,10 +324,18 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         // The 4 rows' f16 scales times x's scale (lanes 0..3; the upper
         // lanes read the first payload and are never used).
         ; vcvtph2ps ymm4, [r9]
-        ; vpbroadcastd ymm5, [r10]
-        ; vmulps xmm4, xmm4, xmm5
-        ; vmovdqu ymm5, [r11 + rax]
+        ; vpbroadcastd Ry(x_scale), [r10]
+        ; vmulps xmm4, xmm4, Rx(x_scale)
     );
+    if in_pairs(q) {
+        dynasm!(ops
+            ; .arch x64
+            ; vbroadcasti128 Ry(X_FIRST), [r11 + rax]
+            ; vbroadcasti128 Ry(X_LAST), [r11 + rax + 16]
+        );
+    } else {
+        dynasm!(ops ; .arch x64 ; vmovdqu ymm5, [r11 + rax]);
+    }
     if p.prefetch > 0 {
         dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + p.prefetch as i32]);
         // Groups over a line (Q8_0's 136 bytes, Q5_0's 88) get a second
@@ -288,23 +346,41 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
             dynasm!(ops ; .arch x64 ; prefetcht0 [r9 + (p.prefetch + 64) as i32]);
         }
     }
-    for row in 0..ROWS {
-        let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
-        row_products(&mut ops, p, 6 + row as u8, at);
+    if in_pairs(q) {
+        for (pair, &dst) in PAIR_PRODUCTS.iter().enumerate() {
+            pair_products(&mut ops, q, dst, pair);
+        }
+        dynasm!(ops
+            ; .arch x64
+            // [r0 r0 r2 r2 | r1 r1 r3 r3], then [r0 r2 r0 r2 | r1 r3 r1
+            // r3]: each row's 4 lane sums added in integers, so its group
+            // sum is whole before it is scaled, as in the integer GEMM,
+            // and a token's result does not depend on which kernel
+            // computed it. Then [r0 r1 r2 r3].
+            ; vphaddd ymm6, ymm6, ymm7
+            ; vphaddd ymm6, ymm6, ymm6
+            ; vextracti128 Rx(TEMP), ymm6, 1
+            ; vpunpckldq xmm6, xmm6, Rx(TEMP)
+        );
+    } else {
+        for row in 0..ROWS {
+            let at = (PAYLOADS_AT + row * q.payload_bytes()) as i8;
+            row_products(&mut ops, p, 6 + row as u8, at);
+        }
+        dynasm!(ops
+            ; .arch x64
+            // [r0 r0 r1 r1 | r0 r0 r1 r1], [r2 r2 r3 r3 | ...], then
+            // [r0 r1 r2 r3 | r0 r1 r2 r3]: each half sums 4 of the 8 lanes.
+            ; vphaddd ymm6, ymm6, ymm7
+            ; vphaddd ymm8, ymm8, ymm9
+            ; vphaddd ymm6, ymm6, ymm8
+            // The halves added in integers: each row's group sum is whole
+            // before it is scaled, as in the integer GEMM, so a token's
+            // result does not depend on which kernel computed it.
+            ; vextracti128 Rx(TEMP), ymm6, 1
+            ; vpaddd xmm6, xmm6, Rx(TEMP)
+        );
     }
-    dynasm!(ops
-        ; .arch x64
-        // [r0 r0 r1 r1 | r0 r0 r1 r1], [r2 r2 r3 r3 | ...], then
-        // [r0 r1 r2 r3 | r0 r1 r2 r3]: each half sums 4 of the 8 lanes.
-        ; vphaddd ymm6, ymm6, ymm7
-        ; vphaddd ymm8, ymm8, ymm9
-        ; vphaddd ymm6, ymm6, ymm8
-        // The halves added in integers: each row's group sum is whole
-        // before it is scaled, as in the integer GEMM, so a token's
-        // result does not depend on which kernel computed it.
-        ; vextracti128 Rx(TEMP), ymm6, 1
-        ; vpaddd xmm6, xmm6, Rx(TEMP)
-    );
     // The values' offset (128 for Q8_0 with VNNI, 16 for Q5_0, 8 for Q4_0)
     // times sum(x) off each
     // row.
@@ -312,11 +388,16 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let stored_bytes_multiplied = p.vnni || q != QuantType::Q8_0;
     if stored_bytes_multiplied {
         let shift = q.stored_offset_shift() as i8;
+        let correction = if in_pairs(q) {
+            PAIR_CORRECTION
+        } else {
+            CORRECTION
+        };
         dynasm!(ops
             ; .arch x64
-            ; vpbroadcastd Ry(CORRECTION), [r10 + r12]
-            ; vpslld Rx(CORRECTION), Rx(CORRECTION), shift
-            ; vpsubd xmm6, xmm6, Rx(CORRECTION)
+            ; vpbroadcastd Ry(correction), [r10 + r12]
+            ; vpslld Rx(correction), Rx(correction), shift
+            ; vpsubd xmm6, xmm6, Rx(correction)
         );
     }
     dynasm!(ops

@@ -23,15 +23,16 @@
 //! Registers: rdi=W, rsi=out, rcx=row, r8=r1, r9 the W pointer (K on
 //! entry, as `block_stride` wants), rbx=K, rbp=bytes of W per row of a
 //! block, r10 the groups left in a block, rax the scales; ymm0..3 the rows'
-//! bytes, ymm4..7 their transposition, ymm8 the nibbles' dword shifts,
-//! ymm10 a temporary, ymm12 bytes of 1
-//! (Q5_0), ymm13 bytes of 15, ymm14 lane indices, ymm15 the bytes
-//! to add.
+//! bytes, ymm4..7 a pair's unpacking, then the rows' transposition, ymm8
+//! and ymm9 the high bits' qword shifts (Q5_0), ymm11 bytes of 0xF0, ymm12
+//! bytes of 0x10 (Q5_0), ymm13 bytes of 0x0F, ymm15 the bytes to add.
 
-use super::gemv_quant::{UnpackRegs, block_pointer, block_stride, nibble_shifts, unpack_values};
-use super::{Asm, broadcast_const, lane_index, new_asm, next_block_and_return, save_callee_saved};
+use super::gemv_quant::{
+    PairRegs, block_pointer, block_stride, pair_at, pair_constants, unpack_pair,
+};
+use super::{Asm, broadcast_const, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
-use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
+use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -47,11 +48,8 @@ pub struct UnpackQuantParams {
     pub prefetch: usize,
 }
 
-const NIBBLE_SHIFTS: u8 = 8;
-const TEMP: u8 = 10;
-const BYTE_ONES: u8 = 12;
-const LOW_NIBBLES: u8 = 13;
-const IDX: u8 = 14;
+/// A pair's first 16 values of each row (its last 16 in `REGS.last`).
+const PAIR_FIRST: u8 = 4;
 const OFFSET_CHANGE: u8 = 15;
 
 /// What turns an unpacked byte (s plus `q`'s offset) into s plus
@@ -69,13 +67,16 @@ pub fn emit(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     emit_into_16_rows(p, name)
 }
 
-/// The registers `unpack_values` works with.
-const REGS: UnpackRegs = UnpackRegs {
-    temp: TEMP,
-    low_nibbles: LOW_NIBBLES,
-    byte_ones: BYTE_ONES,
-    idx: IDX,
-    nibble_shifts: NIBBLE_SHIFTS,
+/// The registers `unpack_pair` works with.
+const REGS: PairRegs = PairRegs {
+    last: 5,
+    temp: 6,
+    temp2: 7,
+    low_nibbles: 13,
+    high_nibbles: 11,
+    bit4: 12,
+    right_shifts: 8,
+    left_shifts: 9,
 };
 
 /// Prefetches the source group `prefetch` bytes ahead of r9 (none for
@@ -89,24 +90,20 @@ fn prefetch_source(ops: &mut Asm, q: QuantType, prefetch: usize) {
     }
 }
 
-/// The constants both forms use: bytes of 15, the offset's change (when
-/// there is one), lane indices and the nibbles' shifts, bytes of 1
-/// (Q5_0).
+/// The constants: the offset's change (when there is one) and what
+/// `unpack_pair` reads.
 fn unpack_constants(ops: &mut Asm, q: QuantType, add: u8) {
-    broadcast_const(ops, LOW_NIBBLES, 0x0F0F_0F0F);
     if add != 0 {
         broadcast_const(ops, OFFSET_CHANGE, u32::from_ne_bytes([add; 4]));
     }
-    if q == QuantType::Q5_0 {
-        broadcast_const(ops, BYTE_ONES, 0x0101_0101);
-    }
-    lane_index(ops, IDX);
-    nibble_shifts(ops, NIBBLE_SHIFTS, IDX);
+    pair_constants(ops, q, REGS);
 }
 
 /// The unpacking into Q8_0x16's 16-row blocks: rows r0..r1, r0 a multiple of 16, into
 /// `out` from r0's 16-row block on. Each 4-row block's group is unpacked
-/// row by row (ymm0..3), transposed so that each 4 columns of the 4 rows
+/// pair by pair, each pair's two vectors (both rows' first 16 values,
+/// then their last 16) recombined into its rows (ymm0..3, `vperm2i128`),
+/// transposed so that each 4 columns of the 4 rows
 /// are 16 bytes side by side (`vpunpck*dq`, `vpunpck*qdq`: chunks c and
 /// c + 4 in the halves of ymm c), and stored where its rows sit in the
 /// 16-row block (16 bytes at `32 + 64c + 16 * (block % 4)`, its scales at
@@ -167,11 +164,18 @@ fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8
         ; mov rax, [r9]
         ; mov [r11], rax
     );
-    for row in 0..BLOCK_ROWS as u8 {
-        let at = (PAYLOADS_AT + usize::from(row) * q.payload_bytes()) as i8;
-        unpack_values(&mut ops, q, row, at, REGS);
+    for pair in 0..BLOCK_ROWS / 2 {
+        unpack_pair(&mut ops, q, PAIR_FIRST, pair_at(q, pair), REGS);
+        let (first_row, second_row) = (2 * pair as u8, 2 * pair as u8 + 1);
+        dynasm!(ops
+            ; .arch x64
+            ; vperm2i128 Ry(first_row), Ry(PAIR_FIRST), Ry(REGS.last), 0x20
+            ; vperm2i128 Ry(second_row), Ry(PAIR_FIRST), Ry(REGS.last), 0x31
+        );
         if add != 0 {
-            dynasm!(ops ; .arch x64 ; vpaddb Ry(row), Ry(row), Ry(OFFSET_CHANGE));
+            for row in [first_row, second_row] {
+                dynasm!(ops ; .arch x64 ; vpaddb Ry(row), Ry(row), Ry(OFFSET_CHANGE));
+            }
         }
     }
     // ymm c: chunk c of rows 0..3 in its low half, chunk c + 4 in its high.
