@@ -42,8 +42,10 @@ const Q8_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 8;
 /// id of the block type alone marked the earlier layout, one row at a
 /// time, which no kernel reads any more ([`RETIRED_Q5_0_ROW_BLOCKS_ID`]).
 const Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x40;
-/// Q5_0 row blocks as `pulsar convert` wrote them before 2026-12: read
-/// as an error that says to convert again.
+/// Q5_0 row blocks one row at a time, the layout before the pairs. No
+/// `pulsar convert` wrote them (it quantizes to Q8_0 or Q4_0 only), but
+/// the id meant them: a file carrying it is refused with a line that says
+/// to convert again rather than misread.
 pub const RETIRED_Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
 const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 /// Q8_0 in 16-row blocks: its own id, the block type's plus 0x80.

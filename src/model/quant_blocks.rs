@@ -225,14 +225,47 @@ const Q5_0_PAIR_HIGH_BYTES: usize = 8;
 /// second-vector byte's from 8 * (b % 8) + k. Each of the 64 bits is used
 /// once (the first vector's are the upper half of each of the word's
 /// bytes, the second's the lower).
-pub fn q5_0_high_bit_at(second: bool, j: usize) -> usize {
-    let byte = 16 * usize::from(second) + j % 16;
+pub const fn q5_0_high_bit_at(second: bool, j: usize) -> usize {
+    let byte = if second { 16 } else { 0 } + j % 16;
     let (lane, in_lane) = (byte / 8, byte % 8);
     if j < 16 {
         8 * in_lane + 4 + lane
     } else {
         8 * in_lane + lane
     }
+}
+
+/// For the first and the second row of a Q5_0 pair, byte i (0..3) of its
+/// file high bits and that byte's value: the bits they set in the pair's
+/// word. Loading a model places every row's 32 bits with 4 lookups
+/// instead of 32 single-bit moves (which took the default model's load
+/// from 0.39-0.68 to 0.77-0.82 s).
+static Q5_0_HIGH_BITS_SPREAD: [[[u64; 256]; 4]; 2] = q5_0_high_bits_spread();
+
+const fn q5_0_high_bits_spread() -> [[[u64; 256]; 4]; 2] {
+    let mut table = [[[0u64; 256]; 4]; 2];
+    let mut row = 0;
+    while row < 2 {
+        let mut byte = 0;
+        while byte < 4 {
+            let mut value = 0;
+            while value < 256 {
+                let mut bits = 0u64;
+                let mut b = 0;
+                while b < 8 {
+                    if (value >> b) & 1 == 1 {
+                        bits |= 1 << q5_0_high_bit_at(row == 1, 8 * byte + b);
+                    }
+                    b += 1;
+                }
+                table[row][byte][value] = bits;
+                value += 1;
+            }
+            byte += 1;
+        }
+        row += 1;
+    }
+    table
 }
 
 /// Where row `r`'s pair word of group `g` sits (Q5_0).
@@ -302,17 +335,15 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
         if q == QuantType::Q5_0 {
             let at = q5_0_pair_word_at(r, g, cols);
             let word = &mut data[at..at + Q5_0_PAIR_HIGH_BYTES];
-            let mut bits = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-            let high = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
-            for j in 0..GROUP_COLS {
-                let bit = 1u64 << q5_0_high_bit_at(r % 2 == 1, j);
-                bits = if (high >> j) & 1 == 1 {
-                    bits | bit
-                } else {
-                    bits & !bit
-                };
-            }
-            word.copy_from_slice(&bits.to_le_bytes());
+            let spread = &Q5_0_HIGH_BITS_SPREAD[r % 2];
+            let (row_bits, row_mask) = payload[..4]
+                .iter()
+                .zip(spread)
+                .fold((0u64, 0u64), |(bits, mask), (&v, byte)| {
+                    (bits | byte[usize::from(v)], mask | byte[255])
+                });
+            let bits = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            word.copy_from_slice(&((bits & !row_mask) | row_bits).to_le_bytes());
         }
     }
 }
