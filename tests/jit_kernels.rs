@@ -512,6 +512,35 @@ fn attention_weighted_sum_matches_reference() {
     }
 }
 
+/// A decode step's weighted sum, read V row by row in Rust
+/// (`engine::decode_wsum`), gives the JIT kernel's very bits: both sum
+/// each output key after key with one FMA from zero, so a token's
+/// attention does not depend on which of the two computed it.
+#[test]
+fn decode_weighted_sum_by_rows_equals_the_jit_kernel_bit_for_bit() {
+    use pulsar::engine::decode_wsum::{MAX_QUERIES, weighted_sum_by_rows};
+    let mut rng = Rng(78);
+    for hd in [8usize, 64, 256] {
+        let s = set(&[KernelKind::AttnWsum { head_dim: hd }]);
+        let k = s.get::<AttnWsum>(hd).unwrap();
+        for (n_keys, nq) in [(0usize, 1usize), (1, 1), (5, 4), (33, 3), (300, 4), (17, 2)] {
+            assert!(nq <= MAX_QUERIES);
+            let ldp = n_keys + 3;
+            let v = rng.vec(n_keys * hd, 1.0);
+            let p: Vec<f32> = (0..nq * ldp).map(|_| rng.f().abs()).collect();
+            let mut jit = vec![f32::NAN; nq * hd];
+            k.run(&p, ldp, &v, &mut jit).unwrap();
+            let mut rows = vec![f32::NAN; nq * hd];
+            weighted_sum_by_rows(&p, ldp, &v, hd, &mut rows);
+            let same = jit
+                .iter()
+                .zip(&rows)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "head_dim {hd}, {n_keys} keys, {nq} queries");
+        }
+    }
+}
+
 /// The kernels the planner actually ships for the two reference shapes,
 /// each checked once against the reference (the shape sweeps above cover
 /// the emitters in general).

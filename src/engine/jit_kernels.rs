@@ -2,6 +2,7 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
+use super::decode_wsum;
 use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
@@ -446,7 +447,14 @@ impl MatKernels for JitKernels {
             let log_sum = log_sums.as_deref_mut().map(|l| &mut l[i]);
             a.probabilities(i, row, |p| softmax.run(p), log_sum);
         }
-        wsum.run(scratch, n_keys, a.values, out)
-            .expect("attention sum sized by the engine");
+        let rows = a.n_queries();
+        if rows <= decode_wsum::MAX_QUERIES {
+            // A decode step's query heads: V read row by row (see
+            // `decode_wsum` for why and what it measured).
+            decode_wsum::weighted_sum_by_rows(scratch, n_keys, a.values, hd, &mut out[..rows * hd]);
+        } else {
+            wsum.run(scratch, n_keys, a.values, out)
+                .expect("attention sum sized by the engine");
+        }
     }
 }

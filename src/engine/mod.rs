@@ -1,6 +1,7 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
 pub mod autotune;
+pub mod decode_wsum;
 pub mod fast;
 pub mod jit_kernels;
 pub mod kernels;

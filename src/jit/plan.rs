@@ -560,6 +560,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "embedding lookup and scaling".into(),
                 "residual adds".into(),
                 "RoPE".into(),
+                "a decode step's weighted sum over V (4 query heads or fewer: row by row, see engine::decode_wsum)".into(),
                 "q4_k/q6_k dequantisation".into(),
                 "quantizing quantized matrices' inputs to 8 bits (per token, and in tiles of 8 tokens)".into(),
                 "sampling".into(),
