@@ -163,9 +163,9 @@ impl QuantType {
                     *o = b ^ 0x80;
                 }
             }
-            // Q5_0's high bits are placed bit by bit in its row pair's
-            // word (`scatter_row`); the row's own payload keeps the
-            // file's order.
+            // Q5_0's high bits go into its row pair's word
+            // (`scatter_row`); the row's own payload keeps the file's
+            // order.
             QuantType::Q4_0 | QuantType::Q5_0 => out.copy_from_slice(file),
         }
     }
@@ -293,7 +293,7 @@ fn scale_at(q: QuantType, r: usize, g: usize, cols: usize) -> usize {
 /// Where row `r`'s payload bytes `CHUNK_BYTES * c ..` of group `g` sit, for
 /// each chunk c: one run in the 4-row layouts, 4 bytes per chunk in
 /// Q8_0x16's. Q5_0's high bits (chunk 0) are not bytes of their own:
-/// `scatter_row` and `group_payload` place them bit by bit.
+/// `scatter_row` and `group_payload` place them in the pair's word.
 #[inline]
 fn chunk_at(q: QuantType, r: usize, g: usize, cols: usize, c: usize) -> usize {
     let rows = q.block_rows();
@@ -325,10 +325,8 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
         data[s..s + 2].copy_from_slice(&block[..2]);
         let payload = &mut payload[..q.payload_bytes()];
         q.repack_payload(&block[2..], payload);
-        for (c, chunk) in payload.chunks(CHUNK_BYTES).enumerate() {
-            if c < first_byte_chunk(q) {
-                continue;
-            }
+        let chunks = payload.chunks(CHUNK_BYTES).enumerate();
+        for (c, chunk) in chunks.skip(first_byte_chunk(q)) {
             let at = chunk_at(q, r, g, cols, c);
             data[at..at + chunk.len()].copy_from_slice(chunk);
         }
