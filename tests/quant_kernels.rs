@@ -92,10 +92,17 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
 #[test]
 fn the_integer_gemv_stays_within_the_input_rounding_bound() {
     let caps = CpuCaps::detect();
-    for (q, rows, k) in [QuantType::Q8_0, QuantType::Q5_0, QuantType::Q4_0]
-        .into_iter()
-        .flat_map(|q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
-    {
+    // Q5_0 and Q4_0 in both forms: one row block per pass and two.
+    let forms = [
+        (QuantType::Q8_0, false),
+        (QuantType::Q5_0, false),
+        (QuantType::Q5_0, true),
+        (QuantType::Q4_0, false),
+        (QuantType::Q4_0, true),
+    ];
+    for (q, two_blocks, rows, k) in forms.into_iter().flat_map(|(q, two)| {
+        [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, two, r, k))
+    }) {
         let file = quant_file(q, rows, k, (rows * k) as u32);
         let w = packed(q, rows, k, &file);
         assert_eq!(
@@ -109,6 +116,7 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
                 q,
                 prefetch: 8192,
                 vnni: false,
+                two_blocks,
             })],
             &caps,
             Isa::Avx2,
@@ -117,7 +125,9 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         let kernel = set
             .get::<GemvQuant>((q, k))
             .expect("the kernel is in the set");
-        // All rows at once, and in pieces starting on blocks.
+        let name = format!("{q:?} two_blocks={two_blocks} {rows}x{k}");
+        // All rows at once, and in pieces starting on blocks (an odd
+        // number of blocks each for 37 and 8 rows: a lone last block).
         let mut y = vec![0.0f32; rows];
         kernel
             .run_part(w.raw(), xq.token(0), &mut y, 0..rows)
@@ -127,7 +137,22 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
         let (a, b) = pieces.split_at_mut(mid);
         kernel.run_part(w.raw(), xq.token(0), a, 0..mid).unwrap();
         kernel.run_part(w.raw(), xq.token(0), b, mid..rows).unwrap();
-        assert_eq!(y, pieces, "{q:?} {rows}x{k}: split calls");
+        assert_eq!(y, pieces, "{name}: split calls");
+        // Rows from the second block on, between canaries: nothing is
+        // written outside them.
+        if rows > 4 {
+            let end = 8 + rows - 4;
+            let mut fenced = vec![f32::NAN; end + 8];
+            let part = &mut fenced[8..end];
+            kernel
+                .run_part(w.raw(), xq.token(0), part, 4..rows)
+                .unwrap();
+            assert_eq!(&fenced[8..end], &y[4..], "{name}: rows 4..");
+            assert!(
+                fenced[..8].iter().chain(&fenced[end..]).all(|v| v.is_nan()),
+                "{name}: wrote outside its rows"
+            );
+        }
 
         let mut portable = vec![0.0f32; rows];
         // SAFETY: one thread owns all of `portable`.
@@ -137,13 +162,13 @@ fn the_integer_gemv_stays_within_the_input_rounding_bound() {
             let slack = 1e-5 * (exact.abs() + bound) + 1e-6;
             assert!(
                 (y[r] as f64 - exact).abs() <= bound + slack,
-                "{q:?} {rows}x{k} row {r}: jit {} exact {exact} bound {bound}",
+                "{name} row {r}: jit {} exact {exact} bound {bound}",
                 y[r]
             );
             // Same integers and scales; only the order of the f32 sums differs.
             assert!(
                 (y[r] - portable[r]).abs() <= 1e-5 * (portable[r].abs() + 1.0),
-                "{q:?} {rows}x{k} row {r}: jit {} portable {}",
+                "{name} row {r}: jit {} portable {}",
                 y[r],
                 portable[r]
             );
@@ -168,9 +193,13 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
     }
     for vnni in forms {
         let max_isa = if vnni { Isa::Avx512 } else { Isa::Avx2 };
-        for (q, rows, k) in [QuantType::Q5_0, QuantType::Q4_0]
+        // The GEMV in both forms (one row block per pass and two).
+        for (q, two_blocks, rows, k) in [QuantType::Q5_0, QuantType::Q4_0]
             .iter()
-            .flat_map(|&q| [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, r, k)))
+            .flat_map(|&q| [(q, false), (q, true)])
+            .flat_map(|(q, two)| {
+                [(37, 640), (8, 32), (13, 96), (64, 2048)].map(|(r, k)| (q, two, r, k))
+            })
         {
             let file = quant_file(q, rows, k, (rows * k + 7) as u32);
             let w = packed(q, rows, k, &file);
@@ -180,6 +209,7 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                     q,
                     prefetch: 8192,
                     vnni: false,
+                    two_blocks,
                 }),
                 KernelKind::GemmQuant(GemmQuantParams {
                     q: into,
@@ -244,7 +274,7 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                     let (g, e) = (&got[t * ldy..][..rows], &want[t * rows..][..rows]);
                     assert!(
                         g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{q:?} vnni={vnni} {rows}x{k} token {t} of {tokens}:\n gemm {g:?}\n gemv {e:?}"
+                        "{q:?} vnni={vnni} two_blocks={two_blocks} {rows}x{k} token {t} of {tokens}:\n gemm {g:?}\n gemv {e:?}"
                     );
                     assert!(
                         got[t * ldy + rows..(t * ldy + ldy).min(got.len())]
@@ -312,6 +342,7 @@ fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
                 q: QuantType::Q8_0,
                 prefetch: 8192,
                 vnni,
+                two_blocks: false,
             }),
             KernelKind::GemmQuant(GemmQuantParams {
                 q: QuantType::Q8_0x16,
@@ -381,6 +412,7 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
             q,
             prefetch: 8192,
             vnni: false,
+            two_blocks: false,
         })],
         &CpuCaps::detect(),
         Isa::Avx2,

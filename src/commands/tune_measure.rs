@@ -1,7 +1,8 @@
-//! `pulsar tune --measure`: GEMV throughput in isolation, single thread, on
-//! synthetic weights larger than L3 so the numbers reflect DRAM streaming.
-//! Best of several calls (the machine may be shared), next to a plain Rust
-//! read of the same bytes as the bandwidth reference.
+//! `pulsar tune --measure`: GEMV throughput in isolation, on one thread and
+//! on the plan's threads, on synthetic weights larger than L3 so the
+//! numbers reflect DRAM streaming. Best of several calls (the machine may
+//! be shared), next to a plain Rust read of the same bytes, on as many
+//! threads, as the bandwidth reference.
 
 use crate::engine::q8_input::Q8Input;
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -63,6 +64,29 @@ pub fn measure_gemv(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         weight_bytes() >> 20,
         sink % 10
     );
+    if plan.threads > 1 {
+        // The same read split over the plan's threads: the ceiling of the
+        // multi-thread figures below.
+        let part = w.len().div_ceil(plan.threads).next_multiple_of(32);
+        let secs = best_of(|| {
+            std::thread::scope(|sc| {
+                let parts: Vec<_> = w
+                    .chunks(part)
+                    .map(|c| sc.spawn(move || read_all(std::hint::black_box(c))))
+                    .collect();
+                for p in parts {
+                    sink = sink.wrapping_add(p.join().unwrap_or(0));
+                }
+            })
+        });
+        println!(
+            "measure {:<28} {:>6.1} GB/s  ({} threads; checksum {})",
+            "baseline_read",
+            weight_bytes() as f64 / secs / 1e9,
+            plan.threads,
+            sink % 10
+        );
+    }
     for spec in &plan.kernels {
         let KernelKind::Gemv(g) = &spec.kind else {
             continue;
@@ -245,6 +269,39 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
             w.len() as f64 / secs / 1e9,
             secs * 1e3,
             secs / base
+        );
+    }
+    if plan.threads > 1 {
+        // One token (decode's LM head) with the rows split over the plan's
+        // threads, each writing its own copy of y.
+        let parts = crate::jit::plan::split_rows(rows, plan.threads, q.block_rows());
+        let mut ys: Vec<Vec<f32>> = parts.iter().map(|_| vec![0f32; rows]).collect();
+        let mut err = None;
+        let secs = best_of(|| {
+            std::thread::scope(|sc| {
+                let handles: Vec<_> = parts
+                    .iter()
+                    .zip(ys.iter_mut())
+                    .map(|(r, y)| {
+                        let (w, r) = (&w, r.clone());
+                        sc.spawn(move || gemm.run(w, tile, 1, y, rows, r))
+                    })
+                    .collect();
+                for h in handles {
+                    if let Ok(Err(e)) = h.join() {
+                        err = Some(e);
+                    }
+                }
+            })
+        });
+        if let Some(e) = err {
+            return Err(e.into());
+        }
+        println!(
+            "measure {:<28} {:>6.1} GB/s  (1 token, {} threads)",
+            spec.name,
+            w.len() as f64 / secs / 1e9,
+            plan.threads
         );
     }
     Ok(())

@@ -119,7 +119,7 @@ impl KernelKind {
                 format!(
                     "gemv_{}_r{}{}_pf{}",
                     p.q.name(),
-                    gemv_quant::ROWS,
+                    gemv_quant::ROWS * if p.two_blocks { 2 } else { 1 },
                     if p.vnni { "_vnni" } else { "" },
                     p.prefetch
                 )
@@ -362,21 +362,24 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     }
     // Only Q8_0's GEMV gains from VNNI (3 instructions a row instead of
     // 5); Q5_0's and Q4_0's unpacking leaves their products 2 either way.
-    let quant_gemv = |q: QuantType| GemvQuantParams {
+    let quant_gemv = |q: QuantType, two_blocks: bool| GemvQuantParams {
         q,
         prefetch: opts.quant_prefetch,
         vnni: vnni && q == QuantType::Q8_0,
+        two_blocks: two_blocks && gemv_quant::in_pairs(q),
     };
     let mut quant_types: Vec<QuantType> = opts.quantized.iter().map(|m| m.q).collect();
     quant_types.sort_by_key(|q| q.name());
     quant_types.dedup();
     // Q8_0x16 has no GEMV: its GEMM takes single tokens too.
     let has_gemv = |q: QuantType| q != QuantType::Q8_0x16;
-    let quant_kinds: Vec<GemvQuantParams> = quant_types
-        .iter()
-        .filter(|&&q| has_gemv(q))
-        .map(|&q| quant_gemv(q))
-        .collect();
+    let quant_kinds = |two_blocks: bool| -> Vec<GemvQuantParams> {
+        quant_types
+            .iter()
+            .filter(|&&q| has_gemv(q))
+            .map(|&q| quant_gemv(q, two_blocks))
+            .collect()
+    };
     // Q5_0 and Q4_0 panels are unpacked first (see emit::unpack_quant)
     // into Q8_0x16's 16-row blocks: with VNNI with Q8_0's offset, so that
     // one GEMM (Q8_0x16's) serves every type; under AVX2 with their own,
@@ -412,6 +415,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
+    // Q5_0's and Q4_0's GEMV over two row blocks per pass: 740 bytes
+    // against 470 for Q5_0. Q4_0's decode on the gemma-2b shape gains
+    // most from it, and fits; the default model's Q5_0 GEMV gained from
+    // L2 only (from DRAM it already reads at the plain read's rate on 2
+    // threads), so it is traded first there.
+    let mut two_block_gemv = true;
     let mut norm_unroll = 2usize;
     let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
     let mut dropped: Vec<String> = Vec::new();
@@ -434,9 +443,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .join(", ")
         };
         kinds.extend(
-            quant_kinds
-                .iter()
-                .map(|&p| (KernelKind::GemvQuant(p), vec![matrices_in(p.q)])),
+            quant_kinds(two_block_gemv)
+                .into_iter()
+                .map(|p| (KernelKind::GemvQuant(p), vec![matrices_in(p.q)])),
         );
         let mut gemms: Vec<(GemmQuantParams, Vec<String>)> = Vec::new();
         for &q in &quant_types {
@@ -498,7 +507,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                         .find(|m| m.tensor == tensor && m.k == k);
                     let (gemv, gemm) = match quantized {
                         Some(m) if has_gemv(m.q) => (
-                            KernelKind::GemvQuant(quant_gemv(m.q)),
+                            KernelKind::GemvQuant(quant_gemv(m.q, two_block_gemv)),
                             KernelKind::GemmQuant(quant_gemm(m.q)),
                         ),
                         Some(m) => (
@@ -591,6 +600,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 gemv_unroll / 2
             ));
             gemv_unroll /= 2;
+        } else if two_block_gemv && quant_types.iter().any(|&q| gemv_quant::in_pairs(q)) {
+            notes.push(format!(
+                "{total} B > budget: Q5_0/Q4_0 GEMV 8 rows per pass -> 4"
+            ));
+            two_block_gemv = false;
         } else if norm_unroll > 1 {
             notes.push(format!(
                 "{total} B > budget: rmsnorm unroll {norm_unroll} -> 1"

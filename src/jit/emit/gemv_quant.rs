@@ -54,8 +54,8 @@
 //! bytes of 0x10 (Q5_0), ymm13 bytes of 0x0F.
 
 use super::{
-    Asm, broadcast_const, finish, lane_index, new_asm, restore_callee_saved_and_return,
-    save_callee_saved, store_rows_and_next_block,
+    Asm, broadcast_const, count_mask, finish, lane_index, new_asm, reg,
+    restore_callee_saved_and_return, save_callee_saved, store_rows_and_next_block, vshufps,
 };
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, PAYLOADS_AT, QuantType};
@@ -75,6 +75,9 @@ pub struct GemvQuantParams {
     /// Q8_0's products with AVX-512 VNNI's `vpdpbusd` (its EVEX form on
     /// ymm registers): 3 instructions a row instead of 5.
     pub vnni: bool,
+    /// Q5_0 and Q4_0: two row blocks (8 rows) per pass ([`emit_pairs`]),
+    /// which the planner gives up first when the budget is short.
+    pub two_blocks: bool,
 }
 
 pub const ROWS: usize = BLOCK_ROWS;
@@ -88,7 +91,9 @@ const ONES: u8 = 15;
 /// The registers of the pair kernels (Q5_0, Q4_0).
 const X_FIRST: u8 = 1;
 const X_LAST: u8 = 2;
-const PAIR_PRODUCTS: [u8; 2] = [6, 7];
+/// The pair products of a block (ymm6, ymm7) and, two blocks at a time,
+/// the second block's (ymm4, ymm14).
+const PAIR_PRODUCTS: [u8; 4] = [6, 7, 4, 14];
 const PAIR_REGS: PairRegs = PairRegs {
     last: 8,
     temp: 9,
@@ -103,7 +108,7 @@ const PAIR_REGS: PairRegs = PairRegs {
 const PAIR_CORRECTION: u8 = 8;
 
 /// Whether a type's kernels take its rows in pairs ([`unpack_pair`]).
-pub(super) fn in_pairs(q: QuantType) -> bool {
+pub fn in_pairs(q: QuantType) -> bool {
     matches!(q, QuantType::Q5_0 | QuantType::Q4_0)
 }
 
@@ -167,14 +172,20 @@ pub(super) fn pair_constants(ops: &mut Asm, q: QuantType, r: PairRegs) {
 /// DRAM (`pulsar tune --measure`, AMD EPYC with AVX2, alternating); decode
 /// of the default model 47.08 against 42.74 tok/s on one thread, 79.02
 /// against 72.06 on two (medians of 3, `bench --pp 512 --tg 128`).
-pub(super) fn unpack_pair(ops: &mut Asm, q: QuantType, first: u8, at: i8, r: PairRegs) {
+pub(super) fn unpack_pair(
+    ops: &mut Asm,
+    q: QuantType,
+    first: u8,
+    (base, at): (u8, i8),
+    r: PairRegs,
+) {
     let nibbles_at = if q == QuantType::Q5_0 { at + 8 } else { at };
     dynasm!(ops
         ; .arch x64
         // Both rows' 16 nibble bytes in one load: the low nibbles are the
         // first 16 values of each, the high ones the last 16.
-        ; vpand Ry(first), Ry(r.low_nibbles), [BYTE r9 + nibbles_at]
-        ; vpand Ry(r.last), Ry(r.high_nibbles), [BYTE r9 + nibbles_at]
+        ; vpand Ry(first), Ry(r.low_nibbles), [BYTE Rq(base) + nibbles_at]
+        ; vpand Ry(r.last), Ry(r.high_nibbles), [BYTE Rq(base) + nibbles_at]
         ; vpsrlw Ry(r.last), Ry(r.last), 4
     );
     if q == QuantType::Q5_0 {
@@ -182,7 +193,7 @@ pub(super) fn unpack_pair(ops: &mut Asm, q: QuantType, first: u8, at: i8, r: Pai
             ; .arch x64
             // The pair's 64 high bits in every qword lane, lane k shifted
             // so that each byte's bit lands on bit 4 (QuantType::Q5_0).
-            ; vpbroadcastq Ry(r.temp), [BYTE r9 + at]
+            ; vpbroadcastq Ry(r.temp), [BYTE Rq(base) + at]
             ; vpsllvq Ry(r.temp2), Ry(r.temp), Ry(r.left_shifts)
             ; vpsrlvq Ry(r.temp), Ry(r.temp), Ry(r.right_shifts)
             ; vpand Ry(r.temp), Ry(r.temp), Ry(r.bit4)
@@ -197,9 +208,9 @@ pub(super) fn unpack_pair(ops: &mut Asm, q: QuantType, first: u8, at: i8, r: Pai
 /// lane sums in ymm`dst`: lanes 0..3 the first row's, 4..7 the second's.
 /// Two bytes' products (at most 31 x 127 each) and two such pairs, from
 /// the first and the last 16 values, add up within 16 bits.
-fn pair_products(ops: &mut Asm, q: QuantType, dst: u8, pair: usize) {
+fn pair_products(ops: &mut Asm, q: QuantType, dst: u8, (base, pair): (u8, usize)) {
     let r = PAIR_REGS;
-    unpack_pair(ops, q, dst, pair_at(q, pair), r);
+    unpack_pair(ops, q, dst, (base, pair_at(q, pair)), r);
     dynasm!(ops
         ; .arch x64
         ; vpmaddubsw Ry(dst), Ry(dst), Ry(X_FIRST)
@@ -282,6 +293,13 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         q != QuantType::Q8_0x16,
         "kernel {name}: Q8_0x16 has no GEMV (its GEMM, emit::gemm_q8_0x16, takes single tokens)"
     );
+    if p.two_blocks {
+        anyhow::ensure!(
+            in_pairs(q),
+            "kernel {name}: only Q5_0 and Q4_0 take two row blocks per pass"
+        );
+        return emit_pairs(p, name);
+    }
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
@@ -347,8 +365,8 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
     }
     if in_pairs(q) {
-        for (pair, &dst) in PAIR_PRODUCTS.iter().enumerate() {
-            pair_products(&mut ops, q, dst, pair);
+        for (pair, &dst) in PAIR_PRODUCTS[..2].iter().enumerate() {
+            pair_products(&mut ops, q, dst, (reg::R9, pair));
         }
         dynasm!(ops
             ; .arch x64
@@ -411,6 +429,160 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     jback!(ops, jnz, group, group_top);
     // Only valid rows are stored.
     store_rows_and_next_block(&mut ops, IDX, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
+
+/// The GEMV of the pair types (Q5_0, Q4_0): two row blocks at a time.
+///
+/// Why 8 rows: a group's products are 7 instructions a pair (10 more for
+/// Q5_0's high bits), but one block's group also paid for x's loads, the
+/// 4 rows' fold (2 `vphaddd`, an extract and an unpack), the offset's
+/// correction, the scales, the loop and its own convert and FMA, about as
+/// many again: from L2 the Q4_0 GEMV ran at 19.3 GB/s, and 21.7 with
+/// its fold alone taken out (`PULSAR_MEASURE_KIB=256 pulsar tune
+/// --measure`, gemma-2b). Two blocks share x's loads, the correction and
+/// the loop, and 3 `vphaddd` fold their 8 rows into one vector, which the
+/// scales, the convert and the FMA then take whole.
+///
+/// The fold leaves the rows in the order [0 2 4 6 | 1 3 5 7] (pairs'
+/// first rows low, second rows high), so the scales are shuffled into it
+/// and the sums back out of it once per 8 rows, before the store. When
+/// one block is left, the second block is the first read again and its
+/// lanes are masked off at the store.
+///
+/// Registers: rdi=W, rsi=x, rdx=y, rcx=r, r8=r1, r9=K on entry, then the
+/// first block's group pointer, r14 the second block's, r13 the bytes of 4
+/// rows (from one block to the next), r10=x scale pointer, r11=end of x
+/// quants, rax=x quant index counting up to 0, rbx=K, rbp=bytes of W per
+/// row of a block, r12=bytes from x's scales to its sums. ymm0 the 8 rows'
+/// accumulator, ymm1 and ymm2 x's halves, ymm3 and ymm5 Q5_0's qword
+/// shifts, ymm6/ymm7 the first block's pair products, ymm4/ymm14 the
+/// second's, ymm8..10 temporaries, ymm11..13 the nibble and bit masks,
+/// ymm15 16-bit ones.
+fn emit_pairs(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let q = p.q;
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let group = ops.new_dynamic_label();
+    broadcast_const(&mut ops, ONES, 0x0001_0001);
+    pair_constants(&mut ops, q, PAIR_REGS);
+    block_stride(&mut ops, q);
+    dynasm!(ops
+        ; .arch x64
+        // r12: from a group's x scale to its x sum, past the K/32 scales.
+        ; mov r12, r9
+        ; shr r12, 3
+        ; lea r13, [rbp * 4]
+        ; lea r11, [rsi + rbx]
+        ; cmp rcx, r8
+        ; jae =>done
+    );
+    let block_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>block);
+    block_pointer(&mut ops);
+    dynasm!(ops
+        ; .arch x64
+        // The second block, or the first again when it is the last.
+        ; lea r14, [r9 + r13]
+        ; mov r15, r9
+        ; lea r10, [rcx + ROWS as i32]
+        ; cmp r10, r8
+        ; cmovae r14, r9
+        ; mov r10, r11
+        ; xor eax, eax
+        ; sub rax, rbx
+        ; vxorps ymm0, ymm0, ymm0
+    );
+    let group_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>group
+        ; vbroadcasti128 Ry(X_FIRST), [r11 + rax]
+        ; vbroadcasti128 Ry(X_LAST), [r11 + rax + 16]
+    );
+    if p.prefetch > 0 {
+        // One stream of prefetches through both blocks' bytes, which are
+        // contiguous, at the rate the two pointers consume them.
+        for line in 0..(2 * q.group_bytes()).div_ceil(64) {
+            dynasm!(ops ; .arch x64 ; prefetcht0 [r15 + (p.prefetch + 64 * line) as i32]);
+        }
+        dynasm!(ops ; .arch x64 ; add r15, 2 * q.group_bytes() as i32);
+    }
+    for (dst, at) in [
+        (PAIR_PRODUCTS[0], (reg::R9, 0)),
+        (PAIR_PRODUCTS[1], (reg::R9, 1)),
+        (PAIR_PRODUCTS[2], (reg::R14, 0)),
+        (PAIR_PRODUCTS[3], (reg::R14, 1)),
+    ] {
+        pair_products(&mut ops, q, dst, at);
+    }
+    let [a0, a1, b0, b1] = PAIR_PRODUCTS;
+    // `vshufps` selectors: lanes 0 and 2 of each source, then 1 and 3.
+    const EVEN_LANES: u8 = 0x88;
+    const ODD_LANES: u8 = 0xDD;
+    let r = PAIR_REGS;
+    dynasm!(ops
+        ; .arch x64
+        // [r0 r0 r2 r2 | r1 r1 r3 r3] and [r4 r4 r6 r6 | r5 r5 r7 r7],
+        // then [r0 r2 r4 r6 | r1 r3 r5 r7]: each row's 4 lane sums added
+        // in integers, so its group sum is whole before it is scaled, as
+        // in the integer GEMM, and a token's result does not depend on
+        // which kernel computed it.
+        ; vphaddd Ry(a0), Ry(a0), Ry(a1)
+        ; vphaddd Ry(b0), Ry(b0), Ry(b1)
+        ; vphaddd Ry(a0), Ry(a0), Ry(b0)
+        // The values' offset (16 for Q5_0, 8 for Q4_0) times sum(x) off
+        // each row.
+        ; vpbroadcastd Ry(r.temp), [r10 + r12]
+        ; vpslld Ry(r.temp), Ry(r.temp), q.stored_offset_shift() as i8
+        ; vpsubd Ry(a0), Ry(a0), Ry(r.temp)
+        // The 8 rows' f16 scales in the same order, times x's scale.
+        // Each block's 4 are lanes 0..3 of a convert (the upper lanes read
+        // its first payload and are shuffled into upper halves that
+        // `vinsertf128` replaces).
+        ; vcvtph2ps Ry(b0), [r9]
+        ; vcvtph2ps Ry(b1), [r14]
+    );
+    vshufps(&mut ops, a1, b0, b1, EVEN_LANES);
+    vshufps(&mut ops, b0, b0, b1, ODD_LANES);
+    dynasm!(ops
+        ; .arch x64
+        ; vinsertf128 Ry(a1), Ry(a1), Rx(b0), 1
+        ; vpbroadcastd Ry(r.temp), [r10]
+        ; vmulps Ry(a1), Ry(a1), Ry(r.temp)
+        ; vcvtdq2ps Ry(a0), Ry(a0)
+        ; vfmadd231ps ymm0, Ry(a0), Ry(a1)
+        ; add r9, q.group_bytes() as i32
+        ; add r14, q.group_bytes() as i32
+        ; add r10, BYTE 4
+        ; add rax, BYTE GROUP_COLS as i8
+    );
+    jback!(ops, jnz, group, group_top);
+    dynasm!(ops
+        ; .arch x64
+        // [r0 r2 r4 r6 | r1 r3 r5 r7] back to [r0 .. r7].
+        ; vextractf128 Rx(r.temp), ymm0, 1
+        ; vunpckhps Rx(r.temp2), xmm0, Rx(r.temp)
+        ; vunpcklps xmm0, xmm0, Rx(r.temp)
+        ; vinsertf128 ymm0, ymm0, Rx(r.temp2), 1
+        // Only the rows that exist are stored (r8 - rcx of them, 8 at
+        // most).
+        ; mov r10, r8
+        ; sub r10, rcx
+    );
+    lane_index(&mut ops, r.temp);
+    count_mask(&mut ops, 8, r.temp, reg::R10);
+    dynasm!(ops
+        ; .arch x64
+        ; vmaskmovps [rdx + rcx * 4], ymm8, ymm0
+        ; add rcx, BYTE 2 * ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
     dynasm!(ops ; .arch x64 ; =>done);
     restore_callee_saved_and_return(&mut ops);
     finish(ops, name)

@@ -184,6 +184,18 @@ pub fn reduce4(ops: &mut Asm, a: [u8; 4], tmp: u8) {
     );
 }
 
+/// `vshufps ymm dst, ymm first, ymm second, selector`: per 128-bit half,
+/// lanes 0 and 1 from `first`, 2 and 3 from `second`. dynasm-rs 5.1
+/// encodes its two sources swapped (`vshufps ymm7, ymm4, ymm14, 88h` comes
+/// out as `vshufps ymm7, ymm14, ymm4, 88h`), so they are written swapped
+/// here; the test below decodes the bytes and fails if that ever changes.
+pub fn vshufps(ops: &mut Asm, dst: u8, first: u8, second: u8, selector: u8) {
+    dynasm!(ops
+        ; .arch x64
+        ; vshufps Ry(dst), Ry(second), Ry(first), selector as i8
+    );
+}
+
 /// Sets `ymm` to the lane indices 0..7 (as i32). Clobbers rax.
 pub fn lane_index(ops: &mut Asm, ymm: u8) {
     dynasm!(ops
@@ -320,4 +332,28 @@ pub fn exp_ps(ops: &mut Asm, k: &ExpRegs, y: u8, n: u8, p: u8, r2: u8) {
         ; vpslld Ry(n), Ry(n), 23
         ; vpaddd Ry(y), Ry(p), Ry(n)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iced_x86::{Decoder, DecoderOptions, Mnemonic, Register};
+
+    #[test]
+    fn vshufps_takes_its_sources_in_intel_order() {
+        for (dst, first, second) in [(7u8, 4u8, 14u8), (0, 1, 2), (12, 15, 3)] {
+            let mut ops = new_asm();
+            vshufps(&mut ops, dst, first, second, 0x88);
+            let bytes = ops.finalize().expect("no labels");
+            let mut d = Decoder::with_ip(64, &bytes, 0, DecoderOptions::NONE);
+            let ins = d.decode();
+            assert_eq!(ins.len(), bytes.len());
+            assert_eq!(ins.mnemonic(), Mnemonic::Vshufps);
+            let ymm = |n: u8| Register::YMM0 as u32 + u32::from(n);
+            assert_eq!(ins.op0_register() as u32, ymm(dst));
+            assert_eq!(ins.op1_register() as u32, ymm(first));
+            assert_eq!(ins.op2_register() as u32, ymm(second));
+            assert_eq!(ins.immediate8(), 0x88);
+        }
+    }
 }

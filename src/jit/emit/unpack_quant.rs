@@ -30,7 +30,7 @@
 use super::gemv_quant::{
     PairRegs, block_pointer, block_stride, pair_at, pair_constants, unpack_pair,
 };
-use super::{Asm, broadcast_const, new_asm, next_block_and_return, save_callee_saved};
+use super::{Asm, broadcast_const, new_asm, next_block_and_return, reg, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{BLOCK_ROWS, GROUP_COLS, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -165,7 +165,7 @@ fn emit_into_16_rows(p: &UnpackQuantParams, name: &str) -> anyhow::Result<Vec<u8
         ; mov [r11], rax
     );
     for pair in 0..BLOCK_ROWS / 2 {
-        unpack_pair(&mut ops, q, PAIR_FIRST, pair_at(q, pair), REGS);
+        unpack_pair(&mut ops, q, PAIR_FIRST, (reg::R9, pair_at(q, pair)), REGS);
         let (first_row, second_row) = (2 * pair as u8, 2 * pair as u8 + 1);
         dynasm!(ops
             ; .arch x64
