@@ -67,8 +67,11 @@ impl From<ContextFullArg> for ContextPolicy {
     }
 }
 
+/// `--dtype` of `convert`: a format, or the file's own types.
 #[derive(Clone, Copy, ValueEnum)]
-enum DtypeArg {
+enum ConvertDtypeArg {
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0), in the kernels' layouts; Q4_K, Q5_K and Q6_K requantized to Q8_0 (said on stderr): what `run --dtype native` computes with, loadable zero-copy.
+    Native,
     F16,
     Bf16,
     /// Q8_0 (8 bits and an f16 scale per 32 values) where rows are whole 32-value blocks, FP16 elsewhere.
@@ -79,13 +82,15 @@ enum DtypeArg {
     Q4_0,
 }
 
-impl From<DtypeArg> for WeightFormat {
-    fn from(d: DtypeArg) -> WeightFormat {
+impl From<ConvertDtypeArg> for commands::convert::Target {
+    fn from(d: ConvertDtypeArg) -> commands::convert::Target {
+        use commands::convert::Target;
         match d {
-            DtypeArg::F16 => WeightFormat::F16,
-            DtypeArg::Bf16 => WeightFormat::BF16,
-            DtypeArg::Q8_0 => WeightFormat::Q8_0,
-            DtypeArg::Q4_0 => WeightFormat::Q4_0,
+            ConvertDtypeArg::Native => Target::Native,
+            ConvertDtypeArg::F16 => Target::Format(WeightFormat::F16),
+            ConvertDtypeArg::Bf16 => Target::Format(WeightFormat::BF16),
+            ConvertDtypeArg::Q8_0 => Target::Format(WeightFormat::Q8_0),
+            ConvertDtypeArg::Q4_0 => Target::Format(WeightFormat::Q4_0),
         }
     }
 }
@@ -541,7 +546,7 @@ enum Command {
         output: PathBuf,
         /// Weight format (default: bf16 checkpoints stay bf16, the rest f16).
         #[arg(long, value_enum)]
-        dtype: Option<DtypeArg>,
+        dtype: Option<ConvertDtypeArg>,
     },
     /// Serve the OpenAI API over HTTP, decoding several requests together (continuous batching).
     Serve(ServeCli),

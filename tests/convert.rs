@@ -249,3 +249,57 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
         std::fs::remove_file(out).ok();
     }
 }
+
+/// `convert --dtype native` keeps the default model's own types (Q5_0's
+/// rows in pairs, Q8_0 in this CPU's layout, the K-quants requantized to
+/// Q8_0 as at load): the file computes, in place or copied, the very
+/// logits the GGUF does with `--dtype native`.
+#[test]
+fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let original = Arc::new(ModelSource::open(&path).unwrap());
+    let out = convert(&path, "default-native", &["--dtype", "native"]);
+    let converted = Arc::new(ModelSource::open(&out).unwrap());
+    let c = &converted.config;
+    let q_proj = converted
+        .tensor(
+            Role::Layer(0, LayerRole::Q),
+            &[c.n_heads * c.head_dim, c.hidden],
+        )
+        .unwrap();
+    assert_eq!(q_proj.dtype, DType::QuantRowBlocks(QuantType::Q5_0));
+    let tokens = [2u32, 818, 5279, 529, 7001, 563];
+    let opts = FastOptions {
+        threads: 2,
+        context: 32,
+        format: None,
+        prefill_chunk: 64,
+        in_place: false,
+        native: true,
+    };
+    let want = jit_engine(&original, &opts)
+        .forward(&tokens, LogitsWanted::All)
+        .unwrap();
+    assert_eq!(
+        FastEngine::weight_formats(&converted, &opts)
+            .unwrap()
+            .describe(),
+        FastEngine::weight_formats(&original, &opts)
+            .unwrap()
+            .describe(),
+        "the converted file keeps the formats loading gives"
+    );
+    for in_place in [true, false] {
+        let mut engine = jit_engine(&converted, &FastOptions { in_place, ..opts });
+        assert_eq!(engine.all_weights_borrowed(), in_place);
+        let got = engine.forward(&tokens, LogitsWanted::All).unwrap();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "in place: {in_place}: the converted file computes other logits, by up to {}",
+            max_abs_diff(&got, &want).0
+        );
+    }
+    std::fs::remove_file(&out).unwrap();
+}

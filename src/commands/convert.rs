@@ -4,14 +4,17 @@
 //! mmap. Matrices are FP16 or BF16 row blocks, or with `--dtype q8_0|q4_0`
 //! quantized row blocks (`model::quant_blocks`) wherever the rows are whole
 //! 32-value blocks, FP16 elsewhere: the formats `--dtype q8_0|q4_0` gives
-//! at load, so a converted file computes the very same numbers. The
+//! at load, so a converted file computes the very same numbers; with
+//! `--dtype native`, the source's own types as `run --dtype native` keeps
+//! them (Q5_0's rows in pairs, Q8_0 in this CPU's blocks, K-quants
+//! requantized to Q8_0). The
 //! row-block matrices (padding included) have Pulsar-private GGML types
 //! (`F16_R4X8`, `BF16_R4X8`, `Q8_0_R4`, `Q4_0_R4`), so other GGUF readers
 //! refuse the file rather than misread it. Metadata GGUF has no key for
 //! (query_pre_attn_scalar, the local RoPE base, which layers are global)
 //! goes under `pulsar.*` keys.
 
-use crate::engine::fast::WeightFormats;
+use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use crate::engine::packed::{PackedMatrix, WeightFormat};
 use crate::fs_atomic::AtomicFile;
 use crate::model::config::{Family, ModelConfig};
@@ -137,25 +140,62 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
     w.add_f32("pulsar.attention.query_scale", c.query_scale);
 }
 
-pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<()> {
+/// What `convert --dtype` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// The source's own types where an integer kernel reads them, as `run
+    /// --dtype native` keeps them at load.
+    Native,
+    /// One format for every matrix (quantized ones where the rows are
+    /// whole blocks).
+    Format(WeightFormat),
+}
+
+pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let src = ModelSource::open(input)?;
     let c = src.config.clone();
     // A BF16 checkpoint stays BF16 unless asked otherwise; all else is FP16.
-    let format = format.unwrap_or_else(|| {
+    let default_format = || {
         let q = src.tensor_unscanned(
             Role::Layer(0, LayerRole::Q),
             &[c.n_heads * c.head_dim, c.hidden],
         );
         q.map(|t| WeightFormat::default_for(t.dtype))
             .unwrap_or(WeightFormat::F16)
-    });
+    };
 
     // Each matrix's format, as `--dtype` gives them at load: Q8_0 in the
     // layout this CPU's kernels read (16-row blocks with VNNI), so that
     // `--mmap` uses it in place here; a CPU whose kernels read the other
     // layout regroups the same blocks at load.
-    let formats = WeightFormats::for_shape(&c, format)
-        .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
+    let (formats, format) = match target {
+        Some(Target::Native) => {
+            // Only the formats are read from these options.
+            let opts = FastOptions {
+                threads: 1,
+                context: 1,
+                format: None,
+                prefill_chunk: 0,
+                native: true,
+                in_place: false,
+            };
+            let formats = FastEngine::weight_formats(&src, &opts)?;
+            if let Some(note) = formats.conversion_note() {
+                eprintln!("convert: {note}");
+            }
+            let head = formats.of(Role::Embedding);
+            (formats, head)
+        }
+        target => {
+            let format = match target {
+                Some(Target::Format(f)) => f,
+                _ => default_format(),
+            };
+            let formats = WeightFormats::for_shape(&c, format)
+                .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
+            (formats, format)
+        }
+    };
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
     write_config(&mut w, &c, format);
@@ -238,11 +278,14 @@ pub fn run(input: &Path, output: &Path, format: Option<WeightFormat>) -> Result<
     crate::cancel::check()?;
     out.file.commit()?;
     bar.finish_and_clear();
+    let weights = match target {
+        Some(Target::Native) => formats.describe(),
+        _ => format!("{} weights", format.name()),
+    };
     eprintln!(
-        "convert: wrote {} ({:.1} MB, {} weights, {} tensors)",
+        "convert: wrote {} ({:.1} MB, {weights}, {} tensors)",
         output.display(),
         total as f64 / 1e6,
-        format.name(),
         planned.len()
     );
     Ok(())
