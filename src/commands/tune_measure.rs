@@ -159,6 +159,37 @@ fn time_split<E: Send>(
     err.map_or(Ok(secs), Err)
 }
 
+/// Best time of `run` over `parts`, one scoped thread each, every thread
+/// writing its own output of `out_len` values (a kernel given a row range
+/// and the whole y, as the engine's threads share one). The first error a
+/// part returns is returned.
+fn time_own_outputs<E: Send>(
+    parts: &[Range<usize>],
+    out_len: usize,
+    run: impl Fn(&mut [f32], Range<usize>) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<f64, E> {
+    let mut outs: Vec<Vec<f32>> = parts.iter().map(|_| vec![0f32; out_len]).collect();
+    let mut err = None;
+    let secs = best_of(|| {
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = parts
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(r, y)| {
+                    let (run, r) = (&run, r.clone());
+                    sc.spawn(move || run(y, r))
+                })
+                .collect();
+            for h in handles {
+                if let Ok(Err(e)) = h.join() {
+                    err = Some(e);
+                }
+            }
+        })
+    });
+    err.map_or(Ok(secs), Err)
+}
+
 /// Integer GEMV throughput for each planned quantized type and K, on
 /// synthetic blocks (random quants, small scales) as large as the 16-bit
 /// measurement's weights: GB/s of quantized weight bytes, on 1 thread and
@@ -275,28 +306,7 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         // One token (decode's LM head) with the rows split over the plan's
         // threads, each writing its own copy of y.
         let parts = crate::jit::plan::split_rows(rows, plan.threads, q.block_rows());
-        let mut ys: Vec<Vec<f32>> = parts.iter().map(|_| vec![0f32; rows]).collect();
-        let mut err = None;
-        let secs = best_of(|| {
-            std::thread::scope(|sc| {
-                let handles: Vec<_> = parts
-                    .iter()
-                    .zip(ys.iter_mut())
-                    .map(|(r, y)| {
-                        let (w, r) = (&w, r.clone());
-                        sc.spawn(move || gemm.run(w, tile, 1, y, rows, r))
-                    })
-                    .collect();
-                for h in handles {
-                    if let Ok(Err(e)) = h.join() {
-                        err = Some(e);
-                    }
-                }
-            })
-        });
-        if let Some(e) = err {
-            return Err(e.into());
-        }
+        let secs = time_own_outputs(&parts, rows, |y, r| gemm.run(&w, tile, 1, y, rows, r))?;
         println!(
             "measure {:<28} {:>6.1} GB/s  (1 token, {} threads)",
             spec.name,
@@ -340,30 +350,12 @@ pub fn measure_gemm(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
         for tokens in [48usize, crate::jit::blocking::PREFILL_CHUNK] {
             let x = vec![0.25f32; tokens * g.k];
             for threads in [1usize, 2] {
-                let mut outs: Vec<Vec<f32>> =
-                    (0..threads).map(|_| vec![0f32; tokens * rows]).collect();
-                let mut err = None;
-                let secs = best_of(|| {
-                    std::thread::scope(|s| {
-                        let handles: Vec<_> = outs
-                            .iter_mut()
-                            .enumerate()
-                            .map(|(i, y)| {
-                                let part = rows / threads * i..rows / threads * (i + 1);
-                                let (w, x) = (&w, &x);
-                                s.spawn(move || gemm.run(w, x, tokens, y, rows, part))
-                            })
-                            .collect();
-                        for h in handles {
-                            if let Ok(Err(e)) = h.join() {
-                                err = Some(e);
-                            }
-                        }
-                    })
-                });
-                if let Some(e) = err {
-                    return Err(e.into());
-                }
+                let parts: Vec<Range<usize>> = (0..threads)
+                    .map(|i| rows / threads * i..rows / threads * (i + 1))
+                    .collect();
+                let secs = time_own_outputs(&parts, tokens * rows, |y, part| {
+                    gemm.run(&w, &x, tokens, y, rows, part)
+                })?;
                 println!(
                     "measure {:<28} {:>6.1} GFLOP/s  ({rows} rows x K {} x {tokens} tokens, {threads} thread(s))",
                     spec.name,

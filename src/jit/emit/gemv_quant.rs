@@ -263,6 +263,17 @@ pub(super) fn block_stride(ops: &mut Asm, q: QuantType) {
     );
 }
 
+/// r12 = the bytes from a group's x scale to its x sum (past the K/32
+/// scales), r11 = the end of x's quants (K in r9 and rbx, x in rsi).
+fn x_pointers(ops: &mut Asm) {
+    dynasm!(ops
+        ; .arch x64
+        ; mov r12, r9
+        ; shr r12, 3
+        ; lea r11, [rsi + rbx]
+    );
+}
+
 /// r9 = the row block of row rcx (W in rdi, stride in rbp).
 pub(super) fn block_pointer(ops: &mut Asm) {
     dynasm!(ops
@@ -313,12 +324,9 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
     block_stride(&mut ops, q);
+    x_pointers(&mut ops);
     dynasm!(ops
         ; .arch x64
-        // r12: from a group's x scale to its x sum, past the K/32 scales.
-        ; mov r12, r9
-        ; shr r12, 3
-        ; lea r11, [rsi + rbx]
         ; cmp rcx, r8
         ; jae =>done
     );
@@ -471,13 +479,10 @@ fn emit_pairs(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     broadcast_const(&mut ops, ONES, 0x0001_0001);
     pair_constants(&mut ops, q, PAIR_REGS);
     block_stride(&mut ops, q);
+    x_pointers(&mut ops);
     dynasm!(ops
         ; .arch x64
-        // r12: from a group's x scale to its x sum, past the K/32 scales.
-        ; mov r12, r9
-        ; shr r12, 3
         ; lea r13, [rbp * 4]
-        ; lea r11, [rsi + rbx]
         ; cmp rcx, r8
         ; jae =>done
     );
