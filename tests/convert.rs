@@ -129,6 +129,44 @@ fn jit_engine(src: &Arc<ModelSource>, opts: &FastOptions) -> FastEngine {
     FastEngine::load(src, kernels, opts).unwrap()
 }
 
+/// The type a file stores layer 0's attn_q in.
+fn attn_q_dtype(src: &ModelSource) -> DType {
+    let c = &src.config;
+    src.tensor(
+        Role::Layer(0, LayerRole::Q),
+        &[c.n_heads * c.head_dim, c.hidden],
+    )
+    .unwrap()
+    .dtype
+}
+
+/// The converted file, its weights used in place (`--mmap`) and copied,
+/// computes `want` bit for bit with the native options `opts`.
+fn assert_computes_in_place_and_copied(
+    converted: &Arc<ModelSource>,
+    opts: FastOptions,
+    tokens: &[u32],
+    want: &[f32],
+    name: &str,
+) {
+    for in_place in [true, false] {
+        let mut engine = jit_engine(converted, &FastOptions { in_place, ..opts });
+        assert_eq!(
+            engine.all_weights_borrowed(),
+            in_place,
+            "{name}: weights used in place only with --mmap"
+        );
+        let got = engine.forward(tokens, LogitsWanted::All).unwrap();
+        assert!(
+            got.iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name} (in place: {in_place}): the converted file computes other logits, by up to {}",
+            max_abs_diff(&got, want).0
+        );
+    }
+}
+
 /// `convert --dtype q8_0|q4_0` writes the quantized row blocks that the
 /// same `--dtype` makes at load, under their private types: the file then
 /// computes the very same logits, used in place (`--mmap`) or copied, and
@@ -174,28 +212,12 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
         let want = jit_engine(&original, &at_load)
             .forward(&tokens, LogitsWanted::All)
             .unwrap();
-        for in_place in [true, false] {
-            let opts = FastOptions {
-                format: None,
-                in_place,
-                native: true,
-                ..at_load
-            };
-            let mut engine = jit_engine(&converted, &opts);
-            assert_eq!(
-                engine.all_weights_borrowed(),
-                in_place,
-                "{name}: weights used in place only with --mmap"
-            );
-            let got = engine.forward(&tokens, LogitsWanted::All).unwrap();
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{name} (in place: {in_place}): the converted file computes other logits, by up to {}",
-                max_abs_diff(&got, &want).0
-            );
-        }
+        let native = FastOptions {
+            format: None,
+            native: true,
+            ..at_load
+        };
+        assert_computes_in_place_and_copied(&converted, native, &tokens, &want, name);
         // What the reference engine reads: the very values quantizing at
         // load gives (dequantized exactly), and logits near the JIT's,
         // whose inputs are rounded to 8 bits (measured 0.037 for q4_0).
@@ -260,14 +282,10 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
     let original = Arc::new(ModelSource::open(&path).unwrap());
     let out = convert(&path, "default-native", &["--dtype", "native"]);
     let converted = Arc::new(ModelSource::open(&out).unwrap());
-    let c = &converted.config;
-    let q_proj = converted
-        .tensor(
-            Role::Layer(0, LayerRole::Q),
-            &[c.n_heads * c.head_dim, c.hidden],
-        )
-        .unwrap();
-    assert_eq!(q_proj.dtype, DType::QuantRowBlocks(QuantType::Q5_0));
+    assert_eq!(
+        attn_q_dtype(&converted),
+        DType::QuantRowBlocks(QuantType::Q5_0)
+    );
     let tokens = [2u32, 818, 5279, 529, 7001, 563];
     let opts = FastOptions {
         threads: 2,
@@ -289,17 +307,6 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
             .describe(),
         "the converted file keeps the formats loading gives"
     );
-    for in_place in [true, false] {
-        let mut engine = jit_engine(&converted, &FastOptions { in_place, ..opts });
-        assert_eq!(engine.all_weights_borrowed(), in_place);
-        let got = engine.forward(&tokens, LogitsWanted::All).unwrap();
-        assert!(
-            got.iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "in place: {in_place}: the converted file computes other logits, by up to {}",
-            max_abs_diff(&got, &want).0
-        );
-    }
+    assert_computes_in_place_and_copied(&converted, opts, &tokens, &want, "native");
     std::fs::remove_file(&out).unwrap();
 }
