@@ -168,6 +168,11 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     // layout this CPU's kernels read (16-row blocks with VNNI), so that
     // `--mmap` uses it in place here; a CPU whose kernels read the other
     // layout regroups the same blocks at load.
+    let uniform = |format: WeightFormat| {
+        let formats = WeightFormats::for_shape(&c, format)
+            .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
+        (formats, format)
+    };
     let (formats, format) = match target {
         Some(Target::Native) => {
             // Only the formats are read from these options.
@@ -186,15 +191,8 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
             let head = formats.of(Role::Embedding);
             (formats, head)
         }
-        target => {
-            let format = match target {
-                Some(Target::Format(f)) => f,
-                _ => default_format(),
-            };
-            let formats = WeightFormats::for_shape(&c, format)
-                .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
-            (formats, format)
-        }
+        Some(Target::Format(format)) => uniform(format),
+        None => uniform(default_format()),
     };
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);

@@ -415,8 +415,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
-    // Q5_0's and Q4_0's GEMV over two row blocks per pass: 740 bytes
-    // against 470 for Q5_0. Q4_0's decode on the gemma-2b shape gains
+    // Q5_0's and Q4_0's GEMV over two row blocks per pass: 738 bytes
+    // against 493 for Q5_0. Q4_0's decode on the gemma-2b shape gains
     // most from it, and fits; the default model's Q5_0 GEMV gained from
     // L2 only (from DRAM it already reads at the plain read's rate on 2
     // threads), so it is traded first there.
