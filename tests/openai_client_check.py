@@ -25,6 +25,12 @@ def check(cond, what):
 models = client.models.list()
 model = models.data[0].id
 check(model == "gemma-3-270m-q4_k_m", f"models.list names the model ({model})")
+check(client.models.retrieve(model).id == model, "models.retrieve finds it by its id")
+try:
+    client.models.retrieve("no-such-model")
+    check(False, "an unknown model id is refused")
+except openai.NotFoundError as e:
+    check(e.status_code == 404, f"an unknown model id raises NotFoundError: {e}")
 
 question = [{"role": "user", "content": "What is the capital of France?"}]
 reply = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=40)

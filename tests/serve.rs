@@ -801,6 +801,86 @@ fn the_next_turn_of_a_conversation_reuses_the_cache() {
     assert_eq!(chat_text(&v3), chat_text(&v2));
 }
 
+/// `/tokenize` gives `pulsar tokenize`'s ids, `/detokenize` the text back,
+/// pieces (bytes where a token is no character alone) join up to the text,
+/// and `/v1/models/ID` finds the model by its id only.
+#[test]
+fn tokenize_detokenize_and_model_retrieval() {
+    let s = Server::start(&["-c", "256"]);
+    // A control token, a character outside the pieces (byte tokens) and
+    // one inside.
+    let text = "Hello <start_of_turn>user \u{13000} \u{65e5}\n";
+    let cli: Vec<u64> = pulsar_cmd(&["tokenize", "-p", text])
+        .split_whitespace()
+        .map(|t| t.parse().expect("an id"))
+        .collect();
+    let with_bos = s.ok("/tokenize", &json!({"content": text, "add_special": true}));
+    let ids: Vec<u64> = with_bos["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|v| v.as_u64().expect("an id"))
+        .collect();
+    assert_eq!(ids, cli);
+    let plain = s.ok("/tokenize", &json!({"content": text}));
+    assert_eq!(
+        plain["tokens"].as_array().map(Vec::len),
+        Some(ids.len() - 1)
+    );
+    assert_eq!(s.ok("/detokenize", &plain)["content"], text);
+    // Control-token text stays characters when asked.
+    let spelled = s.ok(
+        "/tokenize",
+        &json!({"content": text, "parse_special": false}),
+    );
+    let start_of_turn = ids[3];
+    assert_eq!(start_of_turn, 105, "{ids:?}");
+    assert!(
+        spelled["tokens"]
+            .as_array()
+            .is_some_and(|t| !t.contains(&json!(start_of_turn)))
+    );
+    // Pieces: text, or byte values where a token is part of a character.
+    let pieces = s.ok("/tokenize", &json!({"content": text, "with_pieces": true}));
+    let mut bytes = Vec::new();
+    let mut byte_pieces = 0;
+    for p in pieces["tokens"].as_array().expect("tokens") {
+        match &p["piece"] {
+            Value::String(t) => bytes.extend_from_slice(t.as_bytes()),
+            Value::Array(b) => {
+                byte_pieces += 1;
+                bytes.extend(b.iter().map(|v| v.as_u64().expect("a byte") as u8));
+            }
+            other => panic!("piece {other}"),
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).expect("UTF-8"), text);
+    assert_eq!(byte_pieces, 4, "{pieces}");
+    let (status, v) = s.call("/detokenize", &json!({"tokens": [2, 262_144]}));
+    assert_error(
+        status,
+        &v,
+        400,
+        Some("tokens[1]"),
+        &["262144", "vocabulary"],
+    );
+    let (status, v) = s.call("/tokenize", &json!({"content": 5}));
+    assert_error(status, &v, 400, Some("content"), &["string"]);
+
+    let get = |path: &str| {
+        let r = client().get(s.url(path)).send().expect("sent");
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().expect("JSON"))
+    };
+    let (status, v) = get("/v1/models/gemma-3-270m-q4_k_m");
+    assert_eq!(status, 200);
+    assert_eq!(v["id"], "gemma-3-270m-q4_k_m");
+    assert_eq!(v["object"], "model");
+    let (status, v) = get("/v1/models/gpt-4");
+    assert_error(status, &v, 404, None, &["gpt-4", "gemma-3-270m-q4_k_m"]);
+    assert_eq!(v["error"]["code"], "model_not_found");
+}
+
 #[test]
 fn bad_requests_get_openai_errors_naming_the_field() {
     let s = Server::start(&["-c", "256", "--max-body", "200000"]);

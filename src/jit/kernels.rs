@@ -438,13 +438,11 @@ pub type GemmFn =
     unsafe extern "sysv64" fn(*const u16, *const f32, *mut f32, usize, usize, usize, usize);
 /// `(x, w, out, rows, eps)`.
 pub type RmsNormFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize, f32);
-/// `(x, cos, sin, n_heads)`, in place.
 /// `(gate, up, out, rows)`.
 pub type GegluFn = unsafe extern "sysv64" fn(*const f32, *const f32, *mut f32, usize);
-/// `(k_cache, q, scores, p0, p1, scale)`.
 /// `(x, n)`, in place.
 pub type SoftmaxFn = unsafe extern "sysv64" fn(*mut f32, usize);
-/// `(p, v_cache, out, n_pos)`.
+/// `(p, ldp, v, n_keys, out, nq)`.
 pub type WsumFn = unsafe extern "sysv64" fn(*const f32, usize, *const f32, usize, *mut f32, usize);
 
 /// Rows `r0..r1` of a row-block matrix of `k` columns must fit in `len`

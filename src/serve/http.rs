@@ -11,10 +11,11 @@ use super::metrics::Metrics;
 use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::Event;
+use super::tokens::{DetokenizeRequest, TokenizeRequest};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -46,6 +47,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -94,7 +98,8 @@ fn has_key(req: &Request, key: &str) -> bool {
 async fn not_found(req: Request) -> ApiError {
     ApiError::not_found(format!(
         "no such endpoint: {} {}; this server has POST /v1/chat/completions, \
-         POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+         POST /v1/completions, GET /v1/models, GET /v1/models/ID, POST /tokenize, \
+         POST /detokenize, GET /health and GET /metrics",
         req.method(),
         req.uri().path()
     ))
@@ -141,17 +146,67 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
+fn model_object(app: &App) -> Value {
+    json!({
+        "id": app.ctx.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pulsar",
+    })
+}
+
 async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(json!({
         "object": "list",
-        "data": [{
-            "id": app.ctx.model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pulsar",
-        }],
+        "data": [model_object(&app)],
     }))
     .into_response()
+}
+
+/// OpenAI's "retrieve model": the one model this server has, by its id.
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id != app.ctx.model_id {
+        return ApiError::not_found(format!(
+            "the model `{id}` does not exist; this server has `{}`",
+            app.ctx.model_id
+        ))
+        .with_code("model_not_found")
+        .into_response();
+    }
+    axum::Json(model_object(&app)).into_response()
+}
+
+async fn tokenize(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let work = move |ctx: &ServeContext, body: &[u8]| {
+        Ok(ctx.tokenize(&parse_json::<TokenizeRequest>(body)?))
+    };
+    off_the_async_threads(app, body, work)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn detokenize(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let work = move |ctx: &ServeContext, body: &[u8]| {
+        ctx.detokenize(&parse_json::<DetokenizeRequest>(body)?)
+    };
+    off_the_async_threads(app, body, work)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Runs `work` on the request's body on tokio's blocking pool (a long text
+/// takes milliseconds to tokenize) and answers with its JSON.
+async fn off_the_async_threads<T: serde::Serialize + Send + 'static>(
+    app: Arc<App>,
+    body: Result<Bytes, BytesRejection>,
+    work: impl FnOnce(&ServeContext, &[u8]) -> Result<T, ApiError> + Send + 'static,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|r| body_error(r, app.max_body))?;
+    let ctx = app.ctx.clone();
+    let reply = tokio::task::spawn_blocking(move || work(&ctx, &body))
+        .await
+        .map_err(|_| ApiError::internal("internal error while reading the request"))??;
+    Ok(axum::Json(reply).into_response())
 }
 
 /// The body of a request as JSON of type `T`; a wrong type is a 400 that

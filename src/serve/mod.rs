@@ -5,6 +5,7 @@
 //! - [`request`]: a body turned into a job (prompt tokens, checked
 //!   settings, compiled `response_format`);
 //! - [`http`]: axum routes, middleware, JSON replies and SSE streams;
+//! - [`tokens`]: `/tokenize` and `/detokenize` (llama-server's shapes);
 //! - [`scheduler`]: the engine thread, batching every busy slot into one
 //!   forward step;
 //! - [`slot`]: one request's generation, stepped by the scheduler;
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod request;
 pub mod scheduler;
 pub mod slot;
+pub mod tokens;
 
 use anyhow::{Context, Result};
 use metrics::Metrics;

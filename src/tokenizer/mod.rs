@@ -217,6 +217,23 @@ impl Tokenizer {
         StreamDecoder::new(self, false, false)
     }
 
+    /// The bytes an id adds to a text in mid-stream: its piece with `▁` as a
+    /// space, a byte token's one byte (possibly part of a character), a
+    /// control token's own text (`<start_of_turn>`). None outside the
+    /// vocabulary.
+    pub fn piece_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let (kind, piece) = (self.vocab.kind(id)?, self.vocab.piece(id)?);
+        Some(match kind {
+            TokenKind::Byte => parse_byte_piece(piece).into_iter().collect(),
+            TokenKind::Normal | TokenKind::UserDefined => {
+                piece.replace(SPACE_MARK, " ").into_bytes()
+            }
+            TokenKind::Control | TokenKind::Unknown | TokenKind::Unused => {
+                piece.as_bytes().to_vec()
+            }
+        })
+    }
+
     /// The raw piece of an id as stored in the vocabulary (`▁the`, `<0x0A>`).
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.vocab.piece(id)
