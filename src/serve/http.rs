@@ -177,36 +177,36 @@ async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response 
 }
 
 async fn tokenize(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let work = move |ctx: &ServeContext, body: &[u8]| {
-        Ok(ctx.tokenize(&parse_json::<TokenizeRequest>(body)?))
-    };
-    off_the_async_threads(app, body, work)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    let work =
+        |ctx: &ServeContext, body: &[u8]| Ok(ctx.tokenize(&parse_json::<TokenizeRequest>(body)?));
+    match off_the_async_threads(&app, body, work).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn detokenize(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let work = move |ctx: &ServeContext, body: &[u8]| {
-        ctx.detokenize(&parse_json::<DetokenizeRequest>(body)?)
-    };
-    off_the_async_threads(app, body, work)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    let work =
+        |ctx: &ServeContext, body: &[u8]| ctx.detokenize(&parse_json::<DetokenizeRequest>(body)?);
+    match off_the_async_threads(&app, body, work).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
-/// Runs `work` on the request's body on tokio's blocking pool (a long text
-/// takes milliseconds to tokenize) and answers with its JSON.
-async fn off_the_async_threads<T: serde::Serialize + Send + 'static>(
-    app: Arc<App>,
+/// Runs `work` on the request's body on tokio's blocking pool: parsing,
+/// tokenizing and compiling a schema take milliseconds (more for a long
+/// text), and off the async threads `/health` stays quick meanwhile.
+async fn off_the_async_threads<T: Send + 'static>(
+    app: &App,
     body: Result<Bytes, BytesRejection>,
     work: impl FnOnce(&ServeContext, &[u8]) -> Result<T, ApiError> + Send + 'static,
-) -> Result<Response, ApiError> {
+) -> Result<T, ApiError> {
     let body = body.map_err(|r| body_error(r, app.max_body))?;
     let ctx = app.ctx.clone();
-    let reply = tokio::task::spawn_blocking(move || work(&ctx, &body))
+    tokio::task::spawn_blocking(move || work(&ctx, &body))
         .await
-        .map_err(|_| ApiError::internal("internal error while reading the request"))??;
-    Ok(axum::Json(reply).into_response())
+        .map_err(|_| ApiError::internal("internal error while reading the request"))?
 }
 
 /// The body of a request as JSON of type `T`; a wrong type is a 400 that
@@ -307,16 +307,11 @@ async fn serve(
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|r| body_error(r, app.max_body))?;
-    let ctx = app.ctx.clone();
-    // Parsing, tokenizing and compiling a schema take milliseconds (more
-    // for a long prompt): off the async threads, so /health stays quick.
-    let prepared: Prepared = tokio::task::spawn_blocking(move || match kind {
-        Kind::Chat => ctx.prepare_chat(&parse_json::<ChatRequest>(&body)?),
-        Kind::Completion => ctx.prepare_completion(&parse_json::<CompletionRequest>(&body)?),
+    let prepared: Prepared = off_the_async_threads(&app, body, move |ctx, body| match kind {
+        Kind::Chat => ctx.prepare_chat(&parse_json::<ChatRequest>(body)?),
+        Kind::Completion => ctx.prepare_completion(&parse_json::<CompletionRequest>(body)?),
     })
-    .await
-    .map_err(|_| ApiError::internal("internal error while reading the request"))??;
+    .await?;
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let reply = Reply {
         kind,
