@@ -70,7 +70,7 @@ impl From<ContextFullArg> for ContextPolicy {
 /// `--dtype` of `convert`: a format, or the file's own types.
 #[derive(Clone, Copy, ValueEnum)]
 enum ConvertDtypeArg {
-    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0), in the kernels' layouts; Q4_K, Q5_K and Q6_K requantized to Q8_0 (said on stderr): what `run --dtype native` computes with, loadable zero-copy.
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0), in the kernels' layouts; Q6_K requantized to Q8_0, Q4_K and Q5_K written as they are (loading keeps them as Q5_0 with an offset per 32 values): what `run --dtype native` computes with, loadable zero-copy but for those.
     Native,
     F16,
     Bf16,
@@ -98,7 +98,7 @@ impl From<ConvertDtypeArg> for commands::convert::Target {
 /// `--dtype` of the commands that run a model.
 #[derive(Clone, Copy, ValueEnum)]
 enum RunDtypeArg {
-    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0); Q4_K, Q5_K and Q6_K requantized to Q8_0 (said on stderr); 16-bit matrices as FP16.
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0); Q4_K and Q5_K as Q5_0 with an offset per 32 values, Q6_K requantized to Q8_0 (said on stderr); 16-bit matrices as FP16.
     Native,
     /// Every matrix widened to FP16.
     F16,

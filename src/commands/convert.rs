@@ -6,8 +6,9 @@
 //! 32-value blocks, FP16 elsewhere: the formats `--dtype q8_0|q4_0` gives
 //! at load, so a converted file computes the very same numbers; with
 //! `--dtype native`, the source's own types as `run --dtype native` keeps
-//! them (Q5_0's rows in pairs, Q8_0 in this CPU's blocks, K-quants
-//! requantized to Q8_0). The
+//! them (Q5_0's rows in pairs, Q8_0 in this CPU's blocks, Q6_K
+//! requantized to Q8_0, Q4_K and Q5_K in their own type, which loading
+//! keeps as Q5_0 with an offset per 32 values). The
 //! row-block matrices (padding included) have Pulsar-private GGML types
 //! (`F16_R4X8`, `BF16_R4X8`, `Q8_0_R4`, `Q4_0_R4`), so other GGUF readers
 //! refuse the file rather than misread it. Metadata GGUF has no key for
@@ -222,10 +223,15 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
             (DType::F32, p.shape.iter().product::<usize>() * 4)
         } else {
             let f = formats.of(p.role);
-            (
-                f.row_blocked_dtype(),
-                f.matrix_bytes(p.shape[0], p.shape[1]),
-            )
+            let t = src.tensor_unscanned(p.role, &p.shape)?;
+            if stays_in_file_type(f, t.dtype) {
+                (t.dtype, t.bytes.len())
+            } else {
+                (
+                    f.row_blocked_dtype(),
+                    f.matrix_bytes(p.shape[0], p.shape[1]),
+                )
+            }
         };
         offset = offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
         w.add_raw_tensor(RawTensor {
@@ -264,6 +270,8 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
                 .into_iter()
                 .flat_map(|v| (v + c.norm_weight_offset).to_le_bytes())
                 .collect()
+        } else if stays_in_file_type(formats.of(p.role), t.dtype) {
+            t.bytes.to_vec()
         } else {
             PackedMatrix::convert(&t, formats.of(p.role)).raw().to_vec()
         };
@@ -287,6 +295,15 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
         planned.len()
     );
     Ok(())
+}
+
+/// Whether a matrix is written in its file's own type rather than the
+/// kernels' layout: a Q4_K or Q5_K matrix the engine keeps as Q5_0 with an
+/// offset per 32 values (`model::k_quant_as_q5_0`), which a row-block
+/// tensor has no room for. Loading converts it as it converts the source
+/// (so the logits are the same), from fewer bytes than Q5_0 takes.
+fn stays_in_file_type(format: WeightFormat, dtype: DType) -> bool {
+    format == WeightFormat::Q5_0 && crate::model::k_quant_as_q5_0::converts(dtype)
 }
 
 /// The converted file as it is written: in order, in chunks between which

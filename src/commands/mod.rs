@@ -116,8 +116,9 @@ impl EngineKind {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Dtype {
     /// The file's own types where an integer kernel reads them (Q8_0, Q5_0,
-    /// Q4_0), other quantized types requantized to Q8_0; 16-bit matrices
-    /// as FP16 (BF16 checkpoints as BF16).
+    /// Q4_0), Q4_K and Q5_K as Q5_0 with an offset per 32 values, Q6_K
+    /// requantized to Q8_0; 16-bit matrices as FP16 (BF16 checkpoints as
+    /// BF16).
     #[default]
     Native,
     /// Every matrix as FP16.

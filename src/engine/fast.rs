@@ -5,7 +5,7 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
-use super::kernels::{GroupAttention, MatKernels, SharedOut, merge_key_parts};
+use super::kernels::{GroupAttention, MatKernels, SharedOut, add_block_offsets, merge_key_parts};
 use super::kv_cache::FlatKv;
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
@@ -16,6 +16,7 @@ use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
+use crate::model::k_quant_as_q5_0;
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
@@ -98,14 +99,29 @@ pub struct Conversion {
     pub bytes: usize,
 }
 
-/// The format a quantized type without a kernel family becomes: Q8_0,
-/// whose 8-bit grid holds the 4- to 6-bit types' values to within half a
-/// step of max/127 per 32 values, far below their own rounding.
+/// The format a quantized type without a kernel family becomes. Q4_K and
+/// Q5_K: Q5_0 with an offset per 32 values, which moves a value by at most
+/// q times FP16's rounding of its scale (`model::k_quant_as_q5_0`). Q6_K,
+/// whose scales change every 16 values: Q8_0, whose 8-bit grid holds its
+/// values to within half a step of max/127 per 32, far below their own
+/// rounding.
 fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
     match dtype {
-        DType::Q4K | DType::Q5K | DType::Q6K => Some(WeightFormat::Q8_0),
+        DType::Q4K | DType::Q5K => Some(WeightFormat::Q5_0),
+        DType::Q6K => Some(WeightFormat::Q8_0),
         _ => None,
     }
+}
+
+/// Bytes a `rows x cols` matrix of file type `dtype` takes as `to`: its
+/// blocks, and the offsets of a K-quant kept as Q5_0.
+fn converted_bytes(dtype: DType, to: WeightFormat, rows: usize, cols: usize) -> usize {
+    let offsets = if to == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(dtype) {
+        rows * (cols / quant_blocks::GROUP_COLS) * 4
+    } else {
+        0
+    };
+    to.matrix_bytes(rows, cols) + offsets
 }
 
 impl WeightFormats {
@@ -165,13 +181,17 @@ impl WeightFormats {
             .converted
             .iter()
             .map(|c| {
+                let to = if k_quant_as_q5_0::converts(c.from) && c.to == WeightFormat::Q5_0 {
+                    "q5_0 with an offset per 32"
+                } else {
+                    c.to.name()
+                };
                 // No "->": "> " is the chat prompt a terminal waits for.
                 format!(
-                    "{} x{} {} to {} ({:.1} MB to {:.1} MB)",
+                    "{} x{} {} to {to} ({:.1} MB to {:.1} MB)",
                     c.tensor,
                     c.count,
                     c.from,
-                    c.to.name(),
                     c.file_bytes as f64 / 1e6,
                     c.bytes as f64 / 1e6
                 )
@@ -472,7 +492,7 @@ impl FastEngine {
                 let Some(to) = nearest_with_kernel(t.dtype) else {
                     return Ok(wide);
                 };
-                let bytes = to.matrix_bytes(shape[0], shape[1]);
+                let bytes = converted_bytes(t.dtype, to, shape[0], shape[1]);
                 match converted
                     .iter_mut()
                     .find(|c| c.tensor == name && c.from == t.dtype)
@@ -560,14 +580,14 @@ impl FastEngine {
         })
     }
 
-    /// Whether every matrix is used in place from a mapped file.
-    pub fn all_weights_borrowed(&self) -> bool {
-        self.weights.embedding.is_borrowed()
-            && self
-                .weights
-                .layers
-                .iter()
-                .all(|l| l.matrices().all(PackedMatrix::is_borrowed))
+    /// How many matrices are used in place from a mapped file, of how
+    /// many.
+    pub fn matrices_in_place(&self) -> (usize, usize) {
+        let w = &self.weights;
+        let all = std::iter::once(&w.embedding).chain(w.layers.iter().flat_map(|l| l.matrices()));
+        all.fold((0, 0), |(in_place, total), m| {
+            (in_place + usize::from(m.is_borrowed()), total + 1)
+        })
     }
 
     /// The packed formats of the matrices.
@@ -723,8 +743,11 @@ impl FastEngine {
                 // every row of the output.
                 match job.q8 {
                     Some(i) => unsafe {
-                        self.kernels
-                            .gemm_q8(w, &quantized[i].1, rows.clone(), job.out)
+                        let x = &quantized[i].1;
+                        self.kernels.gemm_q8(w, x, rows.clone(), job.out);
+                        if let Some(offsets) = w.offsets() {
+                            add_block_offsets(offsets, x, rows.clone(), job.out);
+                        }
                     },
                     None => {
                         for t in 0..job.exact {

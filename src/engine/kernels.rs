@@ -274,6 +274,75 @@ pub trait MatKernels: Sync {
     }
 }
 
+/// Adds a matrix's offsets per row and 32 columns (a K-quant kept as Q5_0,
+/// `PackedMatrix::offsets`) to its product over rows `rows`: `y[t][r] +=
+/// sum_g offset[r][g] · d_x · sum(q_x)` over token t's groups, from the
+/// 8-bit input's block sums, as the kernels take Q5_0's own 16 off. Each
+/// (token, row) is summed in one fixed order (8 lanes of FMAs, then the
+/// lanes), so a token's result does not depend on the step or thread that
+/// computed it.
+///
+/// # Safety
+/// No other thread may touch columns `rows` of `y` meanwhile.
+pub unsafe fn add_block_offsets(offsets: &[f32], x: &Q8Input, rows: Range<usize>, y: SharedOut) {
+    let groups = x.k() / quant_blocks::GROUP_COLS;
+    assert!(offsets.len() >= rows.end * groups, "offsets for every row");
+    let mut sums = vec![0.0f32; groups];
+    for t in 0..x.tokens() {
+        for (s, v) in sums.iter_mut().zip(x.block_sums(t)) {
+            *s = v;
+        }
+        let rows_offsets = &offsets[rows.start * groups..rows.end * groups];
+        // SAFETY: the caller owns columns `rows` of every token's row.
+        let out = unsafe { y.cells(t, rows.clone()) };
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: AVX2 and FMA were just detected.
+                unsafe { add_row_offsets_fma(rows_offsets, &sums, out) };
+                continue;
+            }
+        }
+        add_row_offsets(rows_offsets, &sums, out);
+    }
+}
+
+/// `out[r] += offsets[r] · sums` for each row's `sums.len()` offsets. FMA
+/// rounds exactly, so the wrapper below and a CPU without it (libm's fmaf)
+/// give the same bits.
+#[inline(always)]
+fn add_row_offsets(offsets: &[f32], sums: &[f32], out: &mut [f32]) {
+    const LANES: usize = 8;
+    let whole = sums.len() / LANES * LANES;
+    for (o, row) in out.iter_mut().zip(offsets.chunks_exact(sums.len())) {
+        let mut lanes = [0.0f32; LANES];
+        for (w, s) in row[..whole]
+            .chunks_exact(LANES)
+            .zip(sums[..whole].chunks_exact(LANES))
+        {
+            for l in 0..LANES {
+                lanes[l] = w[l].mul_add(s[l], lanes[l]);
+            }
+        }
+        let tail = row[whole..]
+            .iter()
+            .zip(&sums[whole..])
+            .fold(0.0f32, |acc, (w, s)| w.mul_add(*s, acc));
+        *o += lanes.iter().sum::<f32>() + tail;
+    }
+}
+
+/// [`add_row_offsets`] compiled with FMA, where `mul_add` is one
+/// instruction rather than a call per value.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_row_offsets_fma(offsets: &[f32], sums: &[f32], out: &mut [f32]) {
+    add_row_offsets(offsets, sums, out);
+}
+
 /// The integer product of quantized weights (Q8_0, Q5_0, Q4_0) and 8-bit inputs
 /// in plain Rust: the arithmetic the JIT's kernels perform, in another
 /// order of the f32 sums.

@@ -10,6 +10,7 @@ use super::kernels::MatrixKernels;
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
 use crate::model::gguf_write::{q4_0_bytes, q8_0_bytes};
+use crate::model::k_quant_as_q5_0;
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::row_blocks;
 use anyhow::{Result, bail};
@@ -176,6 +177,10 @@ pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
     storage: Storage,
+    /// Per row and 32 columns, a value added to each of them: a Q4_K or
+    /// Q5_K matrix kept as Q5_0 (`model::k_quant_as_q5_0`). A product adds
+    /// `offset · d_x · sum(q_x)` after the kernel.
+    offsets: Option<Box<[f32]>>,
     /// The kernels that multiply it, resolved when an engine's kernels
     /// meet its weights.
     kernels: MatrixKernels,
@@ -258,6 +263,7 @@ impl PackedMatrix {
             rows,
             cols,
             storage: Storage::Owned { map, start },
+            offsets: None,
             kernels: MatrixKernels::default(),
         }
     }
@@ -291,7 +297,9 @@ impl PackedMatrix {
     pub fn convert(t: &TensorView<'_>, format: WeightFormat) -> PackedMatrix {
         let (rows, cols) = t.matrix_dims();
         let mut m = Self::zeroed(format, rows, cols);
-        fill_converted(t, format, m.bytes_mut());
+        let mut offsets = offsets_for(t, format);
+        fill_converted(t, format, m.bytes_mut(), offsets.as_deref_mut());
+        m.offsets = offsets;
         m
     }
 
@@ -307,7 +315,8 @@ impl PackedMatrix {
         // SAFETY: a fresh region of the matrix's bytes that nothing else
         // refers to yet.
         let out = unsafe { std::slice::from_raw_parts_mut(ptr, format.matrix_bytes(rows, cols)) };
-        fill_converted(t, format, out);
+        let mut offsets = offsets_for(t, format);
+        fill_converted(t, format, out, offsets.as_deref_mut());
         PackedMatrix {
             format,
             rows,
@@ -316,6 +325,7 @@ impl PackedMatrix {
                 _arena: arena.clone(),
                 ptr,
             },
+            offsets,
             kernels: MatrixKernels::default(),
         }
     }
@@ -343,6 +353,7 @@ impl PackedMatrix {
                 _owner: owner,
                 ptr: t.bytes.as_ptr().cast(),
             },
+            offsets: None,
             kernels: MatrixKernels::default(),
         })
     }
@@ -394,10 +405,23 @@ impl PackedMatrix {
         unsafe { std::slice::from_raw_parts(raw.as_ptr().cast(), raw.len() / 2) }
     }
 
+    /// The values added per row and 32 columns (see the field).
+    pub fn offsets(&self) -> Option<&[f32]> {
+        self.offsets.as_deref()
+    }
+
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         if let Some(q) = self.format.quant() {
-            return quant_blocks::dequant_row(q, self.raw(), r, self.cols, out);
+            quant_blocks::dequant_row(q, self.raw(), r, self.cols, out);
+            if let Some(offsets) = self.offsets() {
+                let groups = self.cols / quant_blocks::GROUP_COLS;
+                let row = &offsets[r * groups..(r + 1) * groups];
+                for (block, &offset) in out.chunks_mut(quant_blocks::GROUP_COLS).zip(row) {
+                    block.iter_mut().for_each(|v| *v += offset);
+                }
+            }
+            return;
         }
         let data = self.data();
         for (g, part) in out[..self.cols]
@@ -411,19 +435,35 @@ impl PackedMatrix {
         }
     }
 
-    /// Bytes a product streams: the values with their padding.
+    /// Bytes a product streams: the values with their padding, and the
+    /// offsets.
     pub fn bytes(&self) -> usize {
-        self.byte_len()
+        self.byte_len() + self.offsets().map_or(0, |o| o.len() * 4)
     }
 }
 
-/// Writes `t` converted to `format` into `out` (a tensor already in that
-/// format is copied bit for bit), on every core for large tensors.
-fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
+/// Room for the offsets of `t` stored as `format`, if it takes any: a
+/// Q4_K or Q5_K matrix kept as Q5_0.
+fn offsets_for(t: &TensorView<'_>, format: WeightFormat) -> Option<Box<[f32]>> {
     let (rows, cols) = t.matrix_dims();
-    let fill = |first_row: usize, part: &mut [u8]| {
+    (format == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(t.dtype))
+        .then(|| vec![0.0f32; rows * (cols / quant_blocks::GROUP_COLS)].into_boxed_slice())
+}
+
+/// Writes `t` converted to `format` into `out` (a tensor already in that
+/// format is copied bit for bit), and a K-quant's offsets into `offsets`,
+/// on every core for large tensors.
+fn fill_converted(
+    t: &TensorView<'_>,
+    format: WeightFormat,
+    out: &mut [u8],
+    offsets: Option<&mut [f32]>,
+) {
+    let (rows, cols) = t.matrix_dims();
+    let groups = cols / quant_blocks::GROUP_COLS;
+    let fill = |first_row: usize, part: &mut [u8], offsets: Option<&mut [f32]>| {
         if let Some(q) = format.quant() {
-            fill_quant_rows(t, q, first_row, part);
+            fill_quant_rows(t, q, first_row, part, offsets);
         } else {
             // SAFETY: arena regions and owned maps start 64-byte aligned and
             // every part is whole row blocks of u16 values.
@@ -436,7 +476,7 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Below a million values a thread costs more than it saves.
     if threads < 2 || rows * cols < 1 << 20 {
-        return fill(0, out);
+        return fill(0, out, offsets);
     }
     // Parts of whole row blocks, which are contiguous in every layout.
     let per = rows.div_ceil(threads).next_multiple_of(
@@ -445,17 +485,29 @@ fn fill_converted(t: &TensorView<'_>, format: WeightFormat, out: &mut [u8]) {
             .map_or(row_blocks::BLOCK_ROWS, |q| q.block_rows()),
     );
     let part_len = format.matrix_bytes(per, cols);
+    let mut offset_parts: Vec<Option<&mut [f32]>> = match offsets {
+        Some(o) => o.chunks_mut(per * groups).map(Some).collect(),
+        None => Vec::new(),
+    };
+    offset_parts.resize_with(out.len().div_ceil(part_len), || None);
     std::thread::scope(|s| {
-        for (i, part) in out.chunks_mut(part_len).enumerate() {
-            s.spawn(move || fill(i * per, part));
+        for (i, (part, offsets)) in out.chunks_mut(part_len).zip(offset_parts).enumerate() {
+            s.spawn(move || fill(i * per, part, offsets));
         }
     });
 }
 
 /// Regroups rows `first_row..` of a quantized tensor into row blocks of
 /// the same type (nothing requantized), releasing the source pages as it
-/// goes.
-fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut [u8]) {
+/// goes. A Q4_K or Q5_K tensor becomes Q5_0 with `offsets` (rows
+/// `first_row..`, see `model::k_quant_as_q5_0`).
+fn fill_quant_rows(
+    t: &TensorView<'_>,
+    q: QuantType,
+    first_row: usize,
+    out: &mut [u8],
+    mut offsets: Option<&mut [f32]>,
+) {
     let (rows, cols) = t.matrix_dims();
     if t.dtype == DType::QuantRowBlocks(q) {
         // Already in this layout (a converted file loaded without --mmap):
@@ -478,12 +530,22 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
     // The file's own blocks are copied; another type (one no kernel reads,
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
     let same_type = t.dtype == q.file_dtype() || other_q8_0_layout.is_some();
+    let k_quant = q == QuantType::Q5_0 && k_quant_as_q5_0::converts(t.dtype);
     let quantize = match q {
-        _ if same_type => None,
+        _ if same_type || k_quant => None,
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q5_0 => panic!("a {} tensor cannot become q5_0", t.dtype),
     };
+    let groups = cols / quant_blocks::GROUP_COLS;
+    let mut q5_0_row = vec![
+        0u8;
+        if k_quant {
+            groups * k_quant_as_q5_0::Q5_0_BLOCK_BYTES
+        } else {
+            0
+        }
+    ];
     let mut values = vec![0.0f32; if same_type { 0 } else { cols }];
     let row_bytes = t.bytes.len() / rows.max(1);
     let block_bytes = q.block_bytes(cols);
@@ -497,6 +559,15 @@ fn fill_quant_rows(t: &TensorView<'_>, q: QuantType, first_row: usize, out: &mut
         let last = (first + dst.len() / block_bytes * block_rows).min(rows);
         for r in first..last {
             match quantize {
+                None if k_quant => {
+                    let row_offsets = match offsets.as_deref_mut() {
+                        Some(o) => &mut o[(r - first_row) * groups..(r - first_row + 1) * groups],
+                        None => panic!("a {} matrix kept as q5_0 needs its offsets", t.dtype),
+                    };
+                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    k_quant_as_q5_0::row_as_q5_0(t.dtype, src, &mut q5_0_row, row_offsets);
+                    quant_blocks::scatter_row(q, dst, r - first, cols, &q5_0_row);
+                }
                 None => {
                     let regrouped;
                     let src = match other_q8_0_layout {

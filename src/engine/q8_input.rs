@@ -187,6 +187,18 @@ impl Q8Input {
         &self.bytes[t * stride..(t + 1) * stride]
     }
 
+    /// Token `t`'s block sums as f32, `d_x · sum(q_x)` per 32 inputs: what
+    /// a weight offset per block multiplies (`model::k_quant_as_q5_0`).
+    pub fn block_sums(&self, t: usize) -> impl Iterator<Item = f32> + '_ {
+        let groups = self.k / GROUP_COLS;
+        let (scales, sums) = self.token(t)[self.k..].split_at(groups * 4);
+        let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+        scales
+            .chunks_exact(4)
+            .zip(sums.chunks_exact(4))
+            .map(move |(d, sum)| f32::from_le_bytes(word(d)) * i32::from_le_bytes(word(sum)) as f32)
+    }
+
     /// Token `t`'s group `g`: its scale and 32 quants.
     pub fn group(&self, t: usize, g: usize) -> (f32, &[u8]) {
         let token = self.token(t);

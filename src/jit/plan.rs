@@ -570,7 +570,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "residual adds".into(),
                 "RoPE".into(),
                 "a decode step's weighted sum over V (4 query heads or fewer: row by row, see engine::decode_wsum)".into(),
-                "q4_k/q6_k dequantisation".into(),
+                "converting q4_k/q5_k to q5_0 and q6_k to q8_0 at load".into(),
+                "a q4_k/q5_k matrix's offset per 32 values (added after its q5_0 product)".into(),
                 "quantizing quantized matrices' inputs to 8 bits (per token, and in tiles of 8 tokens)".into(),
                 "sampling".into(),
             ];

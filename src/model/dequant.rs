@@ -48,7 +48,7 @@ fn q5_0(block: &[u8], out: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 scale
 /// bytes of a Q4_K / Q5_K super-block.
-fn k_scale_min(scales: &[u8], j: usize) -> (f32, f32) {
+pub(crate) fn k_scale_min(scales: &[u8], j: usize) -> (f32, f32) {
     let (sc, m) = if j < 4 {
         (scales[j] & 63, scales[j + 4] & 63)
     } else {

@@ -7,6 +7,7 @@ pub mod dtype;
 pub mod fetch;
 pub mod gguf;
 pub mod gguf_write;
+pub mod k_quant_as_q5_0;
 pub mod presets;
 pub mod quant_blocks;
 pub mod row_blocks;
