@@ -303,7 +303,7 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
 /// tensor has no room for. Loading converts it as it converts the source
 /// (so the logits are the same), from fewer bytes than Q5_0 takes.
 fn stays_in_file_type(format: WeightFormat, dtype: DType) -> bool {
-    format == WeightFormat::Q5_0 && crate::model::k_quant_as_q5_0::converts(dtype)
+    format.takes_offsets(dtype)
 }
 
 /// The converted file as it is written: in order, in chunks between which

@@ -16,7 +16,6 @@ use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::QuantizedMatrix;
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
-use crate::model::k_quant_as_q5_0;
 use crate::model::quant_blocks::{self, QuantType};
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
@@ -116,8 +115,8 @@ fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
 /// Bytes a `rows x cols` matrix of file type `dtype` takes as `to`: its
 /// blocks, and the offsets of a K-quant kept as Q5_0.
 fn converted_bytes(dtype: DType, to: WeightFormat, rows: usize, cols: usize) -> usize {
-    let offsets = if to == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(dtype) {
-        rows * (cols / quant_blocks::GROUP_COLS) * 4
+    let offsets = if to.takes_offsets(dtype) {
+        WeightFormat::offsets_len(rows, cols) * 4
     } else {
         0
     };
@@ -181,7 +180,7 @@ impl WeightFormats {
             .converted
             .iter()
             .map(|c| {
-                let to = if k_quant_as_q5_0::converts(c.from) && c.to == WeightFormat::Q5_0 {
+                let to = if c.to.takes_offsets(c.from) {
                     "q5_0 with an offset per 32"
                 } else {
                     c.to.name()

@@ -92,6 +92,19 @@ impl WeightFormat {
         }
     }
 
+    /// Whether a matrix of file type `source` stored in this format takes
+    /// an offset per row and 32 columns: a Q4_K or Q5_K one kept as Q5_0
+    /// (`model::k_quant_as_q5_0`).
+    pub fn takes_offsets(self, source: DType) -> bool {
+        self == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(source)
+    }
+
+    /// Offsets of a `rows x cols` matrix that takes them: one per row and
+    /// 32 columns.
+    pub fn offsets_len(rows: usize, cols: usize) -> usize {
+        rows * (cols / quant_blocks::GROUP_COLS)
+    }
+
     /// Whether values are stored one 16-bit float each.
     pub fn is_16bit(self) -> bool {
         matches!(self, WeightFormat::F16 | WeightFormat::BF16)
@@ -446,8 +459,9 @@ impl PackedMatrix {
 /// Q4_K or Q5_K matrix kept as Q5_0.
 fn offsets_for(t: &TensorView<'_>, format: WeightFormat) -> Option<Box<[f32]>> {
     let (rows, cols) = t.matrix_dims();
-    (format == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(t.dtype))
-        .then(|| vec![0.0f32; rows * (cols / quant_blocks::GROUP_COLS)].into_boxed_slice())
+    format
+        .takes_offsets(t.dtype)
+        .then(|| vec![0.0f32; WeightFormat::offsets_len(rows, cols)].into_boxed_slice())
 }
 
 /// Writes `t` converted to `format` into `out` (a tensor already in that
@@ -530,7 +544,7 @@ fn fill_quant_rows(
     // The file's own blocks are copied; another type (one no kernel reads,
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
     let same_type = t.dtype == q.file_dtype() || other_q8_0_layout.is_some();
-    let k_quant = q == QuantType::Q5_0 && k_quant_as_q5_0::converts(t.dtype);
+    let k_quant = WeightFormat::of_quant(q).takes_offsets(t.dtype);
     let quantize = match q {
         _ if same_type || k_quant => None,
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
