@@ -283,31 +283,30 @@ pub fn remove_stale_temporaries(dir: &Path) {
 mod tests {
     use super::*;
 
-    /// A fresh folder under the system temp dir, removed at the end.
-    struct Folder(PathBuf);
+    /// A fresh folder under the system temp dir, removed at the end, pass
+    /// or fail: a failed assertion unwinds and drops the `TempDir`.
+    struct Folder(tempfile::TempDir);
 
     impl Folder {
         fn new(tag: &str) -> Folder {
-            let n = NEXT_TEMP.fetch_add(1, Ordering::Relaxed);
-            let dir = std::env::temp_dir()
-                .join(format!("pulsar-fs-atomic-{}-{tag}-{n}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
+            let dir = tempfile::Builder::new()
+                .prefix(&format!("pulsar-fs-atomic-{tag}-"))
+                .tempdir()
+                .unwrap();
             Folder(dir)
         }
 
+        fn path(&self) -> &Path {
+            self.0.path()
+        }
+
         fn names(&self) -> Vec<String> {
-            let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            let mut v: Vec<String> = std::fs::read_dir(self.path())
                 .unwrap()
                 .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
                 .collect();
             v.sort();
             v
-        }
-    }
-
-    impl Drop for Folder {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
         }
     }
 
@@ -323,7 +322,7 @@ mod tests {
     #[test]
     fn commit_replaces_the_target_and_leaves_no_temporary() {
         let f = Folder::new("commit");
-        let target = f.0.join("out.bin");
+        let target = f.path().join("out.bin");
         std::fs::write(&target, b"old").unwrap();
         let mut file = AtomicFile::create(&target).unwrap();
         file.write_all(b"new contents").unwrap();
@@ -338,7 +337,7 @@ mod tests {
     #[test]
     fn dropping_without_commit_removes_the_temporary() {
         let f = Folder::new("drop");
-        let target = f.0.join("out.bin");
+        let target = f.path().join("out.bin");
         std::fs::write(&target, b"old").unwrap();
         let mut file = AtomicFile::create(&target).unwrap();
         file.write_all(&[7u8; 10_000_000]).unwrap();
@@ -353,7 +352,7 @@ mod tests {
     #[test]
     fn a_panic_while_writing_removes_the_temporary() {
         let f = Folder::new("panic");
-        let target = f.0.join("out.bin");
+        let target = f.path().join("out.bin");
         let result = std::panic::catch_unwind(|| {
             let mut file = AtomicFile::create(&target).unwrap();
             file.write_all(b"partial").unwrap();
@@ -366,7 +365,7 @@ mod tests {
     #[test]
     fn write_atomic_creates_a_new_file() {
         let f = Folder::new("new");
-        let target = f.0.join("fresh.txt");
+        let target = f.path().join("fresh.txt");
         write_atomic(&target, b"hello").unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"hello");
         assert_eq!(f.names(), vec!["fresh.txt".to_string()]);
@@ -375,15 +374,15 @@ mod tests {
     #[test]
     fn a_folder_as_target_is_refused_by_name() {
         let f = Folder::new("dir");
-        let err = write_atomic(&f.0, b"x").unwrap_err().to_string();
+        let err = write_atomic(f.path(), b"x").unwrap_err().to_string();
         assert!(err.contains("is a folder"), "{err}");
-        assert!(err.contains(&f.0.display().to_string()), "{err}");
+        assert!(err.contains(&f.path().display().to_string()), "{err}");
     }
 
     #[test]
     fn a_missing_folder_is_reported_with_the_target() {
         let f = Folder::new("missing");
-        let target = f.0.join("no-such-folder").join("out.bin");
+        let target = f.path().join("no-such-folder").join("out.bin");
         let err = format!("{:#}", write_atomic(&target, b"x").unwrap_err());
         assert!(err.contains(&target.display().to_string()), "{err}");
         assert!(err.contains("check that the folder exists"), "{err}");
@@ -410,9 +409,9 @@ mod tests {
             .into_iter()
             .chain(foreign.iter())
         {
-            std::fs::write(f.0.join(n), b"x").unwrap();
+            std::fs::write(f.path().join(n), b"x").unwrap();
         }
-        write_atomic(&f.0.join("out.bin"), b"done").unwrap();
+        write_atomic(&f.path().join("out.bin"), b"done").unwrap();
         let names = f.names();
         assert!(!names.contains(&stale), "{names:?}");
         assert!(!names.contains(&other_target_stale), "{names:?}");
@@ -445,7 +444,7 @@ mod tests {
     fn the_replacement_keeps_the_old_permissions() {
         use std::os::unix::fs::PermissionsExt;
         let f = Folder::new("perm");
-        let target = f.0.join("out.bin");
+        let target = f.path().join("out.bin");
         std::fs::write(&target, b"old").unwrap();
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o640)).unwrap();
         write_atomic(&target, b"new").unwrap();

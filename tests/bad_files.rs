@@ -3,14 +3,18 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
+use tempfile::TempDir;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pulsar-bad-files-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh folder for one test, removed when the returned `TempDir` is
+/// dropped: at the end of the test, pass or fail (a failed assertion
+/// unwinds), after every child run on its files has exited.
+fn scratch(name: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("pulsar-bad-files-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// Runs `pulsar logits -m model` and returns its stderr after checking it
@@ -37,14 +41,16 @@ fn expect_clean_failure(model: &Path, names: &str) -> String {
 
 #[test]
 fn missing_file() {
-    let dir = scratch("missing");
+    let tmp = scratch("missing");
+    let dir = tmp.path();
     let path = dir.join("nope.gguf");
     expect_clean_failure(&path, "nope.gguf");
 }
 
 #[test]
 fn truncated_gguf_at_many_lengths() {
-    let dir = scratch("truncated");
+    let tmp = scratch("truncated");
+    let dir = tmp.path();
     let model = pulsar::model::fetch::default_model_path().expect("default model");
     let bytes = std::fs::read(&model).unwrap();
     for len in [
@@ -70,7 +76,8 @@ fn truncated_gguf_at_many_lengths() {
 
 #[test]
 fn corrupt_gguf_magic_and_version() {
-    let dir = scratch("corrupt");
+    let tmp = scratch("corrupt");
+    let dir = tmp.path();
     let path = dir.join("magic.gguf");
     std::fs::write(&path, b"GGUX\x03\0\0\0").unwrap();
     expect_clean_failure(&path, "not a GGUF file");
@@ -81,18 +88,19 @@ fn corrupt_gguf_magic_and_version() {
 
 #[test]
 fn truncated_and_corrupt_safetensors() {
-    let dir = scratch("safetensors");
+    let tmp = scratch("safetensors");
+    let dir = tmp.path();
     let fixture = common::oracle_dir().join("tiny-gemma1-f32");
     let weights = std::fs::read(fixture.join("model.safetensors")).unwrap();
     std::fs::copy(fixture.join("config.json"), dir.join("config.json")).unwrap();
     std::fs::write(dir.join("model.safetensors"), &weights[..weights.len() / 2]).unwrap();
-    expect_clean_failure(&dir, "model.safetensors");
+    expect_clean_failure(dir, "model.safetensors");
 
     let mut bad_json = weights.clone();
     bad_json[8] = b'!';
     std::fs::write(dir.join("model.safetensors"), &bad_json).unwrap();
-    expect_clean_failure(&dir, "not valid JSON");
+    expect_clean_failure(dir, "not valid JSON");
 
     std::fs::write(dir.join("config.json"), b"{\"model_type\": \"llama\"}").unwrap();
-    expect_clean_failure(&dir, "config.json");
+    expect_clean_failure(dir, "config.json");
 }

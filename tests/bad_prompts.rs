@@ -9,35 +9,25 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A fresh folder for one test's prompt files, removed when the test ends.
-struct Scratch(PathBuf);
+/// A fresh folder for one test's prompt files, removed when the test ends,
+/// pass or fail: a failed assertion unwinds and drops the `TempDir`.
+struct Scratch(tempfile::TempDir);
 
 impl Scratch {
     fn new(tag: &str) -> Scratch {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "pulsar-bad-prompts-{}-{n}-{tag}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create scratch folder");
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pulsar-bad-prompts-{tag}-"))
+            .tempdir()
+            .expect("create scratch folder");
         Scratch(dir)
     }
 
     /// Writes `bytes` to a file called `name` and returns its path.
     fn file(&self, name: &str, bytes: &[u8]) -> PathBuf {
-        let path = self.0.join(name);
+        let path = self.0.path().join(name);
         std::fs::write(&path, bytes).expect("write prompt file");
         path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -149,11 +139,11 @@ fn prompt_with_nul_bytes() {
 #[test]
 fn missing_or_unreadable_prompt_file() {
     let scratch = Scratch::new("unreadable");
-    let missing = scratch.0.join("missing.txt");
+    let missing = scratch.0.path().join("missing.txt");
     let path = missing.to_str().unwrap();
     expect_refusal(&["-f", path], &[path, "cannot read"]);
     // A folder given as the prompt file.
-    let path = scratch.0.to_str().unwrap();
+    let path = scratch.0.path().to_str().unwrap();
     expect_refusal(&["-f", path], &[path, "cannot read"]);
 }
 

@@ -104,11 +104,10 @@ fn dialogue_turns_match_the_template_text() {
 }
 
 /// A Hugging Face folder: the tiny Gemma 3 weights from the oracle and the
-/// tiny tokenizer, with or without a chat template, under a folder name.
-fn hf_folder(name: &str, chat_template: bool) -> std::path::PathBuf {
-    let dir = std::env::temp_dir()
-        .join(format!("pulsar-template-{}", std::process::id()))
-        .join(name);
+/// tiny tokenizer, with or without a chat template, under a folder name
+/// in `root` (the name is what the template choice reads).
+fn hf_folder(root: &std::path::Path, name: &str, chat_template: bool) -> std::path::PathBuf {
+    let dir = root.join(name);
     std::fs::create_dir_all(&dir).unwrap();
     let oracle =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle/tiny-gemma3-f16");
@@ -142,7 +141,14 @@ fn chosen(dir: &std::path::Path, requested: Option<&str>) -> TemplateChoice {
 
 #[test]
 fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
-    let shipped = chosen(&hf_folder("tiny-base", true), None);
+    // Holds the named folders; removed on drop when the test ends, pass or
+    // fail (a failed assertion unwinds).
+    let tmp = tempfile::Builder::new()
+        .prefix("pulsar-template-")
+        .tempdir()
+        .unwrap();
+    let root = tmp.path();
+    let shipped = chosen(&hf_folder(root, "tiny-base", true), None);
     assert_eq!(shipped.template.name, "gemma");
     assert!(
         shipped.why.contains("ships a chat template"),
@@ -150,7 +156,7 @@ fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
         shipped.why
     );
 
-    let base = chosen(&hf_folder("tiny-base-plain", false), None);
+    let base = chosen(&hf_folder(root, "tiny-base-plain", false), None);
     assert_eq!(base.template.name, "dialogue");
     assert!(
         base.describe().contains("no chat template"),
@@ -158,11 +164,11 @@ fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
         base.describe()
     );
 
-    let named = chosen(&hf_folder("tiny-2b-it", false), None);
+    let named = chosen(&hf_folder(root, "tiny-2b-it", false), None);
     assert_eq!(named.template.name, "gemma");
     assert!(named.why.contains("tiny-2b-it"), "{}", named.why);
 
-    let forced = chosen(&hf_folder("tiny-2b-it", false), Some("dialogue"));
+    let forced = chosen(&hf_folder(root, "tiny-2b-it", false), Some("dialogue"));
     assert_eq!(forced.template.name, "dialogue");
 
     // The default model is a base model with no template in its file.

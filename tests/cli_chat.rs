@@ -121,9 +121,13 @@ fn reset_replies_like_a_fresh_process() {
 
 #[test]
 fn file_and_prompt_answer_in_one_turn() {
-    let dir = std::env::temp_dir().join(format!("pulsar-chat-file-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let doc = dir.join("ship.txt");
+    // Removed on drop at the end, after both children have exited, even
+    // when an assertion fails and unwinds.
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-chat-file-")
+        .tempdir()
+        .expect("temp folder");
+    let doc = dir.path().join("ship.txt");
     std::fs::write(
         &doc,
         "The ship was called the Northern Lantern. It sailed from Bergen in 1893 \

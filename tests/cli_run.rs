@@ -82,10 +82,13 @@ fn tokenize_prints_ids() {
 
 #[test]
 fn logits_from_text_equal_logits_from_ids() {
-    let dir = std::env::temp_dir().join(format!("pulsar-cli-logits-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let a = dir.join("a.bin");
-    let b = dir.join("b.bin");
+    // Removed on drop when the test ends, pass or fail, after the children.
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-cli-logits-")
+        .tempdir()
+        .unwrap();
+    let a = dir.path().join("a.bin");
+    let b = dir.path().join("b.bin");
     let out = pulsar(&[
         "logits",
         "--engine",
@@ -118,12 +121,14 @@ fn logits_from_text_equal_logits_from_ids() {
 
 #[test]
 fn bad_prompts_are_refused_clearly() {
-    let dir = std::env::temp_dir().join(format!("pulsar-cli-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let latin1 = dir.join("latin1.txt");
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-cli-bad-")
+        .tempdir()
+        .unwrap();
+    let latin1 = dir.path().join("latin1.txt");
     std::fs::write(&latin1, b"caf\xe9").unwrap();
     // argv cannot carry NUL bytes; a file can.
-    let nul = dir.join("nul.txt");
+    let nul = dir.path().join("nul.txt");
     std::fs::write(&nul, b"a\0b").unwrap();
     for (args, needle) in [
         (vec!["run", "-p", "", "--engine", "reference"], "empty"),

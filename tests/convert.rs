@@ -15,18 +15,19 @@ use pulsar::model::dtype::DType;
 use pulsar::model::gguf::GgufFile;
 use pulsar::model::quant_blocks::QuantType;
 use pulsar::model::source::{LayerRole, ModelSource, Role};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-fn convert(input: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let out =
-        std::env::temp_dir().join(format!("pulsar-convert-{}-{name}.gguf", std::process::id()));
+/// Converts `input` to `{name}.gguf` in a temp folder that goes when the
+/// returned path is dropped, after the child has exited.
+fn convert(input: &Path, name: &str, extra: &[&str]) -> ScratchFile {
+    let out = ScratchFile::new(&format!("pulsar-convert-{name}-"), &format!("{name}.gguf"));
     let status = Command::new(env!("CARGO_BIN_EXE_pulsar"))
         .arg("convert")
         .arg(input)
         .arg("-o")
-        .arg(&out)
+        .arg(&*out)
         .args(extra)
         .output()
         .expect("binary runs");
@@ -66,7 +67,6 @@ fn f16_checkpoints_convert_bit_exactly() {
             reference_logits(&out, &tokens),
         );
         assert_eq!(a, b, "{fixture}: logits change after conversion");
-        std::fs::remove_file(out).ok();
     }
 }
 
@@ -116,7 +116,6 @@ fn awkward_config_survives_and_loads_zero_copy() {
         diff < 2e-2,
         "converted awkward-gemma3 differs from the oracle by {diff}"
     );
-    std::fs::remove_file(out).ok();
 }
 
 /// The fast engine on the JIT's kernels, planned for the formats `opts`
@@ -273,8 +272,6 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
                 && err.contains(&format!("{rb_name} block {} (row {row})", row * 8 + 1)),
             "{err}"
         );
-        std::fs::remove_file(damaged).ok();
-        std::fs::remove_file(out).ok();
     }
 }
 
@@ -322,5 +319,4 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
         .sum();
     assert_eq!(kept, 27, "18 attn_output and 9 ffn_down");
     assert_computes_in_place_and_copied(&converted, opts, &tokens, &want, "native", kept);
-    std::fs::remove_file(&out).unwrap();
 }

@@ -17,8 +17,7 @@ use pulsar::model::safetensors::SafetensorsFile;
 use pulsar::model::source::ModelSource;
 use pulsar::model::weights::{F32Matrix, ModelWeights};
 use serde_json::Value as Json;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 
 /// How the weight matrices (embedding included) are stored in the GGUF.
 /// Norm weights are always F32.
@@ -46,30 +45,6 @@ impl Storage {
         let mut out = vec![0.0; values.len()];
         dequant::dequantize_into(dtype, &bytes, &mut out);
         out
-    }
-}
-
-/// A file in the system temp folder, removed when dropped.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str) -> TempFile {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let unique = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        TempFile(std::env::temp_dir().join(format!(
-            "pulsar-gguf-models-{}-{unique}-{nanos}-{tag}.gguf",
-            std::process::id()
-        )))
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }
 
@@ -127,7 +102,7 @@ fn rope_theta(cfg: &Json) -> f64 {
 
 /// Writes the HF model in `hf_dir` as a GGUF of architecture `arch`, with
 /// metadata taken straight from its config.json.
-fn build_gguf(hf_dir: &Path, arch: &str, storage: Storage) -> TempFile {
+fn build_gguf(hf_dir: &Path, arch: &str, storage: Storage) -> ScratchFile {
     let cfg = read_json(&hf_dir.join("config.json"));
     let family = match arch {
         "gemma" => Family::Gemma1,
@@ -189,8 +164,11 @@ fn build_gguf(hf_dir: &Path, arch: &str, storage: Storage) -> TempFile {
         w.add_tensor(&name, view.shape, dtype, bytes)
             .unwrap_or_else(|e| panic!("{hf}: {e:#}"));
     }
-    let file = TempFile::new(arch);
-    w.write(&file.0).expect("write GGUF");
+    let file = ScratchFile::new(
+        &format!("pulsar-gguf-models-{arch}-"),
+        &format!("{arch}.gguf"),
+    );
+    w.write(&file).expect("write GGUF");
     file
 }
 
@@ -237,7 +215,7 @@ struct Compared {
 /// Builds the GGUF, loads both sides and compares every position's logits.
 fn compare(hf_dir: &Path, arch: &str, storage: Storage, input: &[u32], tol: f32) -> Compared {
     let file = build_gguf(hf_dir, arch, storage);
-    let src = ModelSource::open(&file.0).expect("GGUF opens");
+    let src = ModelSource::open(&file).expect("GGUF opens");
     let (hf_config, mut hf) = hf_engine(hf_dir, storage);
     assert_same_model(&src.config, &hf_config);
     let mut gguf = ReferenceEngine::load(&src).expect("GGUF weights load");

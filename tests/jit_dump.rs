@@ -1,5 +1,8 @@
 //! `pulsar dump` end to end, driving the built binary.
 
+mod common;
+
+use common::ScratchFile;
 use pulsar::jit::cpu::CpuCaps;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -15,12 +18,6 @@ const GEMMA_2B: &str = r#"{
   "vocab_size": 256000,
   "num_hidden_layers": 18
 }"#;
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pulsar-jit-dump-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn pulsar(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pulsar"))
@@ -76,9 +73,10 @@ fn names(j: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
-fn write_2b_config() -> PathBuf {
-    let dir = temp_dir("2b");
-    let cfg = dir.join("config.json");
+/// The 2B config in a temp folder that goes when the returned path is
+/// dropped; keep it until the children reading it have exited.
+fn write_2b_config() -> ScratchFile {
+    let cfg = ScratchFile::new("pulsar-jit-dump-2b-", "config.json");
     std::fs::write(&cfg, GEMMA_2B).unwrap();
     cfg
 }
@@ -190,7 +188,12 @@ fn default_model_dumps_within_budget() {
 #[test]
 fn out_writes_bin_and_asm_per_kernel() {
     let cfg = write_2b_config();
-    let dir = temp_dir("out");
+    // Removed on drop when the test ends, pass or fail.
+    let tmp = tempfile::Builder::new()
+        .prefix("pulsar-jit-dump-out-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let out = pulsar(&[
         "dump",
         "-m",
@@ -239,8 +242,7 @@ fn bad_model_paths_and_configs_give_clear_errors() {
         "{err}"
     );
 
-    let dir = temp_dir("bad");
-    let cfg = dir.join("config.json");
+    let cfg = ScratchFile::new("pulsar-jit-dump-bad-", "config.json");
     std::fs::write(
         &cfg,
         r#"{"model_type": "gemma", "hidden_size": 2048, "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 100}"#,

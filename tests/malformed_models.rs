@@ -19,34 +19,26 @@ use pulsar::model::source::ModelSource;
 use serde_json::{Map, Value as Json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The HF fixture every input is made from (F32, 4 layers, odd sizes).
 const FIXTURE: &str = "awkward-gemma2";
 const ARCH: &str = "gemma2";
 
-/// A fresh folder for one test's inputs, removed when the test ends.
-struct Scratch(PathBuf);
+/// A fresh folder for one test's inputs, removed when the test ends, pass
+/// or fail: a failed assertion unwinds and drops the `TempDir`.
+struct Scratch(tempfile::TempDir);
 
 impl Scratch {
     fn new(tag: &str) -> Scratch {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("pulsar-malformed-{}-{n}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create scratch folder");
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pulsar-malformed-{tag}-"))
+            .tempdir()
+            .expect("create scratch folder");
         Scratch(dir)
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path().join(name)
     }
 }
 

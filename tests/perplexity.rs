@@ -10,8 +10,9 @@ use pulsar::perplexity::logprobs::{log_mass_outside, log_softmax_in_place, top_k
 use pulsar::perplexity::measure::measure;
 use pulsar::perplexity::stats::NllStats;
 use pulsar::perplexity::windows::{LOGITS_PIECE, WindowPlan};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
+use tempfile::TempDir;
 
 const VOCAB: usize = 5;
 const BOS: u32 = 2;
@@ -264,10 +265,13 @@ fn kl_against_itself_is_zero_and_against_a_perturbed_copy_positive() {
     assert!(other.percentile_99() >= other.mean());
 }
 
-fn temp_path(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pulsar-ppl-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A fresh folder for one test's files, removed when the test ends, pass
+/// or fail (a failed assertion unwinds and drops it).
+fn scratch() -> TempDir {
+    tempfile::Builder::new()
+        .prefix("pulsar-ppl-test-")
+        .tempdir()
+        .expect("temp folder")
 }
 
 fn sample_header() -> BaseHeader {
@@ -300,7 +304,8 @@ fn save(path: &Path, header: &BaseHeader, positions: &[BasePosition]) -> anyhow:
 
 #[test]
 fn base_file_round_trips_and_refuses_damage() {
-    let path = temp_path("round-trip.pplk");
+    let dir = scratch();
+    let path = dir.path().join("round-trip.pplk");
     save(&path, &sample_header(), &sample_positions()).unwrap();
     let loaded = BaseLogits::load(&path).unwrap();
     assert_eq!(loaded.header, sample_header());
@@ -309,7 +314,7 @@ fn base_file_round_trips_and_refuses_damage() {
     assert!((loaded.perplexity() - f64::exp(mean_nll)).abs() < 1e-9);
 
     let bytes = std::fs::read(&path).unwrap();
-    let damaged = temp_path("damaged.pplk");
+    let damaged = dir.path().join("damaged.pplk");
     std::fs::write(&damaged, &bytes[..bytes.len() - 1]).unwrap();
     let err = format!("{:#}", BaseLogits::load(&damaged).unwrap_err());
     assert!(
@@ -326,7 +331,7 @@ fn base_file_round_trips_and_refuses_damage() {
     assert!(format!("{:#}", BaseLogits::load(&damaged).unwrap_err()).contains("version 9"));
 
     // A run cut short leaves no file behind.
-    let short = temp_path("short.pplk");
+    let short = dir.path().join("short.pplk");
     assert!(save(&short, &sample_header(), &sample_positions()[..3]).is_err());
     assert!(!short.exists());
 }
@@ -422,7 +427,8 @@ fn field(out: &Output, label: &str) -> f64 {
 
 #[test]
 fn jit_perplexity_of_english_is_sane_and_its_own_base_gives_zero_kl() {
-    let base = temp_path("jit.pplk");
+    let dir = scratch();
+    let base = dir.path().join("jit.pplk");
     let base_arg = base.to_str().unwrap();
     let saved = pulsar_perplexity(&[
         "-f",
@@ -476,7 +482,8 @@ fn jit_perplexity_of_english_is_sane_and_its_own_base_gives_zero_kl() {
 
 #[test]
 fn reference_and_jit_agree_within_the_fp16_yardstick() {
-    let base = temp_path("reference.pplk");
+    let dir = scratch();
+    let base = dir.path().join("reference.pplk");
     let base_arg = base.to_str().unwrap();
     let reference = pulsar_perplexity(&[
         "-f",
@@ -509,7 +516,8 @@ fn reference_and_jit_agree_within_the_fp16_yardstick() {
 
 #[test]
 fn a_text_shorter_than_two_windows_is_refused_with_its_token_count() {
-    let text = temp_path("short.txt");
+    let dir = scratch();
+    let text = dir.path().join("short.txt");
     std::fs::write(&text, "Only a few words here.").unwrap();
     let out = pulsar_perplexity(&["-f", text.to_str().unwrap(), "-c", "512"]);
     assert!(!out.ok);

@@ -81,11 +81,10 @@ fn spec_figures(stderr: &str) -> (usize, usize) {
         })
 }
 
-/// A file in a fresh temporary folder of this test process.
-fn temp_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pulsar-spec-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp folder");
-    let path = dir.join(name);
+/// A file in a fresh temporary folder, removed when the returned value is
+/// dropped: keep it until the children reading it have exited.
+fn temp_file(name: &str, text: &str) -> ScratchFile {
+    let path = ScratchFile::new("pulsar-spec-", name);
     std::fs::write(&path, text).expect("temp file written");
     path
 }

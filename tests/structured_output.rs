@@ -109,9 +109,12 @@ fn unconstrained_outputs_are_not_all_valid() {
 
 #[test]
 fn json_schema_from_a_file_and_repeatable() {
-    let dir = std::env::temp_dir().join(format!("pulsar-structured-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path: PathBuf = dir.join("person.json");
+    // Removed on drop when the test ends, pass or fail.
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-structured-")
+        .tempdir()
+        .expect("temp folder");
+    let path: PathBuf = dir.path().join("person.json");
     let (prompt, schema) = cases().swap_remove(0);
     std::fs::write(&path, schema.to_string()).unwrap();
     let args = [
@@ -123,7 +126,6 @@ fn json_schema_from_a_file_and_repeatable() {
     let first = generated(&args);
     assert_eq!(invalid_because(&schema, &first), None, "{first:?}");
     assert_eq!(generated(&args), first, "greedy runs differ");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `--json` bounds nothing inside the object, so the prompt must lead the
@@ -163,9 +165,11 @@ fn regex_output_matches_in_full_and_repeats() {
 
 #[test]
 fn lark_grammar_output_is_in_the_language() {
-    let dir = std::env::temp_dir().join(format!("pulsar-lark-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("answer.lark");
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-lark-")
+        .tempdir()
+        .expect("temp folder");
+    let path = dir.path().join("answer.lark");
     std::fs::write(
         &path,
         "start: verdict \" because \" reason \".\"\n\
@@ -194,7 +198,6 @@ fn lark_grammar_output_is_in_the_language() {
         "{text:?}"
     );
     assert_eq!(generated(&args), text, "greedy runs differ");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Runs expecting failure; returns the last stderr line.
@@ -219,14 +222,15 @@ fn bad_constraints_fail_with_one_line_naming_the_flag() {
     assert!(line.starts_with("pulsar: --json-schema: "), "{line}");
     assert!(line.contains("column"), "{line}");
 
-    let dir = std::env::temp_dir().join(format!("pulsar-badlark-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.lark");
+    let dir = tempfile::Builder::new()
+        .prefix("pulsar-badlark-")
+        .tempdir()
+        .expect("temp folder");
+    let path = dir.path().join("bad.lark");
     std::fs::write(&path, "start: undefined_rule\n").unwrap();
     let line = error_line(&["-p", "x", "--grammar", path.to_str().unwrap()]);
     assert!(line.starts_with("pulsar: --grammar: "), "{line}");
     assert!(line.contains("undefined_rule"), "{line}");
-    std::fs::remove_dir_all(&dir).unwrap();
 
     let out = pulsar(&["-p", "x", "--json", "--regex", "a"]);
     assert!(!out.status.success());

@@ -8,6 +8,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
+use tempfile::TempDir;
 
 /// The default model (Gemma 3 270M GGUF), fetched when absent; the tests
 /// fail, never skip, when it cannot be had.
@@ -373,18 +374,19 @@ fn tokenizer_json_matches_hf_tokenizers() {
     assert_eq!(tok.encode("<start_of_turn>", true), vec![2, sot]);
 }
 
-/// A fresh scratch folder under the system temp dir.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pulsar-tok-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh scratch folder under the system temp dir, removed when dropped:
+/// at the end of the test, or as a failed assertion unwinds.
+fn scratch(name: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("pulsar-tok-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 #[test]
 fn loader_errors_name_the_problem() {
     let empty = scratch("empty");
-    let e = Tokenizer::from_hf_folder(&empty)
+    let e = Tokenizer::from_hf_folder(empty.path())
         .err()
         .expect("empty folder must fail")
         .to_string();
@@ -394,10 +396,10 @@ fn loader_errors_name_the_problem() {
     );
 
     let bad = scratch("badjson");
-    std::fs::write(bad.join("tokenizer.json"), "{ not json").unwrap();
+    std::fs::write(bad.path().join("tokenizer.json"), "{ not json").unwrap();
     let e = format!(
         "{:#}",
-        Tokenizer::from_hf_folder(&bad)
+        Tokenizer::from_hf_folder(bad.path())
             .err()
             .expect("bad JSON must fail")
     );
@@ -405,18 +407,18 @@ fn loader_errors_name_the_problem() {
 
     let unigram = scratch("unigram");
     std::fs::write(
-        unigram.join("tokenizer.json"),
+        unigram.path().join("tokenizer.json"),
         r#"{"model": {"type": "Unigram", "vocab": []}, "normalizer": null, "pre_tokenizer": null}"#,
     )
     .unwrap();
-    let e = Tokenizer::from_hf_folder(&unigram)
+    let e = Tokenizer::from_hf_folder(unigram.path())
         .err()
         .expect("unigram must fail")
         .to_string();
     assert!(e.contains("Unigram"), "{e}");
 
     let spm = scratch("spm");
-    let path = spm.join("tokenizer.model");
+    let path = spm.path().join("tokenizer.model");
     let good = std::fs::read(data_dir("tiny_spm/tokenizer.model")).unwrap();
     std::fs::write(&path, &good[..good.len() / 2]).unwrap();
     let e = format!(
@@ -426,10 +428,6 @@ fn loader_errors_name_the_problem() {
             .expect("truncated must fail")
     );
     assert!(e.contains("tokenizer.model"), "{e}");
-
-    for d in [empty, bad, unigram, spm] {
-        let _ = std::fs::remove_dir_all(d);
-    }
 }
 
 // ---- GGUF loader on small hand-written files ----
@@ -524,7 +522,7 @@ const TINY_TYPES: &[i32] = &[3, 3, 3, 3, 3, 4, 6, 1, 1, 1, 1, 1];
 
 fn tiny_gguf(name: &str, extra: Vec<(&str, Meta)>, skip: &[&str]) -> anyhow::Result<Tokenizer> {
     let dir = scratch(name);
-    let path = dir.join("tiny.gguf");
+    let path = dir.path().join("tiny.gguf");
     let mut kvs = vec![
         ("tokenizer.ggml.model", Meta::Str("llama")),
         ("tokenizer.ggml.tokens", Meta::Strs(TINY_PIECES)),
@@ -537,9 +535,7 @@ fn tiny_gguf(name: &str, extra: Vec<(&str, Meta)>, skip: &[&str]) -> anyhow::Res
     kvs.retain(|(k, _)| !skip.contains(k));
     kvs.extend(extra);
     write_gguf(&path, &kvs);
-    let result = GgufFile::open(&path).and_then(|f| Tokenizer::from_gguf(&f));
-    let _ = std::fs::remove_dir_all(dir);
-    result
+    GgufFile::open(&path).and_then(|f| Tokenizer::from_gguf(&f))
 }
 
 #[test]
@@ -706,9 +702,10 @@ fn write_gemma_tokenizer_json(dir: &Path) {
 #[test]
 fn tokenizer_json_route_matches_the_oracle_on_the_full_vocabulary() {
     let dir = scratch("gemma-json");
-    write_gemma_tokenizer_json(&dir);
-    let tok = Tokenizer::from_hf_folder(&dir).expect("load generated tokenizer.json");
-    let _ = std::fs::remove_dir_all(&dir);
+    write_gemma_tokenizer_json(dir.path());
+    let tok = Tokenizer::from_hf_folder(dir.path()).expect("load generated tokenizer.json");
+    // The generated file is large; it is not needed past this point.
+    drop(dir);
     assert_eq!(tok.vocab_size(), 262_144);
     let mut cases = load_cases(&oracle_path());
     cases.extend(load_cases(

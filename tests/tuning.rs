@@ -6,12 +6,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use tempfile::TempDir;
 
-fn cache(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pulsar-tuning-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh cache folder, removed when the test ends, pass or fail (a
+/// failed assertion unwinds and drops it).
+fn cache(name: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("pulsar-tuning-{name}-"))
+        .tempdir()
+        .expect("temp folder")
 }
 
 /// `pulsar ARGS -m MODEL` with `dir` as the cache folder; its stderr.
@@ -44,10 +47,11 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn the_first_run_measures_later_runs_reuse_and_other_threads_measure_again() {
-    let dir = cache("reuse");
-    let first = run(&dir, &["--threads", "2"]);
+    let tmp = cache("reuse");
+    let dir = tmp.path();
+    let first = run(dir, &["--threads", "2"]);
     assert!(first.contains("tuning measured in"), "{first}");
-    let stored = entries(&dir);
+    let stored = entries(dir);
     assert_eq!(stored.len(), 1, "{stored:?}");
     let entry: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&stored[0]).unwrap()).unwrap();
@@ -61,14 +65,14 @@ fn the_first_run_measures_later_runs_reuse_and_other_threads_measure_again() {
         .collect();
     assert!(knobs.contains(&"quant_prefetch") && knobs.contains(&"shared_rows_bytes"));
 
-    let second = run(&dir, &["--threads", "2"]);
+    let second = run(dir, &["--threads", "2"]);
     assert!(second.contains("tuning reused"), "{second}");
     assert!(!second.contains("measured in"), "{second}");
     let tune = String::from_utf8_lossy(
         &Command::new(env!("CARGO_BIN_EXE_pulsar"))
             .args(["tune", "--threads", "2", "-m"])
             .arg(pulsar::model::fetch::default_model_path().unwrap())
-            .env("PULSAR_CACHE_DIR", &dir)
+            .env("PULSAR_CACHE_DIR", dir)
             .output()
             .unwrap()
             .stdout,
@@ -76,10 +80,9 @@ fn the_first_run_measures_later_runs_reuse_and_other_threads_measure_again() {
     .into_owned();
     assert!(tune.contains("later runs reuse"), "{tune}");
 
-    let other = run(&dir, &["--threads", "1"]);
+    let other = run(dir, &["--threads", "1"]);
     assert!(other.contains("measured in"), "{other}");
-    assert_eq!(entries(&dir).len(), 2);
-    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(entries(dir).len(), 2);
 }
 
 /// The full search (`tune --measure`) also times the prefill knobs (too
@@ -87,11 +90,12 @@ fn the_first_run_measures_later_runs_reuse_and_other_threads_measure_again() {
 /// same key reuses the whole entry.
 #[test]
 fn the_full_search_stores_the_prefill_knobs_for_later_runs() {
-    let dir = cache("full");
+    let tmp = cache("full");
+    let dir = tmp.path();
     let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
         .args(["tune", "--measure", "--threads", "2", "-m"])
         .arg(pulsar::model::fetch::default_model_path().unwrap())
-        .env("PULSAR_CACHE_DIR", &dir)
+        .env("PULSAR_CACHE_DIR", dir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -112,7 +116,7 @@ fn the_full_search_stores_the_prefill_knobs_for_later_runs() {
             .count();
         assert_eq!(chosen, 1, "{knob}: one chosen candidate\n{stdout}");
     }
-    let stored = entries(&dir);
+    let stored = entries(dir);
     assert_eq!(stored.len(), 1, "{stored:?}");
     let entry: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&stored[0]).unwrap()).unwrap();
@@ -120,31 +124,30 @@ fn the_full_search_stores_the_prefill_knobs_for_later_runs() {
         .as_u64()
         .expect("prefill chunk stored");
     assert!([63, 126, 252].contains(&chunk), "{entry}");
-    let again = run(&dir, &["--threads", "2"]);
+    let again = run(dir, &["--threads", "2"]);
     assert!(again.contains("tuning reused"), "{again}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_corrupt_entry_is_ignored_and_replaced() {
-    let dir = cache("corrupt");
-    run(&dir, &[]);
-    let stored = entries(&dir);
+    let tmp = cache("corrupt");
+    let dir = tmp.path();
+    run(dir, &[]);
+    let stored = entries(dir);
     assert_eq!(stored.len(), 1);
     std::fs::write(&stored[0], "{\"key\": 3").unwrap();
-    let again = run(&dir, &[]);
+    let again = run(dir, &[]);
     assert!(again.contains("ignoring a tuning entry"), "{again}");
     assert!(again.contains("measured in"), "{again}");
-    let reused = run(&dir, &[]);
+    let reused = run(dir, &[]);
     assert!(reused.contains("reused"), "{reused}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn no_tune_measures_and_stores_nothing() {
-    let dir = cache("off");
-    let out = run(&dir, &["--no-tune"]);
+    let tmp = cache("off");
+    let dir = tmp.path();
+    let out = run(dir, &["--no-tune"]);
     assert!(out.contains("no tuning (--no-tune)"), "{out}");
-    assert!(entries(&dir).is_empty());
-    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(entries(dir).is_empty());
 }

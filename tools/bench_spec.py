@@ -153,38 +153,40 @@ def main():
     except ValueError:
         sys.exit(f"bench_spec: --temps: expected numbers like 0,0.7, got {args.temps!r}")
 
-    workdir = tempfile.mkdtemp(prefix="pulsar-bench-spec-")
-    doc_path = os.path.join(workdir, "document.txt")
-    with open(doc_path, "w") as f:
-        f.write(DOCUMENT)
-    # The speculation policy measures its own step costs; nothing is fixed.
-    env = {k: v for k, v in os.environ.items() if k != "PULSAR_SPEC_STEP_COST"}
+    # Removed when the runs end, also on an error or Ctrl-C, so that no
+    # pulsar-bench-spec-* folder is left in /tmp.
+    with tempfile.TemporaryDirectory(prefix="pulsar-bench-spec-") as workdir:
+        doc_path = os.path.join(workdir, "document.txt")
+        with open(doc_path, "w") as f:
+            f.write(DOCUMENT)
+        # The speculation policy measures its own step costs; nothing is fixed.
+        env = {k: v for k, v in os.environ.items() if k != "PULSAR_SPEC_STEP_COST"}
 
-    results = {}  # (task, temp, spec) -> list of runs
-    for rep in range(args.runs):
-        for task in tasks:
-            file_arg, prompt = TASKS[task]
-            for temp in temps:
-                order = ["off", "ngram"] if rep % 2 == 0 else ["ngram", "off"]
-                for spec in order:
-                    cmd = [binary, "run", "--raw", "-p", prompt, "-n", str(args.n),
-                           "-t", str(temp), "-s", str(1000 + rep),
-                           "--threads", str(args.threads), "--spec", spec]
-                    if file_arg == "doc":
-                        cmd += ["-f", doc_path]
-                    elif file_arg:
-                        cmd += ["-f", os.path.join(REPO, file_arg)]
-                    if args.model:
-                        cmd += ["-m", args.model]
-                    out, err = locked_run(cmd, args.lock, env)
-                    run = parse(err)
-                    run["text_bytes"] = len(out)
-                    results.setdefault((task, temp, spec), []).append(run)
-                    print(f"run {rep + 1}/{args.runs} {task:10} t={temp:<4} {spec:5} "
-                          f"{run['generated']:4} tok {run['tok_s']:7.1f} tok/s "
-                          f"drafted {run['drafted']:4} accepted {run['accepted']:4}",
-                          file=sys.stderr, flush=True)
-                    time.sleep(args.pause)
+        results = {}  # (task, temp, spec) -> list of runs
+        for rep in range(args.runs):
+            for task in tasks:
+                file_arg, prompt = TASKS[task]
+                for temp in temps:
+                    order = ["off", "ngram"] if rep % 2 == 0 else ["ngram", "off"]
+                    for spec in order:
+                        cmd = [binary, "run", "--raw", "-p", prompt, "-n", str(args.n),
+                               "-t", str(temp), "-s", str(1000 + rep),
+                               "--threads", str(args.threads), "--spec", spec]
+                        if file_arg == "doc":
+                            cmd += ["-f", doc_path]
+                        elif file_arg:
+                            cmd += ["-f", os.path.join(REPO, file_arg)]
+                        if args.model:
+                            cmd += ["-m", args.model]
+                        out, err = locked_run(cmd, args.lock, env)
+                        run = parse(err)
+                        run["text_bytes"] = len(out)
+                        results.setdefault((task, temp, spec), []).append(run)
+                        print(f"run {rep + 1}/{args.runs} {task:10} t={temp:<4} {spec:5} "
+                              f"{run['generated']:4} tok {run['tok_s']:7.1f} tok/s "
+                              f"drafted {run['drafted']:4} accepted {run['accepted']:4}",
+                              file=sys.stderr, flush=True)
+                        time.sleep(args.pause)
 
     print()
     print(f"decode tok/s, median of {args.runs} runs, {args.threads} threads, -n {args.n} "

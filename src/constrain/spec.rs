@@ -147,16 +147,18 @@ mod tests {
 
     #[test]
     fn schema_from_a_file() {
-        let dir = std::env::temp_dir().join(format!("pulsar-spec-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("s.json");
+        // Removed on drop when the test ends, pass or fail.
+        let dir = tempfile::Builder::new()
+            .prefix("pulsar-spec-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("s.json");
         std::fs::write(&path, r#"{"type": "integer"}"#).unwrap();
         let spec = ConstraintSpec::json_schema(path.to_str().unwrap()).unwrap();
         assert_eq!(
             spec,
             ConstraintSpec::JsonSchema(serde_json::json!({"type": "integer"}))
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -506,10 +506,14 @@ mod tests {
 
     #[test]
     fn entries_are_found_by_their_whole_key() {
-        let dir = std::env::temp_dir().join(format!("pulsar-tuning-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = entry_path(&dir, "key a");
-        assert_ne!(path, entry_path(&dir, "key b"));
+        // Removed on drop when the test ends, pass or fail.
+        let tmp = tempfile::Builder::new()
+            .prefix("pulsar-tuning-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
+        let path = entry_path(dir, "key a");
+        assert_ne!(path, entry_path(dir, "key b"));
         write_atomic(
             &path,
             serde_json::to_string(&entry("key a")).unwrap().as_bytes(),
@@ -528,6 +532,5 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

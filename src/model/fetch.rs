@@ -218,8 +218,12 @@ mod tests {
 
     #[test]
     fn leftovers_of_dead_fetches_go_those_of_live_ones_stay() {
-        let dir = std::env::temp_dir().join(format!("pulsar-fetch-clean-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        // Removed on drop when the test ends, pass or fail.
+        let tmp = tempfile::Builder::new()
+            .prefix("pulsar-fetch-clean-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let mut child = Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
@@ -251,7 +255,7 @@ mod tests {
         let dir_named_like_part = dir.join(format!("old.part-{dead}"));
         std::fs::create_dir_all(&dir_named_like_part).unwrap();
 
-        remove_stale_downloads(&dir);
+        remove_stale_downloads(dir);
 
         for gone in [&dead_wheels, &dead_part, &dead_temp] {
             assert!(!gone.exists(), "{} kept", gone.display());
@@ -262,7 +266,6 @@ mod tests {
         {
             assert!(kept.exists(), "{} removed", kept.display());
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

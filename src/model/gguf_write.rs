@@ -455,19 +455,23 @@ mod tests {
     use crate::model::dequant;
     use crate::model::gguf::GgufFile;
 
-    fn temp_path(tag: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!(
-            "pulsar-gguf-write-{}-{tag}.gguf",
-            std::process::id()
-        ))
+    /// A new file's path in a fresh folder that the returned `TempDir`
+    /// removes on drop, even when the test panics. A folder rather than a
+    /// `NamedTempFile`: the writer makes the file itself, with its
+    /// temporary beside it.
+    fn temp_path(tag: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pulsar-gguf-write-{tag}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join(format!("{tag}.gguf"));
+        (dir, path)
     }
 
     fn reopen(w: &GgufWriter, tag: &str) -> GgufFile {
-        let path = temp_path(tag);
+        let (_dir, path) = temp_path(tag);
         w.write(&path).unwrap();
-        let g = GgufFile::open(&path);
-        std::fs::remove_file(&path).unwrap();
-        g.unwrap()
+        GgufFile::open(&path).unwrap()
     }
 
     #[test]
@@ -569,12 +573,11 @@ mod tests {
         assert_eq!(u64::from_le_bytes(bytes[8..16].try_into().unwrap()), 5);
         // The far-away data was not written: the file is only the header.
         assert!(bytes.len() < 128);
-        let path = temp_path("bogus");
+        let (_dir, path) = temp_path("bogus");
         w.write(&path).unwrap();
         let err = GgufFile::open(&path)
             .err()
             .expect("malformed file rejected");
-        std::fs::remove_file(&path).unwrap();
         assert!(format!("{err:#}").contains("tensors"), "{err:#}");
     }
     #[test]

@@ -3,6 +3,50 @@
 
 use std::path::{Path, PathBuf};
 
+/// A path named `name` in a fresh folder under the system temp dir. The
+/// folder, and whatever was written into it, is removed when this is
+/// dropped: at the end of the test, pass or fail (a failed assertion
+/// unwinds). Keep it alive until any child process given the path has
+/// exited.
+///
+/// A folder rather than a `NamedTempFile`: the file is not created here,
+/// so the code under test writes a new file as before (`fs_atomic` treats
+/// an existing target differently: it keeps its permissions), and the
+/// temporaries it writes beside the target, like files a test derives
+/// from the path, stay inside the folder.
+pub struct ScratchFile {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ScratchFile {
+    /// `prefix` names the folder (`pulsar-...-`) so a leftover is traceable.
+    pub fn new(prefix: &str, name: &str) -> ScratchFile {
+        let dir = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .expect("create a temp folder");
+        ScratchFile {
+            path: dir.path().join(name),
+            _dir: dir,
+        }
+    }
+}
+
+impl std::ops::Deref for ScratchFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for ScratchFile {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// `../shared/oracle` beside the repository: the HF reference data.
 pub fn oracle_dir() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle");
