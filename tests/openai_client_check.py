@@ -82,11 +82,17 @@ cut = client.completions.create(
 check(cut.choices[0].text == full[: full.index(stop)], f"stop string {stop!r} ends the text, unshown")
 check(cut.choices[0].finish_reason == "stop", "stop string finish_reason")
 
+several = client.completions.create(
+    model=model, prompt="Once upon a time", temperature=1.0, seed=7, max_tokens=24, n=2
+)
+check([c.index for c in several.choices] == [0, 1], "n=2 gives choices 0 and 1")
+check(several.choices[0].text == a and several.choices[1].text == c, "choice i is seed + i's text")
+
 try:
-    client.chat.completions.create(model=model, messages=question, n=2)
-    check(False, "n=2 is refused")
+    client.chat.completions.create(model=model, messages=question, n=17)
+    check(False, "n=17 is refused")
 except openai.BadRequestError as e:
-    check(e.status_code == 400 and "n = 2" in str(e), f"n=2 raises BadRequestError: {e}")
+    check(e.status_code == 400 and "n = 17" in str(e), f"n=17 raises BadRequestError: {e}")
 
 try:
     openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()

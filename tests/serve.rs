@@ -804,6 +804,79 @@ fn the_next_turn_of_a_conversation_reuses_the_cache() {
 /// `/tokenize` gives `pulsar tokenize`'s ids, `/detokenize` the text back,
 /// pieces (bytes where a token is no character alone) join up to the text,
 /// and `/v1/models/ID` finds the model by its id only.
+/// `n` choices: each is the reply a request with the seed plus its index
+/// gets alone; the prompt is counted once and the choices' tokens added
+/// up; a stream carries every choice, each with its role and its end.
+#[test]
+fn several_choices_per_request() {
+    let s = Server::start(&["-c", "512", "--parallel", "4"]);
+    let prompt = "The best thing about summer is";
+    let completion = |seed: u64, n: u32| {
+        s.ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "temperature": 0.9, "seed": seed, "max_tokens": 24, "n": n}),
+        )
+    };
+    let together = completion(42, 3);
+    let choices = together["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{together}");
+    let mut completion_tokens = 0;
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i, "{together}");
+        assert!(choice["finish_reason"].is_string(), "{together}");
+        let alone = completion(42 + i as u64, 1);
+        assert_eq!(choice["text"], alone["choices"][0]["text"], "choice {i}");
+        assert_eq!(
+            together["usage"]["prompt_tokens"],
+            alone["usage"]["prompt_tokens"]
+        );
+        completion_tokens += alone["usage"]["completion_tokens"].as_u64().expect("count");
+    }
+    assert_eq!(together["usage"]["completion_tokens"], completion_tokens);
+    let texts: std::collections::BTreeSet<&str> =
+        choices.iter().filter_map(|c| c["text"].as_str()).collect();
+    assert!(
+        texts.len() > 1,
+        "seeds 42..44 drew the same text: {together}"
+    );
+
+    // Streamed chat, greedy: both choices are the one greedy reply.
+    let body = json!({"messages": user("Name a fruit."), "temperature": 0, "max_tokens": 16});
+    let single = s.ok("/v1/chat/completions", &body);
+    let mut streamed = body.clone();
+    streamed["n"] = json!(2);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
+    let mut text = [String::new(), String::new()];
+    let mut roles = [0; 2];
+    let mut finishes = [0; 2];
+    for c in &chunks[..chunks.len() - 1] {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().expect("index") as usize;
+        assert!(i < 2, "{c}");
+        if choice["delta"]["role"] == "assistant" {
+            roles[i] += 1;
+        }
+        if let Some(piece) = choice["delta"]["content"].as_str() {
+            text[i].push_str(piece);
+        }
+        if choice["finish_reason"].is_string() {
+            finishes[i] += 1;
+        }
+    }
+    assert_eq!(roles, [1, 1], "one role chunk per choice");
+    assert_eq!(finishes, [1, 1], "one finish per choice");
+    assert_eq!(text[0], chat_text(&single));
+    assert_eq!(text[1], chat_text(&single));
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["prompt_tokens"], single["usage"]["prompt_tokens"]);
+    assert_eq!(
+        usage["completion_tokens"].as_u64(),
+        single["usage"]["completion_tokens"].as_u64().map(|n| 2 * n)
+    );
+}
+
 #[test]
 fn tokenize_detokenize_and_model_retrieval() {
     let s = Server::start(&["-c", "256"]);
@@ -885,8 +958,15 @@ fn tokenize_detokenize_and_model_retrieval() {
 fn bad_requests_get_openai_errors_naming_the_field() {
     let s = Server::start(&["-c", "256", "--max-body", "200000"]);
     let chat = "/v1/chat/completions";
-    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 2}));
-    assert_error(st, &b, 400, Some("n"), &["n = 2", "one choice"]);
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 0}));
+    assert_error(st, &b, 400, Some("n"), &["n = 0", "1 to 16"]);
+    let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 17}));
+    assert_error(st, &b, 400, Some("n"), &["n = 17", "1 to 16"]);
+    let (st, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "n": 2, "best_of": 3}),
+    );
+    assert_error(st, &b, 400, Some("best_of"), &["best_of = 3", "n (2)"]);
     let (st, b) = s.call(
         chat,
         &json!({"messages": user("Hi"), "temperature": "warm"}),
@@ -1158,6 +1238,13 @@ fn a_client_that_disconnects_frees_its_slot() {
 #[test]
 fn a_full_queue_gets_503_and_health_answers_during_a_long_prefill() {
     let s = Server::start(&["-c", "4096", "--parallel", "1", "--queue", "1"]);
+    // A request's choices wait together: more than the queue holds can
+    // never be taken.
+    let (st, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "n": 2, "max_tokens": 2}),
+    );
+    assert_error(st, &b, 400, Some("n"), &["n = 2", "--queue 1"]);
     // A long prompt: its prefill takes many steps.
     let long = "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(250);
     let c = client();

@@ -3,7 +3,7 @@
 //!
 //! Requests are read with serde: a field Pulsar does not know is ignored
 //! (as OpenAI does), a known field of the wrong type is a 400 that names it.
-//! Fields Pulsar knows but cannot honour (`n` above 1, `tools`, `echo`…) are
+//! Fields Pulsar knows but cannot honour (`tools`, `echo`, `best_of` above `n`…) are
 //! refused by [`super::request`] rather than ignored.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -352,6 +352,19 @@ impl Usage {
                 cached_tokens: cached,
             },
         }
+    }
+
+    /// The usage of a request with several choices (`n`) of one prompt:
+    /// the prompt counted once (as OpenAI counts it), the choices' tokens
+    /// added up, and as cached the prompt tokens no choice had to prefill.
+    pub fn with_choice(self, other: Usage) -> Usage {
+        Usage::new(
+            self.prompt_tokens,
+            self.prompt_tokens_details
+                .cached_tokens
+                .min(other.prompt_tokens_details.cached_tokens),
+            self.completion_tokens + other.completion_tokens,
+        )
     }
 }
 

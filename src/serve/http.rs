@@ -10,7 +10,7 @@ use super::api::{
 use super::metrics::Metrics;
 use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
-use super::slot::Event;
+use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
 use axum::Router;
 use axum::body::Bytes;
@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use tokio::sync::mpsc;
 
 /// Events buffered per request between the engine thread and the client's
@@ -312,7 +313,6 @@ async fn serve(
         Kind::Completion => ctx.prepare_completion(&parse_json::<CompletionRequest>(body)?),
     })
     .await?;
-    let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let reply = Reply {
         kind,
         id: format!(
@@ -330,16 +330,91 @@ async fn serve(
         logprobs: prepared.params.logprobs.is_some(),
     };
     let stream = prepared.stream;
-    app.queue.submit(Job {
-        prompt: prepared.prompt,
-        params: prepared.params,
-        constraint: prepared.constraint,
-        events: tx,
-    })?;
+    // Each choice is a sequence of its own. Choice i draws with the seed
+    // plus i, so that with a seed the choices differ from each other and
+    // the set is the same on every run.
+    let constraint = prepared.constraint.map(Arc::new);
+    let mut jobs = Vec::with_capacity(prepared.choices);
+    let mut receivers = Vec::with_capacity(prepared.choices);
+    for i in 0..prepared.choices {
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        jobs.push(Job {
+            prompt: prepared.prompt.clone(),
+            params: GenParams {
+                seed: prepared.params.seed.wrapping_add(i as u64),
+                ..prepared.params.clone()
+            },
+            constraint: constraint.clone(),
+            events: tx,
+        });
+        receivers.push(rx);
+    }
+    app.queue.submit(jobs)?;
+    let events = ChoiceEvents::new(receivers);
     if stream {
-        Ok(sse(reply, rx))
+        Ok(sse(reply, events))
     } else {
-        whole(reply, rx).await
+        whole(reply, events).await
+    }
+}
+
+/// The event channels of a request's choices, read together: a choice
+/// whose events are not read fills its buffer and stalls, and a stalled
+/// request is ended (`--stall-timeout`). Dropping this (the client went
+/// away) closes them all, which ends every choice's generation.
+struct ChoiceEvents {
+    receivers: Vec<mpsc::Receiver<Event>>,
+    open: Vec<bool>,
+    /// Where the next poll starts, so that a busy choice cannot starve
+    /// the others.
+    next_first: usize,
+}
+
+impl ChoiceEvents {
+    fn new(receivers: Vec<mpsc::Receiver<Event>>) -> ChoiceEvents {
+        let open = vec![true; receivers.len()];
+        ChoiceEvents {
+            receivers,
+            open,
+            next_first: 0,
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.receivers.len()
+    }
+
+    fn all_closed(&self) -> bool {
+        !self.open.contains(&true)
+    }
+
+    /// Stops reading choice `i` (its reply is complete).
+    fn close(&mut self, i: usize) {
+        self.open[i] = false;
+    }
+
+    /// The next event of any open choice, as `(choice, event)`; the event
+    /// is `None` when that choice's channel ended without a last event.
+    /// `None` when every choice is closed.
+    async fn next(&mut self) -> Option<(usize, Option<Event>)> {
+        if self.all_closed() {
+            return None;
+        }
+        let n = self.count();
+        std::future::poll_fn(|cx| {
+            for k in 0..n {
+                let i = (self.next_first + k) % n;
+                if !self.open[i] {
+                    continue;
+                }
+                if let Poll::Ready(event) = self.receivers[i].poll_recv(cx) {
+                    self.next_first = (i + 1) % n;
+                    return Poll::Ready(Some((i, event)));
+                }
+            }
+            Poll::Pending
+        })
+        .await
     }
 }
 
@@ -383,7 +458,7 @@ impl Reply {
         chunk
     }
 
-    fn delta(&self, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
+    fn delta(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
         match self.kind {
             Kind::Chat => {
                 let delta = if text.is_empty() && finish.is_some() {
@@ -391,58 +466,80 @@ impl Reply {
                 } else {
                     json!({ "content": text })
                 };
-                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
+                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
             }
             Kind::Completion => {
-                json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish })
+                json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish })
             }
         }
     }
 }
 
-/// Collects a request's events into one JSON reply.
-async fn whole(reply: Reply, mut rx: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    let (reason, usage) = loop {
-        match rx.recv().await {
+/// What one choice of a whole (not streamed) reply collected.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    reason: Option<&'static str>,
+}
+
+/// Collects a request's events, every choice's, into one JSON reply.
+async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiError> {
+    let mut collected: Vec<Collected> = (0..events.count()).map(|_| Collected::default()).collect();
+    let mut usage: Option<Usage> = None;
+    while let Some((i, event)) = events.next().await {
+        match event {
             Some(Event::Delta {
                 text: piece,
                 logprobs: lp,
             }) => {
-                text.push_str(&piece);
-                logprobs.extend(lp);
+                collected[i].text.push_str(&piece);
+                collected[i].logprobs.extend(lp);
             }
-            Some(Event::Done { reason, usage }) => break (reason, usage),
+            Some(Event::Done {
+                reason,
+                usage: choice_usage,
+            }) => {
+                collected[i].reason = Some(reason.as_str());
+                usage = Some(usage.map_or(choice_usage, |u| u.with_choice(choice_usage)));
+                events.close(i);
+            }
             Some(Event::Failed(e)) => return Err(e),
             None => return Err(ended_early()),
         }
-    };
-    let logprobs = reply.logprobs_value(&logprobs, 0);
-    let choice = match reply.kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": { "role": "assistant", "content": text, "refusal": null },
-            "logprobs": logprobs,
-            "finish_reason": reason.as_str(),
-        }),
-        Kind::Completion => json!({
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": reason.as_str(),
-        }),
-    };
+    }
+    let choices: Vec<Value> = collected
+        .into_iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let logprobs = reply.logprobs_value(&c.logprobs, 0);
+            match reply.kind {
+                Kind::Chat => json!({
+                    "index": index,
+                    "message": { "role": "assistant", "content": c.text, "refusal": null },
+                    "logprobs": logprobs,
+                    "finish_reason": c.reason,
+                }),
+                Kind::Completion => json!({
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.reason,
+                }),
+            }
+        })
+        .collect();
     let object = match reply.kind {
         Kind::Chat => "chat.completion",
         Kind::Completion => "text_completion",
     };
+    let usage = usage.ok_or_else(ended_early)?;
     Ok(axum::Json(json!({
         "id": reply.id,
         "object": object,
         "created": reply.created,
         "model": reply.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": reply.usage_value(usage),
     }))
     .into_response())
@@ -461,16 +558,18 @@ enum Phase {
     End,
 }
 
-/// An SSE reply in the making: the role first (chat), the text as it
-/// comes, a last chunk with the finish reason, the usage when asked for,
-/// then `[DONE]`.
+/// An SSE reply in the making: the role first (chat; one chunk per
+/// choice), each choice's text as it comes, a chunk with each choice's
+/// finish reason, the usage when asked for, then `[DONE]`.
 struct Streaming {
     reply: Reply,
-    rx: mpsc::Receiver<Event>,
+    events: ChoiceEvents,
     phase: Phase,
+    /// Choices whose role chunk went out (chat).
+    started: usize,
     usage: Option<Usage>,
-    /// Bytes of text sent, for the completions' `text_offset`.
-    sent: usize,
+    /// Bytes of text sent per choice, for the completions' `text_offset`.
+    sent: Vec<usize>,
 }
 
 fn data(value: &Value) -> SseEvent {
@@ -482,38 +581,41 @@ impl Streaming {
         loop {
             match self.phase {
                 Phase::Start => {
-                    self.phase = Phase::Body;
-                    if self.reply.kind == Kind::Chat {
-                        let role = json!({
-                            "index": 0,
-                            "delta": { "role": "assistant", "content": "" },
-                            "logprobs": null,
-                            "finish_reason": null,
-                        });
-                        return Some(data(&self.reply.chunk(role)));
+                    if self.reply.kind != Kind::Chat || self.started == self.events.count() {
+                        self.phase = Phase::Body;
+                        continue;
                     }
+                    let role = json!({
+                        "index": self.started,
+                        "delta": { "role": "assistant", "content": "" },
+                        "logprobs": null,
+                        "finish_reason": null,
+                    });
+                    self.started += 1;
+                    return Some(data(&self.reply.chunk(role)));
                 }
-                Phase::Body => match self.rx.recv().await {
-                    Some(Event::Delta { text, logprobs }) => {
-                        let lp = self.reply.logprobs_value(&logprobs, self.sent);
-                        self.sent += text.len();
-                        let choice = self.reply.delta(&text, lp, None);
+                Phase::Body => match self.events.next().await {
+                    Some((i, Some(Event::Delta { text, logprobs }))) => {
+                        let lp = self.reply.logprobs_value(&logprobs, self.sent[i]);
+                        self.sent[i] += text.len();
+                        let choice = self.reply.delta(i, &text, lp, None);
                         return Some(data(&self.reply.chunk(choice)));
                     }
-                    Some(Event::Done { reason, usage }) => {
-                        self.usage = Some(usage);
-                        self.phase = Phase::Usage;
-                        let choice = self.reply.delta("", Value::Null, Some(reason.as_str()));
+                    Some((i, Some(Event::Done { reason, usage }))) => {
+                        self.usage = Some(self.usage.map_or(usage, |u| u.with_choice(usage)));
+                        self.events.close(i);
+                        let choice = self.reply.delta(i, "", Value::Null, Some(reason.as_str()));
                         return Some(data(&self.reply.chunk(choice)));
                     }
-                    Some(Event::Failed(e)) => {
+                    Some((_, Some(Event::Failed(e)))) => {
                         self.phase = Phase::Done;
                         return Some(data(&e.body()));
                     }
-                    None => {
+                    Some((_, None)) => {
                         self.phase = Phase::Done;
                         return Some(data(&ended_early().body()));
                     }
+                    None => self.phase = Phase::Usage,
                 },
                 Phase::Usage => {
                     self.phase = Phase::Done;
@@ -534,13 +636,15 @@ impl Streaming {
     }
 }
 
-fn sse(reply: Reply, rx: mpsc::Receiver<Event>) -> Response {
+fn sse(reply: Reply, events: ChoiceEvents) -> Response {
+    let sent = vec![0; events.count()];
     let state = Streaming {
         reply,
-        rx,
+        events,
         phase: Phase::Start,
+        started: 0,
         usage: None,
-        sent: 0,
+        sent,
     };
     let events = futures_util::stream::unfold(state, |mut state| async move {
         let event = state.next().await?;

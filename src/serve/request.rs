@@ -15,6 +15,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const MAX_STOP_STRINGS: usize = 16;
 /// Most alternatives per token in `top_logprobs` (OpenAI's limit).
 const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most choices (`n`) one request may ask for. Each choice is a sequence
+/// of its own, in a slot of its own, so `n` costs what `n` requests cost;
+/// the bound keeps one request from filling the queue.
+pub const MAX_CHOICES: u32 = 16;
 
 /// What every request is prepared against.
 pub struct ServeContext {
@@ -39,6 +43,20 @@ pub struct Prepared {
     pub constraint: Option<CompiledConstraint>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate from the prompt (`n`), each its own sequence.
+    pub choices: usize,
+}
+
+/// `n`, checked: 1 when left out.
+fn choices(s: &Sampling) -> Result<usize, ApiError> {
+    match s.n {
+        None => Ok(1),
+        Some(n) if (1..=MAX_CHOICES).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(
+            "n",
+            format!("n = {n}: a request may ask for 1 to {MAX_CHOICES} choices"),
+        )),
+    }
 }
 
 /// Seeds for requests that give none: the clock, stirred per request so
@@ -100,6 +118,7 @@ impl ServeContext {
             constraint,
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
+            choices: choices(&sampling)?,
         })
     }
 
@@ -116,12 +135,18 @@ impl ServeContext {
                 "suffix (insertion) is not supported by this server",
             ));
         }
-        if let Some(n) = req.best_of
-            && n != 1
+        // best_of = n asks for no candidates beyond the n returned; more
+        // (generated, then ranked by likelihood) are not supported.
+        let n = req.n.unwrap_or(1);
+        if let Some(best_of) = req.best_of
+            && best_of != n
         {
             return Err(ApiError::invalid(
                 "best_of",
-                format!("best_of = {n}: this server generates one completion per request; use 1"),
+                format!(
+                    "best_of = {best_of}: this server returns every completion it generates; \
+                     leave best_of out or set it to n ({n})"
+                ),
             ));
         }
         let top = req.logprobs.map(|n| n as usize);
@@ -151,6 +176,7 @@ impl ServeContext {
             constraint,
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
+            choices: choices(&sampling)?,
         })
     }
 
@@ -164,17 +190,6 @@ impl ServeContext {
         stop_ids: Vec<u32>,
         stop_strings: &mut Vec<String>,
     ) -> Result<GenParams, ApiError> {
-        if let Some(n) = s.n
-            && n != 1
-        {
-            return Err(ApiError::invalid(
-                "n",
-                format!(
-                    "n = {n}: this server generates one choice per request; \
-                     send n = 1 (or leave it out) and make separate requests"
-                ),
-            ));
-        }
         if let Some(n) = top_logprobs
             && n > MAX_TOP_LOGPROBS
         {

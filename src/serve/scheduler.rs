@@ -86,7 +86,9 @@ const MIN_BULK: usize = EXACT_STEP_MAX_TOKENS + 1;
 pub struct Job {
     pub prompt: Vec<u32>,
     pub params: GenParams,
-    pub constraint: Option<CompiledConstraint>,
+    /// Shared by the choices of one request (`n`): each starts its own
+    /// matcher from it.
+    pub constraint: Option<Arc<CompiledConstraint>>,
     pub events: mpsc::Sender<Event>,
 }
 
@@ -152,15 +154,27 @@ impl Queue {
 
     /// Queues a job, or refuses it with a 503 when the queue is full or
     /// the server is shutting down.
-    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+    pub fn submit(&self, jobs: Vec<Job>) -> Result<(), ApiError> {
         if self.engine_failed() {
             return Err(ApiError::internal("the server's engine thread failed"));
+        }
+        // A request's choices (`n`) wait together or not at all: a reply
+        // with some of its choices missing would be no reply.
+        if jobs.len() > self.capacity {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "n = {}: more choices than this server lets wait at once (--queue {})",
+                    jobs.len(),
+                    self.capacity
+                ),
+            ));
         }
         let mut state = self.lock();
         if state.mode != Mode::Running {
             return Err(ApiError::unavailable("the server is shutting down", 5));
         }
-        if state.waiting.len() >= self.capacity {
+        if state.waiting.len() + jobs.len() > self.capacity {
             self.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
             return Err(ApiError::unavailable(
                 format!(
@@ -170,7 +184,7 @@ impl Queue {
                 1,
             ));
         }
-        state.waiting.push_back(job);
+        state.waiting.extend(jobs);
         self.metrics
             .queue_length
             .store(state.waiting.len(), Ordering::Relaxed);
@@ -432,7 +446,7 @@ impl<'t> Scheduler<'t> {
         self.metrics
             .cached_prompt_tokens
             .fetch_add(reuse as u64, Ordering::Relaxed);
-        let constraint = job.constraint.as_ref().map(CompiledConstraint::start);
+        let constraint = job.constraint.as_deref().map(CompiledConstraint::start);
         let generation = Generation::new(self.tok, job.params, constraint, &job.prompt, reuse);
         let drafter = match self.opts.speculation {
             Speculation::Ngram(options) => Some(Drafter::new(&job.prompt, options)),
