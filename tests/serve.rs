@@ -805,12 +805,18 @@ fn the_next_turn_of_a_conversation_reuses_the_cache() {
 /// pieces (bytes where a token is no character alone) join up to the text,
 /// and `/v1/models/ID` finds the model by its id only.
 /// `n` choices: each is the reply a request with the seed plus its index
-/// gets alone; the prompt is counted once and the choices' tokens added
-/// up; a stream carries every choice, each with its role and its end.
+/// gets alone; the prompt is read once (the other choices copy its cache,
+/// bulk runs' worth) and counted once, the choices' tokens added up; a
+/// stream carries every choice, each with its role and its end.
 #[test]
 fn several_choices_per_request() {
     let s = Server::start(&["-c", "512", "--parallel", "4"]);
-    let prompt = "The best thing about summer is";
+    // Long enough for several bulk runs (about 200 tokens).
+    let prompt = format!(
+        "{}The best thing about summer is",
+        "Summer brings long evenings, open windows, fruit from the market and swims in the lake. "
+            .repeat(10)
+    );
     let completion = |seed: u64, n: u32| {
         s.ok(
             "/v1/completions",
@@ -818,6 +824,16 @@ fn several_choices_per_request() {
         )
     };
     let together = completion(42, 3);
+    // A fresh server: whatever came from a cache was copied from the
+    // choice that read the prompt, all but the last bulk run (at most 2 x
+    // 16 tokens plus one) for each of the other two.
+    let prompt_tokens = together["usage"]["prompt_tokens"].as_u64().expect("count");
+    assert!(prompt_tokens > 150, "{together}");
+    let shared = s.metric("pulsar_cached_prompt_tokens_total");
+    assert!(
+        shared >= 2.0 * (prompt_tokens - 33) as f64,
+        "{shared} prompt tokens shared of 2 x {prompt_tokens}"
+    );
     let choices = together["choices"].as_array().expect("choices");
     assert_eq!(choices.len(), 3, "{together}");
     let mut completion_tokens = 0;

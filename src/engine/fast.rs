@@ -1214,6 +1214,33 @@ impl FastEngine {
         kv.len = kv.len.min(len);
     }
 
+    /// Makes sequence `to` hold sequence `from`'s first `len` cached
+    /// positions, copied, and nothing after: for a sequence about to read
+    /// a prompt another one has read already. Positions computed the same
+    /// way hold the same bits, so this is what feeding them would give
+    /// wherever `forward_batch` would compute them alike (see its notes).
+    pub fn copy_prefix(&mut self, from: usize, to: usize, len: usize) -> Result<()> {
+        let count = self.seqs.len();
+        if from >= count || to >= count || from == to {
+            bail!("cannot copy sequence {from} into {to} (the engine holds {count})");
+        }
+        if len > self.seqs[from].len {
+            bail!(
+                "sequence {from} holds {} positions, not {len}",
+                self.seqs[from].len
+            );
+        }
+        let (source, target) = if from < to {
+            let (head, tail) = self.seqs.split_at_mut(to);
+            (&head[from], &mut tail[0])
+        } else {
+            let (head, tail) = self.seqs.split_at_mut(from);
+            (&tail[0], &mut head[to])
+        };
+        target.copy_prefix_from(source, len);
+        Ok(())
+    }
+
     /// One forward step over several sequences' tokens: each weight is read
     /// once for all of them. A sequence's run of at most
     /// [`EXACT_STEP_MAX_TOKENS`] is computed exactly as one-token steps

@@ -103,6 +103,28 @@ impl FlatKv {
         (head * self.capacity + pos) * self.head_dim
     }
 
+    /// Holds `other`'s first `len` positions and nothing after: the same
+    /// keys and values, copied (one run per layer and KV head).
+    pub fn copy_prefix_from(&mut self, other: &FlatKv, len: usize) {
+        assert!(
+            len <= other.len && len <= self.capacity,
+            "copying {len} positions of a cache holding {} into room for {}",
+            other.len,
+            self.capacity
+        );
+        let run = len * self.head_dim;
+        for layer in 0..self.keys.len() {
+            for head in 0..self.n_kv_heads {
+                let (to, from) = (self.at(head, 0), other.at(head, 0));
+                self.keys[layer][to..to + run]
+                    .copy_from_slice(&other.keys[layer][from..from + run]);
+                self.values[layer][to..to + run]
+                    .copy_from_slice(&other.values[layer][from..from + run]);
+            }
+        }
+        self.len = len;
+    }
+
     /// Stores one position's K and V rows (`[kv_head][head_dim]` each) of
     /// layer `layer`.
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {

@@ -467,6 +467,51 @@ impl<'t> Scheduler<'t> {
         });
     }
 
+    /// Lets each slot still reading its prompt take what another slot has
+    /// computed of it: the n choices of one request, conversations that
+    /// open with the same system prompt. The positions are copied under
+    /// [`reusable`]'s rule (as a free slot's own cache is reused), so a
+    /// reply keeps its bits. The choices of a request thus read their
+    /// prompt once: while the first feeds a bulk run, the others wait for
+    /// the one bulk run a step has, then copy it.
+    fn share_prefixes(&mut self) {
+        for i in 0..self.slots.len() {
+            let Some(active) = &self.slots[i].active else {
+                continue;
+            };
+            if active.fed >= active.prompt.len() {
+                continue;
+            }
+            let best = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(j, other)| (reusable(&other.cached, other.bulk_len, &active.prompt), j))
+                .max();
+            let Some((len, from)) = best.filter(|&(len, _)| len > active.fed) else {
+                continue;
+            };
+            let (from_seq, from_bulk) = (self.slots[from].seq, self.slots[from].bulk_len);
+            if let Err(e) = self.engine.copy_prefix(from_seq, self.slots[i].seq, len) {
+                eprintln!("pulsar serve: a prompt's cache was not shared: {e:#}");
+                continue;
+            }
+            let slot = &mut self.slots[i];
+            let Some(active) = &mut slot.active else {
+                continue;
+            };
+            let gained = len - active.fed;
+            slot.cached = active.prompt[..len].to_vec();
+            slot.bulk_len = from_bulk.min(len);
+            active.fed = len;
+            active.generation.add_cached(gained);
+            self.metrics
+                .cached_prompt_tokens
+                .fetch_add(gained as u64, Ordering::Relaxed);
+        }
+    }
+
     /// Hands each request's events to its channel as far as it has room;
     /// frees the slots of clients that went away or stopped reading.
     fn deliver(&mut self) {
@@ -504,6 +549,7 @@ impl<'t> Scheduler<'t> {
     /// Runs one forward step over every busy slot that has work. Returns
     /// whether there was any.
     fn step(&mut self) -> bool {
+        self.share_prefixes();
         let mut plan: Vec<PlannedRun> = Vec::new();
         let mut order: Vec<usize> = (0..self.slots.len())
             .filter(|&i| self.slots[i].active.is_some())

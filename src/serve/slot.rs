@@ -216,6 +216,12 @@ impl<'t> Generation<'t> {
         self.finished.is_some()
     }
 
+    /// Counts `n` more prompt tokens as taken from a cache rather than
+    /// fed (another slot's, copied).
+    pub fn add_cached(&mut self, n: usize) {
+        self.cached_tokens += n;
+    }
+
     pub fn usage(&self) -> Usage {
         Usage::new(self.prompt_tokens, self.cached_tokens, self.generated)
     }
