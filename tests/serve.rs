@@ -893,6 +893,106 @@ fn several_choices_per_request() {
     );
 }
 
+/// `echo` returns the prompt's text before the reply's; with `logprobs`
+/// each prompt token's log-probability too (the first unscored, null), the
+/// very values generation reports for the same token after the same text.
+#[test]
+fn echo_scores_the_prompt() {
+    let s = Server::start(&["-c", "1024"]);
+    let path = "/v1/completions";
+    let logprobs = |v: &Value| v["choices"][0]["logprobs"].clone();
+    // Generated: the greedy token after a short prompt and its logprob.
+    let prompt = "The capital of France is";
+    let generated = s.ok(
+        path,
+        &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}),
+    );
+    let token = logprobs(&generated)["tokens"][0]
+        .as_str()
+        .expect("token")
+        .to_string();
+    let score = logprobs(&generated)["token_logprobs"][0]
+        .as_f64()
+        .expect("logprob");
+    // Echoed: that token as the prompt's last, scored from the same row
+    // (a short prompt is one exact run, as decoding is).
+    let text = format!("{prompt}{token}");
+    let echoed = s.ok(
+        path,
+        &json!({"prompt": text, "max_tokens": 0, "echo": true, "logprobs": 1}),
+    );
+    assert_eq!(completion_text(&echoed), text);
+    assert_eq!(echoed["usage"]["completion_tokens"], 0);
+    let lp = logprobs(&echoed);
+    let n = echoed["usage"]["prompt_tokens"].as_u64().expect("count") as usize;
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(n), "{echoed}");
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    assert_eq!(lp["tokens"][n - 1], token.as_str());
+    let last = lp["token_logprobs"][n - 1].as_f64().expect("scored");
+    assert!(
+        (last - score).abs() < 1e-5,
+        "echo {last} against generation {score}"
+    );
+    // The texts of the entries add up to the echoed text.
+    let joined: String = lp["tokens"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(joined, text);
+    for k in 1..n {
+        let offset = |k: usize| lp["text_offset"][k].as_u64().expect("offset") as usize;
+        let len = lp["tokens"][k - 1].as_str().map_or(0, str::len);
+        assert_eq!(offset(k), offset(k - 1) + len, "{lp}");
+    }
+
+    // A long prompt goes in several bulk runs of logits; the first new
+    // token's logprob is what a plain request gets after it.
+    let long = format!(
+        "{}{prompt}",
+        "Paris is a city of bridges, museums and cafes by the Seine. ".repeat(12)
+    );
+    let plain = s.ok(
+        path,
+        &json!({"prompt": long, "max_tokens": 1, "temperature": 0, "logprobs": 1}),
+    );
+    let echoed = s.ok(
+        path,
+        &json!({"prompt": long, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true}),
+    );
+    let n = echoed["usage"]["prompt_tokens"].as_u64().expect("count") as usize;
+    assert!(n > 100, "{n}");
+    let lp = logprobs(&echoed);
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(n + 1));
+    assert!(
+        lp["token_logprobs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .skip(1)
+            .all(Value::is_number)
+    );
+    assert_eq!(lp["tokens"][n], logprobs(&plain)["tokens"][0]);
+    let (a, b) = (
+        lp["token_logprobs"][n].as_f64().expect("scored"),
+        logprobs(&plain)["token_logprobs"][0]
+            .as_f64()
+            .expect("scored"),
+    );
+    assert!((a - b).abs() < 1e-5, "{a} against {b}");
+    assert_eq!(
+        completion_text(&echoed),
+        format!("{long}{}", completion_text(&plain))
+    );
+    // Without echo, no new token is still refused.
+    let (st, b) = s.call(path, &json!({"prompt": prompt, "max_tokens": 0}));
+    assert_error(st, &b, 400, Some("max_tokens"), &["only with echo"]);
+}
+
 #[test]
 fn tokenize_detokenize_and_model_retrieval() {
     let s = Server::start(&["-c", "256"]);
@@ -1019,8 +1119,8 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         &json!({"messages": user("Hi"), "tools": [{"type": "function"}]}),
     );
     assert_error(st, &b, 400, Some("tools"), &["not supported"]);
-    let (st, b) = s.call("/v1/completions", &json!({"prompt": "x", "echo": true}));
-    assert_error(st, &b, 400, Some("echo"), &["echo"]);
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": "x", "suffix": "y"}));
+    assert_error(st, &b, 400, Some("suffix"), &["not supported"]);
     let (st, b) = s.call("/v1/completions", &json!({"prompt": [1, 2, 99999999]}));
     assert_error(st, &b, 400, Some("prompt[2]"), &["99999999", "vocabulary"]);
     let (st, b) = s.call("/v1/completions", &json!({"prompt": ["a", "b"]}));

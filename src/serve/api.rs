@@ -3,7 +3,7 @@
 //!
 //! Requests are read with serde: a field Pulsar does not know is ignored
 //! (as OpenAI does), a known field of the wrong type is a 400 that names it.
-//! Fields Pulsar knows but cannot honour (`tools`, `echo`, `best_of` above `n`…) are
+//! Fields Pulsar knows but cannot honour (`tools`, `suffix`, `best_of` above `n`…) are
 //! refused by [`super::request`] rather than ignored.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -393,9 +393,14 @@ pub fn completion_logprobs(tokens: &[TokenLogprob], text_offset_start: usize) ->
         offsets.push(offset);
         offset += t.token.len();
     }
+    // An echoed prompt's first token is unscored (NaN): null in both
+    // lists, as OpenAI reports it.
     let top: Vec<Value> = tokens
         .iter()
         .map(|t| {
+            if t.logprob.is_nan() {
+                return Value::Null;
+            }
             let mut map = serde_json::Map::new();
             for alt in &t.top_logprobs {
                 map.insert(alt.token.clone(), serde_json::json!(alt.logprob));
@@ -403,9 +408,19 @@ pub fn completion_logprobs(tokens: &[TokenLogprob], text_offset_start: usize) ->
             Value::Object(map)
         })
         .collect();
+    let scores: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            if t.logprob.is_nan() {
+                Value::Null
+            } else {
+                serde_json::json!(t.logprob)
+            }
+        })
+        .collect();
     serde_json::json!({
         "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
-        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "token_logprobs": scores,
         "top_logprobs": top,
         "text_offset": offsets,
     })

@@ -23,6 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -286,6 +287,8 @@ struct Reply {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// `echo`: the prompt's text, which each choice's text starts with.
+    echo: Option<String>,
 }
 
 async fn chat_completions(
@@ -328,6 +331,7 @@ async fn serve(
         model: app.ctx.model_id.clone(),
         include_usage: prepared.include_usage,
         logprobs: prepared.params.logprobs.is_some(),
+        echo: prepared.echo.then(|| app.ctx.tok.decode(&prepared.prompt)),
     };
     let stream = prepared.stream;
     // Each choice is a sequence of its own. Choice i draws with the seed
@@ -479,6 +483,8 @@ impl Reply {
 #[derive(Default)]
 struct Collected {
     text: String,
+    /// The echoed prompt's tokens' (`echo` with `logprobs`), then the
+    /// reply's.
     logprobs: Vec<TokenLogprob>,
     reason: Option<&'static str>,
 }
@@ -496,6 +502,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
                 collected[i].text.push_str(&piece);
                 collected[i].logprobs.extend(lp);
             }
+            Some(Event::PromptLogprobs(lp)) => collected[i].logprobs.extend(lp),
             Some(Event::Done {
                 reason,
                 usage: choice_usage,
@@ -511,7 +518,10 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
     let choices: Vec<Value> = collected
         .into_iter()
         .enumerate()
-        .map(|(index, c)| {
+        .map(|(index, mut c)| {
+            if let Some(prompt) = &reply.echo {
+                c.text.insert_str(0, prompt);
+            }
             let logprobs = reply.logprobs_value(&c.logprobs, 0);
             match reply.kind {
                 Kind::Chat => json!({
@@ -570,6 +580,12 @@ struct Streaming {
     usage: Option<Usage>,
     /// Bytes of text sent per choice, for the completions' `text_offset`.
     sent: Vec<usize>,
+    /// `echo`: each choice's prompt chunk, sent before its first text,
+    /// and the prompt's log-probabilities gathered until then.
+    echoed: Vec<bool>,
+    prompt_logprobs: Vec<Vec<TokenLogprob>>,
+    /// Chunks ready to go before anything else.
+    queued: VecDeque<SseEvent>,
 }
 
 fn data(value: &Value) -> SseEvent {
@@ -577,8 +593,26 @@ fn data(value: &Value) -> SseEvent {
 }
 
 impl Streaming {
+    /// Choice `i`'s echoed prompt, once, before its first text or end.
+    fn echo(&mut self, i: usize) {
+        let Some(prompt) = &self.reply.echo else {
+            return;
+        };
+        if std::mem::replace(&mut self.echoed[i], true) {
+            return;
+        }
+        let logprobs = std::mem::take(&mut self.prompt_logprobs[i]);
+        let lp = self.reply.logprobs_value(&logprobs, 0);
+        self.sent[i] = prompt.len();
+        let choice = self.reply.delta(i, prompt, lp, None);
+        self.queued.push_back(data(&self.reply.chunk(choice)));
+    }
+
     async fn next(&mut self) -> Option<SseEvent> {
         loop {
+            if let Some(event) = self.queued.pop_front() {
+                return Some(event);
+            }
             match self.phase {
                 Phase::Start => {
                     if self.reply.kind != Kind::Chat || self.started == self.events.count() {
@@ -595,17 +629,22 @@ impl Streaming {
                     return Some(data(&self.reply.chunk(role)));
                 }
                 Phase::Body => match self.events.next().await {
+                    Some((i, Some(Event::PromptLogprobs(lp)))) => {
+                        self.prompt_logprobs[i].extend(lp);
+                    }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
+                        self.echo(i);
                         let lp = self.reply.logprobs_value(&logprobs, self.sent[i]);
                         self.sent[i] += text.len();
                         let choice = self.reply.delta(i, &text, lp, None);
-                        return Some(data(&self.reply.chunk(choice)));
+                        self.queued.push_back(data(&self.reply.chunk(choice)));
                     }
                     Some((i, Some(Event::Done { reason, usage }))) => {
+                        self.echo(i);
                         self.usage = Some(self.usage.map_or(usage, |u| u.with_choice(usage)));
                         self.events.close(i);
                         let choice = self.reply.delta(i, "", Value::Null, Some(reason.as_str()));
-                        return Some(data(&self.reply.chunk(choice)));
+                        self.queued.push_back(data(&self.reply.chunk(choice)));
                     }
                     Some((_, Some(Event::Failed(e)))) => {
                         self.phase = Phase::Done;
@@ -637,14 +676,17 @@ impl Streaming {
 }
 
 fn sse(reply: Reply, events: ChoiceEvents) -> Response {
-    let sent = vec![0; events.count()];
+    let count = events.count();
     let state = Streaming {
         reply,
         events,
         phase: Phase::Start,
         started: 0,
         usage: None,
-        sent,
+        sent: vec![0; count],
+        echoed: vec![false; count],
+        prompt_logprobs: vec![Vec::new(); count],
+        queued: VecDeque::new(),
     };
     let events = futures_util::stream::unfold(state, |mut state| async move {
         let event = state.next().await?;

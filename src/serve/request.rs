@@ -45,6 +45,17 @@ pub struct Prepared {
     pub include_usage: bool,
     /// Choices to generate from the prompt (`n`), each its own sequence.
     pub choices: usize,
+    /// `echo` (completions): each choice's text starts with the prompt's.
+    pub echo: bool,
+}
+
+/// What a reply reports besides its text.
+struct Report {
+    /// Log-probabilities with this many alternatives per token.
+    top_logprobs: Option<u32>,
+    /// `echo` (completions): the prompt's text first, and its tokens'
+    /// log-probabilities when those are asked for.
+    echo: bool,
 }
 
 /// `n`, checked: 1 when left out.
@@ -105,7 +116,10 @@ impl ServeContext {
             &sampling,
             &prompt,
             "messages",
-            top,
+            Report {
+                top_logprobs: top,
+                echo: false,
+            },
             self.chat_stop_ids.clone(),
             &mut stop_strings,
         )?;
@@ -119,16 +133,12 @@ impl ServeContext {
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
+            echo: false,
         })
     }
 
     pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
-        if req.echo == Some(true) {
-            return Err(ApiError::invalid(
-                "echo",
-                "echo is not supported by this server; leave it out or set it to false",
-            ));
-        }
+        let echo = req.echo == Some(true);
         if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid(
                 "suffix",
@@ -166,7 +176,10 @@ impl ServeContext {
             &sampling,
             &prompt,
             "prompt",
-            top.map(|n| n as u32),
+            Report {
+                top_logprobs: top.map(|n| n as u32),
+                echo,
+            },
             self.completion_stop_ids.clone(),
             &mut stop_strings,
         )?;
@@ -177,6 +190,7 @@ impl ServeContext {
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
+            echo,
         })
     }
 
@@ -186,10 +200,11 @@ impl ServeContext {
         s: &Sampling,
         prompt: &[u32],
         prompt_field: &str,
-        top_logprobs: Option<u32>,
+        report: Report,
         stop_ids: Vec<u32>,
         stop_strings: &mut Vec<String>,
     ) -> Result<GenParams, ApiError> {
+        let Report { top_logprobs, echo } = report;
         if let Some(n) = top_logprobs
             && n > MAX_TOP_LOGPROBS
         {
@@ -287,10 +302,11 @@ impl ServeContext {
             (Some(n), _) => ("max_completion_tokens", Some(n)),
             (None, n) => ("max_tokens", n),
         };
-        if asked == Some(0) {
+        // With `echo`, no new token is a request to score the prompt alone.
+        if asked == Some(0) && !echo {
             return Err(ApiError::invalid(
                 field,
-                format!("{field} must be at least 1"),
+                format!("{field} must be at least 1 (0 only with echo)"),
             ));
         }
         let max_tokens = asked.map_or(room, |n| (n as usize).min(room));
@@ -305,6 +321,8 @@ impl ServeContext {
             logit_bias,
             logprobs: top_logprobs.map(|n| n as usize),
             trim: false,
+            // The prompt's own log-probabilities come with `echo`.
+            prompt_logprobs: echo && top_logprobs.is_some(),
         })
     }
 

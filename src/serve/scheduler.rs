@@ -54,7 +54,7 @@
 
 use super::api::ApiError;
 use super::metrics::Metrics;
-use super::slot::{Event, GenParams, Generation, Outcome};
+use super::slot::{Event, GenParams, Generation, Outcome, prompt_logprobs};
 use crate::constrain::{CompiledConstraint, NextTokens};
 use crate::engine::LogitsWanted;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
@@ -81,6 +81,10 @@ struct Sampled {
 
 /// The shortest bulk run: one token more than an exact one.
 const MIN_BULK: usize = EXACT_STEP_MAX_TOKENS + 1;
+
+/// The longest bulk run of a prompt whose log-probabilities are reported:
+/// every row's logits are kept (1 MiB each for a 262,144-token vocabulary).
+const SCORED_CHUNK: usize = 64;
 
 /// One request, ready to run.
 pub struct Job {
@@ -239,6 +243,9 @@ struct Active<'t> {
     stalled_since: Option<Instant>,
     /// Admission order: the oldest prompt is fed first.
     order: u64,
+    /// Alternatives per token when the prompt's own log-probabilities are
+    /// reported (`echo` with `logprobs`).
+    scores_prompt: Option<usize>,
 }
 
 struct Slot<'t> {
@@ -435,7 +442,16 @@ impl<'t> Scheduler<'t> {
         };
         self.clock += 1;
         let slot = &mut self.slots[index];
-        let reuse = reusable(&slot.cached, slot.bulk_len, &job.prompt);
+        // A prompt to be scored is computed whole: cached positions have
+        // no logits left.
+        let scores_prompt = job
+            .params
+            .prompt_logprobs
+            .then(|| job.params.logprobs.unwrap_or(0));
+        let reuse = match scores_prompt {
+            Some(_) => 0,
+            None => reusable(&slot.cached, slot.bulk_len, &job.prompt),
+        };
         self.engine.truncate_sequence(slot.seq, reuse);
         slot.cached.truncate(reuse);
         slot.bulk_len = slot.bulk_len.min(reuse);
@@ -464,6 +480,7 @@ impl<'t> Scheduler<'t> {
             outbox: VecDeque::new(),
             stalled_since: None,
             order: self.clock,
+            scores_prompt,
         });
     }
 
@@ -479,7 +496,7 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &self.slots[i].active else {
                 continue;
             };
-            if active.fed >= active.prompt.len() {
+            if active.fed >= active.prompt.len() || active.scores_prompt.is_some() {
                 continue;
             }
             let best = self
@@ -564,17 +581,33 @@ impl<'t> Scheduler<'t> {
                 continue;
             }
             let left = active.prompt.len() - active.fed;
+            // A scored prompt wants every row's logits.
+            let scored = active.scores_prompt.is_some();
             if left > 0 {
                 if active.exact_prompt {
                     let tokens = active.prompt[active.fed..].to_vec();
-                    plan.push((i, tokens, Some(LogitsWanted::Last), left));
+                    let wanted = if scored {
+                        LogitsWanted::All
+                    } else {
+                        LogitsWanted::Last
+                    };
+                    plan.push((i, tokens, Some(wanted), left));
                 } else if !bulk_taken {
                     // One bulk run per step keeps the step short for the
                     // streams decoding beside it.
                     bulk_taken = true;
-                    let n = bulk_run(left, self.opts.prefill_chunk);
+                    let chunk = if scored {
+                        self.opts.prefill_chunk.min(SCORED_CHUNK)
+                    } else {
+                        self.opts.prefill_chunk
+                    };
+                    let n = bulk_run(left, chunk);
                     let tokens = active.prompt[active.fed..active.fed + n].to_vec();
-                    let wanted = (n == left).then_some(LogitsWanted::Last);
+                    let wanted = if scored {
+                        Some(LogitsWanted::All)
+                    } else {
+                        (n == left).then_some(LogitsWanted::Last)
+                    };
                     plan.push((i, tokens, wanted, n));
                 }
             } else if let Some(next) = active.next {
@@ -667,9 +700,21 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &mut slot.active else {
                 continue;
             };
+            let from = active.fed;
             active.fed += prompt_fed;
             if prompt_fed > 0 && !active.exact_prompt {
                 slot.bulk_len = slot.cached.len();
+            }
+            let mut logits = logits;
+            if let (Some(top), true) = (active.scores_prompt, prompt_fed > 0) {
+                let width = logits.len() / tokens.len().max(1);
+                let scored = prompt_logprobs(self.tok, &active.prompt, from, &logits, width, top);
+                active.outbox.push_back(Event::PromptLogprobs(scored));
+                if active.fed < active.prompt.len() {
+                    continue;
+                }
+                // The prompt's last row picks the first new token.
+                logits.drain(..logits.len() - width);
             }
             if wanted.is_some() {
                 let allowed = masks

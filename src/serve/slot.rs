@@ -37,6 +37,10 @@ pub struct GenParams {
     /// format's model writes a space after `Assistant:` and a line break
     /// before the `User:` that ends its turn).
     pub trim: bool,
+    /// Report the prompt tokens' log-probabilities too (`echo` with
+    /// `logprobs`): every prompt position's logits are computed, none is
+    /// taken from a cache.
+    pub prompt_logprobs: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,6 +69,10 @@ pub enum Event {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
+    /// Log-probabilities of prompt tokens, in order, before any `Delta`
+    /// (`echo` with `logprobs`). The prompt's first token has no context to
+    /// be scored in: its entry's `logprob` is NaN (null in JSON).
+    PromptLogprobs(Vec<TokenLogprob>),
     /// The end, with exact counts.
     Done { reason: FinishReason, usage: Usage },
     /// The request could not be served (sent instead of `Done`).
@@ -389,6 +397,50 @@ pub fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
 
+/// The log-probabilities of the prompt tokens a run predicts: the run fed
+/// tokens `from..` and `rows` are its logits, `width` wide (row r: after
+/// token `from + r`, so for token `from + r + 1`), each entry with its
+/// `top` alternatives. A run from 0 also gives token 0's entry, unscored
+/// (no context precedes it). In the echoed prompt a control token (BOS)
+/// writes no text, so its entry's text is empty and the entries' texts add
+/// up to the echoed text.
+pub fn prompt_logprobs(
+    tok: &Tokenizer,
+    prompt: &[u32],
+    from: usize,
+    rows: &[f32],
+    width: usize,
+    top: usize,
+) -> Vec<TokenLogprob> {
+    let shown = |mut entry: TokenLogprob, id: u32| {
+        if tok.token_kind(id) == Some(TokenKind::Control) {
+            entry.token.clear();
+            entry.bytes.clear();
+        }
+        entry
+    };
+    let mut out = Vec::new();
+    if from == 0
+        && let Some(&id) = prompt.first()
+    {
+        let (token, bytes) = token_text(tok, id);
+        let unscored = TokenLogprob {
+            token,
+            logprob: f32::NAN,
+            bytes,
+            top_logprobs: Vec::new(),
+        };
+        out.push(shown(unscored, id));
+    }
+    for (r, row) in rows.chunks_exact(width.max(1)).enumerate() {
+        let Some(&id) = prompt.get(from + r + 1) else {
+            break;
+        };
+        out.push(shown(token_logprob(tok, row, id, top), id));
+    }
+    out
+}
+
 /// The sampled token's log-probability and the `top` most likely tokens',
 /// from the log-softmax of the raw logits (NaN counts as impossible).
 pub fn token_logprob(tok: &Tokenizer, raw: &[f32], token: u32, top: usize) -> TokenLogprob {
@@ -469,6 +521,7 @@ mod tests {
             logit_bias: Vec::new(),
             logprobs: None,
             trim: false,
+            prompt_logprobs: false,
         }
     }
 
