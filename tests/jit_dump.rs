@@ -141,7 +141,14 @@ fn default_model_dumps_within_budget() {
         // The plan's rule: VNNI where AVX-512 is allowed and present.
         let vnni = isa.is_none() && caps.has_avx512() && caps.avx512_vnni;
         let gemm_suffix = if vnni { "_vnni_pf" } else { "t8_pf" };
-        assert!(n.iter().any(|s| s.starts_with("gemv_q5_0_r4_pf")), "{n:?}");
+        // One row block or two per pass: the planner trades the pair first
+        // when the plan is over budget (under AVX2 it is, with its two
+        // GEMMs; with VNNI's one GEMM it fits).
+        assert!(
+            n.iter()
+                .any(|s| s.starts_with("gemv_q5_0_r4_pf") || s.starts_with("gemv_q5_0_r8_pf")),
+            "{n:?}"
+        );
         assert!(
             !n.iter().any(|s| s.starts_with("gemv_q8_0")),
             "no Q8_0 GEMV: {n:?}"
