@@ -38,12 +38,18 @@ text = reply.choices[0].message.content
 check("Paris" in text, f"chat completion: {text!r}")
 check(reply.choices[0].finish_reason == "stop", "chat finish_reason stop")
 check(reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens, "chat usage adds up")
+fingerprint = reply.system_fingerprint
+check(
+    isinstance(fingerprint, str) and fingerprint.startswith("fp_") and len(fingerprint) == 15,
+    f"chat completion has a system_fingerprint ({fingerprint!r})",
+)
 
-pieces, usage, roles = [], None, []
+pieces, usage, roles, chunk_fingerprints = [], None, [], set()
 for chunk in client.chat.completions.create(
     model=model, messages=question, temperature=0, max_tokens=40, stream=True,
     stream_options={"include_usage": True},
 ):
+    chunk_fingerprints.add(chunk.system_fingerprint)
     if chunk.usage is not None:
         usage = chunk.usage
     for choice in chunk.choices:
@@ -53,6 +59,7 @@ for chunk in client.chat.completions.create(
             pieces.append(choice.delta.content)
 check("".join(pieces) == text, "streamed chat equals the non-streamed reply")
 check(roles == ["assistant"], f"the role comes once, first ({roles})")
+check(chunk_fingerprints == {fingerprint}, f"every chunk has the reply's system_fingerprint ({chunk_fingerprints})")
 check(usage is not None and usage.completion_tokens == reply.usage.completion_tokens, "streamed usage")
 
 comp = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=12)
@@ -70,6 +77,10 @@ def sampled(seed):
     r = client.completions.create(model=model, prompt="Once upon a time", temperature=1.0, seed=seed, max_tokens=24)
     return r.choices[0].text
 
+check(
+    client.completions.create(model=model, prompt="Hi", max_tokens=1).system_fingerprint == fingerprint,
+    "completions carry the chat's system_fingerprint",
+)
 a, b, c = sampled(7), sampled(7), sampled(8)
 check(a == b, "the same seed gives the same text")
 check(a != c, "another seed gives another text")

@@ -42,6 +42,8 @@ pub struct App {
     pub api_key: Option<String>,
     pub max_body: usize,
     pub next_id: AtomicU64,
+    /// `system_fingerprint` of every completion (see `serve::run`).
+    pub fingerprint: String,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -285,6 +287,7 @@ struct Reply {
     id: String,
     created: u64,
     model: String,
+    fingerprint: String,
     include_usage: bool,
     logprobs: bool,
     /// `echo`: the prompt's text, which each choice's text starts with.
@@ -329,6 +332,7 @@ async fn serve(
         ),
         created: unix_now(),
         model: app.ctx.model_id.clone(),
+        fingerprint: app.fingerprint.clone(),
         include_usage: prepared.include_usage,
         logprobs: prepared.params.logprobs.is_some(),
         echo: prepared.echo.then(|| app.ctx.tok.decode(&prepared.prompt)),
@@ -454,6 +458,7 @@ impl Reply {
             "object": object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": [choice],
         });
         if self.include_usage {
@@ -549,6 +554,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
         "object": object,
         "created": reply.created,
         "model": reply.model,
+        "system_fingerprint": reply.fingerprint,
         "choices": choices,
         "usage": reply.usage_value(usage),
     }))

@@ -71,7 +71,8 @@ pub fn run(
     let metrics = Arc::new(Metrics::default());
     let queue = Arc::new(Queue::new(opts.queue, metrics.clone()));
 
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+    // The engine thread answers with the engine's fingerprint once it runs.
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String>>();
     let engine_thread = {
         let (ctx, queue, metrics) = (ctx.clone(), queue.clone(), metrics.clone());
         let sched = SchedulerOptions {
@@ -84,11 +85,13 @@ pub fn run(
             .name("pulsar-engine".into())
             .spawn(move || {
                 let scheduler = engine().and_then(|engine| {
+                    let fingerprint = system_fingerprint(&engine);
                     Scheduler::new(engine, &ctx.tok, queue.clone(), metrics, sched)
+                        .map(|s| (s, fingerprint))
                 });
                 let scheduler = match scheduler {
-                    Ok(s) => {
-                        let _ = ready_tx.send(Ok(()));
+                    Ok((s, fingerprint)) => {
+                        let _ = ready_tx.send(Ok(fingerprint));
                         s
                     }
                     Err(e) => {
@@ -105,8 +108,8 @@ pub fn run(
             })
             .context("cannot start the engine thread")?
     };
-    match ready_rx.recv() {
-        Ok(Ok(())) => {}
+    let fingerprint = match ready_rx.recv() {
+        Ok(Ok(fingerprint)) => fingerprint,
         Ok(Err(e)) => {
             let _ = engine_thread.join();
             return Err(e);
@@ -115,7 +118,7 @@ pub fn run(
             let _ = engine_thread.join();
             anyhow::bail!("the engine thread failed while loading the model");
         }
-    }
+    };
 
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -144,6 +147,7 @@ pub fn run(
         api_key: opts.api_key.clone(),
         max_body: opts.max_body,
         next_id: AtomicU64::new(1),
+        fingerprint,
     });
     // The one line on stdout: scripts and tests read the address from it
     // (with --port 0 the system chose the port).
@@ -199,6 +203,26 @@ pub fn run(
     served?;
     eprintln!("pulsar serve: stopped");
     Ok(())
+}
+
+/// OpenAI's `system_fingerprint`: what, besides the model, the seed and the
+/// request, decides the bits of a reply. Here that is this build, the
+/// kernels (their ISA), the weights' packed formats, the threads and the
+/// blocking (summation order): two replies with the same fingerprint, model
+/// and seed are the same text.
+fn system_fingerprint(engine: &FastEngine) -> String {
+    use sha2::{Digest, Sha256};
+    let backend = format!(
+        "pulsar {}\n{}\n{}\nthreads {}\n{:?}",
+        env!("CARGO_PKG_VERSION"),
+        engine.kernels_name(),
+        engine.formats().describe(),
+        engine.threads(),
+        engine.blocking(),
+    );
+    let digest = Sha256::digest(backend.as_bytes());
+    let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+    format!("fp_{hex}")
 }
 
 /// Ctrl-C or SIGTERM.
