@@ -139,4 +139,29 @@ try:
 except openai.BadRequestError as e:
     check("strnig" in str(e), f"a bad schema raises BadRequestError naming it: {e}")
 
+# Embeddings: the client asks for base64 unless told otherwise, and decodes it.
+texts = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock prices fell sharply today."]
+emb = client.embeddings.create(model=model, input=texts)
+vectors = [d.embedding for d in emb.data]
+check(
+    [d.index for d in emb.data] == [0, 1, 2] and all(len(v) == 640 for v in vectors),
+    "embeddings.create gives one 640-value vector per input, in order",
+)
+check(all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors), "each embedding has length 1")
+check(emb.usage.prompt_tokens == emb.usage.total_tokens > 3, f"embedding usage ({emb.usage})")
+as_floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+check([d.embedding for d in as_floats.data] == vectors, "float and base64 encodings give the same values")
+
+
+def cosine(a, b):
+    return sum(x * y for x, y in zip(a, b))
+
+
+check(cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]), "the related sentence is nearer")
+try:
+    client.embeddings.create(model=model, input="x", dimensions=64)
+    check(False, "other dimensions are refused")
+except openai.BadRequestError as e:
+    check("640" in str(e), f"dimensions other than the model's raise BadRequestError: {e}")
+
 print("all checks passed")

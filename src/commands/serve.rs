@@ -84,6 +84,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     // The engine is built on the engine thread, where it then runs.
     let threads = args.threads;
+    let embedding_width = src.config.hidden;
     let src = Arc::new(src);
     let engine = move || -> Result<FastEngine> {
         let Some(kernels) = JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? else {
@@ -109,6 +110,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         compiler,
         context,
         model_id: model_id(&args.model),
+        embedding_width,
         defaults: args.defaults,
         chat_stop_ids,
         completion_stop_ids: end_ids,

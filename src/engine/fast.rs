@@ -36,6 +36,11 @@ pub struct FastEngine {
     /// obeys.
     blocking: Blocking,
     activations: Activations,
+    /// The last `forward_batch`'s rows after the final norm, `[tokens,
+    /// hidden]`, and each batch entry's rows in it (see
+    /// [`FastEngine::last_hidden`]).
+    last_hidden: Vec<f32>,
+    last_hidden_rows: Vec<std::ops::Range<usize>>,
 }
 
 /// A step over at most this many tokens of one sequence computes every
@@ -576,6 +581,8 @@ impl FastEngine {
                 ..blocking
             },
             activations,
+            last_hidden: Vec::new(),
+            last_hidden_rows: Vec::new(),
         })
     }
 
@@ -1241,6 +1248,17 @@ impl FastEngine {
         Ok(())
     }
 
+    /// The final hidden states (after the final norm, the LM head's input)
+    /// of entry `entry` of the last [`FastEngine::forward_batch`]: one row
+    /// of `hidden` values per token it fed, whether or not logits were
+    /// wanted; empty for an entry that step did not have.
+    pub fn last_hidden(&self, entry: usize) -> &[f32] {
+        let hidden = self.config.hidden;
+        self.last_hidden_rows.get(entry).map_or(&[][..], |rows| {
+            &self.last_hidden[rows.start * hidden..rows.end * hidden]
+        })
+    }
+
     /// One forward step over several sequences' tokens: each weight is read
     /// once for all of them. A sequence's run of at most
     /// [`EXACT_STEP_MAX_TOKENS`] is computed exactly as one-token steps
@@ -1269,6 +1287,7 @@ impl FastEngine {
                 );
             }
         }
+        self.last_hidden_rows.clear();
         let is_exact = |e: &SeqTokens| e.tokens.len() <= EXACT_STEP_MAX_TOKENS;
         // Exact runs first: the products take them as the leading rows.
         let order: Vec<usize> = (0..batch.len())
@@ -1335,6 +1354,10 @@ impl FastEngine {
         }
         let vocab = self.config.vocab_size;
         let logits = self.logits_of(&rows, exact_rows);
+        self.last_hidden_rows = (0..batch.len())
+            .map(|i| first_row[i]..first_row[i] + batch[i].tokens.len())
+            .collect();
+        self.last_hidden = normed;
         if let [only] = &wanted_rows[..]
             && only.len() == picked.len()
             && only

@@ -96,6 +96,12 @@ impl ReferenceEngine {
         logits
     }
 
+    /// Each position's final hidden state (after the final norm: the LM
+    /// head's input, what an embedding pools), without the logits.
+    pub fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.run(tokens, None)
+    }
+
     /// Like [`Engine::forward`] with every position's logits, also returning
     /// the hidden-state trace of each position.
     pub fn forward_traced(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, HiddenTrace)> {

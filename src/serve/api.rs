@@ -327,6 +327,19 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+/// `POST /v1/embeddings`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct EmbeddingRequest {
+    pub model: Option<String>,
+    /// One input or a batch: text, token ids, or a list of either.
+    pub input: Prompt,
+    /// `float` (the default) or `base64` (little-endian f32 values, what
+    /// OpenAI's Python client asks for).
+    pub encoding_format: Option<String>,
+    /// Only the model's own width is served.
+    pub dimensions: Option<u32>,
+}
+
 /// `usage`.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 pub struct Usage {

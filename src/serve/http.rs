@@ -5,7 +5,8 @@
 //! except through the request's own event channel.
 
 use super::api::{
-    ApiError, ChatRequest, CompletionRequest, TokenLogprob, Usage, completion_logprobs,
+    ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, TokenLogprob, Usage,
+    completion_logprobs,
 };
 use super::metrics::Metrics;
 use super::request::{Prepared, ServeContext};
@@ -21,6 +22,7 @@ use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use base64::Engine as _;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
@@ -50,6 +52,7 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(model))
         .route("/tokenize", post(tokenize))
@@ -255,7 +258,7 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 fn expected_shape(path: &str) -> &'static str {
     if path == "stop" {
         "a string or a list of strings"
-    } else if path == "prompt" {
+    } else if path == "prompt" || path == "input" {
         "a string, a list of token ids, or a list of one of those"
     } else if path.ends_with(".content") {
         "a string or a list of content parts"
@@ -354,6 +357,7 @@ async fn serve(
             },
             constraint: constraint.clone(),
             events: tx,
+            embed: false,
         });
         receivers.push(rx);
     }
@@ -364,6 +368,77 @@ async fn serve(
     } else {
         whole(reply, events).await
     }
+}
+
+/// `POST /v1/embeddings`: each input is read in a slot of its own, as a
+/// prompt is (in chunks between the decode steps of running streams), and
+/// its vector is the mean of its tokens' final hidden states, scaled to
+/// length 1.
+async fn embeddings(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    embed(app, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn embed(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let prepared = off_the_async_threads(&app, body, |ctx, body| {
+        ctx.prepare_embeddings(&parse_json::<EmbeddingRequest>(body)?)
+    })
+    .await?;
+    let count = prepared.inputs.len();
+    if count > app.queue.capacity() {
+        return Err(ApiError::invalid(
+            "input",
+            format!(
+                "{count} inputs: more than this server lets wait at once (--queue {}); \
+                 send them in smaller batches",
+                app.queue.capacity()
+            ),
+        ));
+    }
+    let prompt_tokens: usize = prepared.inputs.iter().map(Vec::len).sum();
+    let mut jobs = Vec::with_capacity(count);
+    let mut receivers = Vec::with_capacity(count);
+    for input in prepared.inputs {
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        jobs.push(Job {
+            prompt: input,
+            params: GenParams::read_only(),
+            constraint: None,
+            events: tx,
+            embed: true,
+        });
+        receivers.push(rx);
+    }
+    app.queue.submit(jobs)?;
+    // Dropped on a client's disconnect, which closes every input's channel
+    // and so ends the jobs still running.
+    let mut data = Vec::with_capacity(count);
+    for (index, rx) in receivers.iter_mut().enumerate() {
+        let vector = match rx.recv().await {
+            Some(Event::Embedding(vector)) => vector,
+            Some(Event::Failed(e)) => return Err(e),
+            _ => return Err(ended_early()),
+        };
+        let embedding = if prepared.base64 {
+            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+            Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+        } else {
+            json!(vector)
+        };
+        data.push(json!({
+            "object": "embedding",
+            "index": index,
+            "embedding": embedding,
+        }));
+    }
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": app.ctx.model_id,
+        "usage": { "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens },
+    }))
+    .into_response())
 }
 
 /// The event channels of a request's choices, read together: a choice
@@ -517,7 +592,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
                 events.close(i);
             }
             Some(Event::Failed(e)) => return Err(e),
-            None => return Err(ended_early()),
+            Some(Event::Embedding(_)) | None => return Err(ended_early()),
         }
     }
     let choices: Vec<Value> = collected
@@ -656,7 +731,7 @@ impl Streaming {
                         self.phase = Phase::Done;
                         return Some(data(&e.body()));
                     }
-                    Some((_, None)) => {
+                    Some((_, None | Some(Event::Embedding(_)))) => {
                         self.phase = Phase::Done;
                         return Some(data(&ended_early().body()));
                     }

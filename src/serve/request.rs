@@ -2,7 +2,8 @@
 //! the compiled output constraint. Every refusal is a 400 naming the field.
 
 use super::api::{
-    ApiError, ChatRequest, CompletionRequest, Content, Message, Prompt, ResponseFormat, Sampling,
+    ApiError, ChatRequest, CompletionRequest, Content, EmbeddingRequest, Message, Prompt,
+    ResponseFormat, Sampling,
 };
 use super::slot::GenParams;
 use crate::chat_template::ChatTemplate;
@@ -28,6 +29,8 @@ pub struct ServeContext {
     /// Tokens one sequence holds (`-c`).
     pub context: usize,
     pub model_id: String,
+    /// Values per embedding: the model's hidden width.
+    pub embedding_width: usize,
     /// The defaults for settings a request leaves out (`pulsar run`'s).
     pub defaults: SamplerConfig,
     /// Ids that end a chat reply (EOS, `<end_of_turn>`, the template's stop
@@ -47,6 +50,14 @@ pub struct Prepared {
     pub choices: usize,
     /// `echo` (completions): each choice's text starts with the prompt's.
     pub echo: bool,
+}
+
+/// An embeddings request ready for the queue.
+pub struct PreparedEmbeddings {
+    /// Each input's tokens, in order.
+    pub inputs: Vec<Vec<u32>>,
+    /// `encoding_format: "base64"`.
+    pub base64: bool,
 }
 
 /// What a reply reports besides its text.
@@ -432,6 +443,110 @@ impl ServeContext {
 
     /// `prompt`: text is plain completion with BOS (as `pulsar run --raw`),
     /// token ids are used as they are.
+    /// `POST /v1/embeddings`: each input's tokens (text gets BOS first, as
+    /// a prompt does), none empty, none longer than a sequence's context.
+    pub fn prepare_embeddings(
+        &self,
+        req: &EmbeddingRequest,
+    ) -> Result<PreparedEmbeddings, ApiError> {
+        let base64 = match req.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "encoding_format",
+                    format!("encoding_format \"{other}\": use \"float\" or \"base64\""),
+                ));
+            }
+        };
+        let width = self.embedding_width;
+        if let Some(d) = req.dimensions
+            && d as usize != width
+        {
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!(
+                    "dimensions = {d}: this model's embeddings have {width} values; \
+                     leave dimensions out or set it to {width}"
+                ),
+            ));
+        }
+        let inputs: Vec<(String, Vec<u32>)> = match &req.input {
+            Prompt::Text(text) => vec![("input".into(), self.tok.encode(text, true))],
+            Prompt::Texts(texts) => texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (format!("input[{i}]"), self.tok.encode(t, true)))
+                .collect(),
+            Prompt::Tokens(ids) => vec![("input".into(), ids.clone())],
+            Prompt::TokenLists(lists) => lists
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| (format!("input[{i}]"), ids.clone()))
+                .collect(),
+        };
+        if inputs.is_empty() {
+            return Err(ApiError::invalid("input", "input is an empty list"));
+        }
+        // An empty text would be BOS alone: refused, as OpenAI refuses it.
+        let texts: Vec<&str> = match &req.input {
+            Prompt::Text(text) => vec![text],
+            Prompt::Texts(texts) => texts.iter().map(String::as_str).collect(),
+            Prompt::Tokens(_) | Prompt::TokenLists(_) => Vec::new(),
+        };
+        if let Some(i) = texts.iter().position(|t| t.is_empty()) {
+            let field = match req.input {
+                Prompt::Text(_) => "input".to_string(),
+                _ => format!("input[{i}]"),
+            };
+            return Err(ApiError::invalid(
+                field.clone(),
+                format!("{field} is empty"),
+            ));
+        }
+        for (field, ids) in &inputs {
+            self.check_ids(ids, field)?;
+            if ids.len() > self.context {
+                return Err(ApiError::invalid(
+                    field.clone(),
+                    format!(
+                        "{field} has {} tokens but a sequence's context holds {} tokens (-c {}): \
+                         shorten it",
+                        ids.len(),
+                        self.context,
+                        self.context
+                    ),
+                )
+                .with_code("context_length_exceeded"));
+            }
+        }
+        Ok(PreparedEmbeddings {
+            inputs: inputs.into_iter().map(|(_, ids)| ids).collect(),
+            base64,
+        })
+    }
+
+    /// Token ids from a client: at least one, each in the vocabulary.
+    fn check_ids(&self, ids: &[u32], field: &str) -> Result<(), ApiError> {
+        if ids.is_empty() {
+            return Err(ApiError::invalid(field, format!("{field} has no tokens")));
+        }
+        if let Some(i) = ids
+            .iter()
+            .position(|&id| id as usize >= self.tok.vocab_size())
+        {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!(
+                    "token id {} is outside the vocabulary ({} tokens)",
+                    ids[i],
+                    self.tok.vocab_size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn completion_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
         let only_one = |n: usize| {
             ApiError::invalid(
@@ -453,22 +568,7 @@ impl ServeContext {
                 _ => return Err(only_one(lists.len())),
             },
         };
-        if ids.is_empty() {
-            return Err(ApiError::invalid("prompt", "the prompt has no tokens"));
-        }
-        if let Some(i) = ids
-            .iter()
-            .position(|&id| id as usize >= self.tok.vocab_size())
-        {
-            return Err(ApiError::invalid(
-                format!("prompt[{i}]"),
-                format!(
-                    "token id {} is outside the vocabulary ({} tokens)",
-                    ids[i],
-                    self.tok.vocab_size()
-                ),
-            ));
-        }
+        self.check_ids(&ids, "prompt")?;
         Ok(ids)
     }
 }

@@ -56,8 +56,8 @@ use super::api::ApiError;
 use super::metrics::Metrics;
 use super::slot::{Event, GenParams, Generation, Outcome, prompt_logprobs};
 use crate::constrain::{CompiledConstraint, NextTokens};
-use crate::engine::LogitsWanted;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
+use crate::engine::{Engine, LogitsWanted};
 use crate::speculative::policy::{BatchStepTimes, batch_draft_lens};
 use crate::speculative::{DraftOffer, Drafter, Speculation};
 use crate::tokenizer::Tokenizer;
@@ -94,6 +94,10 @@ pub struct Job {
     /// matcher from it.
     pub constraint: Option<Arc<CompiledConstraint>>,
     pub events: mpsc::Sender<Event>,
+    /// An embedding: the prompt is read for its final hidden states (no
+    /// logits, no token generated) and answered with one
+    /// [`Event::Embedding`].
+    pub embed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,6 +137,11 @@ impl Queue {
             metrics,
             failed: AtomicBool::new(false),
         }
+    }
+
+    /// Most jobs that may wait at once (`--queue`).
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn engine_failed(&self) -> bool {
@@ -246,6 +255,42 @@ struct Active<'t> {
     /// Alternatives per token when the prompt's own log-probabilities are
     /// reported (`echo` with `logprobs`).
     scores_prompt: Option<usize>,
+    /// An embedding job's pooling so far.
+    embedding: Option<MeanPool>,
+}
+
+/// The running sum of a prompt's final hidden states, for its embedding.
+struct MeanPool {
+    sum: Vec<f64>,
+    rows: usize,
+}
+
+impl MeanPool {
+    fn new(width: usize) -> MeanPool {
+        MeanPool {
+            sum: vec![0.0; width],
+            rows: 0,
+        }
+    }
+
+    /// Adds rows of `sum.len()` values each.
+    fn add(&mut self, rows: &[f32]) {
+        for row in rows.chunks_exact(self.sum.len()) {
+            for (s, &v) in self.sum.iter_mut().zip(row) {
+                *s += f64::from(v);
+            }
+            self.rows += 1;
+        }
+    }
+
+    /// The mean row scaled to length 1 (as OpenAI's embeddings are, so a
+    /// dot product is the cosine similarity).
+    fn unit_mean(&self) -> Vec<f32> {
+        let norm = self.sum.iter().map(|v| v * v).sum::<f64>().sqrt();
+        // The mean's direction is the sum's; a zero sum stays zero.
+        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        self.sum.iter().map(|v| (v * scale) as f32).collect()
+    }
 }
 
 struct Slot<'t> {
@@ -448,9 +493,10 @@ impl<'t> Scheduler<'t> {
             .params
             .prompt_logprobs
             .then(|| job.params.logprobs.unwrap_or(0));
-        let reuse = match scores_prompt {
-            Some(_) => 0,
-            None => reusable(&slot.cached, slot.bulk_len, &job.prompt),
+        // So is an embedding's: it pools every position's hidden state.
+        let reuse = match (scores_prompt, job.embed) {
+            (None, false) => reusable(&slot.cached, slot.bulk_len, &job.prompt),
+            _ => 0,
         };
         self.engine.truncate_sequence(slot.seq, reuse);
         slot.cached.truncate(reuse);
@@ -481,6 +527,9 @@ impl<'t> Scheduler<'t> {
             stalled_since: None,
             order: self.clock,
             scores_prompt,
+            embedding: job
+                .embed
+                .then(|| MeanPool::new(self.engine.config().hidden)),
         });
     }
 
@@ -496,7 +545,10 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &self.slots[i].active else {
                 continue;
             };
-            if active.fed >= active.prompt.len() || active.scores_prompt.is_some() {
+            if active.fed >= active.prompt.len()
+                || active.scores_prompt.is_some()
+                || active.embedding.is_some()
+            {
                 continue;
             }
             let best = self
@@ -581,17 +633,20 @@ impl<'t> Scheduler<'t> {
                 continue;
             }
             let left = active.prompt.len() - active.fed;
-            // A scored prompt wants every row's logits.
+            // A scored prompt wants every row's logits, an embedding none.
             let scored = active.scores_prompt.is_some();
+            let embeds = active.embedding.is_some();
             if left > 0 {
                 if active.exact_prompt {
                     let tokens = active.prompt[active.fed..].to_vec();
-                    let wanted = if scored {
-                        LogitsWanted::All
+                    let wanted = if embeds {
+                        None
+                    } else if scored {
+                        Some(LogitsWanted::All)
                     } else {
-                        LogitsWanted::Last
+                        Some(LogitsWanted::Last)
                     };
-                    plan.push((i, tokens, Some(wanted), left));
+                    plan.push((i, tokens, wanted, left));
                 } else if !bulk_taken {
                     // One bulk run per step keeps the step short for the
                     // streams decoding beside it.
@@ -606,7 +661,7 @@ impl<'t> Scheduler<'t> {
                     let wanted = if scored {
                         Some(LogitsWanted::All)
                     } else {
-                        (n == left).then_some(LogitsWanted::Last)
+                        (n == left && !embeds).then_some(LogitsWanted::Last)
                     };
                     plan.push((i, tokens, wanted, n));
                 }
@@ -694,7 +749,10 @@ impl<'t> Scheduler<'t> {
         let mut work: Vec<(usize, Vec<f32>, Option<NextTokens>)> = Vec::new();
         // (slot, tokens fed) per request in the step.
         let fed: Vec<(usize, usize)> = plan.iter().map(|(i, t, ..)| (*i, t.len())).collect();
-        for ((i, tokens, wanted, prompt_fed), logits) in plan.into_iter().zip(logits) {
+        let mut embedded = Vec::new();
+        for (entry, ((i, tokens, wanted, prompt_fed), logits)) in
+            plan.into_iter().zip(logits).enumerate()
+        {
             let slot = &mut self.slots[i];
             slot.cached.extend_from_slice(&tokens);
             let Some(active) = &mut slot.active else {
@@ -704,6 +762,14 @@ impl<'t> Scheduler<'t> {
             active.fed += prompt_fed;
             if prompt_fed > 0 && !active.exact_prompt {
                 slot.bulk_len = slot.cached.len();
+            }
+            if let Some(pool) = &mut active.embedding {
+                pool.add(self.engine.last_hidden(entry));
+                if active.fed == active.prompt.len() {
+                    active.outbox.push_back(Event::Embedding(pool.unit_mean()));
+                    embedded.push(i);
+                }
+                continue;
             }
             let mut logits = logits;
             if let (Some(top), true) = (active.scores_prompt, prompt_fed > 0) {
@@ -723,6 +789,9 @@ impl<'t> Scheduler<'t> {
                     .map(|at| masks.swap_remove(at).1);
                 work.push((i, logits, allowed));
             }
+        }
+        for i in embedded {
+            self.finish(i);
         }
         let results = self.sample_all(work);
         let mut generated = 0;

@@ -43,6 +43,26 @@ pub struct GenParams {
     pub prompt_logprobs: bool,
 }
 
+impl GenParams {
+    /// For a request that generates nothing (an embedding): its prompt is
+    /// read and no token is ever sampled.
+    pub fn read_only() -> GenParams {
+        GenParams {
+            sampling: SamplerConfig::greedy(),
+            seed: 0,
+            max_tokens: 0,
+            stop_strings: Vec::new(),
+            stop_ids: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
+            trim: false,
+            prompt_logprobs: false,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// A stop token, a stop string, or a complete output constraint.
@@ -75,6 +95,9 @@ pub enum Event {
     PromptLogprobs(Vec<TokenLogprob>),
     /// The end, with exact counts.
     Done { reason: FinishReason, usage: Usage },
+    /// An embedding job's vector (its only event): the mean of its
+    /// tokens' final hidden states, scaled to length 1.
+    Embedding(Vec<f32>),
     /// The request could not be served (sent instead of `Done`).
     Failed(ApiError),
 }
