@@ -72,6 +72,13 @@ streamed = "".join(
     if c.choices
 )
 check(streamed == comp.choices[0].text, "streamed completion equals the non-streamed one")
+batch = client.completions.create(
+    model=model, prompt=["The capital of France is", "Once upon a time"], temperature=0, max_tokens=12
+)
+check(
+    [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == comp.choices[0].text,
+    "a list of prompts gets one choice each, in order, as when sent alone",
+)
 
 def sampled(seed):
     r = client.completions.create(model=model, prompt="Once upon a time", temperature=1.0, seed=seed, max_tokens=24)

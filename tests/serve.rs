@@ -248,6 +248,14 @@ fn chat_text(v: &Value) -> String {
         .to_string()
 }
 
+/// Choice `i`'s text of a completion reply.
+fn completion_text_of(v: &Value, i: usize) -> String {
+    v["choices"][i]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("choices[{i}].text: {v}"))
+        .to_string()
+}
+
 fn completion_text(v: &Value) -> String {
     v["choices"][0]["text"]
         .as_str()
@@ -856,6 +864,59 @@ fn several_choices_per_request() {
         "seeds 42..44 drew the same text: {together}"
     );
 
+    // A list of prompts, n each: choice i of prompt p is at index p * n +
+    // i and is what a request with that prompt alone gets; each prompt is
+    // counted once in usage; echo starts each choice with its own prompt.
+    let short = ["The capital of France is", "Two plus two is"];
+    let batch = s.ok(
+        "/v1/completions",
+        &json!({"prompt": short, "n": 2, "temperature": 0.9, "seed": 7,
+                "max_tokens": 6, "echo": true}),
+    );
+    let choices = batch["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4, "{batch}");
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (p, text) in short.iter().enumerate() {
+        let alone = s.ok(
+            "/v1/completions",
+            &json!({"prompt": text, "n": 2, "temperature": 0.9, "seed": 7, "max_tokens": 6}),
+        );
+        for i in 0..2 {
+            let choice = &choices[p * 2 + i];
+            assert_eq!(choice["index"], p * 2 + i, "{batch}");
+            assert_eq!(
+                choice["text"].as_str().expect("text"),
+                format!("{text}{}", completion_text_of(&alone, i)),
+                "prompt {p} choice {i}"
+            );
+        }
+        prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().expect("count");
+        completion_tokens += alone["usage"]["completion_tokens"].as_u64().expect("count");
+    }
+    assert_eq!(batch["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(batch["usage"]["completion_tokens"], completion_tokens);
+    // Streamed, each chunk names its choice; the usage is the same.
+    let streamed_body = json!({"prompt": short, "n": 2, "temperature": 0.9, "seed": 7,
+                                   "max_tokens": 6, "echo": true, "stream": true,
+                                   "stream_options": {"include_usage": true}});
+    let chunks = stream(&s, "/v1/completions", &streamed_body).all();
+    let mut texts = vec![String::new(); 4];
+    for c in &chunks[..chunks.len() - 1] {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().expect("index") as usize;
+        texts[i].push_str(choice["text"].as_str().unwrap_or(""));
+    }
+    for (i, text) in texts.iter().enumerate() {
+        assert_eq!(
+            Some(text.as_str()),
+            choices[i]["text"].as_str(),
+            "choice {i}"
+        );
+    }
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
+    assert_eq!(usage["completion_tokens"], completion_tokens);
+
     // Streamed chat, greedy: both choices are the one greedy reply.
     let body = json!({"messages": user("Name a fruit."), "temperature": 0, "max_tokens": 16});
     let single = s.ok("/v1/chat/completions", &body);
@@ -1290,8 +1351,22 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     assert_error(st, &b, 400, Some("suffix"), &["not supported"]);
     let (st, b) = s.call("/v1/completions", &json!({"prompt": [1, 2, 99999999]}));
     assert_error(st, &b, 400, Some("prompt[2]"), &["99999999", "vocabulary"]);
-    let (st, b) = s.call("/v1/completions", &json!({"prompt": ["a", "b"]}));
-    assert_error(st, &b, 400, Some("prompt"), &["2 prompts"]);
+    // A list of prompts: each is checked and named by its place.
+    let (st, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": [[2, 818], [2, 99999999]]}),
+    );
+    assert_error(st, &b, 400, Some("prompt[1][1]"), &["vocabulary"]);
+    let (st, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": ["a", "word ".repeat(300)]}),
+    );
+    assert_error(st, &b, 400, Some("prompt[1]"), &["256"]);
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": vec!["a"; 33], "n": 2}));
+    assert_error(st, &b, 400, Some("prompt"), &["66 sequences", "--queue"]);
+    let (st, b) = s.call("/v1/completions", &json!({"prompt": []}));
+    assert_error(st, &b, 400, Some("prompt"), &["no tokens"]);
 
     // Malformed JSON.
     let r = client()

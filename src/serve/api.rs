@@ -367,17 +367,27 @@ impl Usage {
         }
     }
 
-    /// The usage of a request with several choices (`n`) of one prompt:
-    /// the prompt counted once (as OpenAI counts it), the choices' tokens
-    /// added up, and as cached the prompt tokens no choice had to prefill.
-    pub fn with_choice(self, other: Usage) -> Usage {
-        Usage::new(
-            self.prompt_tokens,
-            self.prompt_tokens_details
-                .cached_tokens
-                .min(other.prompt_tokens_details.cached_tokens),
-            self.completion_tokens + other.completion_tokens,
-        )
+    /// The usage of a request from its choices' own, in order, `n` per
+    /// prompt (`None` for a choice that has not ended). Each prompt is
+    /// counted once (as OpenAI counts it) with, as cached, the tokens none
+    /// of its choices had to prefill; the choices' tokens are added up.
+    /// `None` until every choice has ended.
+    pub fn of_request(choices: &[Option<Usage>], n: usize) -> Option<Usage> {
+        let mut total = Usage::new(0, 0, 0);
+        for prompt in choices.chunks(n.max(1)) {
+            let mut prompt_tokens = 0;
+            let mut cached = usize::MAX;
+            for usage in prompt {
+                let usage = (*usage)?;
+                prompt_tokens = usage.prompt_tokens;
+                cached = cached.min(usage.prompt_tokens_details.cached_tokens);
+                total.completion_tokens += usage.completion_tokens;
+            }
+            total.prompt_tokens += prompt_tokens;
+            total.prompt_tokens_details.cached_tokens += cached;
+        }
+        total.total_tokens = total.prompt_tokens + total.completion_tokens;
+        Some(total)
     }
 }
 

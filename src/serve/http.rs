@@ -293,8 +293,18 @@ struct Reply {
     fingerprint: String,
     include_usage: bool,
     logprobs: bool,
-    /// `echo`: the prompt's text, which each choice's text starts with.
-    echo: Option<String>,
+    /// Choices per prompt (`n`): choice `i` is of prompt `i / n`.
+    choices_per_prompt: usize,
+    /// `echo`: each prompt's text, which its choices' texts start with.
+    echo: Option<Vec<String>>,
+}
+
+impl Reply {
+    /// The echoed text choice `i` starts with.
+    fn echoed(&self, i: usize) -> Option<&str> {
+        let prompts = self.echo.as_ref()?;
+        prompts.get(i / self.choices_per_prompt).map(String::as_str)
+    }
 }
 
 async fn chat_completions(
@@ -337,29 +347,52 @@ async fn serve(
         model: app.ctx.model_id.clone(),
         fingerprint: app.fingerprint.clone(),
         include_usage: prepared.include_usage,
-        logprobs: prepared.params.logprobs.is_some(),
-        echo: prepared.echo.then(|| app.ctx.tok.decode(&prepared.prompt)),
+        logprobs: prepared.prompts.iter().any(|p| p.params.logprobs.is_some()),
+        choices_per_prompt: prepared.choices,
+        echo: prepared.echo.then(|| {
+            prepared
+                .prompts
+                .iter()
+                .map(|p| app.ctx.tok.decode(&p.tokens))
+                .collect()
+        }),
     };
     let stream = prepared.stream;
-    // Each choice is a sequence of its own. Choice i draws with the seed
-    // plus i, so that with a seed the choices differ from each other and
-    // the set is the same on every run.
+    let sequences = prepared.prompts.len() * prepared.choices;
+    if prepared.prompts.len() > 1 && sequences > app.queue.capacity() {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "{} prompts with n = {} are {sequences} sequences: more than this server \
+                 lets wait at once (--queue {}); send fewer prompts per request",
+                prepared.prompts.len(),
+                prepared.choices,
+                app.queue.capacity()
+            ),
+        ));
+    }
+    // Each choice is a sequence of its own. Choice i of a prompt draws
+    // with the seed plus i, so that with a seed the choices differ from
+    // each other, the set is the same on every run, and each prompt of a
+    // list gets what a request with it alone gets.
     let constraint = prepared.constraint.map(Arc::new);
-    let mut jobs = Vec::with_capacity(prepared.choices);
-    let mut receivers = Vec::with_capacity(prepared.choices);
-    for i in 0..prepared.choices {
-        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        jobs.push(Job {
-            prompt: prepared.prompt.clone(),
-            params: GenParams {
-                seed: prepared.params.seed.wrapping_add(i as u64),
-                ..prepared.params.clone()
-            },
-            constraint: constraint.clone(),
-            events: tx,
-            embed: false,
-        });
-        receivers.push(rx);
+    let mut jobs = Vec::with_capacity(sequences);
+    let mut receivers = Vec::with_capacity(sequences);
+    for prompt in &prepared.prompts {
+        for i in 0..prepared.choices {
+            let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+            jobs.push(Job {
+                prompt: prompt.tokens.clone(),
+                params: GenParams {
+                    seed: prompt.params.seed.wrapping_add(i as u64),
+                    ..prompt.params.clone()
+                },
+                constraint: constraint.clone(),
+                events: tx,
+                embed: false,
+            });
+            receivers.push(rx);
+        }
     }
     app.queue.submit(jobs)?;
     let events = ChoiceEvents::new(receivers);
@@ -572,7 +605,7 @@ struct Collected {
 /// Collects a request's events, every choice's, into one JSON reply.
 async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiError> {
     let mut collected: Vec<Collected> = (0..events.count()).map(|_| Collected::default()).collect();
-    let mut usage: Option<Usage> = None;
+    let mut usages: Vec<Option<Usage>> = vec![None; events.count()];
     while let Some((i, event)) = events.next().await {
         match event {
             Some(Event::Delta {
@@ -588,7 +621,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
                 usage: choice_usage,
             }) => {
                 collected[i].reason = Some(reason.as_str());
-                usage = Some(usage.map_or(choice_usage, |u| u.with_choice(choice_usage)));
+                usages[i] = Some(choice_usage);
                 events.close(i);
             }
             Some(Event::Failed(e)) => return Err(e),
@@ -599,7 +632,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
         .into_iter()
         .enumerate()
         .map(|(index, mut c)| {
-            if let Some(prompt) = &reply.echo {
+            if let Some(prompt) = reply.echoed(index) {
                 c.text.insert_str(0, prompt);
             }
             let logprobs = reply.logprobs_value(&c.logprobs, 0);
@@ -623,7 +656,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
         Kind::Chat => "chat.completion",
         Kind::Completion => "text_completion",
     };
-    let usage = usage.ok_or_else(ended_early)?;
+    let usage = Usage::of_request(&usages, reply.choices_per_prompt).ok_or_else(ended_early)?;
     Ok(axum::Json(json!({
         "id": reply.id,
         "object": object,
@@ -658,7 +691,8 @@ struct Streaming {
     phase: Phase,
     /// Choices whose role chunk went out (chat).
     started: usize,
-    usage: Option<Usage>,
+    /// Each choice's usage, once it ended.
+    usages: Vec<Option<Usage>>,
     /// Bytes of text sent per choice, for the completions' `text_offset`.
     sent: Vec<usize>,
     /// `echo`: each choice's prompt chunk, sent before its first text,
@@ -676,7 +710,7 @@ fn data(value: &Value) -> SseEvent {
 impl Streaming {
     /// Choice `i`'s echoed prompt, once, before its first text or end.
     fn echo(&mut self, i: usize) {
-        let Some(prompt) = &self.reply.echo else {
+        let Some(prompt) = self.reply.echoed(i).map(str::to_string) else {
             return;
         };
         if std::mem::replace(&mut self.echoed[i], true) {
@@ -685,7 +719,7 @@ impl Streaming {
         let logprobs = std::mem::take(&mut self.prompt_logprobs[i]);
         let lp = self.reply.logprobs_value(&logprobs, 0);
         self.sent[i] = prompt.len();
-        let choice = self.reply.delta(i, prompt, lp, None);
+        let choice = self.reply.delta(i, &prompt, lp, None);
         self.queued.push_back(data(&self.reply.chunk(choice)));
     }
 
@@ -722,7 +756,7 @@ impl Streaming {
                     }
                     Some((i, Some(Event::Done { reason, usage }))) => {
                         self.echo(i);
-                        self.usage = Some(self.usage.map_or(usage, |u| u.with_choice(usage)));
+                        self.usages[i] = Some(usage);
                         self.events.close(i);
                         let choice = self.reply.delta(i, "", Value::Null, Some(reason.as_str()));
                         self.queued.push_back(data(&self.reply.chunk(choice)));
@@ -739,7 +773,8 @@ impl Streaming {
                 },
                 Phase::Usage => {
                     self.phase = Phase::Done;
-                    if let (true, Some(usage)) = (self.reply.include_usage, self.usage) {
+                    let usage = Usage::of_request(&self.usages, self.reply.choices_per_prompt);
+                    if let (true, Some(usage)) = (self.reply.include_usage, usage) {
                         let mut chunk = self.reply.chunk(Value::Null);
                         chunk["choices"] = json!([]);
                         chunk["usage"] = self.reply.usage_value(usage);
@@ -763,7 +798,7 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         events,
         phase: Phase::Start,
         started: 0,
-        usage: None,
+        usages: vec![None; count],
         sent: vec![0; count],
         echoed: vec![false; count],
         prompt_logprobs: vec![Vec::new(); count],

@@ -39,10 +39,18 @@ pub struct ServeContext {
     pub completion_stop_ids: Vec<u32>,
 }
 
+/// One prompt of a request and its settings (`max_tokens` is capped by
+/// the context that prompt leaves).
+pub struct PreparedPrompt {
+    pub tokens: Vec<u32>,
+    pub params: GenParams,
+}
+
 /// A request ready for the queue.
 pub struct Prepared {
-    pub prompt: Vec<u32>,
-    pub params: GenParams,
+    /// One for a chat; a completion may send a list (a batch), each
+    /// prompt with `choices` choices of its own.
+    pub prompts: Vec<PreparedPrompt>,
     pub constraint: Option<CompiledConstraint>,
     pub stream: bool,
     pub include_usage: bool,
@@ -135,11 +143,13 @@ impl ServeContext {
             &mut stop_strings,
         )?;
         Ok(Prepared {
-            params: GenParams {
-                trim: true,
-                ..params
-            },
-            prompt,
+            prompts: vec![PreparedPrompt {
+                tokens: prompt,
+                params: GenParams {
+                    trim: true,
+                    ..params
+                },
+            }],
             constraint,
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
@@ -181,22 +191,23 @@ impl ServeContext {
         }
         let sampling = req.sampling();
         let constraint = self.constraint(&sampling)?;
-        let prompt = self.completion_prompt(&req.prompt)?;
-        let mut stop_strings = Vec::new();
-        let params = self.params(
-            &sampling,
-            &prompt,
-            "prompt",
-            Report {
-                top_logprobs: top.map(|n| n as u32),
-                echo,
-            },
-            self.completion_stop_ids.clone(),
-            &mut stop_strings,
-        )?;
+        let mut prompts = Vec::new();
+        for (field, tokens) in self.completion_prompts(&req.prompt)? {
+            let params = self.params(
+                &sampling,
+                &tokens,
+                &field,
+                Report {
+                    top_logprobs: top.map(|n| n as u32),
+                    echo,
+                },
+                self.completion_stop_ids.clone(),
+                &mut Vec::new(),
+            )?;
+            prompts.push(PreparedPrompt { tokens, params });
+        }
         Ok(Prepared {
-            params,
-            prompt,
+            prompts,
             constraint,
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
@@ -547,29 +558,31 @@ impl ServeContext {
         Ok(())
     }
 
-    fn completion_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-        let only_one = |n: usize| {
-            ApiError::invalid(
-                "prompt",
-                format!(
-                    "prompt is a list of {n} prompts; this server takes one prompt per request"
-                ),
-            )
+    /// The prompts of a completion request, each with the field it came
+    /// from (`prompt`, or `prompt[i]` in a list): text gets BOS first, as
+    /// `pulsar run --raw` does.
+    fn completion_prompts(&self, prompt: &Prompt) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+        let prompts: Vec<(String, Vec<u32>)> = match prompt {
+            Prompt::Text(text) => vec![("prompt".into(), self.tok.encode(text, true))],
+            Prompt::Tokens(ids) => vec![("prompt".into(), ids.clone())],
+            Prompt::Texts(texts) => texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (format!("prompt[{i}]"), self.tok.encode(t, true)))
+                .collect(),
+            Prompt::TokenLists(lists) => lists
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| (format!("prompt[{i}]"), ids.clone()))
+                .collect(),
         };
-        let ids = match prompt {
-            Prompt::Text(text) => return Ok(self.tok.encode(text, true)),
-            Prompt::Texts(texts) => match texts.as_slice() {
-                [text] => return Ok(self.tok.encode(text, true)),
-                _ => return Err(only_one(texts.len())),
-            },
-            Prompt::Tokens(ids) => ids.clone(),
-            Prompt::TokenLists(lists) => match lists.as_slice() {
-                [ids] => ids.clone(),
-                _ => return Err(only_one(lists.len())),
-            },
-        };
-        self.check_ids(&ids, "prompt")?;
-        Ok(ids)
+        if prompts.is_empty() {
+            return Err(ApiError::invalid("prompt", "prompt is an empty list"));
+        }
+        for (field, ids) in &prompts {
+            self.check_ids(ids, field)?;
+        }
+        Ok(prompts)
     }
 }
 
