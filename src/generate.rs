@@ -524,6 +524,11 @@ mod tests {
             }
             Ok(rows)
         }
+
+        // This fake's hidden states are its logits (an identity LM head).
+        fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.forward(tokens, LogitsWanted::All)
+        }
     }
 
     #[derive(Clone)]

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod chat_template;
 pub mod commands;
 pub mod constrain;
+pub mod embedding;
 pub mod engine;
 pub mod fs_atomic;
 #[doc(hidden)]

@@ -498,6 +498,25 @@ enum Command {
         #[arg(long, value_enum, default_value = "native")]
         dtype: RunDtypeArg,
     },
+    /// Print a text's embedding (the mean of its tokens' final hidden states, length 1) as a
+    /// JSON list, as `pulsar serve`'s /v1/embeddings computes it.
+    Embed {
+        #[arg(short, long)]
+        model: Option<PathBuf>,
+        /// The text (BOS is put first).
+        #[arg(short, long, required_unless_present = "file")]
+        prompt: Option<String>,
+        /// A file whose text is embedded instead of -p.
+        #[arg(short, long, conflicts_with = "prompt")]
+        file: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "jit")]
+        engine: EngineArg,
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+        /// Formats of the fast engine's matrices.
+        #[arg(long, value_enum, default_value = "native")]
+        dtype: RunDtypeArg,
+    },
     /// Perplexity of a text the way llama-perplexity measures it; with --kl-base, the KL
     /// divergence from a run saved with --save-logits.
     Perplexity {
@@ -614,6 +633,21 @@ fn run(command: Command) -> anyhow::Result<()> {
             prompt: prompt.as_deref(),
             all,
             output: &output,
+            engine: engine.into(),
+            threads,
+            dtype: dtype.into(),
+        }),
+        Command::Embed {
+            model,
+            prompt,
+            file,
+            engine,
+            threads,
+            dtype,
+        } => commands::embed::run(&commands::embed::EmbedArgs {
+            model: &commands::resolve_model(model.as_deref())?,
+            prompt: prompt.as_deref(),
+            file: file.as_deref(),
             engine: engine.into(),
             threads,
             dtype: dtype.into(),

@@ -80,6 +80,11 @@ impl Engine for Successor {
                 .unwrap_or_default(),
         })
     }
+
+    // This fake's hidden states are its logits (an identity LM head).
+    fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward(tokens, LogitsWanted::All)
+    }
 }
 
 fn measure_all(engine: &mut Successor, tokens: &[u32], plan: &WindowPlan) -> (NllStats, Vec<u32>) {

@@ -1115,10 +1115,12 @@ fn embeddings_pool_the_final_hidden_states() {
     let src = pulsar::model::source::ModelSource::open(&model).expect("model opens");
     let mut reference = pulsar::engine::reference::ReferenceEngine::load(&src).expect("loads");
     for (ids, got) in [&short_ids, &long_ids].into_iter().zip(&got) {
-        pulsar::engine::Engine::truncate(&mut reference, 0);
+        use pulsar::engine::Engine;
+        reference.truncate(0);
         let rows = reference.final_hidden(ids).expect("reference runs");
-        let mut mean = vec![0.0f64; rows[0].len()];
-        for row in &rows {
+        let width = reference.config().hidden;
+        let mut mean = vec![0.0f64; width];
+        for row in rows.chunks_exact(width) {
             for (m, &v) in mean.iter_mut().zip(row) {
                 *m += f64::from(v);
             }
@@ -1143,6 +1145,11 @@ fn embeddings_pool_the_final_hidden_states() {
             ids.len()
         );
     }
+    // `pulsar embed` computes the same vector (the short text is one exact
+    // run in both, so the same bits).
+    let cli: Vec<f32> =
+        serde_json::from_str(&pulsar_cmd(&["embed", "-p", short])).expect("a JSON list");
+    assert_eq!(cli, got[0]);
     // Related sentences are nearer than unrelated ones.
     let v = s.ok(
         path,

@@ -316,6 +316,11 @@ mod tests {
                 LogitsWanted::Last => vec![*out.last().unwrap_or(&0.0)],
             })
         }
+
+        // This fake's hidden states are its logits (an identity LM head).
+        fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+            self.forward(tokens, LogitsWanted::All)
+        }
     }
 
     fn exchange(conv: &mut Conversation, engine: &mut Recorder, user: &[u32], reply: &[u32]) {

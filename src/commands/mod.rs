@@ -4,6 +4,7 @@ pub mod bench;
 pub mod chat;
 pub mod convert;
 pub mod dump;
+pub mod embed;
 pub mod logits;
 pub mod perplexity;
 pub mod run;

@@ -1441,4 +1441,23 @@ impl Engine for FastEngine {
         }
         Ok(logits)
     }
+
+    fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        // The runs `forward` would make, without logits.
+        let chunk = if tokens.len() <= EXACT_STEP_MAX_TOKENS {
+            tokens.len().max(1)
+        } else {
+            self.blocking.prefill_chunk
+        };
+        let mut rows = Vec::with_capacity(tokens.len() * self.config.hidden);
+        for chunk in tokens.chunks(chunk) {
+            self.forward_batch(&[SeqTokens {
+                seq: 0,
+                tokens: chunk,
+                wanted: None,
+            }])?;
+            rows.extend_from_slice(self.last_hidden(0));
+        }
+        Ok(rows)
+    }
 }

@@ -41,4 +41,9 @@ pub trait Engine {
 
     /// Feeds `tokens` after the cached ones and returns their logits.
     fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
+
+    /// Feeds `tokens` after the cached ones and returns their final hidden
+    /// states (after the final norm: the LM head's input), row-major
+    /// `[tokens, hidden]`, computing no logits.
+    fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
 }

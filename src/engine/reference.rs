@@ -96,12 +96,6 @@ impl ReferenceEngine {
         logits
     }
 
-    /// Each position's final hidden state (after the final norm: the LM
-    /// head's input, what an embedding pools), without the logits.
-    pub fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.run(tokens, None)
-    }
-
     /// Like [`Engine::forward`] with every position's logits, also returning
     /// the hidden-state trace of each position.
     pub fn forward_traced(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, HiddenTrace)> {
@@ -135,6 +129,10 @@ impl Engine for ReferenceEngine {
             LogitsWanted::All => finals.iter().flat_map(|h| self.logits_of(h)).collect(),
             LogitsWanted::Last => finals.last().map(|h| self.logits_of(h)).unwrap_or_default(),
         })
+    }
+
+    fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.run(tokens, None)?.concat())
     }
 }
 

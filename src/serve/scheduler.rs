@@ -56,6 +56,7 @@ use super::api::ApiError;
 use super::metrics::Metrics;
 use super::slot::{Event, GenParams, Generation, Outcome, prompt_logprobs};
 use crate::constrain::{CompiledConstraint, NextTokens};
+use crate::embedding::MeanPool;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
 use crate::engine::{Engine, LogitsWanted};
 use crate::speculative::policy::{BatchStepTimes, batch_draft_lens};
@@ -257,40 +258,6 @@ struct Active<'t> {
     scores_prompt: Option<usize>,
     /// An embedding job's pooling so far.
     embedding: Option<MeanPool>,
-}
-
-/// The running sum of a prompt's final hidden states, for its embedding.
-struct MeanPool {
-    sum: Vec<f64>,
-    rows: usize,
-}
-
-impl MeanPool {
-    fn new(width: usize) -> MeanPool {
-        MeanPool {
-            sum: vec![0.0; width],
-            rows: 0,
-        }
-    }
-
-    /// Adds rows of `sum.len()` values each.
-    fn add(&mut self, rows: &[f32]) {
-        for row in rows.chunks_exact(self.sum.len()) {
-            for (s, &v) in self.sum.iter_mut().zip(row) {
-                *s += f64::from(v);
-            }
-            self.rows += 1;
-        }
-    }
-
-    /// The mean row scaled to length 1 (as OpenAI's embeddings are, so a
-    /// dot product is the cosine similarity).
-    fn unit_mean(&self) -> Vec<f32> {
-        let norm = self.sum.iter().map(|v| v * v).sum::<f64>().sqrt();
-        // The mean's direction is the sum's; a zero sum stays zero.
-        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
-        self.sum.iter().map(|v| (v * scale) as f32).collect()
-    }
 }
 
 struct Slot<'t> {
