@@ -22,8 +22,8 @@ request mix against it; given with --pulsar, pulsar runs first, then a pause
         --parallel 4 --levels 1,2,4 --requests 2 --max-tokens 64 --rounds 3
 
 Soak: --soak SECONDS runs a mixed load against a pulsar server for that long
-(streaming and whole chat and completion requests from several threads, some
-closed mid-stream, oversized and malformed bodies, a /health probe every
+(streaming and whole chat and completion requests, prompt batches and
+embeddings, from several threads, some closed mid-stream, oversized and malformed bodies, a /health probe every
 second, the server's RSS every few seconds), prints a report and exits 1 if
 a check failed.
 
@@ -520,6 +520,25 @@ def soak_request(client, model, kind, rng, tally, first):
     )
     tally.add(tally.sent, kind)
     try:
+        if kind == "embeddings":
+            inputs = [rng.choice(PROMPTS) for _ in range(rng.randint(1, 4))]
+            if rng.random() < 0.2:
+                inputs.append(LONG_PROMPT)
+            r = client.embeddings.create(model=model, input=inputs)
+            lengths = [sum(x * x for x in d.embedding) for d in r.data]
+            if [d.index for d in r.data] != list(range(len(inputs))) or any(abs(n - 1) > 1e-3 for n in lengths):
+                return tally.fail(kind, f"ill-formed embeddings: {len(r.data)} of {len(inputs)}, squared lengths {lengths}")
+            return tally.add(tally.ok, kind)
+        if kind == "completion_batch":
+            prompts = [rng.choice(PROMPTS) for _ in range(rng.randint(2, 3))]
+            r = client.completions.create(prompt=prompts, **common)
+            if [c.index for c in r.choices] != list(range(len(prompts))) or any(
+                c.finish_reason not in ("stop", "length") for c in r.choices
+            ):
+                return tally.fail(kind, f"ill-formed batch reply: {r.choices!r}"[:300])
+            if r.usage.completion_tokens > max_tokens * len(prompts):
+                return tally.fail(kind, f"{r.usage.completion_tokens} tokens > {len(prompts)} x max_tokens")
+            return tally.add(tally.ok, kind)
         if kind in ("chat", "completion"):
             if kind == "chat":
                 r = client.chat.completions.create(messages=soak_messages(rng, prompt), **common)
@@ -584,6 +603,8 @@ WELL_FORMED_KINDS = {
     "completion": 2,
     "disconnect_chat": 1,
     "disconnect_completion": 1,
+    "embeddings": 1,
+    "completion_batch": 1,
 }
 
 
