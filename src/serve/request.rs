@@ -192,7 +192,7 @@ impl ServeContext {
         let sampling = req.sampling();
         let constraint = self.constraint(&sampling)?;
         let mut prompts = Vec::new();
-        for (field, tokens) in self.completion_prompts(&req.prompt)? {
+        for (field, tokens) in self.token_lists(&req.prompt, "prompt")? {
             let params = self.params(
                 &sampling,
                 &tokens,
@@ -482,23 +482,7 @@ impl ServeContext {
                 ),
             ));
         }
-        let inputs: Vec<(String, Vec<u32>)> = match &req.input {
-            Prompt::Text(text) => vec![("input".into(), self.tok.encode(text, true))],
-            Prompt::Texts(texts) => texts
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (format!("input[{i}]"), self.tok.encode(t, true)))
-                .collect(),
-            Prompt::Tokens(ids) => vec![("input".into(), ids.clone())],
-            Prompt::TokenLists(lists) => lists
-                .iter()
-                .enumerate()
-                .map(|(i, ids)| (format!("input[{i}]"), ids.clone()))
-                .collect(),
-        };
-        if inputs.is_empty() {
-            return Err(ApiError::invalid("input", "input is an empty list"));
-        }
+        let inputs = self.token_lists(&req.input, "input")?;
         // An empty text would be BOS alone: refused, as OpenAI refuses it.
         let texts: Vec<&str> = match &req.input {
             Prompt::Text(text) => vec![text],
@@ -516,7 +500,6 @@ impl ServeContext {
             ));
         }
         for (field, ids) in &inputs {
-            self.check_ids(ids, field)?;
             if ids.len() > self.context {
                 return Err(ApiError::invalid(
                     field.clone(),
@@ -558,31 +541,40 @@ impl ServeContext {
         Ok(())
     }
 
-    /// The prompts of a completion request, each with the field it came
-    /// from (`prompt`, or `prompt[i]` in a list): text gets BOS first, as
-    /// `pulsar run --raw` does.
-    fn completion_prompts(&self, prompt: &Prompt) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
-        let prompts: Vec<(String, Vec<u32>)> = match prompt {
-            Prompt::Text(text) => vec![("prompt".into(), self.tok.encode(text, true))],
-            Prompt::Tokens(ids) => vec![("prompt".into(), ids.clone())],
+    /// The texts or token lists of a `prompt` (completions) or `input`
+    /// (embeddings), each with the field it came from (`prompt`, or
+    /// `prompt[i]` in a list): text gets BOS first, as `pulsar run --raw`
+    /// does. Every list has tokens, all in the vocabulary.
+    fn token_lists(
+        &self,
+        prompt: &Prompt,
+        field: &str,
+    ) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+        let at = |i: usize| format!("{field}[{i}]");
+        let lists: Vec<(String, Vec<u32>)> = match prompt {
+            Prompt::Text(text) => vec![(field.to_string(), self.tok.encode(text, true))],
+            Prompt::Tokens(ids) => vec![(field.to_string(), ids.clone())],
             Prompt::Texts(texts) => texts
                 .iter()
                 .enumerate()
-                .map(|(i, t)| (format!("prompt[{i}]"), self.tok.encode(t, true)))
+                .map(|(i, t)| (at(i), self.tok.encode(t, true)))
                 .collect(),
             Prompt::TokenLists(lists) => lists
                 .iter()
                 .enumerate()
-                .map(|(i, ids)| (format!("prompt[{i}]"), ids.clone()))
+                .map(|(i, ids)| (at(i), ids.clone()))
                 .collect(),
         };
-        if prompts.is_empty() {
-            return Err(ApiError::invalid("prompt", "prompt is an empty list"));
+        if lists.is_empty() {
+            return Err(ApiError::invalid(
+                field,
+                format!("{field} is an empty list"),
+            ));
         }
-        for (field, ids) in &prompts {
+        for (field, ids) in &lists {
             self.check_ids(ids, field)?;
         }
-        Ok(prompts)
+        Ok(lists)
     }
 }
 

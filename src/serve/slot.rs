@@ -534,17 +534,11 @@ mod tests {
 
     fn params() -> GenParams {
         GenParams {
-            sampling: SamplerConfig::greedy(),
             seed: 1,
             max_tokens: 100,
             stop_strings: vec!["\nUser:".into()],
             stop_ids: vec![0],
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            logit_bias: Vec::new(),
-            logprobs: None,
-            trim: false,
-            prompt_logprobs: false,
+            ..GenParams::read_only()
         }
     }
 
