@@ -1054,6 +1054,28 @@ fn echo_scores_the_prompt() {
     assert_error(st, &b, 400, Some("max_tokens"), &["only with echo"]);
 }
 
+/// `system_fingerprint` changes with what decides a reply's bits (here the
+/// prompt chunk) and not with what does not (the context size).
+#[test]
+fn system_fingerprint_follows_the_settings_that_decide_bits() {
+    let fingerprint = |args: &[&str]| {
+        let s = Server::start(args);
+        let v = s.ok(
+            "/v1/completions",
+            &json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0}),
+        );
+        let f = v["system_fingerprint"]
+            .as_str()
+            .expect("a fingerprint")
+            .to_string();
+        assert!(f.starts_with("fp_") && f.len() == 15, "{f}");
+        f
+    };
+    let base = fingerprint(&["-c", "256"]);
+    assert_eq!(fingerprint(&["-c", "512"]), base);
+    assert_ne!(fingerprint(&["-c", "256", "--prefill-chunk", "32"]), base);
+}
+
 /// An embedding from a reply: its `float` values.
 fn embedding_of(v: &Value, index: usize) -> Vec<f32> {
     v["data"][index]["embedding"]
