@@ -359,18 +359,16 @@ async fn serve(
     };
     let stream = prepared.stream;
     let sequences = prepared.prompts.len() * prepared.choices;
-    if prepared.prompts.len() > 1 && sequences > app.queue.capacity() {
-        return Err(ApiError::invalid(
+    let (param, what) = match prepared.prompts.len() {
+        1 => ("n", format!("n = {}", prepared.choices)),
+        p => (
             "prompt",
             format!(
-                "{} prompts with n = {} are {sequences} sequences: more than this server \
-                 lets wait at once (--queue {}); send fewer prompts per request",
-                prepared.prompts.len(),
-                prepared.choices,
-                app.queue.capacity()
+                "{p} prompts with n = {} are {sequences} sequences",
+                prepared.choices
             ),
-        ));
-    }
+        ),
+    };
     // Each choice is a sequence of its own. Choice i of a prompt draws
     // with the seed plus i, so that with a seed the choices differ from
     // each other, the set is the same on every run, and each prompt of a
@@ -394,7 +392,7 @@ async fn serve(
             receivers.push(rx);
         }
     }
-    app.queue.submit(jobs)?;
+    app.queue.submit(jobs, param, &what)?;
     let events = ChoiceEvents::new(receivers);
     if stream {
         Ok(sse(reply, events))
@@ -419,16 +417,6 @@ async fn embed(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Res
     })
     .await?;
     let count = prepared.inputs.len();
-    if count > app.queue.capacity() {
-        return Err(ApiError::invalid(
-            "input",
-            format!(
-                "{count} inputs: more than this server lets wait at once (--queue {}); \
-                 send them in smaller batches",
-                app.queue.capacity()
-            ),
-        ));
-    }
     let prompt_tokens: usize = prepared.inputs.iter().map(Vec::len).sum();
     let mut jobs = Vec::with_capacity(count);
     let mut receivers = Vec::with_capacity(count);
@@ -443,7 +431,8 @@ async fn embed(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Res
         });
         receivers.push(rx);
     }
-    app.queue.submit(jobs)?;
+    app.queue
+        .submit(jobs, "input", &format!("{count} inputs"))?;
     // Dropped on a client's disconnect, which closes every input's channel
     // and so ends the jobs still running.
     let mut data = Vec::with_capacity(count);

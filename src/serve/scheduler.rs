@@ -140,11 +140,6 @@ impl Queue {
         }
     }
 
-    /// Most jobs that may wait at once (`--queue`).
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     pub fn engine_failed(&self) -> bool {
         self.failed.load(Ordering::Relaxed)
     }
@@ -166,20 +161,23 @@ impl Queue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues a job, or refuses it with a 503 when the queue is full or
-    /// the server is shutting down.
-    pub fn submit(&self, jobs: Vec<Job>) -> Result<(), ApiError> {
+    /// Queues a request's jobs, or refuses them with a 503 when the queue
+    /// is full or the server is shutting down. More jobs than the queue
+    /// can ever hold is the request's fault: a 400 about field `param`,
+    /// whose jobs `what` describes ("n = 20", "100 inputs").
+    pub fn submit(&self, jobs: Vec<Job>, param: &str, what: &str) -> Result<(), ApiError> {
         if self.engine_failed() {
             return Err(ApiError::internal("the server's engine thread failed"));
         }
-        // A request's choices (`n`) wait together or not at all: a reply
-        // with some of its choices missing would be no reply.
+        // A request's jobs (its choices, prompts or inputs) wait together
+        // or not at all: a reply with some of them missing would be no
+        // reply.
         if jobs.len() > self.capacity {
             return Err(ApiError::invalid(
-                "n",
+                param,
                 format!(
-                    "n = {}: more choices than this server lets wait at once (--queue {})",
-                    jobs.len(),
+                    "{what}: more than this server lets wait at once (--queue {}); \
+                     send fewer per request",
                     self.capacity
                 ),
             ));
