@@ -110,11 +110,13 @@ fn avx512_under_avx2_max_isa_is_rejected() {
     // on a CPU that has it; the 256-bit width rule still rejects zmm.
     let err = verify("planted", &code, &policy(Isa::Avx512)).unwrap_err();
     assert_eq!(err.check, Check::Operand, "{err}");
-    // A kernel planned at 512 bits (the VNNI integer GEMM) may use zmm0..15,
-    // and its full-width steps may be ymm, but not xmm, nor zmm16..31.
+    // A kernel planned at 512 bits (the VNNI integer GEMM) may use zmm0..31,
+    // and its full-width steps may be ymm, but not xmm; a 256-bit kernel
+    // may not name ymm16..31 (EVEX only).
     let wide = policy(Isa::Avx512).with_vector_bits(512);
     let ok = asm(|a| {
         a.vaddps(zmm0, zmm1, zmm2)?;
+        a.vsubps(zmm3, zmm3, zmm16)?;
         a.vbroadcastss(ymm3, dword_ptr(rdi))?;
         a.vzeroupper()?;
         a.ret()
@@ -129,11 +131,15 @@ fn avx512_under_avx2_max_isa_is_rejected() {
         Check::Operand
     );
     let high = asm(|a| {
-        a.vaddps(zmm16, zmm1, zmm2)?;
+        // ymm16 has no VEX form.
+        a.set_prefer_vex(false);
+        a.vaddps(ymm16, ymm1, ymm2)?;
         a.ret()
     });
     assert_eq!(
-        verify("wide", &high, &wide).unwrap_err().check,
+        verify("narrow", &high, &policy(Isa::Avx512))
+            .unwrap_err()
+            .check,
         Check::Operand
     );
 }

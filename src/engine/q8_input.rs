@@ -16,7 +16,8 @@
 //! (`jit::emit::gemm_quant`, `gemm_q8_0x16`, which takes single tokens
 //! too): per group of 32 columns, the tokens' quants interleaved 4 columns
 //! at a time (byte `32c + 4t + j` is token t's column `4c + j`), then the
-//! 8 scales, then the 8 sums. Tokens past the last are zeros. The values
+//! 8 scales, the 8 sums, then the sums as VNNI's group sums start from
+//! (`gemm_quant::vnni_group_start`). Tokens past the last are zeros. The values
 //! are the same as the per-token layout's, so the GEMV and the GEMMs see
 //! the same input.
 //!
@@ -26,7 +27,8 @@
 //! 4-stream server's samples in waking threads.)
 
 use crate::jit::emit::gemm_quant::{
-    TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TOKENS, tile_bytes,
+    TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TILE_VNNI_STARTS_AT, TOKENS, tile_bytes,
+    vnni_group_start,
 };
 use crate::model::quant_blocks::GROUP_COLS;
 
@@ -153,7 +155,10 @@ impl Q8Input {
                 let scale_at = self.k + g * 4;
                 let sum_at = self.k + groups * 4 + g * 4;
                 out[TILE_SCALES_AT + lane * 4..][..4].copy_from_slice(&token[scale_at..][..4]);
-                out[TILE_SUMS_AT + lane * 4..][..4].copy_from_slice(&token[sum_at..][..4]);
+                let sum = &token[sum_at..][..4];
+                out[TILE_SUMS_AT + lane * 4..][..4].copy_from_slice(sum);
+                let start = vnni_group_start(i32::from_le_bytes([sum[0], sum[1], sum[2], sum[3]]));
+                out[TILE_VNNI_STARTS_AT + lane * 4..][..4].copy_from_slice(&start.to_le_bytes());
             }
         }
         tiles
@@ -304,6 +309,11 @@ mod tests {
                     f32::from_le_bytes(group[TILE_SCALES_AT + 4 * lane..][..4].try_into().unwrap());
                 let sum =
                     i32::from_le_bytes(group[TILE_SUMS_AT + 4 * lane..][..4].try_into().unwrap());
+                let start = i32::from_le_bytes(
+                    group[TILE_VNNI_STARTS_AT + 4 * lane..][..4]
+                        .try_into()
+                        .unwrap(),
+                );
                 let quants: Vec<u8> = (0..GROUP_COLS)
                     .map(|col| group[col / 4 * 4 * TOKENS + lane * 4 + col % 4])
                     .collect();
@@ -311,8 +321,9 @@ mod tests {
                     let (d, want) = q.group(t, g);
                     assert_eq!((scale, quants.as_slice()), (d, want));
                     assert_eq!(sum, want.iter().map(|&b| i32::from(b as i8)).sum::<i32>());
+                    assert_eq!(start, 0x4B40_0000 - sum * 128);
                 } else {
-                    assert_eq!((scale, sum), (0.0, 0));
+                    assert_eq!((scale, sum, start), (0.0, 0, 0));
                     assert!(quants.iter().all(|&b| b == 0));
                 }
             }

@@ -424,7 +424,10 @@ fn check_operands(ins: &Instruction, policy: &Policy) -> Result<(), (Check, Stri
                         format!("mask register {r:?} in a {}-bit kernel", policy.vector_bits),
                     ));
                 }
-                if r.is_vector_register() && (r.size() > max_vec || r.number() >= 16) {
+                // Registers 16..31 exist only with EVEX, so only the
+                // 512-bit kernels may name them.
+                let high = r.number() >= 16 && policy.vector_bits < 512;
+                if r.is_vector_register() && (r.size() > max_vec || high) {
                     return Err((
                         Check::Operand,
                         format!(

@@ -12,6 +12,13 @@
 //! scales and one FMA per token for 16 rows, with the GEMV's order of
 //! operations: `f += float(sum - (sum_x << 7)) * (d_w * d_x)`.
 //!
+//! The even chunks' sums start from the tile's `vnni_group_start`
+//! (`1.5 * 2^23` as bits, less `sum_x << 7`), so the correction and the
+//! conversion are one `vsubps` of 1.5 * 2^23, exact. Port 0 is what bounds
+//! the kernel on Intel's AVX-512 cores (every zmm `vpdpbusd`, and
+//! `vcvtdq2ps` and `vpslld` too): per group of 4 tokens 40 port-0
+//! instructions became 32, the `vpdpbusd`s alone.
+//!
 //! Tokens go 4 at a time (a pass): a pass reads the block's 16 rows x K
 //! (10 KiB for K = 640) and the next pass reads them again from L1 or L2.
 //! Fewer than 4 tokens in a pass compute the absent ones from the tile's
@@ -28,14 +35,15 @@
 //!
 //! Registers: zmm0..3 the 4 tokens' group sums over even chunks, zmm4..7
 //! over odd chunks (two chains each), zmm8..11 their f32 sums, zmm12/13 a
-//! chunk of weights, zmm14 the 16 row scales, zmm15 a temporary. General
+//! chunk of weights, zmm14 the 16 row scales, zmm15 a temporary, zmm16
+//! 1.5 * 2^23 in every lane. General
 //! registers as `gemm_quant`'s frame (`token_call_frame`), plus r15 the
 //! block's first group, rax the pass's first token and rbx the round of
 //! the chunk loop (K, in rbx on entry, is not needed past the frame).
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, block_and_pass_top, iced,
-    next_group, token_call_frame,
+    FLOAT_MAGIC_BITS, GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_VNNI_STARTS_AT,
+    block_and_pass_top, iced, next_group, token_call_frame,
 };
 use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
@@ -58,6 +66,8 @@ const F32_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm8, zmm9, zmm10, zmm11];
 const WEIGHTS: [AsmRegisterZmm; 2] = [zmm12, zmm13];
 const ROW_SCALES: AsmRegisterZmm = zmm14;
 const TEMP: AsmRegisterZmm = zmm15;
+/// 1.5 * 2^23 in every lane (`FLOAT_MAGIC_BITS`), set once per call.
+const FLOAT_MAGIC: AsmRegisterZmm = zmm16;
 
 /// One group of the pass: 16 rows x 32 columns (r9) against the first
 /// `tokens` (4, or 1 for a call of one token) of the tile group (r10),
@@ -71,7 +81,11 @@ fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
     let round_chunks = CHUNKS / rounds;
     let round = ops.new_dynamic_label();
     iced(ops, |a| {
-        for s in EVEN_SUMS[..tokens].iter().chain(&ODD_SUMS[..tokens]) {
+        for (t, s) in EVEN_SUMS[..tokens].iter().enumerate() {
+            let at = (TILE_VNNI_STARTS_AT + t * 4) as i32;
+            a.vpbroadcastd(*s, dword_ptr(r10 + at))?;
+        }
+        for s in &ODD_SUMS[..tokens] {
             a.vpxord(*s, *s, *s)?;
         }
         a.xor(ebx, ebx)
@@ -106,16 +120,16 @@ fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
         );
         jback!(ops, jb, round, round_top);
     }
-    let shift = Q.stored_offset_shift() as u32;
     iced(ops, |a| {
         a.vcvtph2ps(ROW_SCALES, ymmword_ptr(r9))?;
         for t in 0..tokens {
             let (even, odd, f) = (EVEN_SUMS[t], ODD_SUMS[t], F32_SUMS[t]);
             let at = (t * 4) as i32;
+            // The sums started from the tile's `vnni_group_start`, so
+            // their bits are 1.5 * 2^23 + the group's exact product as a
+            // float: one subtraction converts it (see FLOAT_MAGIC_BITS).
             a.vpaddd(even, even, odd)?;
-            a.vpslld(TEMP, dword_bcst(r10 + TILE_SUMS_AT as i32 + at), shift)?;
-            a.vpsubd(even, even, TEMP)?;
-            a.vcvtdq2ps(even, even)?;
+            a.vsubps(even, even, FLOAT_MAGIC)?;
             a.vmulps(
                 TEMP,
                 ROW_SCALES,
@@ -181,6 +195,10 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let block = ops.new_dynamic_label();
     let pass = ops.new_dynamic_label();
     token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
+    iced(&mut ops, |a| {
+        a.mov(r10d, FLOAT_MAGIC_BITS)?;
+        a.vpbroadcastd(FLOAT_MAGIC, r10d)
+    });
     let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
     iced(&mut ops, |a| {
         for f in F32_SUMS {

@@ -27,8 +27,9 @@
 //!
 //! The input comes as a token tile (`engine::q8_input`): per group of 32
 //! columns, the 8 tokens' quants interleaved 4 at a time (32 bytes hold
-//! columns 4c..4c+3 of all 8 tokens), then their 8 f32 scales and 8 i32
-//! sums; absent tokens are zeros.
+//! columns 4c..4c+3 of all 8 tokens), then their 8 f32 scales, 8 i32
+//! sums and 8 VNNI starting values ([`vnni_group_start`] of the sums);
+//! absent tokens are zeros.
 //!
 //! Exactness: each row's group sum is an exact integer, converted,
 //! multiplied by `d_w * d_x` and added with one FMA, group after group,
@@ -67,7 +68,29 @@ pub const TOKENS: usize = 8;
 /// Where a tile group's scales and sums start, and its size.
 pub const TILE_SCALES_AT: usize = TOKENS * GROUP_COLS;
 pub const TILE_SUMS_AT: usize = TILE_SCALES_AT + TOKENS * 4;
-pub const TILE_GROUP_BYTES: usize = TILE_SUMS_AT + TOKENS * 4;
+/// Where a tile group's 8 VNNI starting values begin (see
+/// [`vnni_group_start`]).
+pub const TILE_VNNI_STARTS_AT: usize = TILE_SUMS_AT + TOKENS * 4;
+pub const TILE_GROUP_BYTES: usize = TILE_VNNI_STARTS_AT + TOKENS * 4;
+
+/// 1.5 * 2^23 as f32 bits. Every integer i with |i| < 2^22 added to these
+/// bits gives the float 1.5 * 2^23 + i exactly, so subtracting 1.5 * 2^23
+/// (exact too) turns an integer into a float with one `vsubps`, on either
+/// vector port, where `vcvtdq2ps` needs port 0, the port every `vpdpbusd`
+/// already takes.
+pub const FLOAT_MAGIC_BITS: i32 = 0x4B40_0000;
+
+/// The value VNNI's group sums start from for a token whose group of
+/// quants sums to `sum`: `vpdpbusd` multiplies the weights' stored bytes
+/// (value + 128), so a group's products total `value · x + (sum << 7)`;
+/// starting from `FLOAT_MAGIC_BITS - (sum << 7)` leaves
+/// `FLOAT_MAGIC_BITS + value · x`, whose float is the exact sum plus 1.5 *
+/// 2^23 (|value · x| <= 32 · 128 · 127 < 2^22). Kept in the tile, so the
+/// kernel's correction costs a broadcast load instead of a shift and a
+/// subtraction per token and group.
+pub fn vnni_group_start(sum: i32) -> i32 {
+    FLOAT_MAGIC_BITS - (sum << QuantType::Q8_0x16.stored_offset_shift())
+}
 
 /// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
 /// pushes and the return address.
