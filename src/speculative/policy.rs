@@ -90,6 +90,17 @@ impl StepCost {
     }
 }
 
+/// A step size timed at least this often is priced by its own mean time
+/// rather than by the fitted line. The integer GEMM goes over tokens 4 at
+/// a time (`jit::emit::gemm_q8_0x16`), so the real cost is a staircase
+/// that no line follows: on the default model with AVX-512 VNNI, `bench
+/// --m-curve` 1.30x at m = 2, 1.43x at 4, then 1.85x at 5. A line through
+/// those priced the fifth token of a 4-stream server step at a quarter of
+/// what it costs, so shared steps drafted past the pass: 4 streams served
+/// 208.9 tok/s with drafts against 226.9 with `--spec off`
+/// (`tools/serve_load.py --levels 1,4 --requests 2 --rounds 3`).
+const MEASURED_WEIGHT: f64 = 4.0;
+
 /// The slope is measured against the time of a one-token step, which
 /// changes as the context grows and as other work comes and goes on the
 /// machine: when this many steps in a row carried drafts, the next one is
@@ -222,6 +233,16 @@ impl DraftPolicy {
         }
     }
 
+    /// A step verifying `k` drafts relative to a one-token step, from
+    /// both sizes' own mean times once each was timed often enough (see
+    /// [`MEASURED_WEIGHT`]); never with a fixed cost.
+    fn measured_cost(&self, k: usize) -> Option<f64> {
+        let one = self.timings[0];
+        let step = self.timings.get(k)?;
+        let timed = |t: &Timing| t.weight >= MEASURED_WEIGHT && t.mean > 0.0;
+        (self.fixed_cost.is_none() && timed(&one) && timed(step)).then(|| step.mean / one.mean)
+    }
+
     /// How many of the `available` drafted tokens from a match of
     /// `match_len` tokens to verify: 0 means a plain one-token step.
     pub fn draft_len(&self, match_len: usize, available: usize) -> usize {
@@ -240,7 +261,7 @@ impl DraftPolicy {
         for k in 1..=limit {
             power *= alpha;
             expected += power;
-            let rate = expected / cost.of(k);
+            let rate = expected / self.measured_cost(k).unwrap_or_else(|| cost.of(k));
             if rate > best.1 {
                 best = (k, rate);
             }
@@ -310,9 +331,10 @@ impl BatchStepTimes {
     }
 
     /// What one more token costs relative to a step over `m` ≥ 2 tokens:
-    /// `t1 / t(m)` from a weighted least-squares fit over the sizes m ≥ 2
-    /// timed so far; infinite (no drafts) before two sizes have been
-    /// timed. Steps of 2, 3 and 4 requests without drafts, and a lone
+    /// `(t(m + 1) − t(m)) / t(m)` from the two sizes' own mean times when
+    /// both were timed [`MEASURED_WEIGHT`] times, else `t1 / t(m)` from a
+    /// weighted least-squares fit over the sizes m ≥ 2 timed so far;
+    /// infinite (no drafts) before two sizes have been timed. Steps of 2, 3 and 4 requests without drafts, and a lone
     /// request's drafted steps, time the sizes a server meets anyway.
     ///
     /// (Starting from the prior curve instead, whose `b / (1 + a + b · (m
@@ -323,6 +345,17 @@ impl BatchStepTimes {
     /// tokens 42 against 33 ms; `tools/serve_load.py --levels 4
     /// --requests 3 --rounds 2`, alternating.)
     pub fn marginal(&self, m: usize) -> f64 {
+        // Both sizes timed often enough: their own means (the line misses
+        // the GEMM's steps, see MEASURED_WEIGHT).
+        if let (Some(now), Some(next)) = (
+            m.checked_sub(1).and_then(|i| self.timings.get(i)),
+            self.timings.get(m),
+        ) && now.weight >= MEASURED_WEIGHT
+            && next.weight >= MEASURED_WEIGHT
+            && now.mean > 0.0
+        {
+            return (next.mean - now.mean).max(0.0) / now.mean;
+        }
         let points: Vec<(f64, f64, f64)> = self
             .timings
             .iter()
@@ -578,5 +611,51 @@ mod tests {
         // Sizes past the limit are not kept.
         t.record(MAX_BATCH_TOKENS + 1, 1.0);
         assert!((t.marginal(4) - 0.1).abs() < 0.01);
+    }
+
+    #[test]
+    fn sizes_timed_often_are_priced_by_their_own_time() {
+        // The GEMM's staircase: steps over 2-4 tokens cost 1.2 of a
+        // one-token step, over 5-9 tokens 2.4. At α = 0.8 three drafts
+        // give 2.95 / 1.2 = 2.46 tokens per unit of time and any longer
+        // draft at most 1.80; the fitted line (a = 0.01, b = 0.21) would
+        // have chosen four.
+        let mut p = DraftPolicy::new(8);
+        for _ in 0..5 {
+            for m in 2..=9 {
+                p.record_step(m, if m <= 4 { 0.012 } else { 0.024 });
+            }
+            p.record_step(1, 0.010);
+        }
+        assert!((p.acceptance(8) - 0.8).abs() < 1e-9);
+        assert_eq!(p.draft_len(8, 8), 3);
+        // Timed fewer than MEASURED_WEIGHT times, a size is priced by the
+        // line.
+        let mut q = DraftPolicy::new(8);
+        for m in 2..=9 {
+            q.record_step(m, if m <= 4 { 0.012 } else { 0.024 });
+        }
+        q.record_step(1, 0.010);
+        assert_eq!(q.measured_cost(3), None);
+
+        // A server: the fifth token starts a second pass.
+        let mut t = BatchStepTimes::default();
+        for _ in 0..5 {
+            for (m, ms) in [(2, 13.0), (3, 13.5), (4, 14.3), (5, 18.5)] {
+                t.record(m, ms * 1e-3);
+            }
+        }
+        assert!(
+            (t.marginal(4) - 4.2 / 14.3).abs() < 1e-9,
+            "{}",
+            t.marginal(4)
+        );
+        assert!(
+            (t.marginal(3) - 0.8 / 13.5).abs() < 1e-9,
+            "{}",
+            t.marginal(3)
+        );
+        // m = 6 was never timed: the line over 2..5.
+        assert!(t.marginal(5) < t.marginal(4), "{}", t.marginal(5));
     }
 }
