@@ -183,9 +183,7 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
     let tokens = [2u32, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100];
     // Q8_0 is written in the layout this CPU's kernels read (16-row blocks
     // with VNNI).
-    let q8_0 = pulsar::engine::jit_kernels::q8_0_format()
-        .quant()
-        .expect("a Q8_0 layout");
+    let q8_0 = pulsar::engine::jit_kernels::quant_layouts().q8_0;
     for (name, format, q) in [
         ("q8_0", WeightFormat::Q8_0, q8_0),
         ("q4_0", WeightFormat::Q4_0, QuantType::Q4_0),
@@ -275,10 +273,10 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
     }
 }
 
-/// `convert --dtype native` keeps the default model's own types (Q5_0's
-/// rows in pairs, Q8_0 in this CPU's layout, the K-quants requantized to
-/// Q8_0 as at load): the file computes, in place or copied, the very
-/// logits the GGUF does with `--dtype native`.
+/// `convert --dtype native` keeps the default model's own types (Q5_0
+/// and Q8_0 in this CPU's layouts, the K-quants requantized as at load):
+/// the file computes, in place or copied, the very logits the GGUF does
+/// with `--dtype native`.
 #[test]
 fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
@@ -287,7 +285,7 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
     let converted = Arc::new(ModelSource::open(&out).unwrap());
     assert_eq!(
         attn_q_dtype(&converted),
-        DType::QuantRowBlocks(QuantType::Q5_0)
+        DType::QuantRowBlocks(pulsar::engine::jit_kernels::quant_layouts().q5_0)
     );
     let tokens = [2u32, 818, 5279, 529, 7001, 563];
     let opts = FastOptions {

@@ -78,6 +78,7 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
         QuantType::Q5_0 => (DType::Q5_0, WeightFormat::Q5_0),
         QuantType::Q4_0 => (DType::Q4_0, WeightFormat::Q4_0),
         QuantType::Q8_0x16 => (DType::Q8_0, WeightFormat::Q8_0x16),
+        QuantType::Q5_0x16 => (DType::Q5_0, WeightFormat::Q5_0x16),
     };
     PackedMatrix::convert(
         &TensorView {
@@ -314,13 +315,15 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
 #[test]
 fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
     let caps = CpuCaps::detect();
-    let mut forms = vec![false];
+    // (the GEMV's 4-row type, the GEMM's 16-row layout, with VNNI)
+    let mut forms = vec![(QuantType::Q8_0, QuantType::Q8_0x16, false)];
     if caps.avx512_vnni && caps.has_avx512() {
-        forms.push(true);
+        forms.push((QuantType::Q8_0, QuantType::Q8_0x16, true));
+        forms.push((QuantType::Q5_0, QuantType::Q5_0x16, true));
     } else {
-        println!("this CPU has no AVX-512 VNNI: only the AVX2 form is checked");
+        println!("this CPU has no AVX-512 VNNI: only the AVX2 form is checked (Q5_0x16 has none)");
     }
-    for (vnni, (rows, k)) in forms.into_iter().flat_map(|vnni| {
+    for ((q4, q16, vnni), (rows, k)) in forms.into_iter().flat_map(|form| {
         [
             (37, 640),
             (16, 32),
@@ -329,31 +332,34 @@ fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
             (48, 640),
             (21, 64),
         ]
-        .map(|s| (vnni, s))
+        .map(|s| (form, s))
     }) {
-        let file = quant_file(QuantType::Q8_0, rows, k, (rows * k + 11) as u32);
+        let file = quant_file(q4, rows, k, (rows * k + 11) as u32);
         // Each conversion from its own copy: a conversion releases the
         // source's pages as it goes.
-        let w4 = packed(QuantType::Q8_0, rows, k, &file.clone());
-        let w16 = packed(QuantType::Q8_0x16, rows, k, &file);
-        assert_eq!(w16.bytes(), rows.next_multiple_of(16) * k / 32 * 34);
+        let w4 = packed(q4, rows, k, &file.clone());
+        let w16 = packed(q16, rows, k, &file);
+        assert_eq!(
+            w16.bytes(),
+            rows.next_multiple_of(16) * k / 32 * q4.file_block_bytes()
+        );
         let kinds = [
             KernelKind::GemvQuant(GemvQuantParams {
-                q: QuantType::Q8_0,
+                q: q4,
                 prefetch: 8192,
-                vnni,
+                vnni: vnni && q4 == QuantType::Q8_0,
                 two_blocks: false,
             }),
             KernelKind::GemmQuant(GemmQuantParams {
-                q: QuantType::Q8_0x16,
+                q: q16,
                 vnni,
                 prefetch: 8192,
             }),
         ];
         let max_isa = if vnni { Isa::Avx512 } else { Isa::Avx2 };
         let set = KernelSet::from_kinds(&kinds, &caps, max_isa).expect("emit + verify");
-        let gemv = set.get::<GemvQuant>((QuantType::Q8_0, k)).unwrap();
-        let gemm = set.get::<GemmQuant>((QuantType::Q8_0x16, k)).unwrap();
+        let gemv = set.get::<GemvQuant>((q4, k)).unwrap();
+        let gemm = set.get::<GemmQuant>((q16, k)).unwrap();
         // The second part starts on a 16-row block inside the matrix, when
         // there is one.
         let mid = Some((rows / 2).next_multiple_of(16))
@@ -378,7 +384,8 @@ fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
                 let (g, e) = (&got[t * ldy..][..rows], &want[t * rows..][..rows]);
                 assert!(
                     g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "vnni={vnni} {rows}x{k} token {t} of {tokens}:\n gemm {g:?}\n gemv {e:?}"
+                    "{} vnni={vnni} {rows}x{k} token {t} of {tokens}:\n gemm {g:?}\n gemv {e:?}",
+                    q16.name()
                 );
                 assert!(
                     got[t * ldy + rows..(t * ldy + ldy).min(got.len())]
@@ -693,9 +700,10 @@ fn types_without_a_kernel_become_the_nearest_that_has_one() {
         }
         seen.push(t.dtype);
         let format = formats.of(role);
+        let layouts = pulsar::engine::jit_kernels::quant_layouts();
         let expected = match t.dtype {
-            DType::Q4K => WeightFormat::Q5_0,
-            DType::Q6K => pulsar::engine::jit_kernels::q8_0_format(),
+            DType::Q4K => WeightFormat::of_quant(layouts.q5_0),
+            DType::Q6K => WeightFormat::of_quant(layouts.q8_0),
             other => panic!("ffn_down of layer {layer} is {other}"),
         };
         assert_eq!(format, expected, "layer {layer} {}", t.dtype);
@@ -812,7 +820,7 @@ fn a_shape_runs_quantized_to_q8_0_or_q4_0() {
         // The one-token kernel: Q8_0's in 16-row blocks with VNNI is a GEMM
         // (it takes single tokens), every other type's a GEMV.
         let format = match dtype {
-            "q8_0" => pulsar::engine::jit_kernels::q8_0_format(),
+            "q8_0" => WeightFormat::of_quant(pulsar::engine::jit_kernels::quant_layouts().q8_0),
             _ => WeightFormat::Q4_0,
         };
         let kernel = match format {

@@ -97,7 +97,7 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
         WeightFormat::F16 => 1,
         WeightFormat::Q4_0 => 2,
         WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => 7,
-        WeightFormat::Q5_0 => 8,
+        WeightFormat::Q5_0 | WeightFormat::Q5_0x16 => 8,
         WeightFormat::BF16 => 32,
     };
     w.add_u32("general.file_type", file_type);
@@ -171,7 +171,7 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     // layout regroups the same blocks at load.
     let uniform = |format: WeightFormat| {
         let formats = WeightFormats::for_shape(&c, format)
-            .with_q8_0_as(crate::engine::jit_kernels::q8_0_format());
+            .with_layouts(&crate::engine::jit_kernels::quant_layouts());
         (formats, format)
     };
     let (formats, format) = match target {

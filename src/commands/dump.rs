@@ -5,7 +5,6 @@ use super::tune_measure;
 use crate::engine::autotune;
 use crate::engine::fast::{FastEngine, WeightFormats};
 use crate::engine::jit_kernels::plan_options;
-use crate::engine::packed::WeightFormat;
 use crate::fs_atomic::write_atomic;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
@@ -73,10 +72,7 @@ fn plan_inputs_with_model(
     };
     // Q8_0 in the layout of the kernels listed (--max-isa may differ from
     // what the engine would run).
-    let q8_0 = WeightFormat::of_quant(crate::jit::plan::q8_0_layout(
-        &CpuCaps::detect(),
-        args.max_isa,
-    ));
+    let layouts = crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), args.max_isa);
     // A shape or a bare config.json has no weights: FP16 is assumed
     // unless --dtype names a format.
     if let Some(name) = &args.shape {
@@ -91,7 +87,7 @@ fn plan_inputs_with_model(
             max_isa: args.max_isa,
             ..plan_options(
                 &config,
-                &args.dtype.shape_formats(&config).with_q8_0_as(q8_0),
+                &args.dtype.shape_formats(&config).with_layouts(&layouts),
                 threads,
             )
         };
@@ -103,12 +99,12 @@ fn plan_inputs_with_model(
         .is_some_and(|e| e.eq_ignore_ascii_case("json"));
     let (config, formats, model) = if is_json {
         let config = ModelConfig::from_hf_config(&path)?;
-        let formats = args.dtype.shape_formats(&config).with_q8_0_as(q8_0);
+        let formats = args.dtype.shape_formats(&config).with_layouts(&layouts);
         (config, formats, None)
     } else {
         let src = ModelSource::open(&path)?;
         let opts = args.dtype.fast_options(threads, 1, false);
-        let formats = FastEngine::weight_formats(&src, &opts)?.with_q8_0_as(q8_0);
+        let formats = FastEngine::weight_formats(&src, &opts)?.with_layouts(&layouts);
         (src.config.clone(), formats.clone(), Some((src, formats)))
     };
     let dims = ModelDims::from(&config);

@@ -151,7 +151,7 @@ impl Dtype {
     /// CPU's kernels read.
     pub fn shape_formats(self, config: &ModelConfig) -> WeightFormats {
         WeightFormats::for_shape(config, self.format().unwrap_or(WeightFormat::F16))
-            .with_q8_0_as(crate::engine::jit_kernels::q8_0_format())
+            .with_layouts(&crate::engine::jit_kernels::quant_layouts())
     }
 
     pub fn fast_options(self, threads: usize, context: usize, in_place: bool) -> FastOptions {

@@ -246,14 +246,21 @@ fn measure_one_quant(
     Ok(())
 }
 
-/// The integer GEMM over Q8_0x16 blocks (the LM head's and decode's
-/// kernel under AVX2) at 1, 2, 4 and 8 tokens of one tile, 1 thread:
-/// GB/s of weight bytes and each step's cost against one token's, the
-/// m-curve of `bench --m-curve` for this kernel alone. With
-/// `PULSAR_MEASURE_KIB` small enough for L2, it times the arithmetic.
+/// The integer GEMMs over 16-row blocks that take single tokens (Q8_0x16's,
+/// the LM head's; with VNNI Q5_0x16's, the layers') at 1, 2, 4 and 8
+/// tokens of one tile, 1 thread: GB/s of weight bytes and each step's cost
+/// against one token's, the m-curve of `bench --m-curve` for each kernel
+/// alone. With `PULSAR_MEASURE_KIB` small enough for L2, it times the
+/// arithmetic.
 pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
-    let q = QuantType::Q8_0x16;
+    for q in [QuantType::Q8_0x16, QuantType::Q5_0x16] {
+        measure_rows_as_lanes_gemm(plan, &set, q)?;
+    }
+    Ok(())
+}
+
+fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Result<()> {
     let Some(spec) = plan
         .kernels
         .iter()

@@ -13,10 +13,10 @@ use super::pool::{ThreadPool, split_range};
 use super::q8_input::Q8Input;
 use super::{Engine, LogitsWanted};
 use crate::jit::blocking::{Blocking, ROW_GRANULE};
-use crate::jit::plan::QuantizedMatrix;
+use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
-use crate::model::quant_blocks::{self, QuantType};
+use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
@@ -152,12 +152,12 @@ impl WeightFormats {
         }
     }
 
-    /// The same formats with Q8_0 stored as `q8_0` (one of Q8_0's
-    /// layouts), whichever layout the file has.
-    pub fn with_q8_0_as(mut self, q8_0: WeightFormat) -> WeightFormats {
+    /// The same formats with each quantized type in its layout for the
+    /// kernels, whichever layout the file has.
+    pub fn with_layouts(mut self, layouts: &QuantLayouts) -> WeightFormats {
         let swap = |f: &mut WeightFormat| {
-            if f.quant().is_some_and(QuantType::is_q8_0) {
-                *f = q8_0;
+            if let Some(q) = f.quant() {
+                *f = WeightFormat::of_quant(layouts.of(q));
             }
         };
         swap(&mut self.head);
@@ -469,7 +469,7 @@ impl FastEngine {
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
         let formats = Self::weight_formats_in_file_layouts(src, opts)?;
         // Q8_0 in the layout this CPU's kernels read.
-        Ok(formats.with_q8_0_as(super::jit_kernels::q8_0_format()))
+        Ok(formats.with_layouts(&super::jit_kernels::quant_layouts()))
     }
 
     fn weight_formats_in_file_layouts(

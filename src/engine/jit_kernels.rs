@@ -96,12 +96,10 @@ fn max_isa_from_env() -> Isa {
     }
 }
 
-/// The format Q8_0 matrices take for this CPU's kernels (and
-/// `PULSAR_MAX_ISA`): 16-row blocks where they use VNNI
-/// (`jit::plan::q8_0_layout`).
-pub fn q8_0_format() -> WeightFormat {
-    let layout = crate::jit::plan::q8_0_layout(&CpuCaps::detect(), max_isa_from_env());
-    WeightFormat::of_quant(layout)
+/// The layouts quantized matrices take for this CPU's kernels (and
+/// `PULSAR_MAX_ISA`), see `jit::plan::QuantLayouts`.
+pub fn quant_layouts() -> crate::jit::plan::QuantLayouts {
+    crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), max_isa_from_env())
 }
 
 pub struct JitKernels {
@@ -272,7 +270,7 @@ impl MatKernels for JitKernels {
             .expect("an integer product needs quantized weights");
         // One token: the GEMV, where the type has one (Q8_0x16's GEMM takes
         // single tokens itself).
-        if x.tokens() == 1 && q != QuantType::Q8_0x16 {
+        if x.tokens() == 1 && !q.rows_are_lanes() {
             let k: GemvQuant = self.set.bind(one_token_kernel(w), (q, w.cols));
             // SAFETY: the caller owns columns `rows` of y.
             let part = unsafe { y.cells(0, rows.clone()) };
@@ -282,7 +280,11 @@ impl MatKernels for JitKernels {
         }
         let unpack: Option<UnpackQuant> =
             w.kernels().unpack.map(|id| self.set.bind(id, (q, w.cols)));
-        assert_eq!(unpack.is_some(), !q.is_q8_0(), "unpacking resolved at load");
+        assert_eq!(
+            unpack.is_some(),
+            !q.is_q8_0() && !q.rows_are_lanes(),
+            "unpacking resolved at load"
+        );
         let gemm_q = unpack.map_or(q, |u| u.into);
         let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
@@ -341,7 +343,7 @@ impl MatKernels for JitKernels {
         // Quantized weights: the integer GEMV for one token, Q8_0's integer
         // GEMM for several (Q5_0 and Q4_0 unpacked to Q8_0 first).
         let unpack = match w.format.quant() {
-            Some(q) if !q.is_q8_0() => {
+            Some(q) if !q.is_q8_0() && !q.rows_are_lanes() => {
                 let Some(id) = self.set.resolve::<UnpackQuant>((q, w.cols)) else {
                     return Err(format!("no unpacking of {} at K {}", q.name(), w.cols));
                 };
@@ -355,10 +357,11 @@ impl MatKernels for JitKernels {
                 let gemm_q =
                     unpack.map_or(q, |id| self.set.bind::<UnpackQuant>(id, (q, w.cols)).into);
                 let gemm = self.set.resolve::<GemmQuant>((gemm_q, w.cols));
-                match q {
+                if q.rows_are_lanes() {
                     // Its GEMM takes single tokens too.
-                    QuantType::Q8_0x16 => (gemm, gemm),
-                    _ => (self.set.resolve::<GemvQuant>((q, w.cols)), gemm),
+                    (gemm, gemm)
+                } else {
+                    (self.set.resolve::<GemvQuant>((q, w.cols)), gemm)
                 }
             }
             None => {

@@ -33,8 +33,11 @@ pub enum WeightFormat {
     /// integer kernels.
     Q4_0,
     /// Q8_0 in 16-row blocks (see [`QuantType::Q8_0x16`]): how Q8_0 is
-    /// stored where the integer kernels use AVX-512 VNNI.
+    /// stored where the JIT runs.
     Q8_0x16,
+    /// Q5_0 in 16-row blocks (see [`QuantType::Q5_0x16`]): how Q5_0 is
+    /// stored where the integer kernels use AVX-512 VNNI.
+    Q5_0x16,
 }
 
 impl WeightFormat {
@@ -46,6 +49,7 @@ impl WeightFormat {
             WeightFormat::Q5_0 => "q5_0",
             WeightFormat::Q4_0 => "q4_0",
             WeightFormat::Q8_0x16 => "q8_0x16",
+            WeightFormat::Q5_0x16 => "q5_0x16k",
         }
     }
 
@@ -54,7 +58,7 @@ impl WeightFormat {
             WeightFormat::F16 => DType::F16,
             WeightFormat::BF16 => DType::BF16,
             WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => DType::Q8_0,
-            WeightFormat::Q5_0 => DType::Q5_0,
+            WeightFormat::Q5_0 | WeightFormat::Q5_0x16 => DType::Q5_0,
             WeightFormat::Q4_0 => DType::Q4_0,
         }
     }
@@ -66,6 +70,7 @@ impl WeightFormat {
             WeightFormat::Q5_0 => Some(QuantType::Q5_0),
             WeightFormat::Q4_0 => Some(QuantType::Q4_0),
             WeightFormat::Q8_0x16 => Some(QuantType::Q8_0x16),
+            WeightFormat::Q5_0x16 => Some(QuantType::Q5_0x16),
             _ => None,
         }
     }
@@ -76,6 +81,7 @@ impl WeightFormat {
         match dtype {
             DType::Q8_0 | DType::QuantRowBlocks(QuantType::Q8_0) => Some(WeightFormat::Q8_0),
             DType::QuantRowBlocks(QuantType::Q8_0x16) => Some(WeightFormat::Q8_0x16),
+            DType::QuantRowBlocks(QuantType::Q5_0x16) => Some(WeightFormat::Q5_0x16),
             DType::Q5_0 | DType::QuantRowBlocks(QuantType::Q5_0) => Some(WeightFormat::Q5_0),
             DType::Q4_0 | DType::QuantRowBlocks(QuantType::Q4_0) => Some(WeightFormat::Q4_0),
             _ => None,
@@ -89,6 +95,7 @@ impl WeightFormat {
             QuantType::Q5_0 => WeightFormat::Q5_0,
             QuantType::Q4_0 => WeightFormat::Q4_0,
             QuantType::Q8_0x16 => WeightFormat::Q8_0x16,
+            QuantType::Q5_0x16 => WeightFormat::Q5_0x16,
         }
     }
 
@@ -96,7 +103,8 @@ impl WeightFormat {
     /// an offset per row and 32 columns: a Q4_K or Q5_K one kept as Q5_0
     /// (`model::k_quant_as_q5_0`).
     pub fn takes_offsets(self, source: DType) -> bool {
-        self == WeightFormat::Q5_0 && k_quant_as_q5_0::converts(source)
+        matches!(self, WeightFormat::Q5_0 | WeightFormat::Q5_0x16)
+            && k_quant_as_q5_0::converts(source)
     }
 
     /// Offsets of a `rows x cols` matrix that takes them: one per row and
@@ -119,7 +127,8 @@ impl WeightFormat {
             WeightFormat::Q8_0
             | WeightFormat::Q5_0
             | WeightFormat::Q4_0
-            | WeightFormat::Q8_0x16 => {
+            | WeightFormat::Q8_0x16
+            | WeightFormat::Q5_0x16 => {
                 DType::QuantRowBlocks(self.quant().expect("a quantized format"))
             }
         }
@@ -543,21 +552,23 @@ fn fill_quant_rows(
         source.release_pages();
         return;
     }
-    // Q8_0 in the other Q8_0 layout (a converted file's 4-row blocks, for
-    // the 16-row kernel): the same blocks, regrouped.
-    let other_q8_0_layout = match t.dtype {
-        DType::QuantRowBlocks(from) if from.is_q8_0() && q.is_q8_0() => Some(from),
+    // The same type in another layout (a converted file's 4-row blocks,
+    // for a 16-row kernel): the same blocks, regrouped.
+    let other_layout = match t.dtype {
+        DType::QuantRowBlocks(from) if from != q && from.file_dtype() == q.file_dtype() => {
+            Some(from)
+        }
         _ => None,
     };
     // The file's own blocks are copied; another type (one no kernel reads,
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
-    let same_type = t.dtype == q.file_dtype() || other_q8_0_layout.is_some();
+    let same_type = t.dtype == q.file_dtype() || other_layout.is_some();
     let k_quant = WeightFormat::of_quant(q).takes_offsets(t.dtype);
     let quantize = match q {
         _ if same_type || k_quant => None,
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
-        QuantType::Q5_0 => panic!("a {} tensor cannot become q5_0", t.dtype),
+        QuantType::Q5_0 | QuantType::Q5_0x16 => panic!("a {} tensor cannot become q5_0", t.dtype),
     };
     let groups = cols / quant_blocks::GROUP_COLS;
     let mut q5_0_row = vec![
@@ -592,9 +603,9 @@ fn fill_quant_rows(
                 }
                 None => {
                     let regrouped;
-                    let src = match other_q8_0_layout {
+                    let src = match other_layout {
                         Some(from) => {
-                            regrouped = quant_blocks::q8_0_file_row(from, t.bytes, r, cols);
+                            regrouped = quant_blocks::file_row(from, t.bytes, r, cols);
                             &regrouped[..]
                         }
                         None => &t.bytes[r * row_bytes..(r + 1) * row_bytes],

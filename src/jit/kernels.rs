@@ -683,11 +683,12 @@ struct TokensInput {
 }
 
 /// The checks of a call `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights in
-/// Q8_0x16's 16-row blocks (whichever offset the bytes carry): a whole
+/// 16-row blocks of `layout` (Q8_0x16's whichever offset the bytes carry,
+/// or Q5_0x16's): a whole
 /// input of 1 to `max_tokens` tokens, rows starting on a block and inside
 /// W, and every element written inside Y.
 fn check_tokens_call(
-    (name, k): (&str, usize),
+    (name, k, layout): (&str, usize, QuantType),
     w: &[u8],
     x: &TokensInput,
     y: &[f32],
@@ -704,7 +705,6 @@ fn check_tokens_call(
             ),
         ));
     }
-    let layout = QuantType::Q8_0x16;
     let block_bytes = layout.block_bytes(k);
     if rows.start > rows.end
         || !rows.start.is_multiple_of(layout.block_rows())
@@ -761,7 +761,12 @@ impl GemmQuant<'_> {
             ntok,
             max_tokens: gemm_quant::TOKENS,
         };
-        check_tokens_call((self.name, self.k), w, &input, y, ldy, &rows)?;
+        let layout = if self.q.rows_are_lanes() {
+            self.q
+        } else {
+            QuantType::Q8_0x16
+        };
+        check_tokens_call((self.name, self.k, layout), w, &input, y, ldy, &rows)?;
         // SAFETY: checked above: the blocks read are inside `w`, the tile
         // is whole, and every element written is inside `y`.
         unsafe { self.run_unchecked(w.as_ptr(), tile.as_ptr(), ntok, y.as_mut_ptr(), ldy, rows) };

@@ -94,10 +94,12 @@ pub enum KernelKind {
 }
 
 /// The name of values of `q` (its offset) in Q8_0x16's 16-row blocks:
-/// `q8_0x16`, `q5_0x16`.
+/// `q8_0x16`, `q5_0x16`; a 16-row layout's own name (`q5_0x16k`, Q5_0's
+/// nibbles with opmasks of high bits).
 fn rows16_name(q: QuantType) -> String {
     match q {
         QuantType::Q8_0 | QuantType::Q8_0x16 => QuantType::Q8_0x16.name().to_string(),
+        _ if q.rows_are_lanes() => q.name().to_string(),
         _ => format!("{}x16", q.name()),
     }
 }
@@ -271,15 +273,48 @@ pub fn k_chunk(caps: &CpuCaps, k: usize) -> usize {
     (per / LANES * LANES).clamp(LANES, k.max(LANES)).min(k)
 }
 
-/// How Q8_0 matrices are stored for the kernels of a CPU: in 16-row
-/// blocks wherever the JIT runs (the integer GEMM's lanes are rows, with
-/// VNNI or AVX2, and it also takes single tokens: see `emit::gemm_quant`),
-/// in Q8_0's 4-row blocks for a CPU it cannot serve. The engine stores
-/// them so; the plan then emits the kernels of the types it is given.
-pub fn q8_0_layout(caps: &CpuCaps, max_isa: Isa) -> QuantType {
-    match caps.effective_isa(max_isa) {
-        Some(_) => QuantType::Q8_0x16,
-        None => QuantType::Q8_0,
+/// How each quantized type is stored for the kernels of a CPU. The engine
+/// stores matrices so; the plan then emits the kernels of the types it is
+/// given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantLayouts {
+    /// Q8_0: in 16-row blocks wherever the JIT runs (the integer GEMM's
+    /// lanes are rows, with VNNI or AVX2, and it also takes single tokens:
+    /// see `emit::gemm_quant`), in 4-row blocks for a CPU it cannot serve.
+    pub q8_0: QuantType,
+    /// Q5_0: in 16-row blocks with VNNI, where one kernel unpacks and
+    /// multiplies them for any token count (`emit::gemm_q8_0x16`); in
+    /// 4-row pairs otherwise (AVX2's GEMV, and panels unpacked for its
+    /// GEMM).
+    pub q5_0: QuantType,
+}
+
+impl QuantLayouts {
+    /// The layouts for a CPU and the ISA the user allows.
+    pub fn for_cpu(caps: &CpuCaps, max_isa: Isa) -> QuantLayouts {
+        let isa = caps.effective_isa(max_isa);
+        let vnni = isa == Some(Isa::Avx512) && caps.avx512_vnni;
+        QuantLayouts {
+            q8_0: if isa.is_some() {
+                QuantType::Q8_0x16
+            } else {
+                QuantType::Q8_0
+            },
+            q5_0: if vnni {
+                QuantType::Q5_0x16
+            } else {
+                QuantType::Q5_0
+            },
+        }
+    }
+
+    /// The layout of values of `q`'s file type.
+    pub fn of(&self, q: QuantType) -> QuantType {
+        match q {
+            QuantType::Q8_0 | QuantType::Q8_0x16 => self.q8_0,
+            QuantType::Q5_0 | QuantType::Q5_0x16 => self.q5_0,
+            QuantType::Q4_0 => QuantType::Q4_0,
+        }
     }
 }
 
@@ -371,8 +406,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut quant_types: Vec<QuantType> = opts.quantized.iter().map(|m| m.q).collect();
     quant_types.sort_by_key(|q| q.name());
     quant_types.dedup();
-    // Q8_0x16 has no GEMV: its GEMM takes single tokens too.
-    let has_gemv = |q: QuantType| q != QuantType::Q8_0x16;
+    // The 16-row layouts have no GEMV: their GEMM takes single tokens too.
+    let has_gemv = |q: QuantType| !q.rows_are_lanes();
     let quant_kinds = |two_blocks: bool| -> Vec<GemvQuantParams> {
         quant_types
             .iter()
@@ -386,8 +421,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // small enough for vpmaddubsw without Q8_0's sign trick, each type with
     // its GEMM. (Under AVX2 with Q8_0's offset, a prefill of 512 tokens
     // measured 432-482 tok/s against 500-568 for the 4-row GEMM before.)
+    // (Q5_0x16 is unpacked by its GEMM itself, in registers.)
     let unpack_of = |q: QuantType| {
-        (!q.is_q8_0()).then_some(UnpackQuantParams {
+        (!q.is_q8_0() && !q.rows_are_lanes()).then_some(UnpackQuantParams {
             q,
             into: if vnni { QuantType::Q8_0x16 } else { q },
             prefetch: QUANT_PREFETCH_BYTES,
@@ -405,7 +441,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         GemmQuantParams {
             q: gemm_q,
             vnni,
-            prefetch: if gemm_q == QuantType::Q8_0x16 {
+            prefetch: if gemm_q.rows_are_lanes() {
                 QUANT_PREFETCH_BYTES
             } else {
                 0

@@ -250,6 +250,11 @@ const ALLOWED: &[Mnemonic] = {
         // (1 << rows) - 1, the count clamped to 16 (with Cmovb).
         Kmovw,
         Bts,
+        // The GEMM over Q5_0x16: each chunk's 64 high bits as an opmask
+        // choosing 0x80 or 0x70, OR-ed onto the nibbles in one ternary op.
+        Kmovq,
+        Vpblendmb,
+        Vpternlogd,
     ]
 };
 

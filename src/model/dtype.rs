@@ -50,6 +50,8 @@ pub const RETIRED_Q5_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6;
 const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 /// Q8_0 in 16-row blocks: its own id, the block type's plus 0x80.
 const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
+/// Q5_0 in 16-row blocks with its high bits as masks: likewise.
+const Q5_0X16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x80;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -70,6 +72,7 @@ impl DType {
             Q5_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0),
             Q4_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4_0),
             Q8_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q8_0x16),
+            Q5_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0x16),
             _ => return None,
         })
     }
@@ -89,6 +92,7 @@ impl DType {
             DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
             DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(QuantType::Q8_0x16) => Q8_0X16_ROW_BLOCKS_ID,
+            DType::QuantRowBlocks(QuantType::Q5_0x16) => Q5_0X16_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(QuantType::Q5_0) => Q5_0_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(q) => QUANT_ROW_BLOCKS_BASE + q.file_dtype().ggml_id(),
         }
@@ -175,7 +179,7 @@ impl DType {
             DType::Q4K | DType::Q5K => &[0, 2],
             DType::Q6K => &[128 + 64 + 16],
             // Per group of a row block (see `scale_unit_bytes`).
-            DType::QuantRowBlocks(QuantType::Q8_0x16) => {
+            DType::QuantRowBlocks(QuantType::Q8_0x16 | QuantType::Q5_0x16) => {
                 &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
             }
             DType::QuantRowBlocks(_) => &[0, 2, 4, 6],
@@ -251,6 +255,7 @@ impl fmt::Display for DType {
             DType::QuantRowBlocks(QuantType::Q5_0) => "Q5_0_R4",
             DType::QuantRowBlocks(QuantType::Q4_0) => "Q4_0_R4",
             DType::QuantRowBlocks(QuantType::Q8_0x16) => "Q8_0_R16",
+            DType::QuantRowBlocks(QuantType::Q5_0x16) => "Q5_0_R16K",
         };
         f.write_str(name)
     }

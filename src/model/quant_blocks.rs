@@ -16,9 +16,10 @@
 //! and Q5_0's rows in pairs, their high bits merged into one word (see
 //! [`QuantType::Q5_0`]).
 //!
-//! One layout has other blocks: [`QuantType::Q8_0x16`], Q8_0's bytes in
-//! blocks of 16 rows interleaved by 4 bytes, for the VNNI kernel whose
-//! lanes are rows (`jit::emit::gemm_q8_0x16`).
+//! Two layouts have other blocks: [`QuantType::Q8_0x16`], Q8_0's bytes in
+//! blocks of 16 rows interleaved by 4 bytes, and [`QuantType::Q5_0x16`],
+//! Q5_0's nibbles likewise with the high bits as 64-bit masks, for the
+//! VNNI kernel whose lanes are rows (`jit::emit::gemm_q8_0x16`).
 //! Repacking is exact: a repacked block dequantizes to the very f32 values
 //! the file's block does.
 
@@ -72,6 +73,16 @@ pub enum QuantType {
     /// 512-bit `vpdpbusd` against one token's 4 bytes broadcast from
     /// memory, so the kernel needs no shuffle and no horizontal sum.
     Q8_0x16,
+    /// Q5_0's values (s + 16) in blocks of 16 rows, for the VNNI kernel
+    /// that unpacks them in registers (`jit::emit::gemm_q8_0x16`): each
+    /// group holds the 16 rows' scales (32 bytes); then, for n in 0..4,
+    /// the 16 rows' nibble bytes 4n..4n+3 side by side (64 bytes: row r's
+    /// at `64n + 4r`), whose low nibbles are chunk n (values 4n..4n+3)
+    /// and high nibbles chunk n + 4, as in the file's bytes; then per
+    /// chunk c a 64-bit mask of the chunk's high bits (bit `4r + j` for
+    /// row r's value 4c + j), which AVX-512 takes as an opmask (`kmovq`).
+    /// 352 bytes per group: the file's 16 x 22.
+    Q5_0x16,
 }
 
 impl QuantType {
@@ -81,6 +92,7 @@ impl QuantType {
             QuantType::Q5_0 => "q5_0",
             QuantType::Q4_0 => "q4_0",
             QuantType::Q8_0x16 => "q8_0x16",
+            QuantType::Q5_0x16 => "q5_0x16k",
         }
     }
 
@@ -88,8 +100,24 @@ impl QuantType {
     #[inline]
     pub fn block_rows(self) -> usize {
         match self {
-            QuantType::Q8_0x16 => MAX_BLOCK_ROWS,
+            QuantType::Q8_0x16 | QuantType::Q5_0x16 => MAX_BLOCK_ROWS,
             _ => BLOCK_ROWS,
+        }
+    }
+
+    /// Whether this is a 16-row layout, whose kernel (VNNI's
+    /// `gemm_q8_0x16`, rows as lanes) takes single tokens too: no GEMV.
+    pub fn rows_are_lanes(self) -> bool {
+        self.block_rows() == MAX_BLOCK_ROWS
+    }
+
+    /// The 4-row layout of the same file type, whose file blocks have the
+    /// same size (`block_stride` reads it).
+    pub fn file_type(self) -> QuantType {
+        match self {
+            QuantType::Q8_0 | QuantType::Q8_0x16 => QuantType::Q8_0,
+            QuantType::Q5_0 | QuantType::Q5_0x16 => QuantType::Q5_0,
+            QuantType::Q4_0 => QuantType::Q4_0,
         }
     }
 
@@ -106,7 +134,7 @@ impl QuantType {
     pub fn stored_offset_shift(self) -> u8 {
         match self {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 7,
-            QuantType::Q5_0 => 4,
+            QuantType::Q5_0 | QuantType::Q5_0x16 => 4,
             QuantType::Q4_0 => 3,
         }
     }
@@ -116,7 +144,7 @@ impl QuantType {
     pub fn payload_bytes(self) -> usize {
         match self {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 32,
-            QuantType::Q5_0 => 20,
+            QuantType::Q5_0 | QuantType::Q5_0x16 => 20,
             QuantType::Q4_0 => 16,
         }
     }
@@ -126,7 +154,7 @@ impl QuantType {
         use crate::model::dtype::DType;
         match self {
             QuantType::Q8_0 | QuantType::Q8_0x16 => DType::Q8_0,
-            QuantType::Q5_0 => DType::Q5_0,
+            QuantType::Q5_0 | QuantType::Q5_0x16 => DType::Q5_0,
             QuantType::Q4_0 => DType::Q4_0,
         }
     }
@@ -166,7 +194,7 @@ impl QuantType {
             // Q5_0's high bits go into its row pair's word
             // (`scatter_row`); the row's own payload keeps the file's
             // order.
-            QuantType::Q4_0 | QuantType::Q5_0 => out.copy_from_slice(file),
+            QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q5_0x16 => out.copy_from_slice(file),
         }
     }
 
@@ -181,7 +209,7 @@ impl QuantType {
                     *v = (b ^ 0x80) as i8;
                 }
             }
-            QuantType::Q5_0 => {
+            QuantType::Q5_0 | QuantType::Q5_0x16 => {
                 let qh = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
                 let qs = &payload[4..20];
                 for (j, v) in v.iter_mut().enumerate() {
@@ -300,6 +328,10 @@ fn chunk_at(q: QuantType, r: usize, g: usize, cols: usize, c: usize) -> usize {
     let group = r / rows * q.block_bytes(cols) + g * q.group_bytes() + rows * 2;
     match q {
         QuantType::Q8_0x16 => group + c * rows * CHUNK_BYTES + r % rows * CHUNK_BYTES,
+        QuantType::Q5_0x16 => {
+            debug_assert!(c > 0, "Q5_0's high bits have no chunk");
+            group + (c - 1) * rows * CHUNK_BYTES + r % rows * CHUNK_BYTES
+        }
         QuantType::Q5_0 => {
             debug_assert!(c > 0, "Q5_0's high bits have no chunk");
             let nibbles = q5_0_pair_word_at(r, g, cols) + Q5_0_PAIR_HIGH_BYTES;
@@ -313,8 +345,21 @@ fn chunk_at(q: QuantType, r: usize, g: usize, cols: usize, c: usize) -> usize {
 /// high bits.
 #[inline]
 fn first_byte_chunk(q: QuantType) -> usize {
-    usize::from(q == QuantType::Q5_0)
+    usize::from(matches!(q, QuantType::Q5_0 | QuantType::Q5_0x16))
 }
+
+/// Where the high-bit mask of chunk `c` of group `g` of row `r`'s 16-row
+/// block sits (Q5_0x16): after the scales and the 4 nibble runs.
+#[inline]
+fn q5_0x16_mask_at(r: usize, g: usize, cols: usize, c: usize) -> usize {
+    let q = QuantType::Q5_0x16;
+    let rows = q.block_rows();
+    r / rows * q.block_bytes(cols) + g * q.group_bytes() + rows * 2 + 4 * rows * CHUNK_BYTES + 8 * c
+}
+
+/// Bytes of a Q5_0x16 group before its masks, from its start: what a
+/// kernel adds to the group's address to reach mask 0.
+pub const Q5_0X16_MASKS_AT: usize = MAX_BLOCK_ROWS * 2 + 4 * MAX_BLOCK_ROWS * CHUNK_BYTES;
 
 /// Copies one GGUF row (`cols / 32` file blocks) into row `r` of a matrix
 /// in the layout. Nothing is requantized.
@@ -342,6 +387,20 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
                 });
             let bits = u64::from_le_bytes(word.try_into().expect("8 bytes"));
             word.copy_from_slice(&((bits & !row_mask) | row_bits).to_le_bytes());
+        }
+        if q == QuantType::Q5_0x16 {
+            // Bits 4c..4c+3 of the row's 32 go to bits 4 (r % 16) .. of
+            // chunk c's mask.
+            let high = u32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            let shift = CHUNK_BYTES * (r % MAX_BLOCK_ROWS);
+            for c in 0..GROUP_COLS / CHUNK_BYTES {
+                let at = q5_0x16_mask_at(r, g, cols, c);
+                let word = &mut data[at..at + 8];
+                let mask = u64::from_le_bytes((&*word).try_into().expect("8 bytes"));
+                let four = u64::from((high >> (CHUNK_BYTES * c)) & 0xf);
+                let mask = (mask & !(0xf << shift)) | four << shift;
+                word.copy_from_slice(&mask.to_le_bytes());
+            }
         }
     }
 }
@@ -375,6 +434,15 @@ fn group_payload(
         });
         payload[..4].copy_from_slice(&high.to_le_bytes());
     }
+    if q == QuantType::Q5_0x16 {
+        let shift = CHUNK_BYTES * (r % MAX_BLOCK_ROWS);
+        let high = (0..GROUP_COLS / CHUNK_BYTES).fold(0u32, |h, c| {
+            let at = q5_0x16_mask_at(r, g, cols, c);
+            let mask = u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
+            h | (((mask >> shift) & 0xf) as u32) << (CHUNK_BYTES * c)
+        });
+        payload[..4].copy_from_slice(&high.to_le_bytes());
+    }
     (u16::from_le_bytes([data[s], data[s + 1]]), payload)
 }
 
@@ -391,15 +459,15 @@ pub fn group(
     (f16::from_bits(d).to_f32(), q.values(&payload))
 }
 
-/// Row `r` of a Q8_0 matrix in either layout as the file stores it: per
-/// group the f16 scale, then the 32 signed bytes.
-pub fn q8_0_file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
-    assert!(q.is_q8_0(), "{} is not a Q8_0 layout", q.name());
+/// Row `r` of a matrix in any layout as the file stores it: per group the
+/// f16 scale, then the file's payload (Q8_0's signed bytes).
+pub fn file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
+    let flip = if q.is_q8_0() { 0x80 } else { 0 };
     let mut out = Vec::with_capacity(cols / GROUP_COLS * q.file_block_bytes());
     for g in 0..cols / GROUP_COLS {
         let (d, payload) = group_payload(q, data, r, g, cols);
         out.extend_from_slice(&d.to_le_bytes());
-        out.extend(payload.iter().map(|b| b ^ 0x80));
+        out.extend(payload[..q.payload_bytes()].iter().map(|b| b ^ flip));
     }
     out
 }
@@ -439,6 +507,7 @@ mod tests {
             (QuantType::Q5_0, DType::Q5_0),
             (QuantType::Q4_0, DType::Q4_0),
             (QuantType::Q8_0x16, DType::Q8_0),
+            (QuantType::Q5_0x16, DType::Q5_0),
         ] {
             for (rows, cols) in [(4, 64), (7, 96), (1, 32), (9, 640), (16, 64), (37, 96)] {
                 let file = file_bytes(q, rows, cols);
@@ -467,10 +536,8 @@ mod tests {
                         .zip(&got)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{q:?} {rows}x{cols} row {r}");
-                    if q.is_q8_0() {
-                        let src = &file[r * row_bytes..(r + 1) * row_bytes];
-                        assert_eq!(q8_0_file_row(q, &packed, r, cols), src, "{q:?} row {r}");
-                    }
+                    let src = &file[r * row_bytes..(r + 1) * row_bytes];
+                    assert_eq!(file_row(q, &packed, r, cols), src, "{q:?} row {r}");
                 }
                 if rows % q.block_rows() != 0 {
                     dequant_row(q, &packed, rows, cols, &mut got);
@@ -542,6 +609,41 @@ mod tests {
                     let at = 32 + 64 * c + 4 * r;
                     let want: Vec<u8> = block[2 + 4 * c..][..4].iter().map(|b| b ^ 0x80).collect();
                     assert_eq!(group[at..at + 4], want[..], "row {r} group {g} chunk {c}");
+                }
+            }
+        }
+    }
+
+    /// Q5_0x16 as its kernel reads it: chunk c's 16 rows x 4 values are the
+    /// low (c < 4) or high nibbles of one 64-byte run, with bit 4 from
+    /// chunk c's mask.
+    #[test]
+    fn q5_0x16_holds_nibble_runs_and_high_bit_masks() {
+        let q = QuantType::Q5_0x16;
+        let (rows, cols) = (16, 64);
+        let file = file_bytes(QuantType::Q5_0, rows, cols);
+        let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
+        let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
+        assert_eq!(q.group_bytes(), 352);
+        for r in 0..rows {
+            scatter_row(q, &mut packed, r, cols, &file[r * row_bytes..][..row_bytes]);
+        }
+        for r in 0..rows {
+            for g in 0..cols / GROUP_COLS {
+                let block = &file[r * row_bytes + g * 22..][..22];
+                let want = QuantType::Q5_0.values(&block[2..]);
+                let group = &packed[g * q.group_bytes()..][..q.group_bytes()];
+                assert_eq!(group[2 * r..2 * r + 2], block[..2], "scale of row {r}");
+                for c in 0..GROUP_COLS / CHUNK_BYTES {
+                    let mask_at = Q5_0X16_MASKS_AT + 8 * c;
+                    let mask = u64::from_le_bytes(group[mask_at..mask_at + 8].try_into().unwrap());
+                    for j in 0..CHUNK_BYTES {
+                        let byte = group[32 + 64 * (c % 4) + 4 * r + j];
+                        let nibble = if c < 4 { byte & 0xf } else { byte >> 4 };
+                        let high = ((mask >> (4 * r + j)) & 1) as u8;
+                        let v = (nibble | high << 4) as i8 - 16;
+                        assert_eq!(v, want[4 * c + j], "row {r} group {g} chunk {c} value {j}");
+                    }
                 }
             }
         }

@@ -1,18 +1,26 @@
-//! The integer GEMM (and GEMV) for Q8_0 stored in 16-row blocks
-//! ([`QuantType::Q8_0x16`]), AVX-512 VNNI: `y[t, r] = sum_g d_w[r,g] *
-//! d_x[t,g] * (q_w[r,g] · q_x[t,g])` for r in `r0..r1` and t < `ntok`
-//! (1..=8), the call and the token tiles of `gemm_quant`, the results of
-//! the GEMV of Q8_0's 4-row blocks bit for bit.
+//! The integer GEMM (and GEMV) for Q8_0 and Q5_0 stored in 16-row blocks
+//! ([`QuantType::Q8_0x16`], [`QuantType::Q5_0x16`]), AVX-512 VNNI:
+//! `y[t, r] = sum_g d_w[r,g] * d_x[t,g] * (q_w[r,g] · q_x[t,g])` for r in
+//! `r0..r1` and t < `ntok` (1..=8), the call and the token tiles of
+//! `gemm_quant`, the results of the type's 4-row GEMV bit for bit.
 //!
 //! The lanes of a 512-bit vector are 16 rows. A group's chunk c (4 columns
-//! of 16 rows) is one 64-byte load, and one `vpdpbusd` multiplies it by a
-//! token's 4 bytes of chunk c broadcast from the tile (`{1to16}`): no
+//! of 16 rows) is one 64-byte vector, and one `vpdpbusd` multiplies it by
+//! a token's 4 bytes of chunk c broadcast from the tile (`{1to16}`): no
 //! shuffle, no horizontal sum, 8 multiply-adds per token per 16 rows x 32
 //! columns. The group's scaling is then one conversion, one product of
 //! scales and one FMA per token for 16 rows, with the GEMV's order of
 //! operations: `f += float(sum - (sum_x << 7)) * (d_w * d_x)`.
 //!
-//! The even chunks' sums start from the tile's `vnni_group_start`
+//! Q8_0x16's chunk is one load. Q5_0x16's chunks n and n + 4 are the low
+//! and high nibbles of one 64-byte run, each with a 64-bit mask of its
+//! high bits: 5 instructions make both chunks' bytes (`load_chunk_pair`),
+//! so Q5_0 needs no unpacking pass into a panel before its products and
+//! no GEMV of its own. Against the Q5_0 GEMV plus the unpacked panels'
+//! GEMM it replaced (Intel Xeon, `bench --m-curve`, 3 alternating runs): a
+//! step over 4 tokens 1.25-1.28x a one-token step where it was 1.37-1.48x.
+//!
+//! The chunks 0..3 sums start from the tile's `vnni_group_start`
 //! (`1.5 * 2^23` as bits, less `sum_x << 7`), so the correction and the
 //! conversion are one `vsubps` of 1.5 * 2^23, exact. Port 0 is what bounds
 //! the kernel on Intel's AVX-512 cores (every zmm `vpdpbusd`, and
@@ -20,26 +28,27 @@
 //! instructions became 32, the `vpdpbusd`s alone.
 //!
 //! Tokens go 4 at a time (a pass): a pass reads the block's 16 rows x K
-//! (10 KiB for K = 640) and the next pass reads them again from L1 or L2.
-//! Fewer than 4 tokens in a pass compute the absent ones from the tile's
-//! zeros and store nothing for them; a call of one token has a loop of its
-//! own. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
-//! columns; the 4-row GEMM with (row, token) lanes it replaced in
-//! brackets), with a loop
-//! of two rounds of chunks: 8 tokens 3.8 (5.4), 4 tokens 2.0 (3.3), 2
-//! tokens 1.9 (3.3), 1 token 1.0 (3.3); see `group_step` for the
-//! straight-line form.
+//! (10 KiB for K = 640 in Q8_0) and the next pass reads them again from
+//! L1 or L2. Fewer than 4 tokens in a pass compute the absent ones from
+//! the tile's zeros and store nothing for them; a call of one token has a
+//! loop of its own. Measured from L2, one thread, 128 x 640 (ns per 4 rows
+//! x 32 columns; the 4-row GEMM with (row, token) lanes it replaced in
+//! brackets), with a loop of two rounds of chunks: 8 tokens 3.8 (5.4), 4
+//! tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3); see
+//! `group_step` for the straight-line form.
 //!
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
 //!
-//! Registers: zmm0..3 the 4 tokens' group sums over even chunks, zmm4..7
-//! over odd chunks (two chains each), zmm8..11 their f32 sums, zmm12/13 a
-//! chunk of weights, zmm14 the 16 row scales, zmm15 a temporary, zmm16
-//! 1.5 * 2^23 in every lane. General
-//! registers as `gemm_quant`'s frame (`token_call_frame`), plus r15 the
-//! block's first group, rax the pass's first token and rbx the round of
-//! the chunk loop (K, in rbx on entry, is not needed past the frame).
+//! Registers: zmm0..3 the 4 tokens' group sums over chunks 0..3, zmm4..7
+//! over chunks 4..7 (two chains each), zmm8..11 their f32 sums, zmm12/13
+//! chunks n and n + 4 of the weights, zmm14 the 16 row scales, zmm15 a
+//! temporary, zmm16 1.5 * 2^23 in every lane; Q5_0x16: zmm17..19 the bytes
+//! 0x0F, 0x70 and 0x80, zmm20 a nibble run, k2/k3 two chunks' high bits.
+//! General registers as `gemm_quant`'s frame (`token_call_frame`), plus
+//! r15 the block's first group, rax the pass's first token and rbx the
+//! round of the chunk loop (K, in rbx on entry, is not needed past the
+//! frame).
 
 use super::gemm_quant::{
     FLOAT_MAGIC_BITS, GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_VNNI_STARTS_AT,
@@ -47,67 +56,114 @@ use super::gemm_quant::{
 };
 use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
 use crate::jback;
-use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, QuantType};
+use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, Q5_0X16_MASKS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
-const Q: QuantType = QuantType::Q8_0x16;
 /// Rows per block: the 16 dword lanes of a zmm register.
 pub const ROWS: usize = 16;
 /// Tokens per pass over a block.
 const PASS_TOKENS: usize = 4;
 const CHUNKS: usize = GROUP_COLS / CHUNK_BYTES;
-/// Where the first chunk of a group starts (after the 16 f16 scales).
+/// A group's chunks go in pairs (n, n + 4): Q5_0x16's nibble run n holds
+/// both, and Q8_0x16 loads them as two vectors.
+const PAIRS: usize = CHUNKS / 2;
+/// Where the first chunk (or nibble run) of a group starts, after the 16
+/// f16 scales.
 const CHUNKS_AT: i32 = (ROWS * 2) as i32;
 
-const EVEN_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm0, zmm1, zmm2, zmm3];
-const ODD_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm4, zmm5, zmm6, zmm7];
+/// Sums over chunks 0..3 (which start from the tile's VNNI values) and
+/// over chunks 4..7: two chains per token.
+const LOW_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm0, zmm1, zmm2, zmm3];
+const HIGH_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm4, zmm5, zmm6, zmm7];
 const F32_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm8, zmm9, zmm10, zmm11];
+/// Chunks n and n + 4 of 16 rows, as bytes s + 128.
 const WEIGHTS: [AsmRegisterZmm; 2] = [zmm12, zmm13];
 const ROW_SCALES: AsmRegisterZmm = zmm14;
 const TEMP: AsmRegisterZmm = zmm15;
 /// 1.5 * 2^23 in every lane (`FLOAT_MAGIC_BITS`), set once per call.
 const FLOAT_MAGIC: AsmRegisterZmm = zmm16;
+/// Q5_0x16: bytes 0x0F, 0x70 and 0x80, and a nibble run.
+const LOW_NIBBLES: AsmRegisterZmm = zmm17;
+const HIGH_BIT_CLEAR: AsmRegisterZmm = zmm18;
+const HIGH_BIT_SET: AsmRegisterZmm = zmm19;
+const NIBBLES: AsmRegisterZmm = zmm20;
+/// `vpternlogd` truth table of `dest | (src2 & src3)`.
+const OR_AND: i32 = 0xF8;
+
+/// Chunks n and n + 4 of the group into `WEIGHTS` as bytes s + 128 (the
+/// round's weights at r9 + 8 rbx, Q5_0x16's masks at r9 + rbx). Q5_0x16:
+/// the nibble run's low nibbles are chunk n, its high nibbles chunk n + 4,
+/// and each chunk's opmask of high bits picks 0x80 or 0x70 to OR in: v +
+/// 112 = s + 128, v + 112 + 16 where bit 4 is set (5 instructions for two
+/// chunks, one of them, the shift, on port 0).
+fn load_chunk_pair(a: &mut CodeAssembler, q: QuantType, n: usize) -> Result<(), IcedError> {
+    let [low, high] = WEIGHTS;
+    if q == QuantType::Q8_0x16 {
+        for (w, c) in [(low, n), (high, n + PAIRS)] {
+            let at = CHUNKS_AT + (c * ROWS * CHUNK_BYTES) as i32;
+            a.vmovdqu32(w, zmmword_ptr(r9 + rbx * 8 + at))?;
+        }
+        return Ok(());
+    }
+    let run_at = CHUNKS_AT + (n * ROWS * CHUNK_BYTES) as i32;
+    let mask_at = |c: usize| (Q5_0X16_MASKS_AT + 8 * c) as i32;
+    a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + run_at))?;
+    a.kmovq(k2, qword_ptr(r9 + rbx + mask_at(n)))?;
+    a.kmovq(k3, qword_ptr(r9 + rbx + mask_at(n + PAIRS)))?;
+    a.vpblendmb(low.k2(), HIGH_BIT_CLEAR, HIGH_BIT_SET)?;
+    a.vpternlogd(low, NIBBLES, LOW_NIBBLES, OR_AND)?;
+    a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+    a.vpblendmb(high.k3(), HIGH_BIT_CLEAR, HIGH_BIT_SET)?;
+    a.vpternlogd(high, NIBBLES, LOW_NIBBLES, OR_AND)
+}
 
 /// One group of the pass: 16 rows x 32 columns (r9) against the first
 /// `tokens` (4, or 1 for a call of one token) of the tile group (r10),
 /// scaled into the f32 sums. The 4-token step is straight-line code (3.3
 /// ns per 4 rows x 32 columns x 8 tokens from L2, against 3.8 for a loop
 /// of two rounds of 4 chunks); the 1-token step, bound by memory, loops
-/// over the rounds to save code: rbx counts the rounds' input bytes (0,
-/// 128), a round's weights twice as far (r9 + 2 rbx).
-fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
+/// over two rounds of chunk pairs to save code: rbx counts 8 per pair
+/// done, so a round's inputs are 4 rbx on, its weights 8 rbx and
+/// Q5_0x16's masks rbx.
+fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
     let rounds = if tokens == PASS_TOKENS { 1 } else { 2 };
-    let round_chunks = CHUNKS / rounds;
+    let round_pairs = PAIRS / rounds;
     let round = ops.new_dynamic_label();
     iced(ops, |a| {
-        for (t, s) in EVEN_SUMS[..tokens].iter().enumerate() {
+        for (t, s) in LOW_SUMS[..tokens].iter().enumerate() {
             let at = (TILE_VNNI_STARTS_AT + t * 4) as i32;
             a.vpbroadcastd(*s, dword_ptr(r10 + at))?;
         }
-        for s in &ODD_SUMS[..tokens] {
+        for s in &HIGH_SUMS[..tokens] {
             a.vpxord(*s, *s, *s)?;
+        }
+        if prefetch > 0 {
+            // The group's bytes ahead (Q8_0x16 9 lines, Q5_0x16 6), before
+            // its rounds: a round covers a share of the chunks, not of the
+            // group's bytes (the masks come last). Spread over the rounds
+            // as `rbx * 8 + 64 line` they missed 96 of Q8_0x16's 544
+            // bytes, and decode lost 10-20%.
+            for line in 0..q.group_bytes().div_ceil(64) as i32 {
+                a.prefetcht0(byte_ptr(r9 + prefetch as i32 + 64 * line))?;
+            }
         }
         a.xor(ebx, ebx)
     });
     let round_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>round);
-    let x_round = (round_chunks * CHUNK_BYTES * super::gemm_quant::TOKENS) as i32;
     iced(ops, |a| {
-        if prefetch > 0 {
-            // The group's 544 bytes ahead (9 lines), over its rounds.
-            for line in 0..Q.group_bytes().div_ceil(64 * rounds) as i32 {
-                a.prefetcht0(byte_ptr(r9 + rbx * 2 + prefetch as i32 + 64 * line))?;
-            }
-        }
-        for c in 0..round_chunks {
-            let w = WEIGHTS[c % 2];
-            let sums = if c % 2 == 0 { &EVEN_SUMS } else { &ODD_SUMS };
-            let at = CHUNKS_AT + (c * ROWS * CHUNK_BYTES) as i32;
-            a.vmovdqu32(w, zmmword_ptr(r9 + rbx * 2 + at))?;
-            for (t, &s) in sums[..tokens].iter().enumerate() {
-                let x = (c * CHUNK_BYTES * super::gemm_quant::TOKENS + t * 4) as i32;
-                a.vpdpbusd(s, w, dword_bcst(r10 + rbx + x))?;
+        for n in 0..round_pairs {
+            load_chunk_pair(a, q, n)?;
+            for (w, c, sums) in [
+                (WEIGHTS[0], n, &LOW_SUMS),
+                (WEIGHTS[1], n + PAIRS, &HIGH_SUMS),
+            ] {
+                for (t, &s) in sums[..tokens].iter().enumerate() {
+                    let x = (c * CHUNK_BYTES * super::gemm_quant::TOKENS + t * 4) as i32;
+                    a.vpdpbusd(s, w, dword_bcst(r10 + rbx * 4 + x))?;
+                }
             }
         }
         Ok(())
@@ -115,27 +171,27 @@ fn group_step(ops: &mut Asm, prefetch: usize, tokens: usize) {
     if rounds > 1 {
         dynasm!(ops
             ; .arch x64
-            ; add ebx, x_round
-            ; cmp ebx, rounds as i32 * x_round
+            ; add ebx, 8 * round_pairs as i32
+            ; cmp ebx, 8 * PAIRS as i32
         );
         jback!(ops, jb, round, round_top);
     }
     iced(ops, |a| {
         a.vcvtph2ps(ROW_SCALES, ymmword_ptr(r9))?;
         for t in 0..tokens {
-            let (even, odd, f) = (EVEN_SUMS[t], ODD_SUMS[t], F32_SUMS[t]);
+            let (low, high, f) = (LOW_SUMS[t], HIGH_SUMS[t], F32_SUMS[t]);
             let at = (t * 4) as i32;
             // The sums started from the tile's `vnni_group_start`, so
             // their bits are 1.5 * 2^23 + the group's exact product as a
             // float: one subtraction converts it (see FLOAT_MAGIC_BITS).
-            a.vpaddd(even, even, odd)?;
-            a.vsubps(even, even, FLOAT_MAGIC)?;
+            a.vpaddd(low, low, high)?;
+            a.vsubps(low, low, FLOAT_MAGIC)?;
             a.vmulps(
                 TEMP,
                 ROW_SCALES,
                 dword_bcst(r10 + TILE_SCALES_AT as i32 + at),
             )?;
-            a.vfmadd231ps(f, even, TEMP)?;
+            a.vfmadd231ps(f, low, TEMP)?;
         }
         Ok(())
     });
@@ -185,19 +241,29 @@ fn store_pass(ops: &mut Asm) {
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy,
 /// ntok)` (see `gemm_quant`).
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let q = p.q;
     anyhow::ensure!(
-        p.q == Q && p.vnni,
-        "kernel {name}: the 16-row GEMM reads Q8_0x16 with VNNI only"
+        q.rows_are_lanes() && p.vnni,
+        "kernel {name}: the 16-row GEMM reads Q8_0x16 or Q5_0x16 with VNNI only"
     );
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
     let block = ops.new_dynamic_label();
     let pass = ops.new_dynamic_label();
-    token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
+    token_call_frame(&mut ops, q, TILE_GROUP_BYTES, done);
     iced(&mut ops, |a| {
-        a.mov(r10d, FLOAT_MAGIC_BITS)?;
-        a.vpbroadcastd(FLOAT_MAGIC, r10d)
+        let mut constant = |reg: AsmRegisterZmm, bits: i32| -> Result<(), IcedError> {
+            a.mov(r10d, bits)?;
+            a.vpbroadcastd(reg, r10d)
+        };
+        constant(FLOAT_MAGIC, FLOAT_MAGIC_BITS)?;
+        if q == QuantType::Q5_0x16 {
+            constant(LOW_NIBBLES, 0x0F0F_0F0F)?;
+            constant(HIGH_BIT_CLEAR, 0x7070_7070)?;
+            constant(HIGH_BIT_SET, 0x8080_8080_u32 as i32)?;
+        }
+        Ok(())
     });
     let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
     iced(&mut ops, |a| {
@@ -223,8 +289,8 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
-        group_step(&mut ops, p.prefetch, tokens);
-        next_group(&mut ops, (group, group_top));
+        group_step(&mut ops, q, p.prefetch, tokens);
+        next_group(&mut ops, q, (group, group_top));
         if tokens == PASS_TOKENS {
             dynasm!(ops ; .arch x64 ; jmp =>stored);
         }

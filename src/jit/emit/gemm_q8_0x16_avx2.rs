@@ -310,7 +310,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if sign_trick(p.q) {
         broadcast_const(&mut ops, SIGN_BITS, 0x8080_8080);
     }
-    token_call_frame(&mut ops, TILE_GROUP_BYTES, done);
+    token_call_frame(&mut ops, QuantType::Q8_0x16, TILE_GROUP_BYTES, done);
     let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
     let single = ops.new_dynamic_label();
     // Q8_0x16 serves decode steps: a last odd token (and a call of one)
@@ -345,7 +345,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
         group_step(&mut ops, p.q, p.prefetch, tokens);
-        next_group(&mut ops, (group, group_top));
+        next_group(&mut ops, QuantType::Q8_0x16, (group, group_top));
         if tokens == PASS_TOKENS && pass_sizes.len() > 1 {
             dynasm!(ops ; .arch x64 ; jmp =>store);
         }

@@ -8,12 +8,14 @@
 //!
 //! Weights come in 16-row blocks ([`QuantType::Q8_0x16`]'s layout): Q8_0
 //! matrices as they are stored, Q5_0 and Q4_0 panels unpacked into it
-//! first (`unpack_quant`), once per panel for all of a prefill's tiles.
-//! The lanes of a vector are rows, so each token costs its own products
-//! only:
+//! first (`unpack_quant`), once per panel for all of a prefill's tiles;
+//! with VNNI, Q5_0 is stored in 16-row blocks of its own
+//! ([`QuantType::Q5_0x16`]) that the GEMM unpacks in registers. The lanes
+//! of a vector are rows, so each token costs its own products only:
 //! - with AVX-512 VNNI, `gemm_q8_0x16`: 16 rows per zmm, one `vpdpbusd`
-//!   per token per 4 columns; unpacked panels hold s + 128 like Q8_0x16,
-//!   so one kernel serves every type;
+//!   per token per 4 columns; unpacked panels and Q5_0x16's chunks hold
+//!   s + 128 like Q8_0x16, so the products and their scaling are the same
+//!   code for every type;
 //! - under AVX2, `gemm_q8_0x16_avx2`: 8 rows per ymm, `vpmaddubsw` +
 //!   `vpmaddwd`; Q8_0 through the sign trick, unpacked panels with their
 //!   own small offset (s + 16, s + 8) multiplied as they are, a kernel
@@ -103,19 +105,26 @@ pub fn tile_bytes(k: usize) -> usize {
 }
 
 /// The start of a kernel `fn(w, x, y, r0, r1, k, ldy, ntok)` over weights
-/// in 16-row blocks and an input of `group_bytes` per 32 columns: r12 =
+/// in 16-row blocks of `layout` and an input of `group_bytes` per 32
+/// columns: r12 =
 /// ldy in bytes, r13 = ntok, rbx = K, rbp = the bytes of W per row of a
 /// block, r11 = the end of the input's groups; jumps to `done` when there
 /// are no rows.
-pub(super) fn token_call_frame(ops: &mut Asm, group_bytes: usize, done: dynasmrt::DynamicLabel) {
+pub(super) fn token_call_frame(
+    ops: &mut Asm,
+    layout: QuantType,
+    group_bytes: usize,
+    done: dynasmrt::DynamicLabel,
+) {
     dynasm!(ops
         ; .arch x64
         ; mov r12, [rsp + LDY_AT]
         ; shl r12, 2
         ; mov r13, [rsp + NTOK_AT]
     );
-    // Q8_0's bytes per row, whatever the values' offset.
-    block_stride(ops, QuantType::Q8_0);
+    // The file type's bytes per row (Q8_0's whatever the values' offset):
+    // a 16-row block holds 16 rows' file blocks.
+    block_stride(ops, layout.file_type());
     dynasm!(ops
         ; .arch x64
         ; mov r11, r9
@@ -157,14 +166,18 @@ pub(super) fn block_and_pass_top(
     (block_top, pass_top)
 }
 
-/// The end of a group: r9 and r10 to the next group of the block and of
+/// The end of a group of `layout`: r9 and r10 to the next group of the block and of
 /// the tile, back to `group` while the tile has one. A pass starts 4 bytes
 /// per token into the tile's first group, so r10 passes the end (r11)
 /// after its last group whatever the pass.
-pub(super) fn next_group(ops: &mut Asm, (group, group_top): (DynamicLabel, AssemblyOffset)) {
+pub(super) fn next_group(
+    ops: &mut Asm,
+    layout: QuantType,
+    (group, group_top): (DynamicLabel, AssemblyOffset),
+) {
     dynasm!(ops
         ; .arch x64
-        ; add r9, QuantType::Q8_0x16.group_bytes() as i32
+        ; add r9, layout.group_bytes() as i32
         ; add r10, TILE_GROUP_BYTES as i32
         ; cmp r10, r11
     );

@@ -236,7 +236,7 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
             vpdpbusd(ops, dst, TEMP, 5);
             return;
         }
-        QuantType::Q8_0x16 => unreachable!("emit refuses Q8_0x16"),
+        QuantType::Q8_0x16 | QuantType::Q5_0x16 => unreachable!("emit refuses 16-row layouts"),
         QuantType::Q8_0 => dynasm!(ops
             ; .arch x64
             ; vpxor Ry(dst), Ry(SIGN_BITS), [BYTE r9 + at]
@@ -301,8 +301,9 @@ pub(super) fn vpdpbusd(ops: &mut Asm, dst: u8, unsigned: u8, signed: u8) {
 pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
     anyhow::ensure!(
-        q != QuantType::Q8_0x16,
-        "kernel {name}: Q8_0x16 has no GEMV (its GEMM, emit::gemm_q8_0x16, takes single tokens)"
+        !q.rows_are_lanes(),
+        "kernel {name}: {} has no GEMV (its GEMM, emit::gemm_q8_0x16, takes single tokens)",
+        q.name()
     );
     if p.two_blocks {
         anyhow::ensure!(
