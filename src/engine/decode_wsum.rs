@@ -58,24 +58,45 @@ pub fn weighted_sum_by_rows(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, o
     }
 }
 
+/// Keys whose products one pass adds to an output chunk held in a
+/// register.
+const KEYS_PER_PASS: usize = 4;
+
+/// Keys `KEYS_PER_PASS` at a time: each query's output chunk of 8 is
+/// loaded once, takes the keys' FMAs in key order, and is stored once,
+/// where one key at a time loaded and stored it for every FMA (the same
+/// operations in the same order, so the same bits). On the Intel Xeon a
+/// greedy summary with speculation (`perf record`, about 1,000 cached
+/// positions) spent 9.8% of its samples here one key at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn by_rows_avx2(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let n_keys = v.len() / head_dim;
-    for j in 0..n_keys {
-        let row = &v[j * head_dim..(j + 1) * head_dim];
+    let mut j = 0;
+    while j < n_keys {
+        let block = (n_keys - j).min(KEYS_PER_PASS);
+        let rows = &v[j * head_dim..(j + block) * head_dim];
         for (i, o) in out.chunks_exact_mut(head_dim).enumerate() {
-            let pij = _mm256_set1_ps(p[i * ldp + j]);
-            for (o, x) in o.chunks_exact_mut(8).zip(row.chunks_exact(8)) {
-                // SAFETY: both chunks hold 8 floats; unaligned loads and
-                // stores.
+            let weights = &p[i * ldp + j..i * ldp + j + block];
+            let mut pij = [_mm256_setzero_ps(); KEYS_PER_PASS];
+            for (b, &w) in pij.iter_mut().zip(weights) {
+                *b = _mm256_set1_ps(w);
+            }
+            for (c, o) in o.chunks_exact_mut(8).enumerate() {
+                // SAFETY: `o` holds 8 floats and each key's row chunk
+                // `b * head_dim + 8c ..` lies inside `rows` (block rows of
+                // head_dim, a multiple of 8); unaligned loads and stores.
                 unsafe {
-                    let acc = _mm256_loadu_ps(o.as_ptr());
-                    let sum = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr()), pij, acc);
-                    _mm256_storeu_ps(o.as_mut_ptr(), sum);
+                    let mut acc = _mm256_loadu_ps(o.as_ptr());
+                    for (b, &w) in pij[..block].iter().enumerate() {
+                        let x = _mm256_loadu_ps(rows.as_ptr().add(b * head_dim + 8 * c));
+                        acc = _mm256_fmadd_ps(x, w, acc);
+                    }
+                    _mm256_storeu_ps(o.as_mut_ptr(), acc);
                 }
             }
         }
+        j += block;
     }
 }
