@@ -228,6 +228,15 @@ impl Sampler {
     /// Runs every filter, leaving the survivors (with probabilities) in
     /// `self.cands`. Returns the answer directly when no draw is needed.
     fn filter(&mut self, logits: &[f32], recent: &[u32]) -> Option<u32> {
+        // Greedy with no penalty to apply reads the logits where they are:
+        // the copy below is a megabyte for Gemma's vocabulary, per row of
+        // every verify step (`distribution` took 3.5% of a greedy
+        // summary's samples with speculation with the copy, 2.9% without:
+        // what is left is the scan).
+        let no_penalty = self.cfg.repeat_penalty == 1.0 || self.cfg.repeat_last_n == 0;
+        if self.cfg.temperature == 0.0 && no_penalty {
+            return Some(first_max(logits).0 as u32);
+        }
         // A penalized copy of the logits; NaN counts as impossible.
         self.work.clear();
         self.work.extend(
@@ -237,13 +246,7 @@ impl Sampler {
         );
         self.penalize(recent);
 
-        // First maximum = lowest id among ties.
-        let (mut best, mut max) = (0, self.work[0]);
-        for (i, &l) in self.work.iter().enumerate().skip(1) {
-            if l > max {
-                (best, max) = (i, l);
-            }
-        }
+        let (best, max) = first_max(&self.work);
         // Greedy, or a degenerate row (all -inf, or some +inf) where the
         // softmax is undefined: the best logit wins.
         if self.cfg.temperature == 0.0 || !max.is_finite() {
@@ -312,6 +315,7 @@ impl Sampler {
     /// positive logit is divided by the penalty and a negative one
     /// multiplied, so a penalty above 1 always makes the token less likely.
     fn penalize(&mut self, recent: &[u32]) {
+        // (`filter` skips the copy this works on when it would do nothing.)
         let penalty = self.cfg.repeat_penalty;
         if penalty == 1.0 || self.cfg.repeat_last_n == 0 {
             return;
@@ -493,6 +497,19 @@ impl Distribution<'_> {
             None => self.sampler.draw(),
         }
     }
+}
+
+/// The first maximum (the lowest id among ties) and its value, NaN
+/// counting as impossible (minus infinity); id 0 when every value is.
+fn first_max(logits: &[f32]) -> (usize, f32) {
+    let finite_or_low = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let (mut best, mut max) = (0, finite_or_low(logits[0]));
+    for (i, &l) in logits.iter().enumerate().skip(1) {
+        if l > max {
+            (best, max) = (i, l);
+        }
+    }
+    (best, max)
 }
 
 #[cfg(test)]
@@ -772,6 +789,26 @@ mod tests {
         let mut s = Sampler::new(c, 0);
         assert_eq!(s.sample(&[3.0, 2.5], &[]), 0);
         assert_eq!(s.sample(&[3.0, 2.5], &[0]), 1);
+    }
+
+    #[test]
+    fn greedy_picks_the_first_maximum_and_never_a_nan() {
+        // With and without a penalty that touches nothing (id 9 is past
+        // these rows), the same answers: the copy-free path and the
+        // penalized copy agree.
+        let plain = SamplerConfig::greedy();
+        let penalized = SamplerConfig {
+            repeat_penalty: 1.5,
+            repeat_last_n: 8,
+            ..plain
+        };
+        for c in [plain, penalized] {
+            let mut s = Sampler::new(c, 0);
+            assert_eq!(s.sample(&[f32::NAN, 1.0, 3.0, 3.0], &[9]), 2);
+            assert_eq!(s.sample(&[f32::NAN, f32::NAN], &[9]), 0);
+            assert_eq!(s.sample(&[-1.0, f32::NAN, -0.5], &[9]), 2);
+            assert_eq!(s.sample(&[f32::NEG_INFINITY, f32::NEG_INFINITY], &[9]), 0);
+        }
     }
 
     fn draws(c: SamplerConfig, seed: u64, logits: &[f32], n: usize) -> Vec<u32> {
