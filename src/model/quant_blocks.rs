@@ -588,18 +588,27 @@ mod tests {
         assert_eq!(seen, u64::MAX);
     }
 
+    /// Made-up file rows of `q`'s file type for one 16-row block of `cols`,
+    /// and that block in `q`'s layout.
+    fn one_block_of_16_rows(q: QuantType, cols: usize) -> (Vec<u8>, Vec<u8>) {
+        let rows = MAX_BLOCK_ROWS;
+        let file = file_bytes(q.file_type(), rows, cols);
+        let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
+        let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
+        for r in 0..rows {
+            scatter_row(q, &mut packed, r, cols, &file[r * row_bytes..][..row_bytes]);
+        }
+        (file, packed)
+    }
+
     /// Q8_0x16 keeps each chunk of 4 columns of 16 rows in one 64-byte run,
     /// which its kernel loads as one vector.
     #[test]
     fn q8_0x16_interleaves_16_rows_by_chunks_of_4_bytes() {
         let q = QuantType::Q8_0x16;
         let (rows, cols) = (16, 64);
-        let file = file_bytes(QuantType::Q8_0, rows, cols);
+        let (file, packed) = one_block_of_16_rows(q, cols);
         let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
-        let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
-        for r in 0..rows {
-            scatter_row(q, &mut packed, r, cols, &file[r * row_bytes..][..row_bytes]);
-        }
         for r in 0..rows {
             for g in 0..cols / GROUP_COLS {
                 let block = &file[r * row_bytes + g * 34..][..34];
@@ -621,13 +630,9 @@ mod tests {
     fn q5_0x16_holds_nibble_runs_and_high_bit_masks() {
         let q = QuantType::Q5_0x16;
         let (rows, cols) = (16, 64);
-        let file = file_bytes(QuantType::Q5_0, rows, cols);
-        let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
-        let mut packed = vec![0u8; q.matrix_bytes(rows, cols)];
         assert_eq!(q.group_bytes(), 352);
-        for r in 0..rows {
-            scatter_row(q, &mut packed, r, cols, &file[r * row_bytes..][..row_bytes]);
-        }
+        let (file, packed) = one_block_of_16_rows(q, cols);
+        let row_bytes = cols / GROUP_COLS * q.file_block_bytes();
         for r in 0..rows {
             for g in 0..cols / GROUP_COLS {
                 let block = &file[r * row_bytes + g * 22..][..22];
