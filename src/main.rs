@@ -147,6 +147,21 @@ fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// How `run`, `chat`, `logits`, `embed` and `perplexity` run the forward
+/// pass.
+#[derive(Args)]
+struct ForwardArgs {
+    /// The forward pass.
+    #[arg(long, value_enum, default_value = "jit")]
+    engine: EngineArg,
+    /// Worker threads, the caller included.
+    #[arg(long, default_value_t = default_threads())]
+    threads: usize,
+    /// Formats of the fast engine's matrices.
+    #[arg(long, value_enum, default_value = "native")]
+    dtype: RunDtypeArg,
+}
+
 /// Sampling flags shared by `run` and `chat`.
 #[derive(Args)]
 struct SamplingArgs {
@@ -228,15 +243,8 @@ struct GenerationCli {
     /// adds "\nUser:".
     #[arg(long = "stop", value_name = "TEXT")]
     stop: Vec<String>,
-    /// The forward pass.
-    #[arg(long, value_enum, default_value = "jit")]
-    engine: EngineArg,
-    /// Worker threads, the caller included.
-    #[arg(long, default_value_t = default_threads())]
-    threads: usize,
-    /// Formats of the fast engine's matrices.
-    #[arg(long, value_enum, default_value = "native")]
-    dtype: RunDtypeArg,
+    #[command(flatten)]
+    forward: ForwardArgs,
     /// Use the weights of a `pulsar convert` file in place from the mapped
     /// file instead of copying them into huge-page memory (loads faster;
     /// decodes slower here). Other files are copied as usual.
@@ -301,10 +309,10 @@ impl GenerationCli {
             system: self.system,
             chat_template: self.chat_template,
             stop: self.stop,
-            engine: self.engine.into(),
-            threads: self.threads,
+            engine: self.forward.engine.into(),
+            threads: self.forward.threads,
             in_place: self.mmap,
-            dtype: self.dtype.into(),
+            dtype: self.forward.dtype.into(),
             constraint,
             speculation: self.spec.into(),
         })
@@ -490,13 +498,8 @@ enum Command {
         /// Output file.
         #[arg(short, long)]
         output: PathBuf,
-        #[arg(long, value_enum, default_value = "jit")]
-        engine: EngineArg,
-        #[arg(long, default_value_t = default_threads())]
-        threads: usize,
-        /// Formats of the fast engine's matrices.
-        #[arg(long, value_enum, default_value = "native")]
-        dtype: RunDtypeArg,
+        #[command(flatten)]
+        forward: ForwardArgs,
     },
     /// Print a text's embedding (the mean of its tokens' final hidden states, length 1) as a
     /// JSON list, as `pulsar serve`'s /v1/embeddings computes it.
@@ -509,16 +512,11 @@ enum Command {
         /// A file whose text is embedded instead of -p.
         #[arg(short, long, conflicts_with = "prompt")]
         file: Option<PathBuf>,
-        #[arg(long, value_enum, default_value = "jit")]
-        engine: EngineArg,
-        #[arg(long, default_value_t = default_threads())]
-        threads: usize,
-        /// Formats of the fast engine's matrices.
-        #[arg(long, value_enum, default_value = "native")]
-        dtype: RunDtypeArg,
+        #[command(flatten)]
+        forward: ForwardArgs,
     },
     /// Perplexity of a text the way llama-perplexity measures it; with --kl-base, the KL
-    /// divergence from a run saved with --save-logits.
+    /// divergence from a run saved with --save-logits (e.g. `--dtype native` against `f16`).
     Perplexity {
         #[arg(short, long)]
         model: Option<PathBuf>,
@@ -538,13 +536,8 @@ enum Command {
         /// Compare with a file saved by --save-logits: KL divergence, top-1 agreement.
         #[arg(long, value_name = "FILE")]
         kl_base: Option<PathBuf>,
-        #[arg(long, value_enum, default_value = "jit")]
-        engine: EngineArg,
-        #[arg(long, default_value_t = default_threads())]
-        threads: usize,
-        /// Formats of the fast engine's matrices (compare `native` against `f16`).
-        #[arg(long, value_enum, default_value = "native")]
-        dtype: RunDtypeArg,
+        #[command(flatten)]
+        forward: ForwardArgs,
     },
     /// Plan, emit and verify the JIT kernels for a model and print them.
     Dump(DumpCli),
@@ -624,33 +617,29 @@ fn run(command: Command) -> anyhow::Result<()> {
             prompt,
             all,
             output,
-            engine,
-            threads,
-            dtype,
+            forward,
         } => commands::logits::run(&commands::logits::LogitsArgs {
             model: &commands::resolve_model(model.as_deref())?,
             tokens: &tokens,
             prompt: prompt.as_deref(),
             all,
             output: &output,
-            engine: engine.into(),
-            threads,
-            dtype: dtype.into(),
+            engine: forward.engine.into(),
+            threads: forward.threads,
+            dtype: forward.dtype.into(),
         }),
         Command::Embed {
             model,
             prompt,
             file,
-            engine,
-            threads,
-            dtype,
+            forward,
         } => commands::embed::run(&commands::embed::EmbedArgs {
             model: &commands::resolve_model(model.as_deref())?,
             prompt: prompt.as_deref(),
             file: file.as_deref(),
-            engine: engine.into(),
-            threads,
-            dtype: dtype.into(),
+            engine: forward.engine.into(),
+            threads: forward.threads,
+            dtype: forward.dtype.into(),
         }),
         Command::Perplexity {
             model,
@@ -659,9 +648,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             chunks,
             save_logits,
             kl_base,
-            engine,
-            threads,
-            dtype,
+            forward,
         } => commands::perplexity::run(&commands::perplexity::PerplexityArgs {
             model: commands::resolve_model(model.as_deref())?,
             file,
@@ -669,9 +656,9 @@ fn run(command: Command) -> anyhow::Result<()> {
             chunks,
             save_logits,
             kl_base,
-            engine: engine.into(),
-            threads,
-            dtype: dtype.into(),
+            engine: forward.engine.into(),
+            threads: forward.threads,
+            dtype: forward.dtype.into(),
         }),
         Command::Serve(serve) => serve.run(),
         Command::Dump(a) => commands::dump::run_dump_command(&a.into()),
