@@ -6,6 +6,7 @@ use pulsar::chat::conversation::ContextPolicy;
 use pulsar::commands::{self, EngineKind};
 use pulsar::constrain::ConstraintSpec;
 use pulsar::engine::packed::WeightFormat;
+use pulsar::engine::q8_input::InputPrecision;
 use pulsar::jit::cpu::Isa;
 use pulsar::sample::SamplerConfig;
 use pulsar::speculative::Speculation;
@@ -28,9 +29,33 @@ struct Cli {
     /// used.
     #[arg(long, global = true)]
     no_tune: bool,
+    /// Bits of the inputs to the integer kernels of quantized weights: 8 (one 8-bit level per
+    /// value, fastest) or 16 (two 8-bit levels, the value and its rounding error: matches
+    /// `--dtype f16` more closely, for about twice the integer work; see the README).
+    #[arg(long, global = true, value_enum, default_value = "8")]
+    input_bits: InputBitsArg,
     /// `pulsar` alone chats; these are the chat's flags.
     #[command(flatten)]
     chat: ChatCli,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InputBitsArg {
+    /// One 8-bit level per value.
+    #[value(name = "8")]
+    Eight,
+    /// Two 8-bit levels per value.
+    #[value(name = "16")]
+    Sixteen,
+}
+
+impl From<InputBitsArg> for InputPrecision {
+    fn from(bits: InputBitsArg) -> InputPrecision {
+        match bits {
+            InputBitsArg::Eight => InputPrecision::Bits8,
+            InputBitsArg::Sixteen => InputPrecision::TwoLevels,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -704,6 +729,7 @@ fn main() -> ExitCode {
     if cli.no_tune {
         commands::disable_launch_tuning();
     }
+    commands::set_input_precision(cli.input_bits.into());
     let result = match cli.command {
         Some(command) => run(command),
         None => cli.chat.run(),

@@ -6,6 +6,7 @@
 
 use pulsar::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, FastOptions, SeqTokens};
 use pulsar::engine::jit_kernels::JitKernels;
+use pulsar::engine::q8_input::InputPrecision;
 use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::model::source::ModelSource;
 use std::sync::Arc;
@@ -63,8 +64,9 @@ fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
 
 /// Sequences 0 and 1 hold the same prompt; 0 takes m tokens in one step,
 /// 1 one at a time: every position's logits are the same bits.
-fn short_steps_are_exact(native: bool) {
+fn short_steps_are_exact(native: bool, inputs: InputPrecision) {
     let mut e = engine(native, 2);
+    e.set_input_precision(inputs);
     let vocab = e.config().vocab_size;
     let prompt = tokens(40, 1);
     for seq in 0..2 {
@@ -88,12 +90,19 @@ fn short_steps_are_exact(native: bool) {
 
 #[test]
 fn a_short_step_equals_one_token_steps_bit_for_bit_native() {
-    short_steps_are_exact(true);
+    short_steps_are_exact(true, InputPrecision::Bits8);
+}
+
+/// `--input-bits 16`: each token's two levels are two tokens of the
+/// integer GEMM, and a step's pairs are added as a lone token's are.
+#[test]
+fn a_short_step_equals_one_token_steps_bit_for_bit_with_two_input_levels() {
+    short_steps_are_exact(true, InputPrecision::TwoLevels);
 }
 
 #[test]
 fn a_short_step_equals_one_token_steps_bit_for_bit_f16() {
-    short_steps_are_exact(false);
+    short_steps_are_exact(false, InputPrecision::Bits8);
 }
 
 /// Three sequences in one step (a decode token, a short exact run and a

@@ -517,6 +517,28 @@ fn reference_and_jit_agree_within_the_fp16_yardstick() {
         "KL {kl}: {}",
         jit.stdout
     );
+    // `--input-bits 16`: most of the JIT's distance to the reference is its
+    // 8-bit inputs (the rest: Q4_K and Q6_K kept in other types, and
+    // summation order), and two levels take most of that away.
+    let fine = pulsar_perplexity(&[
+        "--input-bits",
+        "16",
+        "-f",
+        TEXT,
+        "-c",
+        "128",
+        "--kl-base",
+        base_arg,
+    ]);
+    ppl_line(&fine);
+    assert!(
+        fine.stderr.contains("inputs in two 8-bit levels"),
+        "{}",
+        fine.stderr
+    );
+    let fine_kl = field(&fine, "mean ");
+    println!("mean KL against the reference: 8-bit inputs {kl}, two levels {fine_kl}");
+    assert!(fine_kl < kl / 3.0, "two levels {fine_kl}, one {kl}");
 }
 
 #[test]

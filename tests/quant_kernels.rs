@@ -18,7 +18,7 @@ use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::kernels::{MatKernels, SharedOut, gemm_q8_portable};
 use pulsar::engine::ops;
 use pulsar::engine::packed::{PackedMatrix, WeightFormat};
-use pulsar::engine::q8_input::Q8Input;
+use pulsar::engine::q8_input::{InputPrecision, Q8Input};
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::jit::cpu::{CpuCaps, Isa};
@@ -594,6 +594,39 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
             .unwrap()
     };
     assert_eq!(top(&native), top(&expected));
+}
+
+/// `--input-bits 16` on the default model: the engine's logits for prompt
+/// a against the reference's (f32 inputs, the file's weights dequantized),
+/// next to one 8-bit level's. The second level shrinks each input's
+/// rounding at least 254-fold (`q8_input`'s tests), so what stays is the
+/// rest of the integer path's distance: Q4_K kept as Q5_0 with offsets
+/// and Q6_K as Q8_0 (`types_without_a_kernel_become_the_nearest_that_has_one`)
+/// and f32 summation order.
+#[test]
+fn two_input_levels_bring_the_integer_path_to_the_reference() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
+    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
+    let input = ids(&meta["input_ids"]);
+    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let mut engine = jit_engine(&src, &options(true));
+    assert_eq!(engine.input_precision(), InputPrecision::Bits8);
+    let one = engine.forward(&input, LogitsWanted::Last).unwrap();
+    engine.truncate(0);
+    engine.set_input_precision(InputPrecision::TwoLevels);
+    let two = engine.forward(&input, LogitsWanted::Last).unwrap();
+    let (d_one, _) = max_abs_diff(&one, &expected);
+    let (d_two, _) = max_abs_diff(&two, &expected);
+    println!("max |logit - reference|: one level {d_one}, two levels {d_two}");
+    // Measured: 0.646 with one level, 0.134 with two. Input rounding is
+    // most of one level's distance; a second level that went missing, or
+    // was added with the wrong sign or scale, leaves it there or grows it.
+    assert!(
+        d_two < d_one / 3.0,
+        "two levels {d_two} against one level's {d_one}"
+    );
+    assert_eq!(ops::argmax(&two), ops::argmax(&expected));
 }
 
 /// The default model's tied embedding (Q8_0 in the file) in `q`, one of

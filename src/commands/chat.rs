@@ -200,7 +200,7 @@ impl<'a> Session<'a> {
             start.elapsed().as_secs_f64(),
             args.common.engine.name(),
             args.common.seed,
-            super::tuning_note()
+            super::engine_note()
         );
         let mut conv = Conversation::new(encoder.prefix(&tok), limit);
         if conv.len() + 1 > limit {

@@ -280,7 +280,7 @@ fn launch_tuning_report(
     measure: bool,
 ) -> Result<()> {
     let config = src.config.clone();
-    let key = autotune::tuning_key(&config, formats, threads);
+    let key = autotune::tuning_key(&config, formats, threads, super::input_precision());
     let dir = super::tuning_dir()?;
     let path = autotune::entry_path(&dir, &key);
     let mut out = String::new();
@@ -322,6 +322,7 @@ fn launch_tuning_report(
     let opts = dtype.fast_options(threads, autotune::PREFILL_TOKENS + 8, false);
     let kernels = super::jit_kernels(&config, formats.clone(), threads)?;
     let mut engine = FastEngine::load(&std::sync::Arc::new(src), kernels, &opts)?;
+    engine.set_input_precision(super::input_precision());
     let entry = autotune::measure(
         &mut engine,
         &config,

@@ -20,6 +20,7 @@ use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
+use crate::engine::q8_input::InputPrecision;
 use crate::engine::reference::ReferenceEngine;
 use crate::engine::synthetic;
 use crate::generate::StopReason;
@@ -189,7 +190,7 @@ pub fn open_engine(
     match JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? {
         Some(kernels) => {
             let mut engine = FastEngine::load(&Arc::new(src), Box::new(kernels), &opts)?;
-            launch_tuning(&mut engine, &config, &formats)?;
+            prepare_loaded_engine(&mut engine, &config, &formats)?;
             Ok(Box::new(engine))
         }
         None => Ok(Box::new(ReferenceEngine::load(&src)?)),
@@ -219,14 +220,55 @@ pub fn tuning_note() -> String {
     TUNING_NOTE.lock().map(|n| n.clone()).unwrap_or_default()
 }
 
-/// Tunes a freshly loaded engine (reusing a stored tuning when there is
-/// one for this CPU, model, formats, threads and binary); `tuning_note`
-/// says what it did. Call before feeding it.
-pub fn launch_tuning(
+/// What was set up for this process's fast engine, for the "loaded …"
+/// lines: the input precision where it is not the default, then
+/// `tuning_note` (empty before any fast engine was readied).
+pub fn engine_note() -> String {
+    let tuning = tuning_note();
+    if tuning.is_empty() {
+        return tuning;
+    }
+    format!("{}{tuning}", input_note())
+}
+
+/// Set by `--input-bits 16`: engines quantize the integer kernels'
+/// inputs in two 8-bit levels.
+static TWO_INPUT_LEVELS: AtomicBool = AtomicBool::new(false);
+
+/// `--input-bits`: how every fast engine of this process quantizes the
+/// integer kernels' inputs.
+pub fn set_input_precision(precision: InputPrecision) {
+    TWO_INPUT_LEVELS.store(precision == InputPrecision::TwoLevels, Ordering::Relaxed);
+}
+
+/// ", inputs in two 8-bit levels" under `--input-bits 16`, else empty: for
+/// the "loaded …" lines.
+pub fn input_note() -> &'static str {
+    match input_precision() {
+        InputPrecision::Bits8 => "",
+        InputPrecision::TwoLevels => ", inputs in two 8-bit levels",
+    }
+}
+
+/// This process's input precision (`--input-bits`).
+pub fn input_precision() -> InputPrecision {
+    if TWO_INPUT_LEVELS.load(Ordering::Relaxed) {
+        InputPrecision::TwoLevels
+    } else {
+        InputPrecision::Bits8
+    }
+}
+
+/// Readies a freshly loaded engine with this process's flags: the input
+/// precision (`--input-bits`), then launch tuning, which reuses a stored
+/// tuning when there is one for this CPU, model, formats, threads and
+/// binary. `tuning_note` says what it did. Call before feeding it.
+pub fn prepare_loaded_engine(
     engine: &mut FastEngine,
     config: &ModelConfig,
     formats: &WeightFormats,
 ) -> Result<()> {
+    engine.set_input_precision(input_precision());
     let note = if NO_TUNE.load(Ordering::Relaxed) {
         ", no tuning (--no-tune)".to_string()
     } else {
@@ -284,10 +326,9 @@ pub fn bench_command(
             let formats = dtype.shape_formats(&config);
             let weights = synthetic::random_weights(&config, &formats, 1);
             let kernels = jit_kernels(&config, formats, threads)?;
-            (
-                FastEngine::new(config, weights, kernels, &opts)?,
-                format!("{name} (random weights)"),
-            )
+            let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
+            engine.set_input_precision(input_precision());
+            (engine, format!("{name} (random weights)"))
         }
         None => {
             let path = resolve_model(model)?;
@@ -298,11 +339,11 @@ pub fn bench_command(
             }
             let kernels = jit_kernels(&src.config, formats.clone(), threads)?;
             let mut engine = FastEngine::load(&src, kernels, &opts)?;
-            launch_tuning(&mut engine, &src.config, &formats)?;
+            prepare_loaded_engine(&mut engine, &src.config, &formats)?;
             (engine, path.display().to_string())
         }
     };
-    let dtype = engine.formats().describe();
+    let dtype = format!("{}{}", engine.formats().describe(), input_note());
     let report = bench::run(&mut engine, &name, &dtype, args)?;
     bench::print(&report, args.json)
 }

@@ -92,7 +92,7 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         args.model.display(),
         load_start.elapsed().as_secs_f64(),
         args.engine.name(),
-        super::tuning_note(),
+        super::engine_note(),
         tokens.len(),
         plan.windows,
         plan.n_ctx,

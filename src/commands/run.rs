@@ -153,7 +153,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         load_start.elapsed().as_secs_f64(),
         args.common.engine.name(),
         args.common.seed,
-        super::tuning_note()
+        super::engine_note()
     );
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);

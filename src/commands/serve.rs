@@ -91,13 +91,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             bail!("pulsar serve needs the JIT engine, which this CPU cannot run (see above)");
         };
         let mut engine = FastEngine::load(&src, Box::new(kernels), &opts)?;
-        super::launch_tuning(&mut engine, &src.config, &formats)?;
+        super::prepare_loaded_engine(&mut engine, &src.config, &formats)?;
         eprintln!(
             "pulsar serve: loaded the model in {:.2} s ({}, {} threads{})",
             started.elapsed().as_secs_f64(),
             engine.formats().describe(),
             engine.threads(),
-            super::tuning_note(),
+            super::engine_note(),
         );
         Ok(engine)
     };

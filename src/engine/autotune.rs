@@ -22,6 +22,7 @@
 use super::fast::{FastEngine, WeightFormats};
 use super::jit_kernels::{JitKernels, plan_options};
 use super::kernels::MatKernels;
+use super::q8_input::InputPrecision;
 use super::{Engine, LogitsWanted};
 use crate::fs_atomic::write_atomic;
 use crate::jit::blocking::Blocking;
@@ -127,7 +128,12 @@ pub enum Outcome {
 /// the model's shape and weight formats, the threads, and this binary (its
 /// version, size and modification time), so a changed CPU or a rebuilt
 /// binary never reuses an entry.
-pub fn tuning_key(config: &ModelConfig, formats: &WeightFormats, threads: usize) -> String {
+pub fn tuning_key(
+    config: &ModelConfig,
+    formats: &WeightFormats,
+    threads: usize,
+    inputs: InputPrecision,
+) -> String {
     let exe = std::env::current_exe()
         .ok()
         .and_then(|p| std::fs::metadata(p).ok())
@@ -142,7 +148,7 @@ pub fn tuning_key(config: &ModelConfig, formats: &WeightFormats, threads: usize)
         .unwrap_or_else(|| "unknown".into());
     format!(
         "cpu: {}\nmodel: hidden {} ffn {} heads {}/{} head_dim {} vocab {} layers {}\n\
-         weights: {}\nthreads: {threads}\npulsar {} ({exe})",
+         weights: {}\ninputs: {inputs:?}\nthreads: {threads}\npulsar {} ({exe})",
         CpuCaps::detect(),
         config.hidden,
         config.intermediate,
@@ -232,7 +238,7 @@ pub fn tune_at_launch(
             reason: format!("a context under {MEASURE_POSITIONS} tokens"),
         });
     }
-    let key = tuning_key(config, formats, engine.threads());
+    let key = tuning_key(config, formats, engine.threads(), engine.input_precision());
     let path = entry_path(dir, &key);
     match load_entry(&path, &key) {
         Ok(Some(entry)) => {

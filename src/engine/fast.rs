@@ -10,7 +10,7 @@ use super::kv_cache::FlatKv;
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
-use super::q8_input::Q8Input;
+use super::q8_input::{InputPrecision, Q8Input};
 use super::{Engine, LogitsWanted};
 use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
@@ -21,8 +21,8 @@ use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
 use anyhow::{Result, bail};
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 pub struct FastEngine {
     config: ModelConfig,
@@ -41,6 +41,12 @@ pub struct FastEngine {
     /// [`FastEngine::last_hidden`]).
     last_hidden: Vec<f32>,
     last_hidden_rows: Vec<std::ops::Range<usize>>,
+    /// How the integer kernels' inputs are quantized.
+    input_precision: InputPrecision,
+    /// With two input levels, the kernels' rows before each pair is
+    /// added: kept between calls, so a decode step does not fault in a
+    /// fresh 2 MB (the head's two rows) every time.
+    level_rows: Mutex<Vec<f32>>,
 }
 
 /// A step over at most this many tokens of one sequence computes every
@@ -298,6 +304,28 @@ pub struct FastOptions {
     /// measured slower (270M at F16, 1 thread: 46.6-51.0 against 51.3-56.2
     /// tok/s; with row-major weights it was 33.9 against 45).
     pub in_place: bool,
+}
+
+/// `out[t] = pairs[2t] + pairs[2t + 1]` over columns `rows`, for each of
+/// `tokens` tokens: the product of a two-level input is its levels' sum
+/// (see `InputPrecision::TwoLevels`).
+///
+/// # Safety
+/// No other thread may touch columns `rows` of either output meanwhile.
+unsafe fn add_level_pairs(pairs: SharedOut, out: SharedOut, tokens: usize, rows: Range<usize>) {
+    for t in 0..tokens {
+        // SAFETY: the caller owns columns `rows` of every row of both.
+        let (sum, first, second) = unsafe {
+            (
+                out.cells(t, rows.clone()),
+                pairs.cells(2 * t, rows.clone()),
+                pairs.cells(2 * t + 1, rows.clone()),
+            )
+        };
+        for ((y, a), b) in sum.iter_mut().zip(first.iter()).zip(second.iter()) {
+            *y = a + b;
+        }
+    }
 }
 
 /// Resolves the kernels of every matrix and keeps them with it; on the
@@ -583,6 +611,8 @@ impl FastEngine {
             activations,
             last_hidden: Vec::new(),
             last_hidden_rows: Vec::new(),
+            input_precision: InputPrecision::default(),
+            level_rows: Mutex::new(Vec::new()),
         })
     }
 
@@ -666,6 +696,16 @@ impl FastEngine {
         self.blocking = blocking;
     }
 
+    /// How the integer kernels' inputs are quantized (default: one 8-bit
+    /// level). Exact steps stay exact at either precision.
+    pub fn set_input_precision(&mut self, precision: InputPrecision) {
+        self.input_precision = precision;
+    }
+
+    pub fn input_precision(&self) -> InputPrecision {
+        self.input_precision
+    }
+
     /// Weight bytes one decode step streams: every layer matrix and the LM
     /// head (the embedding lookup touches one row).
     pub fn bytes_per_token(&self) -> usize {
@@ -695,6 +735,8 @@ impl FastEngine {
     /// quantized to 8 bits and all go to the integer kernels in one pass,
     /// whose results are bit-identical to a one-token step's anyway (the
     /// GEMM reads each weight once for 8 tokens, see `emit::gemm_quant`).
+    /// With two input levels each token is two of the integer kernels'
+    /// tokens, whose rows are added in pairs (`add_level_pairs`).
     fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>, exact: usize) {
         struct Job<'a> {
             w: &'a PackedMatrix,
@@ -703,7 +745,23 @@ impl FastEngine {
             /// Index into `quantized` of the exact tokens' 8-bit input.
             q8: Option<usize>,
             out: SharedOut,
+            /// With two input levels: where the kernels write, two rows
+            /// per token, before each pair is added into `out`.
+            level_rows: Option<SharedOut>,
         }
+        let levels = self.input_precision.levels();
+        let quantized_with_levels = |w: &PackedMatrix| w.format.quant().is_some() && levels > 1;
+        // Every job's level rows in one buffer, carved up below.
+        let mut level_rows = self.level_rows.lock().unwrap_or_else(|e| e.into_inner());
+        let wanted: usize = jobs
+            .iter()
+            .filter(|(w, _, _)| quantized_with_levels(w))
+            .map(|(w, x, _)| levels * x.len() / w.cols * w.rows)
+            .sum();
+        if level_rows.len() < wanted {
+            level_rows.resize(wanted, 0.0);
+        }
+        let mut level_rows_left = &mut level_rows[..];
         let mut work = Vec::with_capacity(jobs.len());
         // An integer kernel's input is quantized once, here, for every
         // thread's chunk of rows, and once for the jobs that share it (q, k
@@ -721,16 +779,25 @@ impl FastEngine {
             };
             let q8 = (w.format.quant().is_some() && exact > 0).then(|| {
                 let at = x.as_ptr() as usize;
+                let tokens = exact * levels;
                 match quantized
                     .iter()
-                    .position(|(p, q)| *p == at && q.k() == w.cols && q.tokens() == exact)
+                    .position(|(p, q)| *p == at && q.k() == w.cols && q.tokens() == tokens)
                 {
                     Some(i) => i,
                     None => {
-                        quantized.push((at, Q8Input::quantize(&x[..exact * w.cols], w.cols)));
+                        let x = &x[..exact * w.cols];
+                        let input = Q8Input::quantize_with(x, w.cols, self.input_precision);
+                        quantized.push((at, input));
                         quantized.len() - 1
                     }
                 }
+            });
+            let level_rows = (q8.is_some() && levels > 1).then(|| {
+                let (rows, rest) =
+                    std::mem::take(&mut level_rows_left).split_at_mut(levels * exact * w.rows);
+                level_rows_left = rest;
+                SharedOut::new(rows, w.rows)
             });
             let out = SharedOut::new(y, w.rows);
             work.push(Job {
@@ -739,6 +806,7 @@ impl FastEngine {
                 exact,
                 q8,
                 out,
+                level_rows,
             });
         }
         // One pass of the job's kernels over `rows`.
@@ -750,9 +818,13 @@ impl FastEngine {
                 match job.q8 {
                     Some(i) => unsafe {
                         let x = &quantized[i].1;
-                        self.kernels.gemm_q8(w, x, rows.clone(), job.out);
+                        let out = job.level_rows.unwrap_or(job.out);
+                        self.kernels.gemm_q8(w, x, rows.clone(), out);
                         if let Some(offsets) = w.offsets() {
-                            add_block_offsets(offsets, x, rows.clone(), job.out);
+                            add_block_offsets(offsets, x, rows.clone(), out);
+                        }
+                        if let Some(pairs) = job.level_rows {
+                            add_level_pairs(pairs, job.out, job.exact, rows.clone());
                         }
                     },
                     None => {
