@@ -1055,7 +1055,8 @@ fn echo_scores_the_prompt() {
 }
 
 /// `system_fingerprint` changes with what decides a reply's bits (here the
-/// prompt chunk) and not with what does not (the context size).
+/// prompt chunk, the inputs' precision) and not with what does not (the
+/// context size).
 #[test]
 fn system_fingerprint_follows_the_settings_that_decide_bits() {
     let fingerprint = |args: &[&str]| {
@@ -1074,6 +1075,7 @@ fn system_fingerprint_follows_the_settings_that_decide_bits() {
     let base = fingerprint(&["-c", "256"]);
     assert_eq!(fingerprint(&["-c", "512"]), base);
     assert_ne!(fingerprint(&["-c", "256", "--prefill-chunk", "32"]), base);
+    assert_ne!(fingerprint(&["-c", "256", "--input-bits", "16"]), base);
 }
 
 /// An embedding from a reply: its `float` values.

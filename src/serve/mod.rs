@@ -207,17 +207,19 @@ pub fn run(
 
 /// OpenAI's `system_fingerprint`: what, besides the model, the seed and the
 /// request, decides the bits of a reply. Here that is this build, the
-/// kernels (their ISA), the weights' packed formats, the threads, the
-/// blocking (summation order) and the server's prompt chunk (which
+/// kernels (their ISA), the weights' packed formats, the inputs'
+/// precision, the threads, the blocking (summation order) and the
+/// server's prompt chunk (which
 /// positions a bulk run computes together): two replies with the same
 /// fingerprint, model and seed are the same text.
 fn system_fingerprint(engine: &FastEngine, prefill_chunk: usize) -> String {
     use sha2::{Digest, Sha256};
     let backend = format!(
-        "pulsar {}\n{}\n{}\nthreads {}\n{:?}\nprompt chunk {prefill_chunk}",
+        "pulsar {}\n{}\n{}\ninputs {:?}\nthreads {}\n{:?}\nprompt chunk {prefill_chunk}",
         env!("CARGO_PKG_VERSION"),
         engine.kernels_name(),
         engine.formats().describe(),
+        engine.input_precision(),
         engine.threads(),
         engine.blocking(),
     );
