@@ -37,6 +37,16 @@
 //! tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3); see
 //! `group_step` for the straight-line form.
 //!
+//! Tried and not kept: groups outside and passes inside, the 8 tokens' f32
+//! sums on the stack so that one group step serves both passes, to let
+//! memory stream during a second pass too. From memory, one thread, 8
+//! tokens then cost 1.28x one token instead of 1.38x (Q8_0x16) and 1.34x
+//! instead of 1.46x (Q5_0x16); but the sums' round trip through memory
+//! slowed the arithmetic (from L2, Q8_0x16: 4 tokens 44-47 against 53-55
+//! GB/s, 1 token 70-74 against 82-84), and the engine's `bench --m-curve`
+//! showed no gain at 8 tokens (1.82-1.83x against 1.78-1.81x) and a loss at
+//! 4 (1.32-1.38x against 1.24-1.26x).
+//!
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
 //!
