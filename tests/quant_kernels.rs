@@ -447,13 +447,20 @@ fn the_gemv_refuses_arguments_that_do_not_fit() {
     assert!(set.get::<GemvQuant>((q, 40)).is_none());
 }
 
-#[test]
-fn the_default_model_in_its_own_types_tracks_the_reference() {
+/// The default model, the oracle's prompt a and the reference logits of
+/// its last position.
+fn default_model_and_prompt_a() -> (std::sync::Arc<ModelSource>, Vec<u32>, Vec<f32>) {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
     let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
     let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
     let input = ids(&meta["input_ids"]);
     let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    (src, input, expected)
+}
+
+#[test]
+fn the_default_model_in_its_own_types_tracks_the_reference() {
+    let (src, input, expected) = default_model_and_prompt_a();
     let mut all_rows = Vec::new();
     let mut logits_of = |native: bool| {
         let opts = options(native);
@@ -605,11 +612,7 @@ fn the_default_model_in_its_own_types_tracks_the_reference() {
 /// and f32 summation order.
 #[test]
 fn two_input_levels_bring_the_integer_path_to_the_reference() {
-    let path = pulsar::model::fetch::default_model_path().expect("default model");
-    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
-    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
-    let input = ids(&meta["input_ids"]);
-    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let (src, input, expected) = default_model_and_prompt_a();
     let mut engine = jit_engine(&src, &options(true));
     assert_eq!(engine.input_precision(), InputPrecision::Bits8);
     let one = engine.forward(&input, LogitsWanted::Last).unwrap();
@@ -783,11 +786,7 @@ fn types_without_a_kernel_become_the_nearest_that_has_one() {
 /// close to the reference as the file's own types give.
 #[test]
 fn every_matrix_quantized_to_q8_0_at_load_tracks_the_reference() {
-    let path = pulsar::model::fetch::default_model_path().expect("default model");
-    let src = std::sync::Arc::new(ModelSource::open(&path).unwrap());
-    let meta = read_json(&oracle_dir().join("gemma3-270m/prompt_a.json"));
-    let input = ids(&meta["input_ids"]);
-    let expected = read_f32(&oracle_dir().join("gemma3-270m/final_logits_a_f32.bin"));
+    let (src, input, expected) = default_model_and_prompt_a();
     let q8 = FastOptions {
         format: Some(WeightFormat::Q8_0),
         native: false,
