@@ -6,6 +6,7 @@ Run by tests/serve.rs against a server it started; exits non-zero with the
 failed check's message, prints "all checks passed" otherwise.
 """
 
+import json
 import sys
 from typing import Literal
 
@@ -145,6 +146,108 @@ try:
     check(False, "a schema that cannot compile is refused")
 except openai.BadRequestError as e:
     check("strnig" in str(e), f"a bad schema raises BadRequestError naming it: {e}")
+
+# Function calling: every call names a given function, and its arguments
+# parse and follow that function's schema.
+class GetWeather(BaseModel):
+    city: str = Field(max_length=30)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+weather_question = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+weather_tool = openai.pydantic_function_tool(GetWeather, name="get_weather", description="Current weather of a city")
+time_tool = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+parsed = client.chat.completions.parse(
+    model=model,
+    messages=weather_question,
+    tools=[weather_tool, time_tool],
+    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    temperature=0,
+    max_tokens=60,
+)
+choice = parsed.choices[0]
+calls = choice.message.tool_calls or []
+check(choice.finish_reason == "tool_calls", f"a named tool_choice ends with tool_calls ({choice.finish_reason})")
+check(
+    len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_"),
+    f"one call of the named function: {calls}",
+)
+check(
+    isinstance(calls[0].function.parsed_arguments, GetWeather),
+    f"its arguments parse into the tool's Pydantic model: {calls[0].function.parsed_arguments!r}",
+)
+# Streamed: the client's delta shapes, put together as a client does.
+stream = client.chat.completions.create(
+    model=model,
+    messages=weather_question,
+    tools=[weather_tool, time_tool],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    temperature=0,
+    max_tokens=60,
+    stream=True,
+)
+streamed = {}
+finish = None
+for chunk in stream:
+    for c in chunk.choices:
+        for d in c.delta.tool_calls or []:
+            entry = streamed.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = d.id or entry["id"]
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+        finish = c.finish_reason or finish
+check(finish == "tool_calls" and len(streamed) == 1, f"a streamed required call: {streamed} ({finish})")
+streamed_call = streamed[0]
+check(streamed_call["name"] in ("get_weather", "get_time"), f"it names a given function ({streamed_call['name']})")
+check(isinstance(json.loads(streamed_call["arguments"]), dict), "its arguments are a JSON object")
+# The next turn: the call and its result go back, and the server answers.
+followup = client.chat.completions.create(
+    model=model,
+    messages=weather_question
+    + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": streamed_call["id"],
+                    "type": "function",
+                    "function": {"name": streamed_call["name"], "arguments": streamed_call["arguments"]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": streamed_call["id"], "content": "18 degrees, sunny"},
+    ],
+    tools=[weather_tool, time_tool],
+    parallel_tool_calls=False,
+    temperature=0,
+    max_tokens=60,
+)
+answer = followup.choices[0]
+check(
+    answer.finish_reason in ("stop", "tool_calls")
+    and (answer.message.content is not None or len(answer.message.tool_calls or []) == 1),
+    f"a turn after a tool result is answered: {answer.message}",
+)
+try:
+    client.chat.completions.create(model=model, messages=weather_question, tools=[time_tool], tool_choice="always")
+    check(False, "a wrong tool_choice is refused")
+except openai.BadRequestError as e:
+    check("tool_choice" in str(e), f"a wrong tool_choice raises BadRequestError naming it: {e}")
 
 # Embeddings: the client asks for base64 unless told otherwise, and decodes it.
 texts = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock prices fell sharply today."]

@@ -1355,7 +1355,18 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         chat,
         &json!({"messages": [{"role": "tool", "content": "x"}]}),
     );
-    assert_error(st, &b, 400, Some("messages[0].role"), &["tool"]);
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("messages[0].tool_call_id"),
+        &["needs tool_call_id"],
+    );
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": [{"role": "narrator", "content": "x"}]}),
+    );
+    assert_error(st, &b, 400, Some("messages[0].role"), &["narrator", "tool"]);
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "stop": 5}));
     assert_error(
         st,
@@ -1377,7 +1388,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         chat,
         &json!({"messages": user("Hi"), "tools": [{"type": "function"}]}),
     );
-    assert_error(st, &b, 400, Some("tools"), &["not supported"]);
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("tools[0].function"),
+        &["needs `function`"],
+    );
     let (st, b) = s.call("/v1/completions", &json!({"prompt": "x", "suffix": "y"}));
     assert_error(st, &b, 400, Some("suffix"), &["not supported"]);
     let (st, b) = s.call("/v1/completions", &json!({"prompt": [1, 2, 99999999]}));
@@ -1535,6 +1552,210 @@ fn response_format_constrains_the_reply() {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
     assert!(parsed.is_object(), "{text}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+}
+
+/// Two functions for the tool tests: one strict-style with an enum, one
+/// that takes any city.
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {
+            "name": "get_time", "description": "Local time in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                "required": ["city"], "additionalProperties": false}}},
+    ])
+}
+
+/// Checks a reply's `tool_calls` against the tools: each names one of
+/// them and its arguments (JSON text) follow that one's schema. Returns
+/// the (name, arguments) pairs.
+fn checked_calls(message: &Value, tools: &Value) -> Vec<(String, Value)> {
+    let calls = message["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool_calls: {message}"));
+    assert!(message["content"].is_null(), "{message}");
+    calls
+        .iter()
+        .map(|call| {
+            assert_eq!(call["type"], "function", "{call}");
+            assert!(
+                call["id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with("call_")),
+                "{call}"
+            );
+            let name = call["function"]["name"]
+                .as_str()
+                .expect("a name")
+                .to_string();
+            let tool = tools
+                .as_array()
+                .and_then(|t| t.iter().find(|t| t["function"]["name"] == name.as_str()))
+                .unwrap_or_else(|| panic!("{name} is not one of the tools"));
+            let text = call["function"]["arguments"]
+                .as_str()
+                .expect("arguments as text");
+            let arguments: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+            let schema = &tool["function"]["parameters"];
+            let validator = jsonschema::validator_for(schema).expect("schema");
+            assert!(validator.is_valid(&arguments), "{name}({text})");
+            (name, arguments)
+        })
+        .collect()
+}
+
+#[test]
+fn tool_calls_name_a_given_function_with_arguments_that_follow_its_schema() {
+    let s = Server::start(&["-c", "1024"]);
+    let tools = weather_tools();
+    let chat = "/v1/chat/completions";
+    let question = user("What is the weather in Paris, in celsius?");
+    // A named function, greedy: one call of it; streamed, the same call.
+    let named = json!({"messages": question, "tools": tools, "temperature": 0, "max_tokens": 60,
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let v = s.ok(chat, &named);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = checked_calls(&choice["message"], &tools);
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0].0, "get_weather");
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&s, chat, &streamed).all();
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{chunks:?}");
+    assert_eq!(deltas[0]["index"], 0);
+    assert_eq!(
+        deltas[0]["function"],
+        v["choices"][0]["message"]["tool_calls"][0]["function"]
+    );
+    assert!(
+        chunks.iter().all(|c| c["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_none_or(str::is_empty)),
+        "no text besides the calls: {chunks:?}"
+    );
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{last}");
+    // Required, one call per reply, sampled: every seed's call is valid.
+    for seed in [1, 2, 3] {
+        let v = s.ok(
+            chat,
+            &json!({"messages": question, "tools": tools, "tool_choice": "required",
+                    "parallel_tool_calls": false, "temperature": 0.8, "seed": seed, "max_tokens": 60}),
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(
+            checked_calls(&v["choices"][0]["message"], &tools).len(),
+            1,
+            "{v}"
+        );
+    }
+    // Auto: calls, or an answer as plain content.
+    for seed in [4, 5] {
+        let v = s.ok(
+            chat,
+            &json!({"messages": question, "tools": tools, "parallel_tool_calls": false,
+                    "temperature": 0.8, "seed": seed, "max_tokens": 80}),
+        );
+        let choice = &v["choices"][0];
+        if choice["message"]["tool_calls"].is_array() {
+            assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+            checked_calls(&choice["message"], &tools);
+        } else {
+            let content = choice["message"]["content"].as_str().expect("content");
+            assert!(!content.trim_start().starts_with("{\"content\""), "{v}");
+        }
+    }
+    // The next turn: the call and its result go back, rendered as the
+    // model wrote the call, so the slot's cache serves the whole first
+    // turn.
+    let required = |messages: &Value| {
+        json!({"messages": messages, "tools": tools, "tool_choice": "required",
+               "parallel_tool_calls": false, "temperature": 0, "max_tokens": 60})
+    };
+    let a = s.ok(chat, &required(&question));
+    let call = &a["choices"][0]["message"]["tool_calls"][0];
+    let id = call["id"].as_str().expect("id");
+    let history = json!([
+        {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": id, "content": "18 degrees, sunny"},
+    ]);
+    let b = s.ok(chat, &required(&history));
+    checked_calls(&b["choices"][0]["message"], &tools);
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(
+        cached >= a["usage"]["prompt_tokens"].as_u64(),
+        "the first turn's prompt came from the cache: {a} then {b}"
+    );
+    // tool_choice none: plain text, with the call and result in the prompt.
+    let none = |messages: &Value| {
+        json!({"messages": messages, "tools": tools, "tool_choice": "none", "temperature": 0,
+               "max_tokens": 20})
+    };
+    let v = s.ok(chat, &none(&history));
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
+    chat_text(&v);
+    let plain = s.ok(chat, &none(&question));
+    let prompt_tokens = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        prompt_tokens(&v) > prompt_tokens(&plain) + 10,
+        "{v} {plain}"
+    );
+    // Refusals name their field.
+    let mut bad = history.clone();
+    bad[2]["tool_call_id"] = json!("call_nope");
+    let (st, b) = s.call(chat, &json!({"messages": bad, "tools": tools}));
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("messages[2].tool_call_id"),
+        &["call_nope"],
+    );
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": question, "tools": tools,
+                "response_format": {"type": "json_object"}}),
+    );
+    assert_error(st, &b, 400, Some("response_format"), &["tools"]);
+    let (st, b) = s.call(chat, &json!({"messages": question, "tool_choice": "auto"}));
+    assert_error(st, &b, 400, Some("tool_choice"), &["needs tools"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": question, "tools": tools, "tool_choice": 3}),
+    );
+    assert_error(st, &b, 400, Some("tool_choice"), &["\"required\""]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": question, "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": "get_news"}}}),
+    );
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("tool_choice.function.name"),
+        &["get_news"],
+    );
+    let mut unusable = tools.clone();
+    unusable[1]["function"]["parameters"] = json!({"type": "strnig"});
+    let (st, b) = s.call(chat, &json!({"messages": question, "tools": unusable}));
+    assert_error(st, &b, 400, Some("tools"), &["strnig"]);
 }
 
 #[test]

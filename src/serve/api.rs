@@ -3,7 +3,7 @@
 //!
 //! Requests are read with serde: a field Pulsar does not know is ignored
 //! (as OpenAI does), a known field of the wrong type is a 400 that names it.
-//! Fields Pulsar knows but cannot honour (`tools`, `suffix`, `best_of` above `n`…) are
+//! Fields Pulsar knows but cannot honour (`suffix`, `best_of` above `n`…) are
 //! refused by [`super::request`] rather than ignored.
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -209,7 +209,9 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
-    pub tools: Option<Vec<Value>>,
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<ToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
@@ -300,6 +302,63 @@ impl CompletionRequest {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant message's calls (the history of a conversation with
+    /// tools).
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function that answered (optional; found from
+    /// `tool_call_id` when left out).
+    pub name: Option<String>,
+}
+
+/// One entry of `tools`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: Option<FunctionDefinition>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct FunctionDefinition {
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON schema of the arguments object.
+    pub parameters: Option<Value>,
+    /// Pulsar always holds the arguments to the schema, strict or not.
+    pub strict: Option<bool>,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"`, or one function.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Function {
+        #[serde(rename = "type")]
+        kind: String,
+        function: NamedFunction,
+    },
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct NamedFunction {
+    pub name: String,
+}
+
+/// A call in an assistant message of the history.
+#[derive(Clone, Debug, Deserialize)]
+pub struct MessageToolCall {
+    pub id: Option<String>,
+    pub function: CalledFunction,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct CalledFunction {
+    pub name: String,
+    /// The arguments as JSON text, as OpenAI sends them.
+    pub arguments: String,
 }
 
 #[derive(Clone, Debug, Deserialize)]

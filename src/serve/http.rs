@@ -13,6 +13,7 @@ use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
+use super::tools::{self, ToolReply};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -262,6 +263,8 @@ fn expected_shape(path: &str) -> &'static str {
         "a string, a list of token ids, or a list of one of those"
     } else if path.ends_with(".content") {
         "a string or a list of content parts"
+    } else if path == "tool_choice" {
+        "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}"
     } else {
         "another shape"
     }
@@ -297,6 +300,9 @@ struct Reply {
     choices_per_prompt: usize,
     /// `echo`: each prompt's text, which its choices' texts start with.
     echo: Option<Vec<String>>,
+    /// Function calling: each choice's text is a reply object to read back
+    /// ([`tools::read_reply`]), so it is sent whole, not streamed.
+    tool_calls: bool,
 }
 
 impl Reply {
@@ -356,6 +362,7 @@ async fn serve(
                 .map(|p| app.ctx.tok.decode(&p.tokens))
                 .collect()
         }),
+        tool_calls: prepared.tool_calls,
     };
     let stream = prepared.stream;
     let sequences = prepared.prompts.len() * prepared.choices;
@@ -564,6 +571,38 @@ impl Reply {
         chunk
     }
 
+    /// A chat choice's `message` and finish reason from its text: with
+    /// function calling, calls become `tool_calls` (and the reason
+    /// `tool_calls`) and an answer its content; a reply cut short is sent
+    /// as the text it is.
+    fn message(
+        &self,
+        choice: usize,
+        text: String,
+        reason: Option<&str>,
+    ) -> (Value, Option<String>) {
+        let reason = reason.map(str::to_string);
+        match self.tool_calls.then(|| tools::read_reply(&text)).flatten() {
+            Some(ToolReply::Calls(calls)) => (
+                json!({
+                    "role": "assistant",
+                    "content": null,
+                    "tool_calls": tools::calls_value(&calls, &self.id, choice),
+                    "refusal": null,
+                }),
+                Some("tool_calls".to_string()),
+            ),
+            Some(ToolReply::Content(content)) => (
+                json!({ "role": "assistant", "content": content, "refusal": null }),
+                reason,
+            ),
+            None => (
+                json!({ "role": "assistant", "content": text, "refusal": null }),
+                reason,
+            ),
+        }
+    }
+
     fn delta(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
         match self.kind {
             Kind::Chat => {
@@ -626,12 +665,15 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
             }
             let logprobs = reply.logprobs_value(&c.logprobs, 0);
             match reply.kind {
-                Kind::Chat => json!({
-                    "index": index,
-                    "message": { "role": "assistant", "content": c.text, "refusal": null },
-                    "logprobs": logprobs,
-                    "finish_reason": c.reason,
-                }),
+                Kind::Chat => {
+                    let (message, reason) = reply.message(index, c.text, c.reason);
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    })
+                }
                 Kind::Completion => json!({
                     "index": index,
                     "text": c.text,
@@ -688,6 +730,9 @@ struct Streaming {
     /// and the prompt's log-probabilities gathered until then.
     echoed: Vec<bool>,
     prompt_logprobs: Vec<Vec<TokenLogprob>>,
+    /// Function calling: each choice's text and log-probabilities so far,
+    /// sent when it ends.
+    held: Vec<Collected>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
 }
@@ -710,6 +755,32 @@ impl Streaming {
         self.sent[i] = prompt.len();
         let choice = self.reply.delta(i, &prompt, lp, None);
         self.queued.push_back(data(&self.reply.chunk(choice)));
+    }
+
+    /// Function calling: choice `i`'s whole reply, read back, as one chunk
+    /// (its calls, or its content); the finish reason it gives.
+    fn send_held(&mut self, i: usize, reason: Option<String>) -> Option<String> {
+        let held = std::mem::take(&mut self.held[i]);
+        let lp = self.reply.logprobs_value(&held.logprobs, 0);
+        let (message, reason) = self.reply.message(i, held.text, reason.as_deref());
+        let delta = match message.get("tool_calls").and_then(Value::as_array) {
+            Some(calls) => {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(k, call)| {
+                        let mut call = call.clone();
+                        call["index"] = json!(k);
+                        call
+                    })
+                    .collect();
+                json!({ "tool_calls": calls })
+            }
+            None => json!({ "content": message["content"] }),
+        };
+        let choice = json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+        self.queued.push_back(data(&self.reply.chunk(choice)));
+        reason
     }
 
     async fn next(&mut self) -> Option<SseEvent> {
@@ -736,6 +807,10 @@ impl Streaming {
                     Some((i, Some(Event::PromptLogprobs(lp)))) => {
                         self.prompt_logprobs[i].extend(lp);
                     }
+                    Some((i, Some(Event::Delta { text, logprobs }))) if self.reply.tool_calls => {
+                        self.held[i].text.push_str(&text);
+                        self.held[i].logprobs.extend(logprobs);
+                    }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
                         self.echo(i);
                         let lp = self.reply.logprobs_value(&logprobs, self.sent[i]);
@@ -747,7 +822,11 @@ impl Streaming {
                         self.echo(i);
                         self.usages[i] = Some(usage);
                         self.events.close(i);
-                        let choice = self.reply.delta(i, "", Value::Null, Some(reason.as_str()));
+                        let mut reason = Some(reason.as_str().to_string());
+                        if self.reply.tool_calls {
+                            reason = self.send_held(i, reason);
+                        }
+                        let choice = self.reply.delta(i, "", Value::Null, reason.as_deref());
                         self.queued.push_back(data(&self.reply.chunk(choice)));
                     }
                     Some((_, Some(Event::Failed(e)))) => {
@@ -791,6 +870,7 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         sent: vec![0; count],
         echoed: vec![false; count],
         prompt_logprobs: vec![Vec::new(); count],
+        held: (0..count).map(|_| Collected::default()).collect(),
         queued: VecDeque::new(),
     };
     let events = futures_util::stream::unfold(state, |mut state| async move {

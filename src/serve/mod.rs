@@ -6,6 +6,7 @@
 //!   settings, compiled `response_format`);
 //! - [`http`]: axum routes, middleware, JSON replies and SSE streams;
 //! - [`tokens`]: `/tokenize` and `/detokenize` (llama-server's shapes);
+//! - [`tools`]: function calling, as a schema on the reply;
 //! - [`scheduler`]: the engine thread, batching every busy slot into one
 //!   forward step;
 //! - [`slot`]: one request's generation, stepped by the scheduler;
@@ -26,6 +27,7 @@ pub mod request;
 pub mod scheduler;
 pub mod slot;
 pub mod tokens;
+pub mod tools;
 
 use anyhow::{Context, Result};
 use metrics::Metrics;

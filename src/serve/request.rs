@@ -6,6 +6,7 @@ use super::api::{
     ResponseFormat, Sampling,
 };
 use super::slot::GenParams;
+use super::tools::{self, ToolCalling};
 use crate::chat_template::ChatTemplate;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
 use crate::sample::SamplerConfig;
@@ -58,6 +59,9 @@ pub struct Prepared {
     pub choices: usize,
     /// `echo` (completions): each choice's text starts with the prompt's.
     pub echo: bool,
+    /// The reply is a function-calling object ([`tools`]) to read back
+    /// into `tool_calls` or content.
+    pub tool_calls: bool,
 }
 
 /// An embeddings request ready for the queue.
@@ -103,14 +107,11 @@ fn fresh_seed() -> u64 {
 
 impl ServeContext {
     pub fn prepare_chat(&self, req: &ChatRequest) -> Result<Prepared, ApiError> {
-        if let Some(tools) = &req.tools
-            && !tools.is_empty()
-        {
-            return Err(ApiError::invalid(
-                "tools",
-                "tools (function calling) are not supported by this server; leave `tools` out",
-            ));
-        }
+        let tool_calling = ToolCalling::from_request(
+            req.tools.as_deref(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls,
+        )?;
         let top = match (req.logprobs, req.top_logprobs) {
             (Some(true), top) => Some(top.unwrap_or(0)),
             (_, Some(n)) if n > 0 => {
@@ -122,8 +123,12 @@ impl ServeContext {
             _ => None,
         };
         let sampling = req.sampling();
-        let constraint = self.constraint(&sampling)?;
-        let prompt = self.chat_prompt(&req.messages)?;
+        let constraint = match &tool_calling {
+            Some(t) => self.tools_constraint(t, &sampling)?,
+            None => self.constraint(&sampling)?,
+        };
+        let instructions = tool_calling.as_ref().map(ToolCalling::instructions);
+        let prompt = self.chat_prompt(&req.messages, instructions.as_deref())?;
         let mut stop_strings = if constraint.is_some() {
             // Under a constraint the constraint decides where the output
             // ends; the template's stop strings would only cut it short.
@@ -155,6 +160,7 @@ impl ServeContext {
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
             echo: false,
+            tool_calls: tool_calling.is_some(),
         })
     }
 
@@ -213,6 +219,7 @@ impl ServeContext {
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
             echo,
+            tool_calls: false,
         })
     }
 
@@ -370,7 +377,31 @@ impl ServeContext {
                 (ConstraintSpec::JsonSchema(schema), param)
             }
         };
-        self.compiler.compile(&spec).map(Some).map_err(|e| {
+        self.compile(&spec, param).map(Some)
+    }
+
+    /// The reply schema of function calling, compiled. A `response_format`
+    /// beside it is refused: the reply has the schema of the calls.
+    fn tools_constraint(
+        &self,
+        tools: &ToolCalling,
+        s: &Sampling,
+    ) -> Result<Option<CompiledConstraint>, ApiError> {
+        if let Some(ResponseFormat::JsonObject | ResponseFormat::JsonSchema { .. }) =
+            &s.response_format
+        {
+            return Err(ApiError::invalid(
+                "response_format",
+                "response_format cannot be combined with tools: a reply that may call tools \
+                 has the calls' format; leave one of them out (or set tool_choice to \"none\")",
+            ));
+        }
+        let spec = ConstraintSpec::JsonSchema(tools.schema());
+        self.compile(&spec, "tools").map(Some)
+    }
+
+    fn compile(&self, spec: &ConstraintSpec, param: &str) -> Result<CompiledConstraint, ApiError> {
+        self.compiler.compile(spec).map_err(|e| {
             // The compiler's messages start with the CLI flag; the request
             // field is named instead.
             let message = format!("{e:#}");
@@ -382,30 +413,65 @@ impl ServeContext {
 
     /// The chat's messages in the template's turn format. System (and
     /// developer) messages are folded into the first user turn, as
-    /// `pulsar chat` does (Gemma has no system role). The template's own
-    /// pieces are trusted; message text cannot write control tokens.
-    pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+    /// `pulsar chat` does (Gemma has no system role), and after them the
+    /// function-calling `instructions` of a request with tools. Calls in
+    /// the history go in as the model writes them, and `tool` messages as
+    /// a user turn ([`tools`]). The template's own pieces are trusted;
+    /// message text cannot write control tokens.
+    pub fn chat_prompt(
+        &self,
+        messages: &[Message],
+        instructions: Option<&str>,
+    ) -> Result<Vec<u32>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages is empty"));
         }
         let mut system: Vec<String> = Vec::new();
         let mut turns: Vec<(bool, String)> = Vec::new();
         for (i, m) in messages.iter().enumerate() {
-            let text = message_text(m, i)?;
+            let calls = (m.role == "assistant")
+                .then(|| tools::history_calls_text(m))
+                .flatten();
+            let text = match (&calls, &m.content) {
+                // An assistant message that only calls functions has no
+                // content.
+                (Some(_), None) => String::new(),
+                _ => message_text(m, i)?,
+            };
             match m.role.as_str() {
                 "system" | "developer" => system.push(text),
                 "user" => turns.push((true, text)),
-                "assistant" => turns.push((false, text)),
+                "assistant" => {
+                    let text = match calls {
+                        Some(calls) if text.is_empty() => calls,
+                        Some(calls) => format!("{text}\n{calls}"),
+                        None => text,
+                    };
+                    turns.push((false, text));
+                }
+                "tool" => {
+                    let line = tools::tool_result_text(messages, i, &text)?;
+                    // Results of one round of calls share a user turn.
+                    match turns.last_mut() {
+                        Some((true, last)) if i > 0 && messages[i - 1].role == "tool" => {
+                            last.push('\n');
+                            last.push_str(&line);
+                        }
+                        _ => turns.push((true, line)),
+                    }
+                }
                 other => {
                     return Err(ApiError::invalid(
                         format!("messages[{i}].role"),
                         format!(
-                            "role {other:?} is not supported; use system, developer, user or assistant"
+                            "role {other:?} is not supported; use system, developer, user, \
+                             assistant or tool"
                         ),
                     ));
                 }
             }
         }
+        system.extend(instructions.map(str::to_string));
         if !turns.iter().any(|(user, _)| *user) {
             return Err(ApiError::invalid(
                 "messages",
