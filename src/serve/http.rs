@@ -13,7 +13,7 @@ use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
-use super::tools::{self, ToolReply};
+use super::tools;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -300,8 +300,8 @@ struct Reply {
     choices_per_prompt: usize,
     /// `echo`: each prompt's text, which its choices' texts start with.
     echo: Option<Vec<String>>,
-    /// Function calling: each choice's text is a reply object to read back
-    /// ([`tools::read_reply`]), so it is sent whole, not streamed.
+    /// Function calling: each choice's text is a reply object, read back
+    /// ([`tools::read_partial`]) into calls or content.
     tool_calls: bool,
 }
 
@@ -572,35 +572,41 @@ impl Reply {
     }
 
     /// A chat choice's `message` and finish reason from its text: with
-    /// function calling, calls become `tool_calls` (and the reason
-    /// `tool_calls`) and an answer its content; a reply cut short is sent
-    /// as the text it is.
+    /// function calling, calls become `tool_calls` (the reason
+    /// `tool_calls` once the reply is whole) and an answer its content; a
+    /// reply that cannot be read is sent as the text it is.
     fn message(
         &self,
         choice: usize,
         text: String,
         reason: Option<&str>,
     ) -> (Value, Option<String>) {
-        let reason = reason.map(str::to_string);
-        match self.tool_calls.then(|| tools::read_reply(&text)).flatten() {
-            Some(ToolReply::Calls(calls)) => (
-                json!({
-                    "role": "assistant",
-                    "content": null,
-                    "tool_calls": tools::calls_value(&calls, &self.id, choice),
-                    "refusal": null,
-                }),
-                Some("tool_calls".to_string()),
-            ),
-            Some(ToolReply::Content(content)) => (
-                json!({ "role": "assistant", "content": content, "refusal": null }),
-                reason,
-            ),
-            None => (
-                json!({ "role": "assistant", "content": text, "refusal": null }),
-                reason,
-            ),
+        let plain =
+            |content: String| json!({ "role": "assistant", "content": content, "refusal": null });
+        if !self.tool_calls {
+            return (plain(text), reason.map(str::to_string));
         }
+        let read = tools::read_partial(&text);
+        let reason = tool_reason(&read, reason);
+        if read.is_unread() {
+            return (plain(text), reason);
+        }
+        if let Some(content) = read.content {
+            return (plain(content), reason);
+        }
+        let calls: Vec<Value> = read
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| tools::call_value(call, &self.id, choice, k))
+            .collect();
+        let message = json!({
+            "role": "assistant",
+            "content": null,
+            "tool_calls": calls,
+            "refusal": null,
+        });
+        (message, reason)
     }
 
     fn delta(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
@@ -730,11 +736,35 @@ struct Streaming {
     /// and the prompt's log-probabilities gathered until then.
     echoed: Vec<bool>,
     prompt_logprobs: Vec<Vec<TokenLogprob>>,
-    /// Function calling: each choice's text and log-probabilities so far,
-    /// sent when it ends.
-    held: Vec<Collected>,
+    /// Function calling: each choice's reply so far and what of it went
+    /// out.
+    tool_streams: Vec<ToolStream>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
+}
+
+/// One choice's function-calling reply in a stream.
+#[derive(Default)]
+struct ToolStream {
+    text: String,
+    /// Log-probabilities of tokens whose text has not gone out yet.
+    logprobs: Vec<TokenLogprob>,
+    /// Calls whose id and name went out, each call's bytes of arguments
+    /// sent, and bytes of the answer's text sent.
+    calls_sent: usize,
+    arguments_sent: Vec<usize>,
+    content_sent: usize,
+}
+
+/// A function-calling reply's finish reason: `tool_calls` when it is
+/// whole and calls, else the generation's own (`length` for one cut
+/// short).
+fn tool_reason(read: &tools::PartialReply, reason: Option<&str>) -> Option<String> {
+    if read.complete && !read.calls.is_empty() {
+        Some("tool_calls".to_string())
+    } else {
+        reason.map(str::to_string)
+    }
 }
 
 fn data(value: &Value) -> SseEvent {
@@ -757,30 +787,52 @@ impl Streaming {
         self.queued.push_back(data(&self.reply.chunk(choice)));
     }
 
-    /// Function calling: choice `i`'s whole reply, read back, as one chunk
-    /// (its calls, or its content); the finish reason it gives.
-    fn send_held(&mut self, i: usize, reason: Option<String>) -> Option<String> {
-        let held = std::mem::take(&mut self.held[i]);
-        let lp = self.reply.logprobs_value(&held.logprobs, 0);
-        let (message, reason) = self.reply.message(i, held.text, reason.as_deref());
-        let delta = match message.get("tool_calls").and_then(Value::as_array) {
-            Some(calls) => {
-                let calls: Vec<Value> = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(k, call)| {
-                        let mut call = call.clone();
-                        call["index"] = json!(k);
-                        call
-                    })
-                    .collect();
-                json!({ "tool_calls": calls })
+    /// Function calling: what choice `i`'s reply says beyond what was
+    /// sent, as chunks: a call's id and name when its name is whole, then
+    /// its arguments as they are written, or the answer's text. `ended`:
+    /// the reply is over, so text that cannot be read goes out as it is.
+    /// Log-probabilities wait for the next chunk that carries anything.
+    fn send_tool_deltas(&mut self, i: usize, ended: bool) {
+        let stream = &mut self.tool_streams[i];
+        let read = tools::read_partial(&stream.text);
+        let mut deltas: Vec<Value> = Vec::new();
+        for (k, call) in read.calls.iter().enumerate() {
+            if k == stream.calls_sent {
+                stream.calls_sent += 1;
+                stream.arguments_sent.push(0);
+                let mut start = tools::call_value(call, &self.reply.id, i, k);
+                start["function"]["arguments"] = json!("");
+                start["index"] = json!(k);
+                deltas.push(json!({ "tool_calls": [start] }));
             }
-            None => json!({ "content": message["content"] }),
+            let sent = &mut stream.arguments_sent[k];
+            if call.arguments.len() > *sent {
+                let piece = &call.arguments[*sent..];
+                *sent = call.arguments.len();
+                deltas.push(
+                    json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] }),
+                );
+            }
+        }
+        let content = match read.content {
+            Some(content) => Some(content),
+            None if ended && read.is_unread() => Some(stream.text.clone()),
+            None => None,
         };
-        let choice = json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
-        self.queued.push_back(data(&self.reply.chunk(choice)));
-        reason
+        if let Some(content) = content
+            && content.len() > stream.content_sent
+        {
+            let piece = &content[stream.content_sent..];
+            stream.content_sent = content.len();
+            deltas.push(json!({ "content": piece }));
+        }
+        for delta in deltas {
+            let logprobs = std::mem::take(&mut self.tool_streams[i].logprobs);
+            let lp = self.reply.logprobs_value(&logprobs, 0);
+            let choice =
+                json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+            self.queued.push_back(data(&self.reply.chunk(choice)));
+        }
     }
 
     async fn next(&mut self) -> Option<SseEvent> {
@@ -808,8 +860,9 @@ impl Streaming {
                         self.prompt_logprobs[i].extend(lp);
                     }
                     Some((i, Some(Event::Delta { text, logprobs }))) if self.reply.tool_calls => {
-                        self.held[i].text.push_str(&text);
-                        self.held[i].logprobs.extend(logprobs);
+                        self.tool_streams[i].text.push_str(&text);
+                        self.tool_streams[i].logprobs.extend(logprobs);
+                        self.send_tool_deltas(i, false);
                     }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
                         self.echo(i);
@@ -823,10 +876,17 @@ impl Streaming {
                         self.usages[i] = Some(usage);
                         self.events.close(i);
                         let mut reason = Some(reason.as_str().to_string());
+                        let mut logprobs = Value::Null;
                         if self.reply.tool_calls {
-                            reason = self.send_held(i, reason);
+                            self.send_tool_deltas(i, true);
+                            let read = tools::read_partial(&self.tool_streams[i].text);
+                            reason = tool_reason(&read, reason.as_deref());
+                            let left = std::mem::take(&mut self.tool_streams[i].logprobs);
+                            if !left.is_empty() {
+                                logprobs = self.reply.logprobs_value(&left, 0);
+                            }
                         }
-                        let choice = self.reply.delta(i, "", Value::Null, reason.as_deref());
+                        let choice = self.reply.delta(i, "", logprobs, reason.as_deref());
                         self.queued.push_back(data(&self.reply.chunk(choice)));
                     }
                     Some((_, Some(Event::Failed(e)))) => {
@@ -870,7 +930,7 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         sent: vec![0; count],
         echoed: vec![false; count],
         prompt_logprobs: vec![Vec::new(); count],
-        held: (0..count).map(|_| Collected::default()).collect(),
+        tool_streams: (0..count).map(|_| ToolStream::default()).collect(),
         queued: VecDeque::new(),
     };
     let events = futures_util::stream::unfold(state, |mut state| async move {

@@ -19,6 +19,8 @@
 use super::api::{ApiError, Message, Tool, ToolChoice};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
+use std::sync::OnceLock;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// OpenAI's limit on `tools`.
 const MAX_TOOLS: usize = 128;
@@ -263,61 +265,284 @@ fn function_of(tool: &Tool, i: usize) -> Result<Function, ApiError> {
     })
 }
 
-/// One call read back from a reply.
+/// One call of a reply, as far as it has been written: its name is
+/// whole, its arguments are the JSON text written so far (what OpenAI's
+/// `function.arguments` carries, streamed piece by piece).
 #[derive(Clone, Debug, PartialEq)]
-pub struct ToolCall {
+pub struct PartialCall {
     pub name: String,
-    /// The arguments as JSON text (OpenAI's `function.arguments`).
     pub arguments: String,
 }
 
-/// What a reply under [`ToolCalling::schema`] says.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ToolReply {
-    Calls(Vec<ToolCall>),
-    Content(String),
+/// What a reply under [`ToolCalling::schema`] says so far. It is read
+/// again from the start as each piece arrives (a reply is at most a few
+/// thousand bytes), and what grew since is what a stream sends.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PartialReply {
+    /// The calls whose name is complete, in order.
+    pub calls: Vec<PartialCall>,
+    /// `{"content": "…"}`: the answer's text decoded so far.
+    pub content: Option<String>,
+    /// The reply object is complete.
+    pub complete: bool,
 }
 
-/// Reads a reply. `None` when it is not a whole reply object (it was cut
-/// by `max_tokens` or a stop string): the client then gets the text as it
-/// is.
-pub fn read_reply(text: &str) -> Option<ToolReply> {
-    let value: Value = serde_json::from_str(text).ok()?;
-    if let Some(content) = value.get("content").and_then(Value::as_str) {
-        return Some(ToolReply::Content(content.to_string()));
+impl PartialReply {
+    /// Neither calls nor content could be read (a reply cut before its
+    /// first name, or not in the format): the client gets the text.
+    pub fn is_unread(&self) -> bool {
+        self.calls.is_empty() && self.content.is_none()
     }
-    let calls = value.get("tool_calls")?.as_array()?;
-    calls
-        .iter()
-        .map(|call| {
-            Some(ToolCall {
-                name: call.get("name")?.as_str()?.to_string(),
-                arguments: call.get("arguments")?.to_string(),
-            })
-        })
-        .collect::<Option<Vec<_>>>()
-        .map(ToolReply::Calls)
 }
 
-/// OpenAI's `tool_calls` list for a reply's calls; ids are `call_` and
-/// the reply's id, the choice and the call's place.
-pub fn calls_value(calls: &[ToolCall], reply_id: &str, choice: usize) -> Vec<Value> {
-    calls
-        .iter()
-        .enumerate()
-        .map(|(k, call)| {
-            json!({
-                "id": call_id(reply_id, choice, k),
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            })
-        })
-        .collect()
+/// Reads a reply's text so far. The constraint makes it valid JSON of the
+/// reply's shape, properties in the schema's order (`name` before
+/// `arguments`); anything else ends the reading where it stands.
+pub fn read_partial(text: &str) -> PartialReply {
+    let mut reply = PartialReply::default();
+    let mut c = Cursor { text, at: 0 };
+    let _ = c.reply(&mut reply);
+    reply
 }
 
+/// A position in a reply's text. Each step returns `None` where the text
+/// ends (or breaks the format) before the step is done.
+struct Cursor<'a> {
+    text: &'a str,
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn reply(&mut self, reply: &mut PartialReply) -> Option<()> {
+        self.expect(b'{')?;
+        match self.key()?.as_str() {
+            "content" => {
+                self.skip_white();
+                self.expect_here(b'"')?;
+                let (text, closed) = self.string_body();
+                reply.content = Some(text);
+                if closed {
+                    self.expect(b'}')?;
+                    reply.complete = true;
+                }
+            }
+            "tool_calls" => {
+                self.expect(b'[')?;
+                loop {
+                    self.expect(b'{')?;
+                    if self.key()? != "name" {
+                        return None;
+                    }
+                    let name = self.whole_string()?;
+                    self.expect(b',')?;
+                    if self.key()? != "arguments" {
+                        return None;
+                    }
+                    self.skip_white();
+                    let start = self.at;
+                    let done = self.skip_value();
+                    reply.calls.push(PartialCall {
+                        name,
+                        arguments: self.text[start..self.at].to_string(),
+                    });
+                    if !done {
+                        return None;
+                    }
+                    self.expect(b'}')?;
+                    self.skip_white();
+                    match self.next_byte()? {
+                        b',' => continue,
+                        b']' => break,
+                        _ => return None,
+                    }
+                }
+                self.expect(b'}')?;
+                reply.complete = true;
+            }
+            _ => {}
+        }
+        Some(())
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.text.as_bytes().get(self.at).copied()
+    }
+
+    fn next_byte(&mut self) -> Option<u8> {
+        let b = self.peek()?;
+        self.at += 1;
+        Some(b)
+    }
+
+    fn skip_white(&mut self) {
+        while self.peek().is_some_and(|b| b.is_ascii_whitespace()) {
+            self.at += 1;
+        }
+    }
+
+    /// `b` after any white space.
+    fn expect(&mut self, b: u8) -> Option<()> {
+        self.skip_white();
+        self.expect_here(b)
+    }
+
+    fn expect_here(&mut self, b: u8) -> Option<()> {
+        (self.next_byte()? == b).then_some(())
+    }
+
+    /// A whole object key and its colon.
+    fn key(&mut self) -> Option<String> {
+        let key = self.whole_string()?;
+        self.expect(b':')?;
+        Some(key)
+    }
+
+    /// A whole string (after any white space), decoded.
+    fn whole_string(&mut self) -> Option<String> {
+        self.expect(b'"')?;
+        let (text, closed) = self.string_body();
+        closed.then_some(text)
+    }
+
+    /// A string's characters after its opening quote, decoded as far as
+    /// they are whole (an escape cut by the end of the text waits), and
+    /// whether the closing quote was reached.
+    fn string_body(&mut self) -> (String, bool) {
+        let mut out = String::new();
+        loop {
+            let rest = &self.text[self.at..];
+            let Some(i) = rest.find(['"', '\\']) else {
+                out.push_str(rest);
+                self.at = self.text.len();
+                return (out, false);
+            };
+            out.push_str(&rest[..i]);
+            self.at += i;
+            if rest.as_bytes()[i] == b'"' {
+                self.at += 1;
+                return (out, true);
+            }
+            match self.escape() {
+                Some(c) => out.push(c),
+                None => return (out, false),
+            }
+        }
+    }
+
+    /// One escape at a backslash, decoded; `None` (and the position kept)
+    /// when the text ends inside it.
+    fn escape(&mut self) -> Option<char> {
+        let start = self.at;
+        let bytes = &self.text.as_bytes()[start..];
+        let simple = match bytes.get(1)? {
+            b'"' => Some('"'),
+            b'\\' => Some('\\'),
+            b'/' => Some('/'),
+            b'b' => Some('\u{8}'),
+            b'f' => Some('\u{c}'),
+            b'n' => Some('\n'),
+            b'r' => Some('\r'),
+            b't' => Some('\t'),
+            _ => None,
+        };
+        if let Some(c) = simple {
+            self.at += 2;
+            return Some(c);
+        }
+        let unit = |at: usize| -> Option<u32> {
+            let hex = self.text.get(start + at..start + at + 4)?;
+            u32::from_str_radix(hex, 16).ok()
+        };
+        let high = unit(2)?;
+        if (0xD800..0xDC00).contains(&high) {
+            // A surrogate pair: the low half must be there too.
+            if self.text.get(start + 6..start + 8)? == "\\u" {
+                let low = unit(8)?;
+                if (0xDC00..0xE000).contains(&low) {
+                    self.at += 12;
+                    let code = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00);
+                    return Some(char::from_u32(code).unwrap_or('\u{FFFD}'));
+                }
+            }
+            self.at += 6;
+            return Some('\u{FFFD}');
+        }
+        self.at += 6;
+        Some(char::from_u32(high).unwrap_or('\u{FFFD}'))
+    }
+
+    /// One JSON value, skipped; whether it is complete. A number or word
+    /// at the very end of the text may go on, so it is not.
+    fn skip_value(&mut self) -> bool {
+        let mut depth = 0usize;
+        loop {
+            self.skip_white();
+            let Some(b) = self.peek() else {
+                return false;
+            };
+            match b {
+                b'{' | b'[' => {
+                    depth += 1;
+                    self.at += 1;
+                }
+                b'}' | b']' => {
+                    if depth == 0 {
+                        return false;
+                    }
+                    depth -= 1;
+                    self.at += 1;
+                }
+                b',' | b':' if depth > 0 => self.at += 1,
+                b'"' => {
+                    self.at += 1;
+                    if !self.string_body().1 {
+                        return false;
+                    }
+                }
+                _ => {
+                    // A number, true, false or null.
+                    let rest = &self.text[self.at..];
+                    let Some(end) =
+                        rest.find(|c: char| c.is_ascii_whitespace() || ",:]}".contains(c))
+                    else {
+                        self.at = self.text.len();
+                        return false;
+                    };
+                    if end == 0 {
+                        return false;
+                    }
+                    self.at += end;
+                }
+            }
+            if depth == 0 {
+                return true;
+            }
+        }
+    }
+}
+
+/// The OpenAI `tool_calls` entry of call `k`: its id, type and function.
+pub fn call_value(call: &PartialCall, reply_id: &str, choice: usize, k: usize) -> Value {
+    json!({
+        "id": call_id(reply_id, choice, k),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    })
+}
+
+/// Ids are `call_`, a number drawn when the server started, the reply's
+/// number, the choice and the call's place: unique within a conversation
+/// even when it goes on after a restart, where reply numbers start again.
 fn call_id(reply_id: &str, choice: usize, k: usize) -> String {
+    static SALT: OnceLock<u32> = OnceLock::new();
+    let salt = SALT.get_or_init(|| {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        (now as u32) ^ std::process::id().rotate_left(16)
+    });
     let unique = reply_id.rsplit('-').next().unwrap_or(reply_id);
-    format!("call_{unique}_{choice}_{k}")
+    format!("call_{salt:08x}{unique}_{choice}_{k}")
 }
 
 /// An assistant message's calls as the model writes them. Arguments that
@@ -464,39 +689,62 @@ mod tests {
     }
 
     #[test]
-    fn replies_read_back_into_calls_or_content() {
-        let calls = read_reply(
-            r#"{"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}},
-                {"name": "time", "arguments": {}}]}"#,
-        );
+    fn replies_read_back_into_calls_or_content_as_they_grow() {
+        let text = r#"{"tool_calls": [{"name": "weather", "arguments": {"city": "Par\"is", "n": [1, 2.5]}},
+            {"name": "time", "arguments": {}}]}"#;
+        let whole = read_partial(text);
+        assert!(whole.complete);
         assert_eq!(
-            calls,
-            Some(ToolReply::Calls(vec![
-                ToolCall {
+            whole.calls,
+            vec![
+                PartialCall {
                     name: "weather".into(),
-                    arguments: r#"{"city":"Paris"}"#.into()
+                    arguments: r#"{"city": "Par\"is", "n": [1, 2.5]}"#.into()
                 },
-                ToolCall {
+                PartialCall {
                     name: "time".into(),
                     arguments: "{}".into()
                 },
-            ]))
+            ]
         );
-        assert_eq!(
-            read_reply(r#"{"content": "It is \"sunny\"."}"#),
-            Some(ToolReply::Content("It is \"sunny\".".into()))
-        );
-        // Cut short by max_tokens.
-        assert_eq!(read_reply(r#"{"tool_calls": [{"name": "wea"#), None);
-        let values = calls_value(
-            &[ToolCall {
-                name: "time".into(),
-                arguments: "{}".into(),
-            }],
-            "chatcmpl-1f",
-            2,
-        );
-        assert_eq!(values[0]["id"], "call_1f_2_0");
-        assert_eq!(values[0]["function"]["arguments"], "{}");
+        // Every prefix reads as a prefix of the whole: names appear whole,
+        // arguments only grow.
+        let mut previous = PartialReply::default();
+        for end in (0..=text.len()).filter(|&e| text.is_char_boundary(e)) {
+            let now = read_partial(&text[..end]);
+            assert!(now.calls.len() >= previous.calls.len(), "at {end}");
+            for (k, call) in now.calls.iter().enumerate() {
+                assert_eq!(call.name, whole.calls[k].name, "at {end}");
+                assert!(
+                    whole.calls[k].arguments.starts_with(&call.arguments),
+                    "at {end}"
+                );
+                if let Some(before) = previous.calls.get(k) {
+                    assert!(call.arguments.starts_with(&before.arguments), "at {end}");
+                }
+            }
+            assert_eq!(now.complete, end == text.len(), "at {end}");
+            previous = now;
+        }
+        let answer = r#"{"content": "It is \"sunny\" \u00e9\ud83d\ude00."}"#;
+        let mut previous = String::new();
+        for end in 0..=answer.len() {
+            let now = read_partial(&answer[..end]);
+            let content = now.content.unwrap_or_default();
+            assert!(content.starts_with(&previous), "at {end}: {content:?}");
+            previous = content;
+        }
+        assert_eq!(previous, "It is \"sunny\" é😀.");
+        // A number at the end of the text may go on.
+        let cut = read_partial(r#"{"tool_calls": [{"name": "f", "arguments": {"n": 12"#);
+        assert_eq!(cut.calls[0].arguments, r#"{"n": 12"#);
+        assert!(!cut.complete);
+        assert!(read_partial(r#"{"tool_calls": [{"name": "wea"#).is_unread());
+        assert!(read_partial("I will not").is_unread());
+        let value = call_value(&whole.calls[1], "chatcmpl-1f", 2, 1);
+        let id = value["id"].as_str().unwrap_or_default();
+        assert!(id.starts_with("call_") && id.ends_with("1f_2_1"), "{id}");
+        assert_eq!(id.len(), "call_".len() + 8 + "1f_2_1".len(), "{id}");
+        assert_eq!(value["function"]["arguments"], "{}");
     }
 }
