@@ -539,6 +539,33 @@ def soak_request(client, model, kind, rng, tally, first):
             if r.usage.completion_tokens > max_tokens * len(prompts):
                 return tally.fail(kind, f"{r.usage.completion_tokens} tokens > {len(prompts)} x max_tokens")
             return tally.add(tally.ok, kind)
+        if kind == "tool_call":
+            r = client.chat.completions.create(
+                messages=[{"role": "user", "content": prompt}],
+                tools=SOAK_TOOLS,
+                tool_choice=rng.choice(["auto", "required"]),
+                parallel_tool_calls=rng.random() < 0.5,
+                **common,
+            )
+            choice = r.choices[0]
+            calls = choice.message.tool_calls or []
+            names = {t["function"]["name"] for t in SOAK_TOOLS}
+            if any(call.function.name not in names for call in calls):
+                return tally.fail(kind, f"a call of an unknown function: {calls!r}"[:300])
+            if choice.finish_reason == "tool_calls":
+                # A whole reply: each call's arguments are a JSON object.
+                for call in calls:
+                    if not isinstance(json.loads(call.function.arguments), dict):
+                        return tally.fail(kind, f"ill-formed call: {call!r}"[:300])
+                if not calls:
+                    return tally.fail(kind, "finish_reason tool_calls without calls")
+            elif choice.finish_reason == "length":
+                # Cut by max_tokens: the calls so far, their arguments as
+                # far as they were written (as OpenAI sends them).
+                pass
+            elif choice.finish_reason != "stop" or calls:
+                return tally.fail(kind, f"ill-formed reply: finish {choice.finish_reason!r}, calls {calls!r}"[:300])
+            return tally.add(tally.ok, kind)
         if kind in ("chat", "completion"):
             if kind == "chat":
                 r = client.chat.completions.create(messages=soak_messages(rng, prompt), **common)
@@ -605,7 +632,26 @@ WELL_FORMED_KINDS = {
     "disconnect_completion": 1,
     "embeddings": 1,
     "completion_batch": 1,
+    "tool_call": 1,
 }
+
+# Function calling in the soak: any call must name one of these and carry
+# an arguments object.
+SOAK_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "look_up",
+            "description": "Look a word up in a dictionary",
+            "parameters": {
+                "type": "object",
+                "properties": {"word": {"type": "string", "maxLength": 40}},
+                "required": ["word"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "roll_die", "description": "Roll a six-sided die"}},
+]
 
 
 def soak_worker(server, model, deadline, seed, tally):

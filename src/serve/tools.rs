@@ -30,7 +30,7 @@ const MAX_NAME: usize = 64;
 struct Function {
     name: String,
     description: Option<String>,
-    /// The arguments' schema (an object with no properties when left out).
+    /// The arguments' schema (an empty object when left out).
     parameters: Value,
 }
 
@@ -249,7 +249,9 @@ fn function_of(tool: &Tool, i: usize) -> Result<Function, ApiError> {
         ));
     }
     let parameters = match &f.parameters {
-        None => json!({"type": "object", "properties": {}}),
+        // No parameters: a function of no arguments, so `{}` (an open
+        // object let the default model fill it with junk in the soak).
+        None => json!({"type": "object", "properties": {}, "additionalProperties": false}),
         Some(p) if p.is_object() => p.clone(),
         Some(_) => {
             return Err(ApiError::invalid(
