@@ -249,6 +249,37 @@ try:
 except openai.BadRequestError as e:
     check("tool_choice" in str(e), f"a wrong tool_choice raises BadRequestError naming it: {e}")
 
+# The Responses API: the same reply as the chat completion it amounts to,
+# whole and streamed through the client's own stream helper.
+response = client.responses.create(model=model, input=question, temperature=0, max_output_tokens=40)
+check(response.status == "completed", f"responses.create completes ({response.status})")
+check(response.output_text == text, f"responses.create gives the chat's greedy reply: {response.output_text!r}")
+with client.responses.stream(model=model, input=question, temperature=0, max_output_tokens=40) as events:
+    streamed_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events.get_final_response()
+check(streamed_text == text and final.output_text == text, f"responses.stream: {streamed_text!r}")
+check(final.usage.output_tokens == response.usage.output_tokens, "the streamed response's usage")
+call_response = client.responses.create(
+    model=model,
+    input="What is the weather in Paris, in celsius?",
+    tools=[{"type": "function", "name": "get_weather", "description": "Current weather of a city",
+            "parameters": GetWeather.model_json_schema(), "strict": False}],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    temperature=0,
+    max_output_tokens=60,
+)
+function_calls = [o for o in call_response.output if o.type == "function_call"]
+check(
+    len(function_calls) == 1 and GetWeather.model_validate_json(function_calls[0].arguments),
+    f"a Responses function_call item with valid arguments: {function_calls}",
+)
+try:
+    client.responses.create(model=model, input="hi", previous_response_id="resp_1")
+    check(False, "previous_response_id is refused")
+except openai.BadRequestError as e:
+    check("previous_response_id" in str(e), f"previous_response_id raises BadRequestError: {e}")
+
 # Embeddings: the client asks for base64 unless told otherwise, and decodes it.
 texts = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock prices fell sharply today."]
 emb = client.embeddings.create(model=model, input=texts)

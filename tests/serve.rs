@@ -1775,6 +1775,215 @@ fn tool_calls_name_a_given_function_with_arguments_that_follow_its_schema() {
     assert_error(st, &b, 400, Some("tools"), &["strnig"]);
 }
 
+/// The `data:` payloads of a Responses API stream, checked: each is named
+/// by its `event:` line, and sequence numbers count up from 0.
+fn response_events(server: &Server, body: &Value) -> Vec<Value> {
+    let r = server.post("/v1/responses", body);
+    assert_eq!(r.status().as_u16(), 200);
+    let mut events = Vec::new();
+    let mut name = None;
+    for line in BufReader::new(r).lines() {
+        let line = line.expect("stream read");
+        if let Some(event) = line.strip_prefix("event: ") {
+            name = Some(event.to_string());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+            assert_eq!(name.take().as_deref(), v["type"].as_str(), "{v}");
+            assert_eq!(v["sequence_number"], events.len(), "{v}");
+            events.push(v);
+        }
+    }
+    events
+}
+
+fn output_text(response: &Value) -> String {
+    response["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|item| item["type"] == "message")
+        .flat_map(|item| item["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|part| part["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn the_responses_api_serves_text_calls_and_their_streams() {
+    let s = Server::start(&["-c", "1024"]);
+    let question = "What is the capital of France?";
+    // The same reply as the chat completion it amounts to.
+    let chat = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": question}],
+                "temperature": 0, "max_tokens": 30}),
+    );
+    let body = json!({"input": question, "instructions": "Answer briefly.", "temperature": 0,
+                      "max_output_tokens": 30});
+    let r = s.ok("/v1/responses", &body);
+    assert_eq!(r["object"], "response");
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(output_text(&r), chat_text(&chat), "{r}");
+    assert_eq!(
+        r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"],
+        "{r}"
+    );
+    assert_eq!(
+        r["usage"]["output_tokens"], chat["usage"]["completion_tokens"],
+        "{r}"
+    );
+    assert_eq!(r["instructions"], "Answer briefly.");
+    // Streamed: the message's deltas make the same text, and the last
+    // event carries the whole response.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = response_events(&s, &streamed);
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(
+        kinds[..4],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ],
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds[kinds.len() - 4..],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed"
+        ],
+        "{kinds:?}"
+    );
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    assert_eq!(deltas, output_text(&r));
+    let last = &events[events.len() - 1]["response"];
+    assert_eq!(output_text(last), output_text(&r), "{last}");
+    assert_eq!(last["usage"], r["usage"]);
+    // Cut by max_output_tokens: incomplete, and said why.
+    let cut = s.ok(
+        "/v1/responses",
+        &json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": question}]}],
+                "temperature": 0, "max_output_tokens": 3}),
+    );
+    assert_eq!(cut["status"], "incomplete", "{cut}");
+    assert_eq!(cut["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(cut["usage"]["output_tokens"], 3);
+    // Function calls: items of their own, arguments streamed in pieces.
+    let tools = json!([{"type": "function", "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                       "required": ["city"], "additionalProperties": false}}]);
+    let call_body = json!({"input": "Weather in Paris?", "tools": tools, "tool_choice": "required",
+                           "parallel_tool_calls": false, "temperature": 0, "max_output_tokens": 40});
+    let r = s.ok("/v1/responses", &call_body);
+    let call = &r["output"][0];
+    assert_eq!(call["type"], "function_call", "{r}");
+    assert_eq!(call["name"], "get_weather");
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("arguments are not JSON ({e}): {r}"));
+    assert!(arguments["city"].is_string(), "{r}");
+    let mut streamed = call_body.clone();
+    streamed["stream"] = json!(true);
+    let events = response_events(&s, &streamed);
+    let pieces: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    assert!(pieces.len() > 1, "{events:?}");
+    assert_eq!(
+        pieces.concat(),
+        call["arguments"].as_str().unwrap_or_default()
+    );
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.function_call_arguments.done");
+    assert_eq!(
+        done.map(|d| &d["arguments"]),
+        Some(&call["arguments"]),
+        "{events:?}"
+    );
+    // The call and its output go back as input items, into the prompt.
+    let turn = |items: Value| {
+        s.ok(
+            "/v1/responses",
+            &json!({"input": items, "tools": tools, "tool_choice": "none", "temperature": 0,
+                    "max_output_tokens": 10}),
+        )
+    };
+    let asked = json!({"role": "user", "content": "Weather in Paris?"});
+    let alone = turn(json!([asked]));
+    let answered = turn(json!([asked,
+        {"type": "function_call", "call_id": call["call_id"], "name": "get_weather",
+         "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]));
+    let input_tokens = |v: &Value| v["usage"]["input_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        input_tokens(&answered) > input_tokens(&alone) + 10,
+        "{alone} {answered}"
+    );
+    // Refusals name the Responses API's fields.
+    for (body, param, words) in [
+        (
+            json!({"input": "hi", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+            "stores no responses",
+        ),
+        (
+            json!({"input": [{"type": "input_image", "image_url": "x"}]}),
+            "input[0].type",
+            "input_image",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
+            "text.format.type",
+            "xml",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                "schema": {"type": "strnig"}}}}),
+            "text.format.schema",
+            "strnig",
+        ),
+        (
+            json!({"input": "hi", "max_output_tokens": 0}),
+            "max_output_tokens",
+            "at least 1",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function"}]}),
+            "tools[0].name",
+            "needs `name`",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "web_search"}]}),
+            "tools[0].type",
+            "web_search",
+        ),
+        (
+            json!({"input": "hi", "tools": tools, "tool_choice": {"type": "function", "name": "nope"}}),
+            "tool_choice.name",
+            "nope",
+        ),
+        (
+            json!({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]}),
+            "input[0].call_id",
+            "c1",
+        ),
+    ] {
+        let (st, b) = s.call("/v1/responses", &body);
+        assert_error(st, &b, 400, Some(param), &[words]);
+    }
+}
+
 #[test]
 fn api_key_guards_every_endpoint_but_health() {
     let s = Server::start_with_env(&["-c", "256"], &[("PULSAR_API_KEY", "sekrit")]);

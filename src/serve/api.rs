@@ -507,3 +507,93 @@ pub fn completion_logprobs(tokens: &[TokenLogprob], text_offset_start: usize) ->
         "text_offset": offsets,
     })
 }
+
+/// `POST /v1/responses` (OpenAI's Responses API), as far as Pulsar serves
+/// it: a conversation in `input`, sampling settings, function tools and a
+/// text format. It is served as the chat completion it amounts to.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponsesRequest {
+    pub model: Option<String>,
+    pub input: ResponsesInput,
+    /// System text, before the conversation.
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stream: Option<bool>,
+    pub tools: Option<Vec<ResponsesTool>>,
+    pub tool_choice: Option<ResponsesToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
+    pub text: Option<ResponsesText>,
+    /// Refused: this server keeps no responses to continue from.
+    pub previous_response_id: Option<String>,
+    /// Echoed back; the server stores nothing either way.
+    pub store: Option<bool>,
+    pub metadata: Option<Value>,
+}
+
+/// `input`: one user message as text, or a list of items.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ResponsesInput {
+    Text(String),
+    Items(Vec<InputItem>),
+}
+
+/// One `input` item: a message (`type` `message` or left out), a
+/// `function_call` the model made, or a `function_call_output`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct InputItem {
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub role: Option<String>,
+    pub content: Option<Content>,
+    pub call_id: Option<String>,
+    pub name: Option<String>,
+    pub arguments: Option<String>,
+    /// A function call's result, as text.
+    pub output: Option<String>,
+}
+
+/// A Responses API tool: the function's fields are at the top level.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponsesTool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub parameters: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+/// `tool_choice`: a mode, or `{"type": "function", "name": …}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ResponsesToolChoice {
+    Mode(String),
+    Function {
+        #[serde(rename = "type")]
+        kind: String,
+        name: String,
+    },
+}
+
+/// `text`: the output's format.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponsesText {
+    pub format: Option<ResponsesTextFormat>,
+}
+
+/// `text.format`: `text`, `json_object`, or `json_schema` with the schema's
+/// fields beside the type.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponsesTextFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub name: Option<String>,
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}

@@ -53,6 +53,7 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(super::responses::create))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(model))
@@ -106,7 +107,7 @@ fn has_key(req: &Request, key: &str) -> bool {
 async fn not_found(req: Request) -> ApiError {
     ApiError::not_found(format!(
         "no such endpoint: {} {}; this server has POST /v1/chat/completions, \
-         POST /v1/completions, GET /v1/models, GET /v1/models/ID, POST /tokenize, \
+         POST /v1/completions, POST /v1/responses, POST /v1/embeddings, GET /v1/models, GET /v1/models/ID, POST /tokenize, \
          POST /detokenize, GET /health and GET /metrics",
         req.method(),
         req.uri().path()
@@ -205,7 +206,7 @@ async fn detokenize(State(app): State<Arc<App>>, body: Result<Bytes, BytesReject
 /// Runs `work` on the request's body on tokio's blocking pool: parsing,
 /// tokenizing and compiling a schema take milliseconds (more for a long
 /// text), and off the async threads `/health` stays quick meanwhile.
-async fn off_the_async_threads<T: Send + 'static>(
+pub(super) async fn off_the_async_threads<T: Send + 'static>(
     app: &App,
     body: Result<Bytes, BytesRejection>,
     work: impl FnOnce(&ServeContext, &[u8]) -> Result<T, ApiError> + Send + 'static,
@@ -365,6 +366,17 @@ async fn serve(
         tool_calls: prepared.tool_calls,
     };
     let stream = prepared.stream;
+    let events = enqueue(&app, prepared)?;
+    if stream {
+        Ok(sse(reply, events))
+    } else {
+        whole(reply, events).await
+    }
+}
+
+/// Puts a prepared request's sequences (each prompt's choices) in the
+/// queue; their events, read together.
+pub(super) fn enqueue(app: &App, prepared: Prepared) -> Result<ChoiceEvents, ApiError> {
     let sequences = prepared.prompts.len() * prepared.choices;
     let (param, what) = match prepared.prompts.len() {
         1 => ("n", format!("n = {}", prepared.choices)),
@@ -400,12 +412,7 @@ async fn serve(
         }
     }
     app.queue.submit(jobs, param, &what)?;
-    let events = ChoiceEvents::new(receivers);
-    if stream {
-        Ok(sse(reply, events))
-    } else {
-        whole(reply, events).await
-    }
+    Ok(ChoiceEvents::new(receivers))
 }
 
 /// `POST /v1/embeddings`: each input is read in a slot of its own, as a
@@ -474,7 +481,7 @@ async fn embed(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Res
 /// whose events are not read fills its buffer and stalls, and a stalled
 /// request is ended (`--stall-timeout`). Dropping this (the client went
 /// away) closes them all, which ends every choice's generation.
-struct ChoiceEvents {
+pub(super) struct ChoiceEvents {
     receivers: Vec<mpsc::Receiver<Event>>,
     open: Vec<bool>,
     /// Where the next poll starts, so that a busy choice cannot starve
@@ -492,7 +499,7 @@ impl ChoiceEvents {
         }
     }
 
-    fn count(&self) -> usize {
+    pub(super) fn count(&self) -> usize {
         self.receivers.len()
     }
 
@@ -501,14 +508,14 @@ impl ChoiceEvents {
     }
 
     /// Stops reading choice `i` (its reply is complete).
-    fn close(&mut self, i: usize) {
+    pub(super) fn close(&mut self, i: usize) {
         self.open[i] = false;
     }
 
     /// The next event of any open choice, as `(choice, event)`; the event
     /// is `None` when that choice's channel ended without a last event.
     /// `None` when every choice is closed.
-    async fn next(&mut self) -> Option<(usize, Option<Event>)> {
+    pub(super) async fn next(&mut self) -> Option<(usize, Option<Event>)> {
         if self.all_closed() {
             return None;
         }
@@ -530,7 +537,7 @@ impl ChoiceEvents {
     }
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -706,7 +713,7 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
     .into_response())
 }
 
-fn ended_early() -> ApiError {
+pub(super) fn ended_early() -> ApiError {
     ApiError::internal("the request was ended before its reply was complete")
 }
 

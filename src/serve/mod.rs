@@ -5,6 +5,8 @@
 //! - [`request`]: a body turned into a job (prompt tokens, checked
 //!   settings, compiled `response_format`);
 //! - [`http`]: axum routes, middleware, JSON replies and SSE streams;
+//! - [`responses`]: `/v1/responses`, served as the chat request it amounts
+//!   to;
 //! - [`tokens`]: `/tokenize` and `/detokenize` (llama-server's shapes);
 //! - [`tools`]: function calling, as a schema on the reply;
 //! - [`scheduler`]: the engine thread, batching every busy slot into one
@@ -24,6 +26,7 @@ pub mod api;
 pub mod http;
 pub mod metrics;
 pub mod request;
+pub mod responses;
 pub mod scheduler;
 pub mod slot;
 pub mod tokens;

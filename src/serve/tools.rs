@@ -543,7 +543,7 @@ fn call_id(reply_id: &str, choice: usize, k: usize) -> String {
             .map_or(0, |d| d.as_nanos());
         (now as u32) ^ std::process::id().rotate_left(16)
     });
-    let unique = reply_id.rsplit('-').next().unwrap_or(reply_id);
+    let unique = reply_id.rsplit(['-', '_']).next().unwrap_or(reply_id);
     format!("call_{salt:08x}{unique}_{choice}_{k}")
 }
 
