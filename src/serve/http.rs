@@ -940,9 +940,25 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         tool_streams: (0..count).map(|_| ToolStream::default()).collect(),
         queued: VecDeque::new(),
     };
-    let events = futures_util::stream::unfold(state, |mut state| async move {
-        let event = state.next().await?;
-        Some((Ok::<_, Infallible>(event), state))
+    sse_response(state)
+}
+
+/// A reply's stream of server-sent events, one at a time until `None`.
+pub(super) trait SseSource: Send + 'static {
+    fn next_event(&mut self) -> impl Future<Output = Option<SseEvent>> + Send;
+}
+
+impl SseSource for Streaming {
+    fn next_event(&mut self) -> impl Future<Output = Option<SseEvent>> + Send {
+        self.next()
+    }
+}
+
+/// The SSE response of a source of events.
+pub(super) fn sse_response(source: impl SseSource) -> Response {
+    let events = futures_util::stream::unfold(source, |mut source| async move {
+        let event = source.next_event().await?;
+        Some((Ok::<_, Infallible>(event), source))
     });
     // Comments every 15 s keep proxies from closing a stream that waits
     // in the queue or behind a long prefill; clients ignore them.

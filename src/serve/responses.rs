@@ -16,18 +16,18 @@ use super::api::{
     ResponsesRequest, ResponsesToolChoice, Tool, ToolChoice, Usage,
 };
 use super::http::{
-    App, ChoiceEvents, ended_early, enqueue, off_the_async_threads, parse_json, unix_now,
+    App, ChoiceEvents, SseSource, ended_early, enqueue, off_the_async_threads, parse_json,
+    sse_response, unix_now,
 };
 use super::slot::Event;
 use super::tools::{self, PartialReply};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -671,11 +671,11 @@ fn sse(shape: Shape, events: ChoiceEvents) -> Response {
         content_sent: 0,
         queued: VecDeque::new(),
     };
-    let events = futures_util::stream::unfold(state, |mut state| async move {
-        let event = state.next().await?;
-        Some((Ok::<_, Infallible>(event), state))
-    });
-    Sse::new(events)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    sse_response(state)
+}
+
+impl SseSource for Streaming {
+    fn next_event(&mut self) -> impl Future<Output = Option<SseEvent>> + Send {
+        self.next()
+    }
 }
