@@ -11,6 +11,7 @@ use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
 use super::pool::{ThreadPool, split_range};
 use super::q8_input::{InputPrecision, Q8Input};
+use super::step_logits::StepLogits;
 use super::{Engine, LogitsWanted};
 use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
@@ -47,6 +48,10 @@ pub struct FastEngine {
     /// added: kept between calls, so a decode step does not fault in a
     /// fresh 2 MB (the head's two rows) every time.
     level_rows: Mutex<Vec<f32>>,
+    /// A step's logits buffer handed back ([`FastEngine::recycle_logits`])
+    /// for the next step to write over, instead of a fresh zeroed one (1%
+    /// of a 4-stream server profile went to zeroing it).
+    spare_logits: Mutex<Vec<f32>>,
 }
 
 /// A step over at most this many tokens of one sequence computes every
@@ -613,6 +618,7 @@ impl FastEngine {
             last_hidden_rows: Vec::new(),
             input_precision: InputPrecision::default(),
             level_rows: Mutex::new(Vec::new()),
+            spare_logits: Mutex::new(Vec::new()),
         })
     }
 
@@ -1306,7 +1312,13 @@ impl FastEngine {
     /// Logits of each row; the first `exact` as decode computes them.
     fn logits_of(&self, normed_rows: &[f32], exact: usize) -> Vec<f32> {
         let c = &self.config;
-        let mut logits = vec![0.0f32; normed_rows.len() / c.hidden * c.vocab_size];
+        let n = normed_rows.len() / c.hidden * c.vocab_size;
+        // Every value is written by the LM head's product, so a recycled
+        // buffer's old values need no zeroing; only growth is zeroed.
+        let mut logits =
+            std::mem::take(&mut *self.spare_logits.lock().unwrap_or_else(|e| e.into_inner()));
+        logits.truncate(n);
+        logits.resize(n, 0.0);
         self.matmul(&self.weights.embedding, normed_rows, &mut logits, exact);
         if let Some(cap) = c.final_softcap {
             for l in &mut logits {
@@ -1392,6 +1404,24 @@ impl FastEngine {
     /// a prefill chunk). Returns each entry's logits (empty where none were
     /// wanted), in the order of `batch`.
     pub fn forward_batch(&mut self, batch: &[SeqTokens]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.forward_batch_logits(batch)?.into_entries())
+    }
+
+    /// Takes back a step's logits once they are read: the next step writes
+    /// its logits over the same memory.
+    /// A buffer of more rows than a decode step's
+    /// ([`EXACT_STEP_MAX_TOKENS`], e.g. a scored prompt's) is dropped
+    /// rather than kept for the life of the process.
+    pub fn recycle_logits(&self, logits: StepLogits) {
+        let buffer = logits.into_buffer();
+        if buffer.capacity() <= EXACT_STEP_MAX_TOKENS * self.config.vocab_size {
+            *self.spare_logits.lock().unwrap_or_else(|e| e.into_inner()) = buffer;
+        }
+    }
+
+    /// [`FastEngine::forward_batch`], with the entries' logits left in one
+    /// buffer ([`StepLogits`]).
+    pub fn forward_batch_logits(&mut self, batch: &[SeqTokens]) -> Result<StepLogits> {
         for (i, entry) in batch.iter().enumerate() {
             if entry.seq >= self.seqs.len() {
                 bail!(
@@ -1434,7 +1464,8 @@ impl FastEngine {
             });
         }
         if tokens.is_empty() {
-            return Ok(vec![Vec::new(); batch.len()]);
+            let none = vec![Vec::new(); batch.len()];
+            return Ok(StepLogits::new(Vec::new(), 0, &none));
         }
         let normed = self.forward_parts(&parts, &tokens)?;
 
@@ -1484,30 +1515,12 @@ impl FastEngine {
             .map(|i| first_row[i]..first_row[i] + batch[i].tokens.len())
             .collect();
         self.last_hidden = normed;
-        if let [only] = &wanted_rows[..]
-            && only.len() == picked.len()
-            && only
-                .iter()
-                .enumerate()
-                .all(|(i, &p)| p == i && picked[p] == picked[0] + i)
-        {
-            // One entry whose rows come in order: its logits as computed,
-            // not copied (8 MiB for a verify step over 8 tokens).
-            return Ok(vec![logits]);
+        // Each entry's rows in its own order (a bulk run's last row was
+        // computed before its other rows).
+        for rows in &mut wanted_rows {
+            rows.sort_by_key(|&p| picked[p]);
         }
-        Ok(wanted_rows
-            .iter()
-            .map(|rows| {
-                // A bulk run's last row comes before its other rows.
-                let mut rows = rows.clone();
-                rows.sort_by_key(|&p| picked[p]);
-                let mut out = Vec::with_capacity(rows.len() * vocab);
-                for &p in &rows {
-                    out.extend_from_slice(&logits[p * vocab..(p + 1) * vocab]);
-                }
-                out
-            })
-            .collect())
+        Ok(StepLogits::new(logits, vocab, &wanted_rows))
     }
 }
 

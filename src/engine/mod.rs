@@ -12,6 +12,7 @@ pub mod packed;
 pub mod pool;
 pub mod q8_input;
 pub mod reference;
+pub mod step_logits;
 pub mod synthetic;
 
 use crate::model::config::ModelConfig;

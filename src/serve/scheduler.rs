@@ -683,7 +683,7 @@ impl<'t> Scheduler<'t> {
                         .collect::<Vec<_>>()
                 })
             });
-            let result = engine.forward_batch(&batch);
+            let result = engine.forward_batch_logits(&batch);
             // A helper that panicked leaves the masks to be computed in
             // line, where the panic is caught per request.
             let masks = helper.and_then(|h| h.join().ok()).unwrap_or_default();
@@ -695,7 +695,7 @@ impl<'t> Scheduler<'t> {
         if decode_only {
             self.batch_times.record(tokens, micros as f64 * 1e-6);
         }
-        let logits = match result {
+        let mut logits = match result {
             Ok(logits) => logits,
             Err(e) => {
                 eprintln!("pulsar serve: a forward step failed: {e:#}");
@@ -711,12 +711,12 @@ impl<'t> Scheduler<'t> {
         // Bookkeeping first, then every slot that got logits picks its
         // next token: each on one of the engine's threads (the sampler
         // scans the whole vocabulary, about a millisecond), in parallel.
-        let mut work: Vec<(usize, Vec<f32>, Option<NextTokens>)> = Vec::new();
+        let mut work: Vec<(usize, &mut [f32], Option<NextTokens>)> = Vec::new();
         // (slot, tokens fed) per request in the step.
         let fed: Vec<(usize, usize)> = plan.iter().map(|(i, t, ..)| (*i, t.len())).collect();
         let mut embedded = Vec::new();
         for (entry, ((i, tokens, wanted, prompt_fed), logits)) in
-            plan.into_iter().zip(logits).enumerate()
+            plan.into_iter().zip(logits.entries_mut()).enumerate()
         {
             let slot = &mut self.slots[i];
             slot.cached.extend_from_slice(&tokens);
@@ -736,16 +736,17 @@ impl<'t> Scheduler<'t> {
                 }
                 continue;
             }
-            let mut logits = logits;
+            let mut logits: &mut [f32] = logits;
             if let (Some(top), true) = (active.scores_prompt, prompt_fed > 0) {
                 let width = logits.len() / tokens.len().max(1);
-                let scored = prompt_logprobs(self.tok, &active.prompt, from, &logits, width, top);
+                let scored = prompt_logprobs(self.tok, &active.prompt, from, logits, width, top);
                 active.outbox.push_back(Event::PromptLogprobs(scored));
                 if active.fed < active.prompt.len() {
                     continue;
                 }
                 // The prompt's last row picks the first new token.
-                logits.drain(..logits.len() - width);
+                let len = logits.len();
+                logits = &mut std::mem::take(&mut logits)[len - width..];
             }
             if wanted.is_some() {
                 let allowed = masks
@@ -759,6 +760,7 @@ impl<'t> Scheduler<'t> {
             self.finish(i);
         }
         let results = self.sample_all(work);
+        self.engine.recycle_logits(logits);
         let mut generated = 0;
         for (i, result) in results {
             let slot = &mut self.slots[i];
@@ -812,17 +814,17 @@ impl<'t> Scheduler<'t> {
     /// the tokens generated, or `None` where the step panicked.
     fn sample_all(
         &mut self,
-        work: Vec<(usize, Vec<f32>, Option<NextTokens>)>,
+        work: Vec<(usize, &mut [f32], Option<NextTokens>)>,
     ) -> Vec<(usize, Option<Sampled>)> {
-        struct Item<'a, 't> {
+        struct Item<'a, 't, 'l> {
             generation: &'a mut Generation<'t>,
             /// One row per token fed: the sampled one, then each draft.
-            logits: Vec<f32>,
+            logits: &'l mut [f32],
             allowed: Option<NextTokens>,
             drafts: &'a [u32],
             result: Option<Sampled>,
         }
-        let mut inputs: Vec<Option<(Vec<f32>, Option<NextTokens>)>> =
+        let mut inputs: Vec<Option<(&mut [f32], Option<NextTokens>)>> =
             (0..self.slots.len()).map(|_| None).collect();
         for (i, logits, allowed) in work {
             inputs[i] = Some((logits, allowed));
