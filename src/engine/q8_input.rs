@@ -105,17 +105,25 @@ fn quantize_group(block: &[f32], k: usize, g: usize, token: &mut [u8]) -> f32 {
     let d = amax / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     let quants = &mut token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
-    for (q, &v) in quants.iter_mut().zip(block) {
-        // |v * inv| <= 127 up to rounding. r is a whole number, so
-        // adding 1.5 * 2^23 is exact and leaves r in the low bits
-        // of the sum's mantissa, two's complement: its low byte is
-        // r as i8. (`r as i8` compiled to a scalar saturating
-        // conversion per value, 32 per block, in a loop otherwise
-        // vector code.)
-        let r = (v * inv).round();
-        *q = (r + WHOLE_NUMBER_BIAS).to_bits() as u8;
+    // The quants' sum, in 8 lanes of whole numbers (exact: 32 values of
+    // at most 127). Summing the stored bytes instead compiled to 32 scalar
+    // sign-extending loads per group: this function's share of a 4-stream
+    // server profile went from 1.64% to 1.49% of all samples.
+    let mut lane_sums = [0.0f32; 8];
+    for (eight_q, eight_v) in quants.chunks_exact_mut(8).zip(block.chunks_exact(8)) {
+        for ((q, &v), sum) in eight_q.iter_mut().zip(eight_v).zip(&mut lane_sums) {
+            // |v * inv| <= 127 up to rounding. r is a whole number, so
+            // adding 1.5 * 2^23 is exact and leaves r in the low bits
+            // of the sum's mantissa, two's complement: its low byte is
+            // r as i8. (`r as i8` compiled to a scalar saturating
+            // conversion per value, 32 per block, in a loop otherwise
+            // vector code.)
+            let r = (v * inv).round();
+            *q = (r + WHOLE_NUMBER_BIAS).to_bits() as u8;
+            *sum += r;
+        }
     }
-    let total: i32 = quants.iter().map(|&b| i32::from(b as i8)).sum();
+    let total = lane_sums.iter().sum::<f32>() as i32;
     token[k + g * 4..][..4].copy_from_slice(&d.to_le_bytes());
     token[k + groups * 4 + g * 4..][..4].copy_from_slice(&total.to_le_bytes());
     d
