@@ -22,8 +22,8 @@ request mix against it; given with --pulsar, pulsar runs first, then a pause
         --parallel 4 --levels 1,2,4 --requests 2 --max-tokens 64 --rounds 3
 
 Soak: --soak SECONDS runs a mixed load against a pulsar server for that long
-(streaming and whole chat and completion requests, prompt batches and
-embeddings, from several threads, some closed mid-stream, oversized and malformed bodies, a /health probe every
+(streaming and whole chat and completion requests, prompt batches,
+embeddings, function calls and Responses API requests, from several threads, some closed mid-stream, oversized and malformed bodies, a /health probe every
 second, the server's RSS every few seconds), prints a report and exits 1 if
 a check failed.
 
@@ -539,6 +539,23 @@ def soak_request(client, model, kind, rng, tally, first):
             if r.usage.completion_tokens > max_tokens * len(prompts):
                 return tally.fail(kind, f"{r.usage.completion_tokens} tokens > {len(prompts)} x max_tokens")
             return tally.add(tally.ok, kind)
+        if kind == "responses":
+            # The Responses API, streamed or not; with its typed stream the
+            # last event carries the whole response.
+            budget = common["max_tokens"]
+            args = dict(model=model, input=prompt, max_output_tokens=budget, temperature=common["temperature"])
+            if rng.random() < 0.5:
+                r = client.responses.create(**args)
+            else:
+                r = None
+                for event in client.responses.create(stream=True, **args):
+                    if event.type in ("response.completed", "response.incomplete"):
+                        r = event.response
+                if r is None:
+                    return tally.fail(kind, "a response stream ended without response.completed")
+            if r.status not in ("completed", "incomplete") or r.usage.output_tokens > budget:
+                return tally.fail(kind, f"ill-formed response: {r.status!r}, {r.usage!r}"[:300])
+            return tally.add(tally.ok, kind)
         if kind == "tool_call":
             r = client.chat.completions.create(
                 messages=[{"role": "user", "content": prompt}],
@@ -633,6 +650,7 @@ WELL_FORMED_KINDS = {
     "embeddings": 1,
     "completion_batch": 1,
     "tool_call": 1,
+    "responses": 1,
 }
 
 # Function calling in the soak: any call must name one of these and carry
