@@ -201,7 +201,10 @@ pub struct PackedMatrix {
     storage: Storage,
     /// Per row and 32 columns, a value added to each of them: a Q4_K or
     /// Q5_K matrix kept as Q5_0 (`model::k_quant_as_q5_0`). A product adds
-    /// `offset · d_x · sum(q_x)` after the kernel.
+    /// `offset · d_x · sum(q_x)` after the kernel. Laid out in blocks of
+    /// [`OFFSET_BLOCK_ROWS`] rows, group-major within a block
+    /// ([`offset_index`]), so one vector holds a group's offsets for 8
+    /// rows.
     offsets: Option<Box<[f32]>>,
     /// The kernels that multiply it, resolved when an engine's kernels
     /// meet its weights.
@@ -329,7 +332,7 @@ impl PackedMatrix {
         let mut m = Self::zeroed(format, rows, cols);
         let mut offsets = offsets_for(t, format);
         fill_converted(t, format, m.bytes_mut(), offsets.as_deref_mut());
-        m.offsets = offsets;
+        m.offsets = offsets.map(|o| offsets_in_blocks(&o, rows, cols));
         m
     }
 
@@ -347,6 +350,7 @@ impl PackedMatrix {
         let out = unsafe { std::slice::from_raw_parts_mut(ptr, format.matrix_bytes(rows, cols)) };
         let mut offsets = offsets_for(t, format);
         fill_converted(t, format, out, offsets.as_deref_mut());
+        let offsets = offsets.map(|o| offsets_in_blocks(&o, rows, cols));
         PackedMatrix {
             format,
             rows,
@@ -446,8 +450,8 @@ impl PackedMatrix {
             quant_blocks::dequant_row(q, self.raw(), r, self.cols, out);
             if let Some(offsets) = self.offsets() {
                 let groups = self.cols / quant_blocks::GROUP_COLS;
-                let row = &offsets[r * groups..(r + 1) * groups];
-                for (block, &offset) in out.chunks_mut(quant_blocks::GROUP_COLS).zip(row) {
+                for (g, block) in out.chunks_mut(quant_blocks::GROUP_COLS).enumerate() {
+                    let offset = offsets[offset_index(r, g, groups)];
                     block.iter_mut().for_each(|v| *v += offset);
                 }
             }
@@ -470,6 +474,29 @@ impl PackedMatrix {
     pub fn bytes(&self) -> usize {
         self.byte_len() + self.offsets().map_or(0, |o| o.len() * 4)
     }
+}
+
+/// Rows per block of a matrix's offsets.
+pub const OFFSET_BLOCK_ROWS: usize = 8;
+
+/// Where row `r`'s offset for group `g` of `groups` is kept: blocks of
+/// [`OFFSET_BLOCK_ROWS`] rows, each group's offsets for the block's rows
+/// side by side.
+pub fn offset_index(r: usize, g: usize, groups: usize) -> usize {
+    (r / OFFSET_BLOCK_ROWS * groups + g) * OFFSET_BLOCK_ROWS + r % OFFSET_BLOCK_ROWS
+}
+
+/// Row-major offsets (`rows` x groups, as the conversion writes them) in
+/// the blocked layout, the last block's missing rows zero.
+fn offsets_in_blocks(row_major: &[f32], rows: usize, cols: usize) -> Box<[f32]> {
+    let groups = cols / quant_blocks::GROUP_COLS;
+    let mut blocked = vec![0.0f32; rows.next_multiple_of(OFFSET_BLOCK_ROWS) * groups];
+    for (r, row) in row_major.chunks_exact(groups).enumerate() {
+        for (g, &offset) in row.iter().enumerate() {
+            blocked[offset_index(r, g, groups)] = offset;
+        }
+    }
+    blocked.into_boxed_slice()
 }
 
 /// Room for the offsets of `t` stored as `format`, if it takes any: a
