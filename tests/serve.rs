@@ -1733,6 +1733,70 @@ fn tool_calls_name_a_given_function_with_arguments_that_follow_its_schema() {
         prompt_tokens(&v) > prompt_tokens(&plain) + 10,
         "{v} {plain}"
     );
+    // The deprecated functions API: one call, in `message.function_call`.
+    let legacy = json!({"messages": question, "functions": [tools[0]["function"]],
+                        "function_call": {"name": "get_weather"}, "temperature": 0, "max_tokens": 60});
+    let v = s.ok(chat, &legacy);
+    let message = &v["choices"][0]["message"];
+    assert_eq!(v["choices"][0]["finish_reason"], "function_call", "{v}");
+    assert!(
+        message.get("tool_calls").is_none() && message["content"].is_null(),
+        "{v}"
+    );
+    assert_eq!(message["function_call"]["name"], "get_weather", "{v}");
+    let arguments_text = message["function_call"]["arguments"]
+        .as_str()
+        .unwrap_or_default();
+    let arguments: Value =
+        serde_json::from_str(arguments_text).unwrap_or_else(|e| panic!("{e}: {v}"));
+    let validator = jsonschema::validator_for(&tools[0]["function"]["parameters"]).expect("schema");
+    assert!(validator.is_valid(&arguments), "{v}");
+    let mut streamed = legacy.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&s, chat, &streamed).all();
+    let pieces: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["delta"]["function_call"])
+        .filter(|f| f.is_object())
+        .collect();
+    assert_eq!(pieces[0]["name"], "get_weather", "{chunks:?}");
+    let streamed_arguments: String = pieces
+        .iter()
+        .filter_map(|f| f["arguments"].as_str())
+        .collect();
+    assert_eq!(streamed_arguments, arguments_text);
+    let finish = &chunks.last().expect("chunks")["choices"][0]["finish_reason"];
+    assert_eq!(finish, "function_call");
+    let legacy_history = json!([
+        {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+        {"role": "assistant", "content": null, "function_call": message["function_call"]},
+        {"role": "function", "name": "get_weather", "content": "18 degrees, sunny"},
+    ]);
+    let v = s.ok(
+        chat,
+        &json!({"messages": legacy_history, "functions": [tools[0]["function"]],
+                "function_call": "none", "temperature": 0, "max_tokens": 10}),
+    );
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64() > plain["usage"]["prompt_tokens"].as_u64(),
+        "{v}"
+    );
+    let mut nameless = legacy_history.clone();
+    nameless[2].as_object_mut().map(|m| m.remove("name"));
+    let (st, b) = s.call(chat, &json!({"messages": nameless}));
+    assert_error(st, &b, 400, Some("messages[2].name"), &["needs `name`"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": question, "functions": [tools[0]["function"]],
+                                       "tools": tools}),
+    );
+    assert_error(st, &b, 400, Some("functions"), &["use tools"]);
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": question, "functions": [tools[0]["function"]],
+                                       "function_call": {"name": "nope"}}),
+    );
+    assert_error(st, &b, 400, Some("function_call.name"), &["nope"]);
     // Refusals name their field.
     let mut bad = history.clone();
     bad[2]["tool_call_id"] = json!("call_nope");

@@ -212,6 +212,11 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
     pub parallel_tool_calls: Option<bool>,
+    /// The deprecated form of `tools`: one call per reply, in
+    /// `message.function_call`.
+    pub functions: Option<Vec<FunctionDefinition>>,
+    /// The deprecated form of `tool_choice`.
+    pub function_call: Option<LegacyFunctionCall>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
@@ -307,6 +312,8 @@ pub struct Message {
     pub tool_calls: Option<Vec<MessageToolCall>>,
     /// A `tool` message: the call it answers.
     pub tool_call_id: Option<String>,
+    /// An assistant message's call in the deprecated `functions` form.
+    pub function_call: Option<CalledFunction>,
     /// A `tool` message: the function that answered (optional; found from
     /// `tool_call_id` when left out).
     pub name: Option<String>,
@@ -345,6 +352,14 @@ pub enum ToolChoice {
 #[derive(Clone, Debug, Deserialize)]
 pub struct NamedFunction {
     pub name: String,
+}
+
+/// `function_call` (deprecated): `"none"`, `"auto"` or `{"name": …}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum LegacyFunctionCall {
+    Mode(String),
+    Named { name: String },
 }
 
 /// A call in an assistant message of the history.

@@ -13,7 +13,7 @@ use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
-use super::tools;
+use super::tools::{self, CallFormat};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -303,7 +303,7 @@ struct Reply {
     echo: Option<Vec<String>>,
     /// Function calling: each choice's text is a reply object, read back
     /// ([`tools::read_partial`]) into calls or content.
-    tool_calls: bool,
+    tool_calls: Option<CallFormat>,
 }
 
 impl Reply {
@@ -590,16 +590,27 @@ impl Reply {
     ) -> (Value, Option<String>) {
         let plain =
             |content: String| json!({ "role": "assistant", "content": content, "refusal": null });
-        if !self.tool_calls {
+        let Some(format) = self.tool_calls else {
             return (plain(text), reason.map(str::to_string));
-        }
+        };
         let read = tools::read_partial(&text);
-        let reason = tool_reason(&read, reason);
+        let reason = tool_reason(&read, reason, format);
         if read.is_unread() {
             return (plain(text), reason);
         }
         if let Some(content) = read.content {
             return (plain(content), reason);
+        }
+        if format == CallFormat::FunctionCall {
+            // One call at most (the schema allows no more).
+            let call = &read.calls[0];
+            let message = json!({
+                "role": "assistant",
+                "content": null,
+                "function_call": {"name": call.name, "arguments": call.arguments},
+                "refusal": null,
+            });
+            return (message, reason);
         }
         let calls: Vec<Value> = read
             .calls
@@ -763,12 +774,19 @@ struct ToolStream {
     content_sent: usize,
 }
 
-/// A function-calling reply's finish reason: `tool_calls` when it is
-/// whole and calls, else the generation's own (`length` for one cut
-/// short).
-fn tool_reason(read: &tools::PartialReply, reason: Option<&str>) -> Option<String> {
+/// A function-calling reply's finish reason: `tool_calls` (or the
+/// deprecated `function_call`) when it is whole and calls, else the
+/// generation's own (`length` for one cut short).
+fn tool_reason(
+    read: &tools::PartialReply,
+    reason: Option<&str>,
+    format: CallFormat,
+) -> Option<String> {
     if read.complete && !read.calls.is_empty() {
-        Some("tool_calls".to_string())
+        Some(match format {
+            CallFormat::ToolCalls => "tool_calls".to_string(),
+            CallFormat::FunctionCall => "function_call".to_string(),
+        })
     } else {
         reason.map(str::to_string)
     }
@@ -799,7 +817,7 @@ impl Streaming {
     /// its arguments as they are written, or the answer's text. `ended`:
     /// the reply is over, so text that cannot be read goes out as it is.
     /// Log-probabilities wait for the next chunk that carries anything.
-    fn send_tool_deltas(&mut self, i: usize, ended: bool) {
+    fn send_tool_deltas(&mut self, i: usize, ended: bool, format: CallFormat) {
         let stream = &mut self.tool_streams[i];
         let read = tools::read_partial(&stream.text);
         let mut deltas: Vec<Value> = Vec::new();
@@ -807,18 +825,28 @@ impl Streaming {
             if k == stream.calls_sent {
                 stream.calls_sent += 1;
                 stream.arguments_sent.push(0);
-                let mut start = tools::call_value(call, &self.reply.id, i, k);
-                start["function"]["arguments"] = json!("");
-                start["index"] = json!(k);
-                deltas.push(json!({ "tool_calls": [start] }));
+                deltas.push(match format {
+                    CallFormat::ToolCalls => {
+                        let mut start = tools::call_value(call, &self.reply.id, i, k);
+                        start["function"]["arguments"] = json!("");
+                        start["index"] = json!(k);
+                        json!({ "tool_calls": [start] })
+                    }
+                    CallFormat::FunctionCall => {
+                        json!({ "function_call": {"name": call.name, "arguments": ""} })
+                    }
+                });
             }
             let sent = &mut stream.arguments_sent[k];
             if call.arguments.len() > *sent {
                 let piece = &call.arguments[*sent..];
                 *sent = call.arguments.len();
-                deltas.push(
-                    json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] }),
-                );
+                deltas.push(match format {
+                    CallFormat::ToolCalls => {
+                        json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] })
+                    }
+                    CallFormat::FunctionCall => json!({ "function_call": {"arguments": piece} }),
+                });
             }
         }
         let content = match read.content {
@@ -866,10 +894,12 @@ impl Streaming {
                     Some((i, Some(Event::PromptLogprobs(lp)))) => {
                         self.prompt_logprobs[i].extend(lp);
                     }
-                    Some((i, Some(Event::Delta { text, logprobs }))) if self.reply.tool_calls => {
+                    Some((i, Some(Event::Delta { text, logprobs })))
+                        if let Some(format) = self.reply.tool_calls =>
+                    {
                         self.tool_streams[i].text.push_str(&text);
                         self.tool_streams[i].logprobs.extend(logprobs);
-                        self.send_tool_deltas(i, false);
+                        self.send_tool_deltas(i, false, format);
                     }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
                         self.echo(i);
@@ -884,10 +914,10 @@ impl Streaming {
                         self.events.close(i);
                         let mut reason = Some(reason.as_str().to_string());
                         let mut logprobs = Value::Null;
-                        if self.reply.tool_calls {
-                            self.send_tool_deltas(i, true);
+                        if let Some(format) = self.reply.tool_calls {
+                            self.send_tool_deltas(i, true, format);
                             let read = tools::read_partial(&self.tool_streams[i].text);
-                            reason = tool_reason(&read, reason.as_deref());
+                            reason = tool_reason(&read, reason.as_deref(), format);
                             let left = std::mem::take(&mut self.tool_streams[i].logprobs);
                             if !left.is_empty() {
                                 logprobs = self.reply.logprobs_value(&left, 0);

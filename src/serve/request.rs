@@ -6,7 +6,7 @@ use super::api::{
     ResponseFormat, Sampling,
 };
 use super::slot::GenParams;
-use super::tools::{self, ToolCalling};
+use super::tools::{self, CallFormat, ToolCalling};
 use crate::chat_template::ChatTemplate;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
 use crate::sample::SamplerConfig;
@@ -60,8 +60,8 @@ pub struct Prepared {
     /// `echo` (completions): each choice's text starts with the prompt's.
     pub echo: bool,
     /// The reply is a function-calling object ([`tools`]) to read back
-    /// into `tool_calls` or content.
-    pub tool_calls: bool,
+    /// into calls of this format, or content.
+    pub tool_calls: Option<CallFormat>,
 }
 
 /// An embeddings request ready for the queue.
@@ -107,11 +107,28 @@ fn fresh_seed() -> u64 {
 
 impl ServeContext {
     pub fn prepare_chat(&self, req: &ChatRequest) -> Result<Prepared, ApiError> {
-        let tool_calling = ToolCalling::from_request(
-            req.tools.as_deref(),
-            req.tool_choice.as_ref(),
-            req.parallel_tool_calls,
-        )?;
+        let legacy = req.functions.is_some() || req.function_call.is_some();
+        let tool_calling = if legacy {
+            if req.tools.is_some() || req.tool_choice.is_some() {
+                return Err(ApiError::invalid(
+                    "functions",
+                    "functions and function_call (deprecated) cannot be combined with tools and \
+                     tool_choice: use tools",
+                ));
+            }
+            ToolCalling::from_legacy(req.functions.as_deref(), req.function_call.as_ref())?
+        } else {
+            ToolCalling::from_request(
+                req.tools.as_deref(),
+                req.tool_choice.as_ref(),
+                req.parallel_tool_calls,
+            )?
+        };
+        let call_format = if legacy {
+            CallFormat::FunctionCall
+        } else {
+            CallFormat::ToolCalls
+        };
         let top = match (req.logprobs, req.top_logprobs) {
             (Some(true), top) => Some(top.unwrap_or(0)),
             (_, Some(n)) if n > 0 => {
@@ -160,7 +177,7 @@ impl ServeContext {
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
             echo: false,
-            tool_calls: tool_calling.is_some(),
+            tool_calls: tool_calling.is_some().then_some(call_format),
         })
     }
 
@@ -219,7 +236,7 @@ impl ServeContext {
             include_usage: include_usage(&sampling),
             choices: choices(&sampling)?,
             echo,
-            tool_calls: false,
+            tool_calls: None,
         })
     }
 
@@ -449,11 +466,20 @@ impl ServeContext {
                     };
                     turns.push((false, text));
                 }
-                "tool" => {
+                "tool" | "function" => {
+                    if m.role == "function" && m.name.is_none() {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].name"),
+                            "a function message (deprecated) needs `name`: the function it answers for",
+                        ));
+                    }
                     let line = tools::tool_result_text(messages, i, &text)?;
                     // Results of one round of calls share a user turn.
                     match turns.last_mut() {
-                        Some((true, last)) if i > 0 && messages[i - 1].role == "tool" => {
+                        Some((true, last))
+                            if i > 0
+                                && matches!(messages[i - 1].role.as_str(), "tool" | "function") =>
+                        {
                             last.push('\n');
                             last.push_str(&line);
                         }
@@ -465,7 +491,7 @@ impl ServeContext {
                         format!("messages[{i}].role"),
                         format!(
                             "role {other:?} is not supported; use system, developer, user, \
-                             assistant or tool"
+                             assistant, tool or function"
                         ),
                     ));
                 }

@@ -50,7 +50,7 @@ async fn respond(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
         id: format!("resp_{:x}", app.next_id.fetch_add(1, Ordering::Relaxed)),
         created_at: unix_now(),
         model: app.ctx.model_id.clone(),
-        tool_calls: prepared.tool_calls,
+        tool_calls: prepared.tool_calls.is_some(),
         echo: echoed_settings(&request),
     };
     let stream = prepared.stream;
@@ -216,6 +216,8 @@ pub fn chat_request(req: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
         tools,
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls,
+        functions: None,
+        function_call: None,
         temperature: req.temperature,
         top_p: req.top_p,
         top_k: req.top_k,
@@ -242,6 +244,7 @@ fn message(role: &str, content: Option<Content>) -> Message {
         content,
         tool_calls: None,
         tool_call_id: None,
+        function_call: None,
         name: None,
     }
 }

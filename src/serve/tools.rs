@@ -16,7 +16,9 @@
 //! message's calls as the object the model would have written, and `tool`
 //! messages as a user turn that names each call's function.
 
-use super::api::{ApiError, Message, Tool, ToolChoice};
+use super::api::{
+    ApiError, FunctionDefinition, LegacyFunctionCall, Message, NamedFunction, Tool, ToolChoice,
+};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::sync::OnceLock;
@@ -42,6 +44,16 @@ enum Choice {
     Required,
     /// Call this one (an index into the functions).
     Named(usize),
+}
+
+/// How a reply's calls go back to the client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallFormat {
+    /// `message.tool_calls`, `finish_reason: "tool_calls"`.
+    ToolCalls,
+    /// The deprecated `functions` API: one call in
+    /// `message.function_call`, `finish_reason: "function_call"`.
+    FunctionCall,
 }
 
 /// A request's tools, when it lets the model call them.
@@ -131,6 +143,40 @@ impl ToolCalling {
             choice,
             parallel: parallel.unwrap_or(true),
         }))
+    }
+
+    /// The deprecated `functions` and `function_call`, as tools with one
+    /// call per reply; refusals name the deprecated fields.
+    pub fn from_legacy(
+        functions: Option<&[FunctionDefinition]>,
+        function_call: Option<&LegacyFunctionCall>,
+    ) -> Result<Option<ToolCalling>, ApiError> {
+        let tools: Option<Vec<Tool>> = functions.map(|f| {
+            f.iter()
+                .map(|f| Tool {
+                    kind: "function".into(),
+                    function: Some(f.clone()),
+                })
+                .collect()
+        });
+        let choice = function_call.map(|c| match c {
+            LegacyFunctionCall::Mode(mode) => ToolChoice::Mode(mode.clone()),
+            LegacyFunctionCall::Named { name } => ToolChoice::Function {
+                kind: "function".into(),
+                function: NamedFunction { name: name.clone() },
+            },
+        });
+        ToolCalling::from_request(tools.as_deref(), choice.as_ref(), Some(false)).map_err(
+            |mut e| {
+                e.param = e.param.map(|p| {
+                    p.replacen("tools[", "functions[", 1)
+                        .replacen(".function.", ".", 1)
+                        .replacen("tool_choice", "function_call", 1)
+                        .replacen("function_call.function.", "function_call.", 1)
+                });
+                e
+            },
+        )
     }
 
     /// The functions callable in this reply: one when `tool_choice` names
@@ -549,14 +595,20 @@ fn call_id(reply_id: &str, choice: usize, k: usize) -> String {
 
 /// An assistant message's calls as the model writes them. Arguments that
 /// are not JSON (a client's own mistake) go in as a string.
+/// A deprecated `function_call` counts as one call.
 pub fn history_calls_text(m: &Message) -> Option<String> {
-    let calls = m.tool_calls.as_ref().filter(|c| !c.is_empty())?;
-    let calls: Vec<Value> = calls
+    let mut functions: Vec<&super::api::CalledFunction> =
+        m.tool_calls.iter().flatten().map(|c| &c.function).collect();
+    functions.extend(m.function_call.as_ref());
+    if functions.is_empty() {
+        return None;
+    }
+    let calls: Vec<Value> = functions
         .iter()
-        .map(|c| {
-            let arguments = serde_json::from_str::<Value>(&c.function.arguments)
-                .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
-            json!({"name": c.function.name, "arguments": arguments})
+        .map(|f| {
+            let arguments = serde_json::from_str::<Value>(&f.arguments)
+                .unwrap_or_else(|_| Value::String(f.arguments.clone()));
+            json!({"name": f.name, "arguments": arguments})
         })
         .collect();
     Some(json!({"tool_calls": calls}).to_string())
