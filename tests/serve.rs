@@ -1932,6 +1932,32 @@ fn the_responses_api_serves_text_calls_and_their_streams() {
     let last = &events[events.len() - 1]["response"];
     assert_eq!(output_text(last), output_text(&r), "{last}");
     assert_eq!(last["usage"], r["usage"]);
+    // Log-probabilities, as the chat completion reports them.
+    let with_logprobs = json!({"input": question, "instructions": "Answer briefly.", "temperature": 0,
+                               "max_output_tokens": 30, "include": ["message.output_text.logprobs"],
+                               "top_logprobs": 2});
+    let r = s.ok("/v1/responses", &with_logprobs);
+    let chat_lp = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": question}],
+                "temperature": 0, "max_tokens": 30, "logprobs": true, "top_logprobs": 2}),
+    );
+    let logprobs = &r["output"][0]["content"][0]["logprobs"];
+    assert!(logprobs.as_array().is_some_and(|l| !l.is_empty()), "{r}");
+    assert_eq!(
+        logprobs, &chat_lp["choices"][0]["logprobs"]["content"],
+        "{r}"
+    );
+    let mut streamed = with_logprobs.clone();
+    streamed["stream"] = json!(true);
+    let events = response_events(&s, &streamed);
+    let streamed_logprobs: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .flat_map(|e| e["logprobs"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(&Value::Array(streamed_logprobs), logprobs);
     // Cut by max_output_tokens: incomplete, and said why.
     let cut = s.ok(
         "/v1/responses",

@@ -539,6 +539,12 @@ pub struct ResponsesRequest {
     pub min_p: Option<f32>,
     pub seed: Option<i64>,
     pub stream: Option<bool>,
+    /// Extra output: `message.output_text.logprobs` adds each output
+    /// token's log-probability; other values name output Pulsar does not
+    /// make and are ignored.
+    pub include: Option<Vec<String>>,
+    /// Alternatives per output token (with or without `include`).
+    pub top_logprobs: Option<u32>,
     pub tools: Option<Vec<ResponsesTool>>,
     pub tool_choice: Option<ResponsesToolChoice>,
     pub parallel_tool_calls: Option<bool>,

@@ -13,7 +13,7 @@
 use super::api::{
     ApiError, CalledFunction, ChatRequest, Content, ContentPart, FunctionDefinition,
     JsonSchemaFormat, Message, MessageToolCall, NamedFunction, ResponseFormat, ResponsesInput,
-    ResponsesRequest, ResponsesToolChoice, Tool, ToolChoice, Usage,
+    ResponsesRequest, ResponsesToolChoice, TokenLogprob, Tool, ToolChoice, Usage,
 };
 use super::http::{
     App, ChoiceEvents, SseSource, ended_early, enqueue, off_the_async_threads, parse_json,
@@ -51,6 +51,7 @@ async fn respond(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
         created_at: unix_now(),
         model: app.ctx.model_id.clone(),
         tool_calls: prepared.tool_calls.is_some(),
+        logprobs: wants_logprobs(&request) && prepared.tool_calls.is_none(),
         echo: echoed_settings(&request),
     };
     let stream = prepared.stream;
@@ -208,11 +209,12 @@ pub fn chat_request(req: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
             }
         }),
     };
+    let logprobs = wants_logprobs(req);
     Ok(ChatRequest {
         model: req.model.clone(),
         messages,
-        logprobs: None,
-        top_logprobs: None,
+        logprobs: logprobs.then_some(true),
+        top_logprobs: logprobs.then(|| req.top_logprobs.unwrap_or(0)),
         tools,
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls,
@@ -236,6 +238,16 @@ pub fn chat_request(req: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
         stream_options: None,
         response_format,
     })
+}
+
+/// Output tokens' log-probabilities are asked for: by `include` or by
+/// `top_logprobs` above 0.
+fn wants_logprobs(req: &ResponsesRequest) -> bool {
+    req.include
+        .iter()
+        .flatten()
+        .any(|i| i == "message.output_text.logprobs")
+        || req.top_logprobs.is_some_and(|n| n > 0)
 }
 
 fn message(role: &str, content: Option<Content>) -> Message {
@@ -339,6 +351,9 @@ struct Shape {
     model: String,
     /// Function calling: the reply is read back into calls or a message.
     tool_calls: bool,
+    /// A text reply carries its tokens' log-probabilities (not a function
+    /// calling reply, whose tokens are the calls' JSON).
+    logprobs: bool,
     /// The request's settings, repeated in the response object.
     echo: Value,
 }
@@ -384,13 +399,24 @@ impl Shape {
         format!("msg_{}_{index}", self.id.trim_start_matches("resp_"))
     }
 
-    fn message_item(&self, index: usize, text: &str, status: &str) -> Value {
+    fn message_item(
+        &self,
+        index: usize,
+        text: &str,
+        logprobs: &[TokenLogprob],
+        status: &str,
+    ) -> Value {
+        let content = if status == "in_progress" {
+            json!([])
+        } else {
+            json!([text_part(text, logprobs)])
+        };
         json!({
             "type": "message",
             "id": self.message_id(index),
             "status": status,
             "role": "assistant",
-            "content": if status == "in_progress" { json!([]) } else { json!([text_part(text)]) },
+            "content": content,
         })
     }
 
@@ -407,16 +433,16 @@ impl Shape {
     }
 
     /// The output items of a whole reply's text.
-    fn output(&self, text: &str) -> Vec<Value> {
+    fn output(&self, text: &str, logprobs: &[TokenLogprob]) -> Vec<Value> {
         if !self.tool_calls {
-            return vec![self.message_item(0, text, "completed")];
+            return vec![self.message_item(0, text, logprobs, "completed")];
         }
         let read = tools::read_partial(text);
         if read.is_unread() {
-            return vec![self.message_item(0, text, "completed")];
+            return vec![self.message_item(0, text, &[], "completed")];
         }
         if let Some(content) = &read.content {
-            return vec![self.message_item(0, content, "completed")];
+            return vec![self.message_item(0, content, &[], "completed")];
         }
         read.calls
             .iter()
@@ -426,20 +452,29 @@ impl Shape {
     }
 }
 
-fn text_part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+fn text_part(text: &str, logprobs: &[TokenLogprob]) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
 }
 
 /// Collects the reply into one response object.
 async fn whole(shape: Shape, mut events: ChoiceEvents) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some((i, event)) = events.next().await {
         match event {
-            Some(Event::Delta { text: piece, .. }) => text.push_str(&piece),
+            Some(Event::Delta {
+                text: piece,
+                logprobs: lp,
+            }) => {
+                text.push_str(&piece);
+                if shape.logprobs {
+                    logprobs.extend(lp);
+                }
+            }
             Some(Event::PromptLogprobs(_)) => {}
             Some(Event::Done { reason, usage }) => {
                 events.close(i);
-                let output = shape.output(&text);
+                let output = shape.output(&text, &logprobs);
                 let object = shape.object(Some(reason.as_str()), &output, Some(usage));
                 return Ok(axum::Json(object).into_response());
             }
@@ -453,10 +488,12 @@ async fn whole(shape: Shape, mut events: ChoiceEvents) -> Result<Response, ApiEr
 /// The output item being written in a stream.
 enum Open {
     None,
-    /// A message at this output index, and its text so far.
+    /// A message at this output index, its text and its tokens'
+    /// log-probabilities so far.
     Message {
         index: usize,
         text: String,
+        logprobs: Vec<TokenLogprob>,
     },
     /// Call `k` of the reply at this output index.
     Call {
@@ -480,6 +517,8 @@ struct Streaming {
     /// Function calling: arguments bytes sent per call, answer bytes sent.
     arguments_sent: Vec<usize>,
     content_sent: usize,
+    /// Log-probabilities of tokens whose text has not gone out yet.
+    pending_logprobs: Vec<TokenLogprob>,
     queued: VecDeque<SseEvent>,
 }
 
@@ -496,17 +535,23 @@ impl Streaming {
     fn close_item(&mut self, read: &PartialReply) {
         match std::mem::replace(&mut self.open, Open::None) {
             Open::None => {}
-            Open::Message { index, text } => {
+            Open::Message {
+                index,
+                text,
+                logprobs,
+            } => {
                 let item_id = self.shape.message_id(index);
                 let at = json!({"item_id": item_id, "output_index": index, "content_index": 0});
                 let mut done = at.clone();
                 done["text"] = json!(text);
-                done["logprobs"] = json!([]);
+                done["logprobs"] = json!(logprobs);
                 self.emit("response.output_text.done", done);
                 let mut part = at;
-                part["part"] = text_part(&text);
+                part["part"] = text_part(&text, &logprobs);
                 self.emit("response.content_part.done", part);
-                let item = self.shape.message_item(index, &text, "completed");
+                let item = self
+                    .shape
+                    .message_item(index, &text, &logprobs, "completed");
                 self.emit(
                     "response.output_item.done",
                     json!({"output_index": index, "item": item}),
@@ -530,14 +575,18 @@ impl Streaming {
         }
     }
 
-    /// Text for the message being written (opened here if need be).
+    /// Text for the message being written (opened here if need be). No
+    /// text opens no message, but the log-probabilities of tokens that
+    /// wrote none (white space trimmed at the end) still go out, in a
+    /// delta of no text, as the chat's stream sends them.
     fn message_text(&mut self, piece: &str) {
-        if piece.is_empty() {
+        let open = matches!(self.open, Open::Message { .. });
+        if piece.is_empty() && (!open || self.pending_logprobs.is_empty()) {
             return;
         }
         if !matches!(self.open, Open::Message { .. }) {
             let index = self.output.len();
-            let item = self.shape.message_item(index, "", "in_progress");
+            let item = self.shape.message_item(index, "", &[], "in_progress");
             self.emit(
                 "response.output_item.added",
                 json!({"output_index": index, "item": item}),
@@ -545,20 +594,28 @@ impl Streaming {
             self.emit(
                 "response.content_part.added",
                 json!({"item_id": self.shape.message_id(index), "output_index": index,
-                       "content_index": 0, "part": text_part("")}),
+                       "content_index": 0, "part": text_part("", &[])}),
             );
             self.open = Open::Message {
                 index,
                 text: String::new(),
+                logprobs: Vec::new(),
             };
         }
-        if let Open::Message { index, text } = &mut self.open {
+        let pending = std::mem::take(&mut self.pending_logprobs);
+        if let Open::Message {
+            index,
+            text,
+            logprobs,
+        } = &mut self.open
+        {
             text.push_str(piece);
+            logprobs.extend(pending.iter().cloned());
             let index = *index;
             self.emit(
                 "response.output_text.delta",
                 json!({"item_id": self.shape.message_id(index), "output_index": index,
-                       "content_index": 0, "delta": piece, "logprobs": []}),
+                       "content_index": 0, "delta": piece, "logprobs": pending}),
             );
         }
     }
@@ -627,7 +684,10 @@ impl Streaming {
                 continue;
             }
             match self.events.next().await {
-                Some((_, Some(Event::Delta { text, .. }))) => {
+                Some((_, Some(Event::Delta { text, logprobs }))) => {
+                    if self.shape.logprobs {
+                        self.pending_logprobs.extend(logprobs);
+                    }
                     self.text.push_str(&text);
                     self.advance(false);
                 }
@@ -672,6 +732,7 @@ fn sse(shape: Shape, events: ChoiceEvents) -> Response {
         open: Open::None,
         arguments_sent: Vec::new(),
         content_sent: 0,
+        pending_logprobs: Vec::new(),
         queued: VecDeque::new(),
     };
     sse_response(state)
