@@ -13,7 +13,7 @@ use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
-use super::tools::{self, CallFormat};
+use super::tools::{self, CallFormat, Growth};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -764,14 +764,9 @@ struct Streaming {
 /// One choice's function-calling reply in a stream.
 #[derive(Default)]
 struct ToolStream {
-    text: String,
+    reply: tools::ReplyStream,
     /// Log-probabilities of tokens whose text has not gone out yet.
     logprobs: Vec<TokenLogprob>,
-    /// Calls whose id and name went out, each call's bytes of arguments
-    /// sent, and bytes of the answer's text sent.
-    calls_sent: usize,
-    arguments_sent: Vec<usize>,
-    content_sent: usize,
 }
 
 /// A function-calling reply's finish reason: `tool_calls` (or the
@@ -817,50 +812,35 @@ impl Streaming {
     /// its arguments as they are written, or the answer's text. `ended`:
     /// the reply is over, so text that cannot be read goes out as it is.
     /// Log-probabilities wait for the next chunk that carries anything.
-    fn send_tool_deltas(&mut self, i: usize, ended: bool, format: CallFormat) {
-        let stream = &mut self.tool_streams[i];
-        let read = tools::read_partial(&stream.text);
-        let mut deltas: Vec<Value> = Vec::new();
-        for (k, call) in read.calls.iter().enumerate() {
-            if k == stream.calls_sent {
-                stream.calls_sent += 1;
-                stream.arguments_sent.push(0);
-                deltas.push(match format {
-                    CallFormat::ToolCalls => {
-                        let mut start = tools::call_value(call, &self.reply.id, i, k);
-                        start["function"]["arguments"] = json!("");
-                        start["index"] = json!(k);
-                        json!({ "tool_calls": [start] })
-                    }
-                    CallFormat::FunctionCall => {
-                        json!({ "function_call": {"name": call.name, "arguments": ""} })
-                    }
-                });
-            }
-            let sent = &mut stream.arguments_sent[k];
-            if call.arguments.len() > *sent {
-                let piece = &call.arguments[*sent..];
-                *sent = call.arguments.len();
-                deltas.push(match format {
-                    CallFormat::ToolCalls => {
-                        json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] })
-                    }
-                    CallFormat::FunctionCall => json!({ "function_call": {"arguments": piece} }),
-                });
-            }
-        }
-        let content = match read.content {
-            Some(content) => Some(content),
-            None if ended && read.is_unread() => Some(stream.text.clone()),
-            None => None,
-        };
-        if let Some(content) = content
-            && content.len() > stream.content_sent
-        {
-            let piece = &content[stream.content_sent..];
-            stream.content_sent = content.len();
-            deltas.push(json!({ "content": piece }));
-        }
+    /// Returns the reply as read.
+    fn send_tool_deltas(
+        &mut self,
+        i: usize,
+        ended: bool,
+        format: CallFormat,
+    ) -> tools::PartialReply {
+        let (read, grown) = self.tool_streams[i].reply.advance(ended);
+        let deltas: Vec<Value> = grown
+            .into_iter()
+            .map(|growth| match (growth, format) {
+                (Growth::CallStarted(k), CallFormat::ToolCalls) => {
+                    let mut start = tools::call_value(&read.calls[k], &self.reply.id, i, k);
+                    start["function"]["arguments"] = json!("");
+                    start["index"] = json!(k);
+                    json!({ "tool_calls": [start] })
+                }
+                (Growth::CallStarted(k), CallFormat::FunctionCall) => {
+                    json!({ "function_call": {"name": read.calls[k].name, "arguments": ""} })
+                }
+                (Growth::Arguments(k, piece), CallFormat::ToolCalls) => {
+                    json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] })
+                }
+                (Growth::Arguments(_, piece), CallFormat::FunctionCall) => {
+                    json!({ "function_call": {"arguments": piece} })
+                }
+                (Growth::Content(piece), _) => json!({ "content": piece }),
+            })
+            .collect();
         for delta in deltas {
             let logprobs = std::mem::take(&mut self.tool_streams[i].logprobs);
             let lp = self.reply.logprobs_value(&logprobs, 0);
@@ -868,6 +848,7 @@ impl Streaming {
                 json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
             self.queued.push_back(data(&self.reply.chunk(choice)));
         }
+        read
     }
 
     async fn next(&mut self) -> Option<SseEvent> {
@@ -897,7 +878,7 @@ impl Streaming {
                     Some((i, Some(Event::Delta { text, logprobs })))
                         if let Some(format) = self.reply.tool_calls =>
                     {
-                        self.tool_streams[i].text.push_str(&text);
+                        self.tool_streams[i].reply.push(&text);
                         self.tool_streams[i].logprobs.extend(logprobs);
                         self.send_tool_deltas(i, false, format);
                     }
@@ -915,8 +896,7 @@ impl Streaming {
                         let mut reason = Some(reason.as_str().to_string());
                         let mut logprobs = Value::Null;
                         if let Some(format) = self.reply.tool_calls {
-                            self.send_tool_deltas(i, true, format);
-                            let read = tools::read_partial(&self.tool_streams[i].text);
+                            let read = self.send_tool_deltas(i, true, format);
                             reason = tool_reason(&read, reason.as_deref(), format);
                             let left = std::mem::take(&mut self.tool_streams[i].logprobs);
                             if !left.is_empty() {

@@ -20,7 +20,7 @@ use super::http::{
     sse_response, unix_now,
 };
 use super::slot::Event;
-use super::tools::{self, PartialReply};
+use super::tools::{self, Growth, PartialReply, ReplyStream};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -420,11 +420,15 @@ impl Shape {
         })
     }
 
+    fn call_item_id(&self, index: usize) -> String {
+        format!("fc_{}_{index}", self.id.trim_start_matches("resp_"))
+    }
+
     fn call_item(&self, index: usize, call: &tools::PartialCall, k: usize, status: &str) -> Value {
         let chat_call = tools::call_value(call, &self.id, 0, k);
         json!({
             "type": "function_call",
-            "id": format!("fc_{}_{index}", self.id.trim_start_matches("resp_")),
+            "id": self.call_item_id(index),
             "call_id": chat_call["id"],
             "name": call.name,
             "arguments": if status == "in_progress" { "" } else { call.arguments.as_str() },
@@ -509,14 +513,11 @@ struct Streaming {
     sequence: u64,
     started: bool,
     finished: bool,
-    /// The reply's text so far.
-    text: String,
+    /// Function calling: the reply so far and what of it went out.
+    reply: ReplyStream,
     /// Output items done, and the one being written.
     output: Vec<Value>,
     open: Open,
-    /// Function calling: arguments bytes sent per call, answer bytes sent.
-    arguments_sent: Vec<usize>,
-    content_sent: usize,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_logprobs: Vec<TokenLogprob>,
     queued: VecDeque<SseEvent>,
@@ -620,50 +621,41 @@ impl Streaming {
         }
     }
 
-    /// What the reply says beyond what was sent. `ended`: text that
-    /// cannot be read as calls or an answer goes out as a message.
-    fn advance(&mut self, ended: bool) -> PartialReply {
+    /// Sends what `piece` adds to the reply. `ended`: the reply is over,
+    /// so text that cannot be read as calls or an answer goes out as a
+    /// message. Returns the reply as read (function calling).
+    fn advance(&mut self, piece: &str, ended: bool) -> PartialReply {
         if !self.shape.tool_calls {
-            let piece = self.text[self.content_sent..].to_string();
-            self.content_sent = self.text.len();
-            self.message_text(&piece);
+            self.message_text(piece);
             return PartialReply::default();
         }
-        let read = tools::read_partial(&self.text);
-        for (k, call) in read.calls.iter().enumerate() {
-            if k == self.arguments_sent.len() {
-                self.close_item(&read);
-                let index = self.output.len();
-                let item = self.shape.call_item(index, call, k, "in_progress");
-                self.emit(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": item}),
-                );
-                self.open = Open::Call { index, k };
-                self.arguments_sent.push(0);
+        self.reply.push(piece);
+        let (read, grown) = self.reply.advance(ended);
+        for growth in grown {
+            match growth {
+                Growth::CallStarted(k) => {
+                    self.close_item(&read);
+                    let index = self.output.len();
+                    let item = self
+                        .shape
+                        .call_item(index, &read.calls[k], k, "in_progress");
+                    self.emit(
+                        "response.output_item.added",
+                        json!({"output_index": index, "item": item}),
+                    );
+                    self.open = Open::Call { index, k };
+                }
+                Growth::Arguments(_, piece) => {
+                    // The call's item is the open one, at the next index.
+                    let index = self.output.len();
+                    self.emit(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": self.shape.call_item_id(index), "output_index": index,
+                               "delta": piece}),
+                    );
+                }
+                Growth::Content(piece) => self.message_text(&piece),
             }
-            if call.arguments.len() > self.arguments_sent[k] {
-                let piece = &call.arguments[self.arguments_sent[k]..];
-                self.arguments_sent[k] = call.arguments.len();
-                let index = self.output.len();
-                let item_id = self.shape.call_item(index, call, k, "in_progress")["id"].clone();
-                self.emit(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": item_id, "output_index": index, "delta": piece}),
-                );
-            }
-        }
-        let content = match &read.content {
-            Some(content) => Some(content.clone()),
-            None if ended && read.is_unread() => Some(self.text.clone()),
-            None => None,
-        };
-        if let Some(content) = content
-            && content.len() > self.content_sent
-        {
-            let piece = content[self.content_sent..].to_string();
-            self.content_sent = content.len();
-            self.message_text(&piece);
         }
         read
     }
@@ -688,13 +680,12 @@ impl Streaming {
                     if self.shape.logprobs {
                         self.pending_logprobs.extend(logprobs);
                     }
-                    self.text.push_str(&text);
-                    self.advance(false);
+                    self.advance(&text, false);
                 }
                 Some((_, Some(Event::PromptLogprobs(_)))) => {}
                 Some((i, Some(Event::Done { reason, usage }))) => {
                     self.events.close(i);
-                    let read = self.advance(true);
+                    let read = self.advance("", true);
                     self.close_item(&read);
                     let object =
                         self.shape
@@ -727,11 +718,9 @@ fn sse(shape: Shape, events: ChoiceEvents) -> Response {
         sequence: 0,
         started: false,
         finished: false,
-        text: String::new(),
+        reply: ReplyStream::default(),
         output: Vec::new(),
         open: Open::None,
-        arguments_sent: Vec::new(),
-        content_sent: 0,
         pending_logprobs: Vec::new(),
         queued: VecDeque::new(),
     };

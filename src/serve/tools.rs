@@ -569,6 +569,67 @@ impl Cursor<'_> {
     }
 }
 
+/// What a streamed reply said since the last look, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Growth {
+    /// Call `k`'s name became whole (`PartialReply::calls[k]`).
+    CallStarted(usize),
+    /// More of call `k`'s arguments.
+    Arguments(usize, String),
+    /// More of the answer's text (or, once the reply ended unread, its
+    /// text as it is).
+    Content(String),
+}
+
+/// A function-calling reply as it streams: its text, and how much of what
+/// it says went out, so that each API writes only what grew (calls as
+/// they start, arguments and answer text in pieces).
+#[derive(Default)]
+pub struct ReplyStream {
+    text: String,
+    calls_started: usize,
+    arguments_sent: Vec<usize>,
+    content_sent: usize,
+}
+
+impl ReplyStream {
+    pub fn push(&mut self, piece: &str) {
+        self.text.push_str(piece);
+    }
+
+    /// The reply as read so far, and what it says beyond the last look.
+    /// `ended`: the reply is over, so text that cannot be read as calls or
+    /// an answer is content as it is.
+    pub fn advance(&mut self, ended: bool) -> (PartialReply, Vec<Growth>) {
+        let read = read_partial(&self.text);
+        let mut grown = Vec::new();
+        for (k, call) in read.calls.iter().enumerate() {
+            if k == self.calls_started {
+                self.calls_started += 1;
+                self.arguments_sent.push(0);
+                grown.push(Growth::CallStarted(k));
+            }
+            let sent = &mut self.arguments_sent[k];
+            if call.arguments.len() > *sent {
+                grown.push(Growth::Arguments(k, call.arguments[*sent..].to_string()));
+                *sent = call.arguments.len();
+            }
+        }
+        let content = match &read.content {
+            Some(content) => Some(content.as_str()),
+            None if ended && read.is_unread() => Some(self.text.as_str()),
+            None => None,
+        };
+        if let Some(content) = content
+            && content.len() > self.content_sent
+        {
+            grown.push(Growth::Content(content[self.content_sent..].to_string()));
+            self.content_sent = content.len();
+        }
+        (read, grown)
+    }
+}
+
 /// The OpenAI `tool_calls` entry of call `k`: its id, type and function.
 pub fn call_value(call: &PartialCall, reply_id: &str, choice: usize, k: usize) -> Value {
     json!({
@@ -800,5 +861,41 @@ mod tests {
         assert!(id.starts_with("call_") && id.ends_with("1f_2_1"), "{id}");
         assert_eq!(id.len(), "call_".len() + 8 + "1f_2_1".len(), "{id}");
         assert_eq!(value["function"]["arguments"], "{}");
+    }
+
+    #[test]
+    fn a_reply_stream_reports_each_call_once_and_arguments_in_pieces() {
+        let text = r#"{"tool_calls": [{"name": "a", "arguments": {"x": "y\u00e9"}}, {"name": "b", "arguments": {}}]}"#;
+        let mut stream = ReplyStream::default();
+        let mut grown = Vec::new();
+        for piece in text.as_bytes().chunks(3) {
+            stream.push(std::str::from_utf8(piece).unwrap_or_default());
+            grown.extend(stream.advance(false).1);
+        }
+        let (read, last) = stream.advance(true);
+        assert!(read.complete && last.is_empty(), "{last:?}");
+        let started: Vec<usize> = grown
+            .iter()
+            .filter_map(|g| match g {
+                Growth::CallStarted(k) => Some(*k),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(started, [0, 1]);
+        for (k, call) in read.calls.iter().enumerate() {
+            let pieces: String = grown
+                .iter()
+                .filter_map(|g| match g {
+                    Growth::Arguments(j, piece) if *j == k => Some(piece.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(pieces, call.arguments);
+        }
+        // Text that is no reply goes out as content once the reply ends.
+        let mut stream = ReplyStream::default();
+        stream.push("not JSON");
+        assert!(stream.advance(false).1.is_empty());
+        assert_eq!(stream.advance(true).1, [Growth::Content("not JSON".into())]);
     }
 }
