@@ -216,6 +216,7 @@ fn the_integer_gemm_equals_the_gemv_bit_for_bit() {
                     q: into,
                     vnni,
                     prefetch: 8192,
+                    l2_prefetch: if vnni { 32768 } else { 0 },
                 }),
                 KernelKind::UnpackQuant(UnpackQuantParams {
                     q,
@@ -354,6 +355,7 @@ fn the_16_row_gemm_equals_the_gemv_bit_for_bit() {
                 q: q16,
                 vnni,
                 prefetch: 8192,
+                l2_prefetch: if vnni { 32768 } else { 0 },
             }),
         ];
         let max_isa = if vnni { Isa::Avx512 } else { Isa::Avx2 };

@@ -20,6 +20,10 @@ use std::ops::Range;
 /// GEMM always (measured, see `GemvQuantParams::prefetch`).
 pub const QUANT_PREFETCH_BYTES: usize = 8 << 10;
 
+/// Bytes ahead the VNNI GEMM's passes over several tokens also prefetch
+/// into L2 (see `emit::gemm_q8_0x16`).
+pub const GEMM_L2_PREFETCH_BYTES: usize = 32 << 10;
+
 /// Total machine-code bytes allowed for one model's kernels.
 pub const BUDGET_BYTES: usize = 5120;
 
@@ -127,8 +131,12 @@ impl KernelKind {
                 )
             }
             KernelKind::GemmQuant(p) => {
+                let l2 = match p.l2_prefetch {
+                    0 => String::new(),
+                    bytes => format!("_l2pf{bytes}"),
+                };
                 format!(
-                    "gemm_{}_r{}t{}{}_pf{}",
+                    "gemm_{}_r{}t{}{}_pf{}{l2}",
                     rows16_name(p.q),
                     gemm_quant::ROWS,
                     gemm_quant::TOKENS,
@@ -443,6 +451,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             vnni,
             prefetch: if gemm_q.rows_are_lanes() {
                 QUANT_PREFETCH_BYTES
+            } else {
+                0
+            },
+            l2_prefetch: if gemm_q.rows_are_lanes() && vnni {
+                GEMM_L2_PREFETCH_BYTES
             } else {
                 0
             },

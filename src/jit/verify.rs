@@ -150,6 +150,7 @@ const ALLOWED: &[Mnemonic] = {
         Jmp,
         Ret,
         Prefetcht0,
+        Prefetcht1,
         Vzeroupper,
         Vmovd,
         Vmovq,

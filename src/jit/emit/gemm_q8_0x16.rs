@@ -137,7 +137,8 @@ fn load_chunk_pair(a: &mut CodeAssembler, q: QuantType, n: usize) -> Result<(), 
 /// over two rounds of chunk pairs to save code: rbx counts 8 per pair
 /// done, so a round's inputs are 4 rbx on, its weights 8 rbx and
 /// Q5_0x16's masks rbx.
-fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
+fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
+    let (q, prefetch) = (p.q, p.prefetch);
     let rounds = if tokens == PASS_TOKENS { 1 } else { 2 };
     let round_pairs = PAIRS / rounds;
     let round = ops.new_dynamic_label();
@@ -158,6 +159,26 @@ fn group_step(ops: &mut Asm, q: QuantType, prefetch: usize, tokens: usize) {
             // with it, 130.0, 131.7, 98.6 after, in another window).
             for line in 0..q.group_bytes().div_ceil(64) as i32 {
                 a.prefetcht0(byte_ptr(r9 + prefetch as i32 + 64 * line))?;
+            }
+        }
+        if tokens == PASS_TOKENS && p.l2_prefetch > 0 {
+            // A pass over 4 tokens runs 32 `vpdpbusd` per group on port 0,
+            // and a step's products and its reads added up rather than
+            // overlapped (likely: the reorder buffer fills with products,
+            // so the L1 prefetch 8 KiB ahead issues too late for memory's
+            // latency under load, and L1's few fill buffers cap what is in
+            // flight). The same lines 32 KiB ahead
+            // into L2 as well: `bench --m-curve`, Intel Xeon (AVX-512 VNNI),
+            // 3 alternating runs, a step over 2 tokens 1.03-1.06x a
+            // one-token step (1.15-1.21x without), over 4 1.12-1.13x
+            // (1.25-1.28x), over 8 1.54-1.55x (1.71-1.74x). 16 KiB ahead
+            // gave 1.10-1.18x at 4 and 1.55-1.67x at 8, 24 KiB 1.10-1.15x
+            // and 1.54-1.64x, 48 KiB 1.15-1.26x at 4; the L2 lines in
+            // place of the L1 ones, 1.17-1.21x at 4. The one-token loop
+            // keeps the L1 prefetch alone (its 120 bytes more of code
+            // would not fit the plan's budget).
+            for line in 0..q.group_bytes().div_ceil(64) as i32 {
+                a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
             }
         }
         a.xor(ebx, ebx)
@@ -300,7 +321,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
-        group_step(&mut ops, q, p.prefetch, tokens);
+        group_step(&mut ops, p, tokens);
         next_group(&mut ops, q, (group, group_top));
         if tokens == PASS_TOKENS {
             dynasm!(ops ; .arch x64 ; jmp =>stored);

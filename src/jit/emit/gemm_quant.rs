@@ -61,6 +61,10 @@ pub struct GemmQuantParams {
     pub vnni: bool,
     /// Bytes ahead of each group to prefetch (0: none), as the GEMV.
     pub prefetch: usize,
+    /// Bytes ahead of each group to prefetch into L2 as well, in passes
+    /// over several tokens (0: none; VNNI's 16-row GEMM only, see
+    /// `gemm_q8_0x16`).
+    pub l2_prefetch: usize,
 }
 
 /// Rows per block of every form: Q8_0x16's.
