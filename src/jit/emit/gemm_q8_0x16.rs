@@ -174,7 +174,11 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
             // (1.25-1.28x), over 8 1.54-1.55x (1.71-1.74x). 16 KiB ahead
             // gave 1.10-1.18x at 4 and 1.55-1.67x at 8, 24 KiB 1.10-1.15x
             // and 1.54-1.64x, 48 KiB 1.15-1.26x at 4; the L2 lines in
-            // place of the L1 ones, 1.17-1.21x at 4. The one-token loop
+            // place of the L1 ones, 1.17-1.21x at 4. A step's second pass
+            // (tokens 4..8) prefetching half a block further than its
+            // first, so that each pass brought in half the new lines:
+            // no change at 8 tokens (17.6-18.8 against 16.8-19.4 ms, 4
+            // alternating pairs). The one-token loop
             // keeps the L1 prefetch alone (its 120 bytes more of code
             // would not fit the plan's budget).
             for line in 0..q.group_bytes().div_ceil(64) as i32 {
