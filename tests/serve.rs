@@ -2300,3 +2300,50 @@ fn the_official_openai_python_client_works() {
     assert!(stdout.contains("all checks passed"), "{stdout}");
     eprintln!("{stdout}");
 }
+
+/// `tools/serve_load.py`'s benchmark, with its own light client and with
+/// the official one, against a running server: every stream is timed, and
+/// every stream's tokens are counted from the usage the server sends (the
+/// script warns when a stream sent none or ended short). A speed figure is
+/// not checked here; the benchmark is run by hand (see the README).
+#[test]
+fn the_load_benchmark_counts_every_token_with_either_client() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python: PathBuf = root.join("target/pyenv/bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: run .ci/run first",
+        python.display()
+    );
+    let s = Server::start(&["-c", "512", "--parallel", "2"]);
+    for client in ["raw", "openai"] {
+        let out = Command::new(&python)
+            .arg(root.join("tools/serve_load.py"))
+            .args(["--url", &format!("{}/v1", s.base)])
+            .args(["--levels", "1,2", "--requests", "2", "--max-tokens", "6"])
+            .args(["--client", client])
+            .output()
+            .expect("python runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "serve_load.py --client {client} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        for level in ["| 1 |", "| 2 |"] {
+            assert!(stdout.contains(level), "--client {client}: {stdout}");
+        }
+        for warning in ["sent no usage", "ended before"] {
+            assert!(
+                !stderr.contains(warning),
+                "--client {client}: {warning}\n{stderr}"
+            );
+        }
+        // 2 levels x 2 clients at most x 2 requests x 6 tokens, each level's
+        // streams counted from their usage: the aggregate rate is positive.
+        assert!(
+            stderr.contains("streams: ") && !stderr.contains(" 0.0 tok/s"),
+            "--client {client}: {stderr}"
+        );
+    }
+}
