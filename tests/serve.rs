@@ -2269,20 +2269,27 @@ fn shutdown_lets_running_streams_finish_and_exits_zero() {
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
 
-/// The official `openai` Python package against the server: chat and
-/// completions, streaming and not, models, seeds, stop strings, an error
-/// as the client's exception, and structured output parsed into a
-/// Pydantic model. `.ci/run` installs the venv.
-#[test]
-fn the_official_openai_python_client_works() {
+/// The repository's root and the venv's Python (with the official
+/// `openai` package) that `.ci/run` installs.
+fn pyenv_python() -> (&'static Path, PathBuf) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python: PathBuf = root.join("target/pyenv/bin/python");
+    let python = root.join("target/pyenv/bin/python");
     assert!(
         python.exists(),
         "{} is missing: run .ci/run (or `python3 -m venv target/pyenv && \
          target/pyenv/bin/pip install -r tests/openai_requirements.txt`) first",
         python.display()
     );
+    (root, python)
+}
+
+/// The official `openai` Python package against the server: chat and
+/// completions, streaming and not, models, seeds, stop strings, an error
+/// as the client's exception, and structured output parsed into a
+/// Pydantic model. `.ci/run` installs the venv.
+#[test]
+fn the_official_openai_python_client_works() {
+    let (root, python) = pyenv_python();
     let s = Server::start(&["-c", "1024", "--api-key", "test-key"]);
     let out = Command::new(&python)
         .arg(root.join("tests/openai_client_check.py"))
@@ -2308,13 +2315,7 @@ fn the_official_openai_python_client_works() {
 /// not checked here; the benchmark is run by hand (see the README).
 #[test]
 fn the_load_benchmark_counts_every_token_with_either_client() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python: PathBuf = root.join("target/pyenv/bin/python");
-    assert!(
-        python.exists(),
-        "{} is missing: run .ci/run first",
-        python.display()
-    );
+    let (root, python) = pyenv_python();
     let s = Server::start(&["-c", "512", "--parallel", "2"]);
     for client in ["raw", "openai"] {
         let out = Command::new(&python)
