@@ -287,6 +287,8 @@ pub fn decode(
             LogitsWanted::All
         };
         let step = Instant::now();
+        // The last step's logits are read: this step writes over them.
+        engine.reuse_logits(std::mem::take(&mut rows));
         let mut forward = || engine.forward(&fed, wanted);
         rows = match &mut lookahead {
             Some(lookahead) => lookahead.alongside(forward)?,

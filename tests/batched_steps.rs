@@ -328,3 +328,30 @@ fn bulk_runs_do_not_depend_on_how_a_prompt_is_cut() {
         panic!("logit {i} is {y} in a shared step and {x} alone");
     }
 }
+
+/// Logits handed back with `Engine::reuse_logits` are the memory the next
+/// step writes its logits into, and every value of them is written over:
+/// a buffer of NaNs given back changes nothing in the next step's logits.
+#[test]
+fn logits_handed_back_are_reused_and_written_over() {
+    let mut e = engine(true, 1);
+    let vocab = e.config().vocab_size;
+    let prompt = tokens(30, 7);
+    e.forward(&prompt, LogitsWanted::Last).unwrap();
+    let run = tokens(4, 8)[1..].to_vec();
+    let expected = e.forward(&run, LogitsWanted::All).unwrap();
+    assert_eq!(expected.len(), run.len() * vocab);
+    e.truncate(prompt.len());
+    let junk = vec![f32::NAN; 8 * vocab];
+    let junk_at = junk.as_ptr();
+    e.reuse_logits(junk);
+    let again = e.forward(&run, LogitsWanted::All).unwrap();
+    assert_eq!(
+        again.as_ptr(),
+        junk_at,
+        "the handed-back buffer was not used"
+    );
+    if let Some((i, x, y)) = first_difference(&again, &expected) {
+        panic!("logit {i} is {x} in the reused buffer and {y} in a fresh one");
+    }
+}

@@ -310,16 +310,24 @@ fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Res
         );
     }
     if plan.threads > 1 {
-        // One token (decode's LM head) with the rows split over the plan's
-        // threads, each writing its own copy of y.
+        // One token (decode's LM head) and a tile's 8 (a verify step's)
+        // with the rows split over the plan's threads, each writing its own
+        // copy of y.
         let parts = crate::jit::plan::split_rows(rows, plan.threads, q.block_rows());
-        let secs = time_own_outputs(&parts, rows, |y, r| gemm.run(&w, tile, 1, y, rows, r))?;
-        println!(
-            "measure {:<28} {:>6.1} GB/s  (1 token, {} threads)",
-            spec.name,
-            w.len() as f64 / secs / 1e9,
-            plan.threads
-        );
+        let mut one_token = None;
+        for ntok in [1, TOKENS] {
+            let secs = time_own_outputs(&parts, TOKENS * rows, |y, r| {
+                gemm.run(&w, tile, ntok, y, rows, r)
+            })?;
+            let base = *one_token.get_or_insert(secs);
+            println!(
+                "measure {:<28} {:>6.1} GB/s  ({ntok} token(s), {:.2}x one token, {} threads)",
+                spec.name,
+                w.len() as f64 / secs / 1e9,
+                secs / base,
+                plan.threads
+            );
+        }
     }
     Ok(())
 }

@@ -43,6 +43,13 @@ pub trait Engine {
     /// Feeds `tokens` after the cached ones and returns their logits.
     fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Vec<f32>>;
 
+    /// Takes back logits that [`Engine::forward`] returned, once read, so
+    /// that a later call writes over the same memory instead of a fresh
+    /// buffer. An engine may drop them.
+    fn reuse_logits(&self, logits: Vec<f32>) {
+        drop(logits);
+    }
+
     /// Feeds `tokens` after the cached ones and returns their final hidden
     /// states (after the final norm: the LM head's input), row-major
     /// `[tokens, hidden]`, computing no logits.
