@@ -617,6 +617,10 @@ enum Command {
         /// speculative verify step), relative to a step over one.
         #[arg(long)]
         m_curve: bool,
+        /// Tokens cached before each of the m-curve's steps: its attention
+        /// reads them (a document given with -f makes a few hundred).
+        #[arg(long, default_value_t = commands::bench::M_CURVE_CONTEXT, value_name = "TOKENS")]
+        m_curve_context: usize,
     },
 }
 
@@ -708,6 +712,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             json,
             mmap,
             m_curve,
+            m_curve_context,
         } => commands::bench_command(
             model.as_deref(),
             shape.as_deref(),
@@ -719,6 +724,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 generate_tokens: tg,
                 json,
                 m_curve,
+                m_curve_context,
             },
         ),
     }

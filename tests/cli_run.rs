@@ -226,3 +226,35 @@ fn run_without_raw_uses_the_models_chat_format() {
         "{stdout:?}"
     );
 }
+
+/// `bench --m-curve` times a step over every m from 1 to 16 after the
+/// cached context `--m-curve-context` asks for, each against the step over
+/// one token (no timing is checked, only what the report holds).
+#[test]
+fn the_m_curve_reports_every_step_size_after_the_context_asked_for() {
+    let out = pulsar(&[
+        "bench",
+        "--pp",
+        "8",
+        "--tg",
+        "2",
+        "--m-curve",
+        "--m-curve-context",
+        "40",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+    assert_eq!(report["m_curve_context"], 40);
+    let steps = report["m_curve"].as_array().expect("the m-curve");
+    let sizes: Vec<u64> = steps.iter().map(|s| s["m"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, (1..=16).collect::<Vec<u64>>());
+    assert_eq!(steps[0]["relative"], 1.0);
+    for s in steps {
+        assert!(s["step_ms"].as_f64().unwrap() > 0.0, "{s}");
+    }
+}

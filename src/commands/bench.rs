@@ -15,6 +15,8 @@ pub struct BenchArgs {
     pub json: bool,
     /// Also time one step over m = 1..=16 tokens (`--m-curve`).
     pub m_curve: bool,
+    /// Tokens cached before each of those steps (`--m-curve-context`).
+    pub m_curve_context: usize,
 }
 
 /// The cost of one step over `m` tokens of one sequence (every position's
@@ -46,6 +48,8 @@ pub struct BenchReport {
     pub tuning: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub m_curve: Vec<StepCost>,
+    /// Tokens cached before each of the m-curve's steps.
+    pub m_curve_context: usize,
 }
 
 /// Token ids spread over the vocabulary, avoiding the control ids below 4.
@@ -87,7 +91,7 @@ pub fn run(
     // right after it: pp512 on 2 threads, two ABBA x3 rounds, median 594.4
     // and 624.7 tok/s with the read first, 644.1 and 641.5 with it last.
     let m_curve = if args.m_curve {
-        step_costs(engine, vocab)?
+        step_costs(engine, vocab, args.m_curve_context)?
     } else {
         Vec::new()
     };
@@ -110,6 +114,7 @@ pub fn run(
         wake_latency_ns: wake.as_secs_f64() * 1e9,
         tuning: super::tuning_note().trim_start_matches(", ").to_string(),
         m_curve,
+        m_curve_context: args.m_curve_context,
     })
 }
 
@@ -117,15 +122,15 @@ pub fn run(
 pub const M_CURVE_MAX: usize = 16;
 /// Rounds over every m; each m's median is reported.
 const M_CURVE_ROUNDS: usize = 9;
-/// Tokens cached before each timed step.
+/// Tokens cached before each timed step, unless `--m-curve-context` says.
 pub const M_CURVE_CONTEXT: usize = 64;
 
 /// Times a step over m = 1..=16 tokens after the same cached context. The
 /// rounds go over every m in turn, so a slow spell of the machine lands on
 /// all of them rather than on one.
-fn step_costs(engine: &mut FastEngine, vocab: usize) -> Result<Vec<StepCost>> {
-    let context = bench_tokens(M_CURVE_CONTEXT, vocab);
-    let steps = bench_tokens(M_CURVE_CONTEXT + M_CURVE_MAX, vocab)[M_CURVE_CONTEXT..].to_vec();
+fn step_costs(engine: &mut FastEngine, vocab: usize, cached: usize) -> Result<Vec<StepCost>> {
+    let context = bench_tokens(cached, vocab);
+    let steps = bench_tokens(cached + M_CURVE_MAX, vocab)[cached..].to_vec();
     engine.truncate(0);
     engine.forward(&context, LogitsWanted::Last)?;
     let mut times: Vec<Vec<f64>> = (0..M_CURVE_MAX)
@@ -133,7 +138,7 @@ fn step_costs(engine: &mut FastEngine, vocab: usize) -> Result<Vec<StepCost>> {
         .collect();
     for _ in 0..M_CURVE_ROUNDS {
         for m in 1..=M_CURVE_MAX {
-            engine.truncate(M_CURVE_CONTEXT);
+            engine.truncate(cached);
             let start = Instant::now();
             // As a verify step of speculative decoding runs (`generate`):
             // the logits go back to the engine once read.
@@ -198,7 +203,10 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
         r.wake_latency_ns
     );
     if !r.m_curve.is_empty() {
-        println!("step over m tokens (all logits), median of {M_CURVE_ROUNDS}:");
+        println!(
+            "step over m tokens after {} cached (all logits), median of {M_CURVE_ROUNDS}:",
+            r.m_curve_context
+        );
         println!("   m   ms/step   x m=1   ms/token");
         for p in &r.m_curve {
             println!(

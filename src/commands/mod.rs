@@ -311,7 +311,7 @@ pub fn bench_command(
     let mut context = args.prompt_tokens + args.generate_tokens + 2;
     if args.m_curve {
         // The m-curve's cached context and its largest step.
-        context = context.max(bench::M_CURVE_CONTEXT + bench::M_CURVE_MAX);
+        context = context.max(args.m_curve_context + bench::M_CURVE_MAX);
     }
     let opts = dtype.fast_options(threads, context, in_place);
     let (mut engine, name) = match shape {
