@@ -193,9 +193,9 @@ unsafe fn quantize_block_avx2(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
             let nudge = _mm256_or_ps(below_half, _mm256_and_ps(x, sign));
             _mm256_cvttps_epi32(_mm256_add_ps(x, nudge))
         });
-        // Packing works within 128-bit halves: dword j of the result holds
-        // quants 4j..4j+3 of vector j % 4 (low half) or j % 4 + 4 .. (high
-        // half); the permutation puts them back in order.
+        // Packing works within 128-bit halves: for j < 4, dword j of the
+        // result holds vector j's quants 0-3 and dword j + 4 its quants
+        // 4-7; the permutation puts the dwords back in order.
         let words = [
             _mm256_packs_epi32(q[0], q[1]),
             _mm256_packs_epi32(q[2], q[3]),
