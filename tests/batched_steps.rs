@@ -12,11 +12,15 @@ use pulsar::model::source::ModelSource;
 use std::sync::Arc;
 
 fn engine(native: bool, sequences: usize) -> FastEngine {
+    engine_with_context(native, sequences, 256)
+}
+
+fn engine_with_context(native: bool, sequences: usize, context: usize) -> FastEngine {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
     let src = Arc::new(ModelSource::open(&path).expect("default model opens"));
     let opts = FastOptions {
         threads: 2,
-        context: 256,
+        context,
         format: None,
         prefill_chunk: 126,
         in_place: false,
@@ -103,6 +107,34 @@ fn a_short_step_equals_one_token_steps_bit_for_bit_with_two_input_levels() {
 #[test]
 fn a_short_step_equals_one_token_steps_bit_for_bit_f16() {
     short_steps_are_exact(false, InputPrecision::Bits8);
+}
+
+/// Past the 512-position window of the default model's local layers, with
+/// the keys split between the 2 threads: a verify step's tokens share the
+/// units that read each part of the cache (where their split boundaries
+/// agree) and still each get the bits of a one-token step. The runs start
+/// at several offsets, so some of them straddle a moving boundary.
+#[test]
+fn steps_past_the_window_equal_one_token_steps_bit_for_bit() {
+    let mut e = engine_with_context(true, 2, 1024);
+    let vocab = e.config().vocab_size;
+    let prompt = tokens(600, 7);
+    for seq in 0..2 {
+        step(&mut e, seq, &prompt, LogitsWanted::Last);
+    }
+    for (i, m) in [8, 3, 16, 5, 8, 13].into_iter().enumerate() {
+        let run = tokens(m + 1, 200 + i as u32)[1..].to_vec();
+        let together = step(&mut e, 0, &run, LogitsWanted::All);
+        for (t, &token) in run.iter().enumerate() {
+            let alone = step(&mut e, 1, &[token], LogitsWanted::Last);
+            let row = &together[t * vocab..(t + 1) * vocab];
+            if let Some((k, x, y)) = first_difference(row, &alone) {
+                let pos = e.sequence_len(1) - 1;
+                panic!("m = {m}, position {pos}: logit {k} is {x} in the step and {y} alone");
+            }
+        }
+    }
+    assert_eq!(e.sequence_len(0), 600 + 8 + 3 + 16 + 5 + 8 + 13);
 }
 
 /// Three sequences in one step (a decode token, a short exact run and a

@@ -6,6 +6,7 @@
 //! steps); only the matrix products and their summation order differ.
 
 use super::kernels::{GroupAttention, MatKernels, SharedOut, add_block_offsets, merge_key_parts};
+use super::key_split::{KeySplit, attention_units};
 use super::kv_cache::FlatKv;
 use super::ops;
 use super::packed::{PackedMatrix, WeightArena, WeightFormat};
@@ -1160,14 +1161,17 @@ impl FastEngine {
         });
     }
 
-    /// Attention of single tokens, each with its keys split into `parts`:
+    /// Attention of single tokens, each with its keys split into parts:
     /// token `i` is sequence `tokens[i].0`'s position `tokens[i].1`, its
-    /// queries row `i` of `q` and its result row `i` of `out`. Each unit
-    /// is one token's KV head and a part of its keys, for all the query
-    /// heads sharing that KV head. Splitting the query heads instead would
-    /// have every thread read all of the head's keys and values; here each
-    /// is read once. The parts' results are merged by their softmax mass.
-    /// A token's split depends only on its position and the threads, so it
+    /// queries row `i` of `q` and its result row `i` of `out`. A unit of
+    /// work is one part of a KV head's keys for a run of the step's tokens
+    /// (`key_split`): all the query heads sharing that KV head, and every
+    /// token of a verify step whose split has the same inner boundaries,
+    /// so each K and V row of the part is read once for all of them.
+    /// Splitting the query heads instead would have every thread read all
+    /// of the head's keys and values. The parts' results are merged by
+    /// their softmax mass. A token's split depends only on its position
+    /// and the threads, and its query rows see only their own keys, so it
     /// gets the same result whichever step computes it, alone or beside
     /// others: the tokens of a step share one parallel section, whose units
     /// the threads take in any order.
@@ -1178,99 +1182,121 @@ impl FastEngine {
     /// context, steps over 8 tokens spent 5.8% of their samples in
     /// attention and 5.8% in the workers' wait with a section per token,
     /// 5.3% and 5.3% with one per step: a small gain, within the m-curve's
-    /// noise.)
+    /// noise. Until the units took runs of tokens, each token of a verify
+    /// step read the whole cache again.)
     fn decode_attention(&self, li: usize, tokens: &[(usize, usize)], q: &[f32], out: &mut [f32]) {
         let c = &self.config;
         let (hd, group) = (c.head_dim, c.n_heads / c.n_kv_heads);
         let q_dim = c.n_heads * hd;
         debug_assert_eq!(q.len(), tokens.len() * q_dim);
         let window = c.layers[li].window;
-        // Per token: its first key, its key count, its parts and its first
-        // unit. Unit `first_unit + kv_head * parts + part` owns that row of
-        // both outputs, so a KV head's parts are adjacent.
-        struct Split {
-            first_key: usize,
-            n_keys: usize,
-            parts: usize,
-            first_unit: usize,
-            end_unit: usize,
+        let threads = self.pool.threads();
+        let splits: Vec<KeySplit> = tokens
+            .iter()
+            .map(|&(seq, pos)| {
+                KeySplit::new(seq, pos, window, threads, self.blocking.min_keys_per_part)
+            })
+            .collect();
+        // Token i's part p of KV head h is row `first_row[i] + h * parts + p`
+        // of both outputs, so a KV head's parts are adjacent.
+        let mut first_row = Vec::with_capacity(splits.len() + 1);
+        first_row.push(0);
+        for s in &splits {
+            first_row.push(first_row[first_row.len() - 1] + c.n_kv_heads * s.parts());
         }
-        let mut splits = Vec::with_capacity(tokens.len());
-        let mut units = 0;
-        for &(_, pos) in tokens {
-            let first_key = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let n_keys = pos + 1 - first_key;
-            let parts = self
-                .pool
-                .threads()
-                .min(n_keys / self.blocking.min_keys_per_part)
-                .max(1);
-            let first_unit = units;
-            units += c.n_kv_heads * parts;
-            splits.push(Split {
-                first_key,
-                n_keys,
-                parts,
-                first_unit,
-                end_unit: units,
-            });
-        }
-        let mut partial = vec![0.0f32; units * group * hd];
-        let mut log_sums = vec![0.0f32; units * group];
+        let rows = first_row[splits.len()];
+        let mut partial = vec![0.0f32; rows * group * hd];
+        let mut log_sums = vec![0.0f32; rows * group];
         let (partial_out, log_sums_out) = (
             SharedOut::new(&mut partial, group * hd),
             SharedOut::new(&mut log_sums, group),
         );
-        let most_keys = splits.iter().map(|s| s.n_keys.div_ceil(s.parts)).max();
+        let units = attention_units(&splits, c.n_kv_heads, threads);
+        let most_scores = units
+            .iter()
+            .map(|u| u.tokens.len() * group * u.keys(&splits).len())
+            .max();
+        let most_rows = units.iter().map(|u| u.tokens.len() * group).max();
         let next = AtomicUsize::new(0);
         let kern = &*self.kernels;
         self.pool.run(|_| {
-            let mut scratch = Vec::with_capacity(group * most_keys.unwrap_or(0));
-            let mut token = 0;
+            let mut scratch = Vec::with_capacity(most_scores.unwrap_or(0));
+            let (mut queries, mut result, mut unit_log_sums) = (
+                Vec::with_capacity(most_rows.unwrap_or(0) * hd),
+                Vec::new(),
+                Vec::new(),
+            );
             loop {
-                let unit = next.fetch_add(1, Ordering::Relaxed);
-                if unit >= units {
+                let taken = next.fetch_add(1, Ordering::Relaxed);
+                let Some(unit) = units.get(taken) else {
                     break;
-                }
-                // Units are taken in increasing order, so the token only
-                // moves forward.
-                while unit >= splits[token].end_unit {
-                    token += 1;
-                }
-                let (sp, (seq, pos)) = (&splits[token], tokens[token]);
-                let kv = &self.seqs[seq];
-                let within = unit - sp.first_unit;
-                let (kv_head, part) = (within / sp.parts, within % sp.parts);
-                let part_keys = |part: usize| sp.first_key + sp.n_keys * part / sp.parts;
-                let (k0, k1) = (part_keys(part), part_keys(part + 1));
-                let (lo, hi) = (kv.at(kv_head, k0), kv.at(kv_head, k1));
-                let queries = &q[token * q_dim..(token + 1) * q_dim];
+                };
+                let first = &splits[unit.tokens.start];
+                let kv = &self.seqs[first.seq];
+                let keys = unit.keys(&splits);
+                let (lo, hi) = (
+                    kv.at(unit.kv_head, keys.start),
+                    kv.at(unit.kv_head, keys.end),
+                );
+                let head_rows = |i: usize| {
+                    let col = i * q_dim + unit.kv_head * group * hd;
+                    col..col + group * hd
+                };
+                let unit_queries = if unit.tokens.len() == 1 || c.n_kv_heads == 1 {
+                    &q[head_rows(unit.tokens.start).start..head_rows(unit.tokens.end - 1).end]
+                } else {
+                    queries.clear();
+                    for i in unit.tokens.clone() {
+                        queries.extend_from_slice(&q[head_rows(i)]);
+                    }
+                    &queries[..]
+                };
                 let a = GroupAttention {
-                    queries: &queries[kv_head * group * hd..(kv_head + 1) * group * hd],
+                    queries: unit_queries,
                     head_dim: hd,
                     rows_per_token: group,
-                    first_query: pos,
+                    first_query: first.pos,
                     keys: &kv.keys[li][lo..hi],
                     values: &kv.values[li][lo..hi],
-                    first_key: k0,
+                    first_key: keys.start,
                     window,
                     softcap: c.attn_softcap,
                 };
-                // SAFETY: row `unit` of both outputs belongs to this unit.
-                let (o, l) = unsafe {
-                    (
-                        partial_out.rows_mut(unit..unit + 1),
-                        log_sums_out.rows_mut(unit..unit + 1),
-                    )
-                };
-                kern.attend(&a, &mut scratch, o, Some(l));
+                let row_of = |i: usize| first_row[i] + unit.kv_head * splits[i].parts() + unit.part;
+                if unit.tokens.len() == 1 {
+                    let row = row_of(unit.tokens.start);
+                    // SAFETY: this token's row for the unit's head and part
+                    // belongs to this unit alone.
+                    let (o, l) = unsafe {
+                        (
+                            partial_out.rows_mut(row..row + 1),
+                            log_sums_out.rows_mut(row..row + 1),
+                        )
+                    };
+                    kern.attend(&a, &mut scratch, o, Some(l));
+                    continue;
+                }
+                result.resize(unit_queries.len(), 0.0);
+                unit_log_sums.resize(unit.tokens.len() * group, 0.0);
+                kern.attend(&a, &mut scratch, &mut result, Some(&mut unit_log_sums));
+                let per_token = result
+                    .chunks_exact(group * hd)
+                    .zip(unit_log_sums.chunks_exact(group));
+                for (i, (o, l)) in unit.tokens.clone().zip(per_token) {
+                    let row = row_of(i);
+                    // SAFETY: as above, for each of the unit's tokens.
+                    unsafe {
+                        partial_out.rows_mut(row..row + 1).copy_from_slice(o);
+                        log_sums_out.rows_mut(row..row + 1).copy_from_slice(l);
+                    }
+                }
             }
         });
-        for (sp, token_out) in splits.iter().zip(out.chunks_exact_mut(q_dim)) {
-            let (u0, u1) = (sp.first_unit, sp.end_unit);
-            let heads = partial[u0 * group * hd..u1 * group * hd]
-                .chunks_exact(sp.parts * group * hd)
-                .zip(log_sums[u0 * group..u1 * group].chunks_exact(sp.parts * group))
+        for (i, (s, token_out)) in splits.iter().zip(out.chunks_exact_mut(q_dim)).enumerate() {
+            let (r0, r1) = (first_row[i], first_row[i + 1]);
+            let heads = partial[r0 * group * hd..r1 * group * hd]
+                .chunks_exact(s.parts() * group * hd)
+                .zip(log_sums[r0 * group..r1 * group].chunks_exact(s.parts() * group))
                 .zip(token_out.chunks_exact_mut(group * hd));
             for ((head_parts, head_sums), head_out) in heads {
                 let part_out: Vec<&[f32]> = head_parts.chunks_exact(group * hd).collect();

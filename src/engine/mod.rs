@@ -5,6 +5,7 @@ pub mod decode_wsum;
 pub mod fast;
 pub mod jit_kernels;
 pub mod kernels;
+pub mod key_split;
 pub mod kv_cache;
 pub mod membench;
 pub mod ops;
