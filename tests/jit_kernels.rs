@@ -541,6 +541,40 @@ fn decode_weighted_sum_by_rows_equals_the_jit_kernel_bit_for_bit() {
     }
 }
 
+/// A verify step's dozens of query rows, summed in zmm tiles of 4 queries
+/// x 64 dims on CPUs with AVX-512 (`decode_wsum::weighted_sum_tiled`),
+/// give the JIT kernel's bits too, for whole and partial tiles; elsewhere
+/// the function falls back to the row-by-row sum, checked the same way.
+#[test]
+fn tiled_weighted_sum_equals_the_jit_kernel_bit_for_bit() {
+    use pulsar::engine::decode_wsum::{tiled_available, weighted_sum_tiled};
+    if !tiled_available(256) {
+        println!("this CPU has no AVX-512: the tiled sum's fallback is checked");
+    }
+    let mut rng = Rng(91);
+    for hd in [64usize, 256] {
+        let s = set(&[KernelKind::AttnWsum { head_dim: hd }]);
+        let k = s.get::<AttnWsum>(hd).unwrap();
+        for (n_keys, nq) in [(1usize, 5usize), (275, 32), (33, 7), (300, 64), (8, 13)] {
+            let ldp = n_keys + 5;
+            let v = rng.vec(n_keys * hd, 1.0);
+            // Some probabilities exactly 0, as masked keys are.
+            let p: Vec<f32> = (0..nq * ldp)
+                .map(|i| if i % 7 == 3 { 0.0 } else { rng.f().abs() })
+                .collect();
+            let mut jit = vec![f32::NAN; nq * hd];
+            k.run(&p, ldp, &v, &mut jit).unwrap();
+            let mut tiled = vec![f32::NAN; nq * hd];
+            weighted_sum_tiled(&p, ldp, &v, hd, &mut tiled);
+            let same = jit
+                .iter()
+                .zip(&tiled)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "head_dim {hd}, {n_keys} keys, {nq} queries");
+        }
+    }
+}
+
 /// The kernels the planner actually ships for the two reference shapes,
 /// each checked once against the reference (the shape sweeps above cover
 /// the emitters in general).

@@ -58,6 +58,116 @@ pub fn weighted_sum_by_rows(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, o
     }
 }
 
+/// Query rows per register tile of [`weighted_sum_tiled`].
+const TILE_QUERIES: usize = 4;
+
+/// Dimensions per register tile of [`weighted_sum_tiled`]: 4 zmm
+/// registers, 256 contiguous bytes of each V row.
+const TILE_DIMS: usize = 64;
+
+/// Whether [`weighted_sum_tiled`] has its AVX-512 form on this CPU for
+/// rows of `head_dim`.
+pub fn tiled_available(head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        head_dim.is_multiple_of(TILE_DIMS) && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = head_dim;
+        false
+    }
+}
+
+/// The same sum as [`weighted_sum_by_rows`], for the dozens of query rows
+/// of a verify step's tokens over one part of the keys (in L2 after the
+/// prefetch): register tiles of 4 queries x 64 dimensions (16 zmm
+/// accumulators), the keys innermost, so each key's 256 bytes are loaded
+/// once per tile and feed 16 FMAs. Each output element is still summed
+/// key after key with one FMA from zero: the bits of the other two forms.
+///
+/// Why: a step over 8 tokens at 600 cached tokens gave its 32 query rows
+/// to the JIT's tile (6 queries x 16 dims, 16 passes over the keys each
+/// reading 64 bytes of every 1 KB row); the weighted sum took 74% of the
+/// step's attention (temporary timers in `bench --m-curve
+/// --m-curve-context 600`). Row by row it took longer still.
+pub fn weighted_sum_tiled(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
+    let (n_keys, nq) = (v.len() / head_dim, out.len() / head_dim);
+    assert!(
+        nq == 0 || p.len() >= (nq - 1) * ldp + n_keys,
+        "probabilities sized by the caller"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if tiled_available(head_dim) {
+            // SAFETY: AVX-512F was just detected; head_dim is a multiple of
+            // TILE_DIMS and every access is inside the slices (sizes
+            // checked above).
+            unsafe { tiled_avx512(p, ldp, v, head_dim, out) };
+            return;
+        }
+    }
+    weighted_sum_by_rows(p, ldp, v, head_dim, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tiled_avx512(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
+    let nq = out.len() / head_dim;
+    let mut q0 = 0;
+    while q0 < nq {
+        let queries = (nq - q0).min(TILE_QUERIES);
+        let (p, out) = (&p[q0 * ldp..], &mut out[q0 * head_dim..]);
+        // SAFETY: as for the caller; the tile's rows lie inside `p` and
+        // `out`.
+        unsafe {
+            match queries {
+                4 => tile_avx512::<4>(p, ldp, v, head_dim, out),
+                3 => tile_avx512::<3>(p, ldp, v, head_dim, out),
+                2 => tile_avx512::<2>(p, ldp, v, head_dim, out),
+                _ => tile_avx512::<1>(p, ldp, v, head_dim, out),
+            }
+        }
+        q0 += queries;
+    }
+}
+
+/// `Q` query rows from the start of `p` and `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const Q: usize>(
+    p: &[f32],
+    ldp: usize,
+    v: &[f32],
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let n_keys = v.len() / head_dim;
+    for d0 in (0..head_dim).step_by(TILE_DIMS) {
+        let mut acc = [[_mm512_setzero_ps(); TILE_DIMS / 16]; Q];
+        for j in 0..n_keys {
+            let row = &v[j * head_dim + d0..j * head_dim + d0 + TILE_DIMS];
+            // SAFETY: `row` holds TILE_DIMS floats; unaligned loads.
+            let x: [__m512; TILE_DIMS / 16] =
+                std::array::from_fn(|c| unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * c)) });
+            for (q, acc) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(p[q * ldp + j]);
+                for (a, &x) in acc.iter_mut().zip(&x) {
+                    *a = _mm512_fmadd_ps(x, w, *a);
+                }
+            }
+        }
+        for (q, acc) in acc.iter().enumerate() {
+            let dst = &mut out[q * head_dim + d0..q * head_dim + d0 + TILE_DIMS];
+            for (c, a) in acc.iter().enumerate() {
+                // SAFETY: `dst` holds TILE_DIMS floats; unaligned stores.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), *a) };
+            }
+        }
+    }
+}
+
 /// Keys whose products one pass adds to an output chunk held in a
 /// register.
 const KEYS_PER_PASS: usize = 4;

@@ -2,11 +2,11 @@
 //! shapes on this CPU, emit, verify, map, then dispatch each product to the
 //! GEMV (one token) or GEMM (a prefill chunk) generated for its K.
 
-use super::decode_wsum;
 use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
+use super::{attn_scores, decode_wsum};
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -118,13 +118,31 @@ struct OpKernels {
     norms: Vec<(usize, KernelId)>,
     /// GeGLU over the feed-forward width.
     geglu: Option<(usize, KernelId)>,
-    /// Attention scores, softmax and weighted sum, for the head dimension
-    /// (all three or none).
-    attention: Option<(usize, [KernelId; 3])>,
+    /// Attention's kernels for the head dimension, if the plan has all it
+    /// needs.
+    attention: Option<AttentionKernels>,
+}
+
+/// The softmax (always the JIT's) and what computes the scores and the
+/// weighted sums of more than a token's query heads.
+#[derive(Clone, Copy)]
+struct AttentionKernels {
+    head_dim: usize,
+    softmax: KernelId,
+    products: AttentionProducts,
+}
+
+#[derive(Clone, Copy)]
+enum AttentionProducts {
+    /// The JIT's ymm kernels.
+    Jit { scores: KernelId, wsum: KernelId },
+    /// `attn_scores` and `decode_wsum::weighted_sum_tiled` on zmm, as the
+    /// plan decided (`Plan::avx512_attention`).
+    Avx512,
 }
 
 impl OpKernels {
-    fn resolve(set: &KernelSet, config: &ModelConfig) -> Result<OpKernels> {
+    fn resolve(set: &KernelSet, config: &ModelConfig, avx512_attention: bool) -> Result<OpKernels> {
         let mut dims = vec![config.hidden];
         if config.has_qk_norm() && config.head_dim != config.hidden {
             dims.push(config.head_dim);
@@ -139,12 +157,25 @@ impl OpKernels {
         let width = config.intermediate;
         let geglu = set.resolve::<Geglu>(width).map(|id| (width, id));
         let hd = config.head_dim;
-        let attention = match (
-            set.resolve::<AttnScores>(hd),
-            set.resolve::<Softmax>(()),
-            set.resolve::<AttnWsum>(hd),
-        ) {
-            (Some(scores), Some(softmax), Some(wsum)) => Some((hd, [scores, softmax, wsum])),
+        let products = if avx512_attention {
+            if !(attn_scores::available(hd) && decode_wsum::tiled_available(hd)) {
+                bail!(
+                    "the kernel plan leaves attention to AVX-512 code, which this CPU or head size ({hd}) does not run"
+                );
+            }
+            Some(AttentionProducts::Avx512)
+        } else {
+            match (set.resolve::<AttnScores>(hd), set.resolve::<AttnWsum>(hd)) {
+                (Some(scores), Some(wsum)) => Some(AttentionProducts::Jit { scores, wsum }),
+                _ => None,
+            }
+        };
+        let attention = match (set.resolve::<Softmax>(()), products) {
+            (Some(softmax), Some(products)) => Some(AttentionKernels {
+                head_dim: hd,
+                softmax,
+                products,
+            }),
             _ => None,
         };
         Ok(OpKernels {
@@ -183,7 +214,7 @@ impl JitKernels {
     pub fn with_options(config: &ModelConfig, opts: PlanOptions) -> Result<Option<JitKernels>> {
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
             Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
-                ops: OpKernels::resolve(&kernels, config)?,
+                ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
                 set: kernels,
                 // The highest any kernel uses (VNNI's integer kernels are
                 // AVX-512's; the rest AVX2).
@@ -423,13 +454,12 @@ impl MatKernels for JitKernels {
         out: &mut [f32],
         mut log_sums: Option<&mut [f32]>,
     ) {
-        let Some((hd, [scores, softmax, wsum])) = self.ops.attention else {
+        let Some(kernels) = self.ops.attention else {
             return PortableKernels.attend(a, scratch, out, log_sums);
         };
+        let hd = kernels.head_dim;
         assert_eq!(a.head_dim, hd, "attention planned for another head size");
-        let scores: AttnScores = self.set.bind(scores, hd);
-        let softmax: Softmax = self.set.bind(softmax, ());
-        let wsum: AttnWsum = self.set.bind(wsum, hd);
+        let softmax: Softmax = self.set.bind(kernels.softmax, ());
         // One GEMM for the whole block's scores, then each row masked and
         // normalised, then one pass over V shared by every row.
         let n_keys = a.n_keys();
@@ -443,21 +473,34 @@ impl MatKernels for JitKernels {
             unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
         }
         scratch.resize(a.n_queries() * n_keys, 0.0);
-        scores
-            .run(a.keys, a.queries, scratch)
-            .expect("attention scores sized by the engine");
+        match kernels.products {
+            AttentionProducts::Avx512 => attn_scores::scores(a.keys, a.queries, hd, scratch),
+            AttentionProducts::Jit { scores, .. } => self
+                .set
+                .bind::<AttnScores>(scores, hd)
+                .run(a.keys, a.queries, scratch)
+                .expect("attention scores sized by the engine"),
+        }
         for (i, row) in scratch.chunks_exact_mut(n_keys).enumerate() {
             let log_sum = log_sums.as_deref_mut().map(|l| &mut l[i]);
             a.probabilities(i, row, |p| softmax.run(p), log_sum);
         }
         let rows = a.n_queries();
-        if rows <= decode_wsum::MAX_QUERIES {
+        let out = &mut out[..rows * hd];
+        match kernels.products {
             // A decode step's query heads: V read row by row (see
             // `decode_wsum` for why and what it measured).
-            decode_wsum::weighted_sum_by_rows(scratch, n_keys, a.values, hd, &mut out[..rows * hd]);
-        } else {
-            wsum.run(scratch, n_keys, a.values, out)
-                .expect("attention sum sized by the engine");
+            _ if rows <= decode_wsum::MAX_QUERIES => {
+                decode_wsum::weighted_sum_by_rows(scratch, n_keys, a.values, hd, out)
+            }
+            AttentionProducts::Avx512 => {
+                decode_wsum::weighted_sum_tiled(scratch, n_keys, a.values, hd, out)
+            }
+            AttentionProducts::Jit { wsum, .. } => self
+                .set
+                .bind::<AttnWsum>(wsum, hd)
+                .run(scratch, n_keys, a.values, out)
+                .expect("attention sum sized by the engine"),
         }
     }
 }

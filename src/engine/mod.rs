@@ -1,5 +1,6 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
+pub mod attn_scores;
 pub mod autotune;
 pub mod decode_wsum;
 pub mod fast;

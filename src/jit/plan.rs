@@ -248,6 +248,10 @@ pub struct Plan {
     pub notes: Vec<String>,
     /// Ops of the hot path that stay in Rust.
     pub not_jitted: Vec<String>,
+    /// Attention's scores and its weighted sums of more than a token's
+    /// query heads run on AVX-512 in the engine (`engine::attn_scores`,
+    /// `engine::decode_wsum`), so the plan emits no kernels for them.
+    pub avx512_attention: bool,
 }
 
 impl Plan {
@@ -471,7 +475,18 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // threads), so it is traded first there.
     let mut two_block_gemv = true;
     let mut norm_unroll = 2usize;
-    let mut optional: Vec<&str> = vec!["attn_scores", "softmax", "attn_wsum", "geglu"];
+    // With AVX-512 the engine computes attention's scores and weighted
+    // sums on zmm registers in Rust: a verify step's 32 query rows per
+    // thread took 150-175 us a layer at 600 cached tokens with the JIT's
+    // ymm kernels and 110-130 us so (they run at the FMA's rate; an
+    // AVX-512 form in the JIT would need EVEX code these 1,031 bytes
+    // could not hold). The bytes go back to the budget.
+    let avx512_attention = allowed_isa == Isa::Avx512 && dims.head_dim.is_multiple_of(64);
+    let mut optional: Vec<&str> = if avx512_attention {
+        vec!["softmax", "geglu"]
+    } else {
+        vec!["attn_scores", "softmax", "attn_wsum", "geglu"]
+    };
     let mut dropped: Vec<String> = Vec::new();
     loop {
         let mut kinds = build_kinds(
@@ -624,6 +639,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 "quantizing quantized matrices' inputs to 8 bits (per token, and in tiles of 8 tokens)".into(),
                 "sampling".into(),
             ];
+            if avx512_attention {
+                not_jitted.push("attention scores, and weighted sums over more query rows: AVX-512 (engine::attn_scores, engine::decode_wsum::weighted_sum_tiled)".into());
+            }
             not_jitted.extend(
                 dropped
                     .iter()
@@ -641,6 +659,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 blocking_reasons,
                 notes,
                 not_jitted,
+                avx512_attention,
             });
         }
         // Over budget: give up unrolling first, then optional kernels.
@@ -932,5 +951,30 @@ mod tests {
         let p = plan(&ModelDims::GEMMA3_270M, &CpuCaps::zen4_like(), &opts).unwrap();
         assert_eq!(p.isa, Isa::Avx2);
         assert!(p.kernels.iter().all(|k| k.isa == Isa::Avx2));
+    }
+
+    /// With AVX-512 the engine computes attention's scores and weighted
+    /// sums itself, so the plan carries neither kernel (and says so); with
+    /// AVX2 alone it has both.
+    #[test]
+    fn attention_products_are_planned_only_without_avx512() {
+        let caps = CpuCaps::zen4_like();
+        let has = |p: &Plan, kind: &str| p.kernels.iter().any(|k| k.name.starts_with(kind));
+        let wide = plan(&ModelDims::GEMMA3_270M, &caps, &PlanOptions::default()).unwrap();
+        assert!(wide.avx512_attention);
+        assert!(!has(&wide, "attn_scores") && !has(&wide, "attn_wsum"));
+        assert!(has(&wide, "softmax"));
+        assert!(
+            wide.not_jitted
+                .iter()
+                .any(|n| n.contains("engine::attn_scores"))
+        );
+        let opts = PlanOptions {
+            max_isa: Isa::Avx2,
+            ..PlanOptions::default()
+        };
+        let narrow = plan(&ModelDims::GEMMA3_270M, &caps, &opts).unwrap();
+        assert!(!narrow.avx512_attention);
+        assert!(has(&narrow, "attn_scores") && has(&narrow, "attn_wsum"));
     }
 }

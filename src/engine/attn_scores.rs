@@ -1,0 +1,208 @@
+//! Attention scores on AVX-512: `scores[i][j] = q_i · k_j` for a block of
+//! query rows against a run of cached keys.
+//!
+//! Why not the JIT's scores kernel (an f32 GEMM of 4 keys x 3 queries on
+//! ymm registers, `jit::emit::gemm`) on CPUs with AVX-512: a step over 8
+//! tokens of one sequence gives each thread 32 query rows over about 275
+//! keys of 256 values per layer, and that GEMM took 73-78 us of such a
+//! unit's 150-175 (temporary timers in `bench --m-curve --m-curve-context
+//! 600`, Intel Xeon). The zmm tiles here hold 4 queries x 4 keys.
+//!
+//! Each score is the same sum wherever it falls in a tile: 16 lanes, lane
+//! l summing dimensions l, l + 16, ... in order with one FMA each from
+//! zero, then the lanes added in one fixed tree. So a query row gets the
+//! same bits alone or beside others, over any run of keys that holds its
+//! own, which the exact steps of speculative decoding rely on.
+
+/// Whether [`scores`] runs on this CPU for heads of `head_dim`.
+pub fn available(head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        head_dim.is_multiple_of(16) && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = head_dim;
+        false
+    }
+}
+
+/// Query rows (and keys) per register tile.
+const TILE: usize = 4;
+
+/// `out[i * n_keys + j] = queries[i] · keys[j]` for every query row i and
+/// key j (rows of `head_dim`).
+///
+/// # Panics
+/// If [`available`] is false for `head_dim`, or `out` is shorter than
+/// queries x keys.
+pub fn scores(keys: &[f32], queries: &[f32], head_dim: usize, out: &mut [f32]) {
+    assert!(
+        available(head_dim),
+        "AVX-512 scores for head_dim {head_dim}"
+    );
+    let (n_keys, nq) = (keys.len() / head_dim, queries.len() / head_dim);
+    assert!(out.len() >= nq * n_keys, "scores sized by the caller");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is present (asserted above); every access is inside
+    // the slices (sizes checked above, head_dim a multiple of 16).
+    unsafe {
+        scores_avx512(keys, queries, head_dim, out)
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_avx512(keys: &[f32], queries: &[f32], head_dim: usize, out: &mut [f32]) {
+    let (n_keys, nq) = (keys.len() / head_dim, queries.len() / head_dim);
+    // Keys outermost: each run of 4 keys is read from memory once and
+    // stays in L1 while every query tile passes over it (the queries, 32
+    // rows of 1 KB for a verify step of 8 tokens, stay in L1 and L2). With
+    // the queries outermost the keys of a part (about 275 KB) were read
+    // once per query tile, past what L2 held beside the values: the scores
+    // of such a unit took 81 us either way, on ymm or zmm.
+    for j0 in (0..n_keys).step_by(TILE) {
+        let kt = (n_keys - j0).min(TILE);
+        for i0 in (0..nq).step_by(TILE) {
+            let qt = (nq - i0).min(TILE);
+            let q = &queries[i0 * head_dim..(i0 + qt) * head_dim];
+            let k = &keys[j0 * head_dim..(j0 + kt) * head_dim];
+            let mut tile = [[0.0f32; TILE]; TILE];
+            // SAFETY: as for the caller; the tile's rows are inside `q`
+            // and `k`.
+            unsafe {
+                match (qt, kt) {
+                    (4, 4) => tile_avx512::<4, 4>(q, k, head_dim, &mut tile),
+                    (4, 3) => tile_avx512::<4, 3>(q, k, head_dim, &mut tile),
+                    (4, 2) => tile_avx512::<4, 2>(q, k, head_dim, &mut tile),
+                    (4, _) => tile_avx512::<4, 1>(q, k, head_dim, &mut tile),
+                    (3, 4) => tile_avx512::<3, 4>(q, k, head_dim, &mut tile),
+                    (3, 3) => tile_avx512::<3, 3>(q, k, head_dim, &mut tile),
+                    (3, 2) => tile_avx512::<3, 2>(q, k, head_dim, &mut tile),
+                    (3, _) => tile_avx512::<3, 1>(q, k, head_dim, &mut tile),
+                    (2, 4) => tile_avx512::<2, 4>(q, k, head_dim, &mut tile),
+                    (2, 3) => tile_avx512::<2, 3>(q, k, head_dim, &mut tile),
+                    (2, 2) => tile_avx512::<2, 2>(q, k, head_dim, &mut tile),
+                    (2, _) => tile_avx512::<2, 1>(q, k, head_dim, &mut tile),
+                    (_, 4) => tile_avx512::<1, 4>(q, k, head_dim, &mut tile),
+                    (_, 3) => tile_avx512::<1, 3>(q, k, head_dim, &mut tile),
+                    (_, 2) => tile_avx512::<1, 2>(q, k, head_dim, &mut tile),
+                    _ => tile_avx512::<1, 1>(q, k, head_dim, &mut tile),
+                }
+            }
+            for (i, row) in tile.iter().enumerate().take(qt) {
+                let dst = &mut out[(i0 + i) * n_keys + j0..(i0 + i) * n_keys + j0 + kt];
+                dst.copy_from_slice(&row[..kt]);
+            }
+        }
+    }
+}
+
+/// The `Q x K` scores of the first `Q` rows of `q` and `K` rows of `k`
+/// into `tile[i][j]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const Q: usize, const K: usize>(
+    q: &[f32],
+    k: &[f32],
+    head_dim: usize,
+    tile: &mut [[f32; TILE]; TILE],
+) {
+    use std::arch::x86_64::*;
+    assert!(q.len() >= Q * head_dim && k.len() >= K * head_dim);
+    let mut acc = [[_mm512_setzero_ps(); K]; Q];
+    for d in (0..head_dim).step_by(16) {
+        // SAFETY: rows i and j are inside `q` and `k` (asserted above), and
+        // d + 16 <= head_dim; unaligned loads.
+        let (qv, kv): ([__m512; Q], [__m512; K]) = unsafe {
+            (
+                std::array::from_fn(|i| _mm512_loadu_ps(q.as_ptr().add(i * head_dim + d))),
+                std::array::from_fn(|j| _mm512_loadu_ps(k.as_ptr().add(j * head_dim + d))),
+            )
+        };
+        for (acc, &qv) in acc.iter_mut().zip(&qv) {
+            for (a, &kv) in acc.iter_mut().zip(&kv) {
+                *a = _mm512_fmadd_ps(kv, qv, *a);
+            }
+        }
+    }
+    for (row, acc) in tile.iter_mut().zip(&acc) {
+        for (s, &a) in row.iter_mut().zip(acc) {
+            *s = lanes_sum(a);
+        }
+    }
+}
+
+/// The 16 lanes added in one fixed tree: halves, quarters, pairs, then the
+/// last two.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn lanes_sum(a: std::arch::x86_64::__m512) -> f32 {
+    use std::arch::x86_64::*;
+    let halves = _mm512_add_ps(a, _mm512_shuffle_f32x4::<0b01_00_11_10>(a, a));
+    let quarters = _mm512_add_ps(
+        halves,
+        _mm512_shuffle_f32x4::<0b10_11_00_01>(halves, halves),
+    );
+    let x = _mm512_castps512_ps128(quarters);
+    let pairs = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    let last = _mm_add_ss(pairs, _mm_movehdup_ps(pairs));
+    _mm_cvtss_f32(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, hd: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n * hd)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_score_has_the_same_bits_alone_and_in_any_block() {
+        let hd = 256;
+        if !available(hd) {
+            // The engine takes the JIT's scores kernel there; nothing of
+            // this module runs.
+            eprintln!("no AVX-512 on this CPU: the scores kernel is not used here");
+            return;
+        }
+        for (nq, n_keys) in [(1usize, 1usize), (4, 4), (32, 275), (5, 7), (3, 2), (9, 13)] {
+            let (q, k) = (rows(nq, hd, 1), rows(n_keys + 3, hd, 2));
+            let mut all = vec![f32::NAN; nq * n_keys];
+            scores(&k[..n_keys * hd], &q, hd, &mut all);
+            for i in 0..nq {
+                for j in 0..n_keys {
+                    // Alone, and as the first key of a shifted run.
+                    let qi = &q[i * hd..(i + 1) * hd];
+                    let mut one = [f32::NAN];
+                    scores(&k[j * hd..(j + 1) * hd], qi, hd, &mut one);
+                    let run = &k[j * hd..(j + 3) * hd];
+                    let mut three = [f32::NAN; 3];
+                    scores(run, qi, hd, &mut three);
+                    let got = all[i * n_keys + j];
+                    assert_eq!(got.to_bits(), one[0].to_bits(), "{nq}x{n_keys}: ({i}, {j})");
+                    assert_eq!(
+                        got.to_bits(),
+                        three[0].to_bits(),
+                        "{nq}x{n_keys}: ({i}, {j})"
+                    );
+                    let exact: f64 = qi
+                        .iter()
+                        .zip(&k[j * hd..(j + 1) * hd])
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum();
+                    assert!((got as f64 - exact).abs() < 1e-4, "{got} against {exact}");
+                }
+            }
+        }
+    }
+}
