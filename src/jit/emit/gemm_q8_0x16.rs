@@ -31,7 +31,12 @@
 //! (10 KiB for K = 640 in Q8_0) and the next pass reads them again from
 //! L1 or L2. Fewer than 4 tokens in a pass compute the absent ones from
 //! the tile's zeros and store nothing for them; a call of one token has a
-//! loop of its own. Measured from L2, one thread, 128 x 640 (ns per 4 rows
+//! loop of its own. Q5_0x16's calls of 5 to 8 tokens take one pass of 8
+//! instead (a loop of two rounds of chunk pairs, one chain per token), so
+//! its chunks are unpacked once: `bench --m-curve`, 3 runs alternating
+//! with two passes of 4, a step over 8 tokens 1.40-1.49x a one-token step
+//! against 1.51-1.63x, over 5 1.34-1.42x against 1.42-1.51x, prefill 512
+//! 1225, 1393, 1207 tok/s against 1010, 1200, 1309. Measured from L2, one thread, 128 x 640 (ns per 4 rows
 //! x 32 columns; the 4-row GEMM with (row, token) lanes it replaced in
 //! brackets), with a loop of two rounds of chunks: 8 tokens 3.8 (5.4), 4
 //! tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3); see
@@ -50,11 +55,12 @@
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
 //!
-//! Registers: zmm0..3 the 4 tokens' group sums over chunks 0..3, zmm4..7
-//! over chunks 4..7 (two chains each), zmm8..11 their f32 sums, zmm12/13
-//! chunks n and n + 4 of the weights, zmm14 the 16 row scales, zmm15 a
-//! temporary, zmm16 1.5 * 2^23 in every lane; Q5_0x16: zmm17..19 the bytes
-//! 0x0F, 0x70 and 0x80, zmm20 a nibble run, k2/k3 two chunks' high bits.
+//! Registers: zmm0..3 a pass of 4 tokens' group sums over chunks 0..3,
+//! zmm4..7 over chunks 4..7 (two chains each; a pass of 8 has one chain
+//! per token in zmm0..7), zmm8..15 their f32 sums, zmm16/17 chunks n and
+//! n + 4 of the weights, zmm18 the 16 row scales, zmm19 a temporary, zmm20
+//! 1.5 * 2^23 in every lane; Q5_0x16: zmm21..23 the bytes 0x0F, 0x70 and
+//! 0x80, zmm24 a nibble run, k2/k3 two chunks' high bits.
 //! General registers as `gemm_quant`'s frame (`token_call_frame`), plus
 //! r15 the block's first group, rax the pass's first token and rbx the
 //! round of the chunk loop (K, in rbx on entry, is not needed past the
@@ -73,8 +79,10 @@ use iced_x86::code_asm::*;
 
 /// Rows per block: the 16 dword lanes of a zmm register.
 pub const ROWS: usize = 16;
-/// Tokens per pass over a block.
+/// Tokens of the pass over a block for calls of 2 to 4 tokens.
 const PASS_TOKENS: usize = 4;
+/// Tokens of the pass for calls of 5 to 8: the whole tile, one chain each.
+const TILE_TOKENS: usize = super::gemm_quant::TOKENS;
 const CHUNKS: usize = GROUP_COLS / CHUNK_BYTES;
 /// A group's chunks go in pairs (n, n + 4): Q5_0x16's nibble run n holds
 /// both, and Q8_0x16 loads them as two vectors.
@@ -83,22 +91,33 @@ const PAIRS: usize = CHUNKS / 2;
 /// f16 scales.
 const CHUNKS_AT: i32 = (ROWS * 2) as i32;
 
-/// Sums over chunks 0..3 (which start from the tile's VNNI values) and
-/// over chunks 4..7: two chains per token.
-const LOW_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm0, zmm1, zmm2, zmm3];
-const HIGH_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm4, zmm5, zmm6, zmm7];
-const F32_SUMS: [AsmRegisterZmm; PASS_TOKENS] = [zmm8, zmm9, zmm10, zmm11];
+/// The group sums, which start from the tile's VNNI values. A pass of up
+/// to 4 tokens keeps two chains per token, chunks 0..3 in token t's
+/// register and chunks 4..7 in register 4 + t; the pass of 8 one chain
+/// per token (8 chains are enough to keep `vpdpbusd` busy).
+const SUMS: [AsmRegisterZmm; TILE_TOKENS] = [zmm0, zmm1, zmm2, zmm3, zmm4, zmm5, zmm6, zmm7];
+const F32_SUMS: [AsmRegisterZmm; TILE_TOKENS] =
+    [zmm8, zmm9, zmm10, zmm11, zmm12, zmm13, zmm14, zmm15];
 /// Chunks n and n + 4 of 16 rows, as bytes s + 128.
-const WEIGHTS: [AsmRegisterZmm; 2] = [zmm12, zmm13];
-const ROW_SCALES: AsmRegisterZmm = zmm14;
-const TEMP: AsmRegisterZmm = zmm15;
+const WEIGHTS: [AsmRegisterZmm; 2] = [zmm16, zmm17];
+const ROW_SCALES: AsmRegisterZmm = zmm18;
+const TEMP: AsmRegisterZmm = zmm19;
 /// 1.5 * 2^23 in every lane (`FLOAT_MAGIC_BITS`), set once per call.
-const FLOAT_MAGIC: AsmRegisterZmm = zmm16;
+const FLOAT_MAGIC: AsmRegisterZmm = zmm20;
 /// Q5_0x16: bytes 0x0F, 0x70 and 0x80, and a nibble run.
-const LOW_NIBBLES: AsmRegisterZmm = zmm17;
-const HIGH_BIT_CLEAR: AsmRegisterZmm = zmm18;
-const HIGH_BIT_SET: AsmRegisterZmm = zmm19;
-const NIBBLES: AsmRegisterZmm = zmm20;
+const LOW_NIBBLES: AsmRegisterZmm = zmm21;
+const HIGH_BIT_CLEAR: AsmRegisterZmm = zmm22;
+const HIGH_BIT_SET: AsmRegisterZmm = zmm23;
+const NIBBLES: AsmRegisterZmm = zmm24;
+
+/// The chain that takes token t's chunk c in a pass of `tokens`.
+fn chain(tokens: usize, t: usize, c: usize) -> AsmRegisterZmm {
+    if tokens < TILE_TOKENS && c >= PAIRS {
+        SUMS[PASS_TOKENS + t]
+    } else {
+        SUMS[t]
+    }
+}
 /// `vpternlogd` truth table of `dest | (src2 & src3)`.
 const OR_AND: i32 = 0xF8;
 
@@ -130,11 +149,12 @@ fn load_chunk_pair(a: &mut CodeAssembler, q: QuantType, n: usize) -> Result<(), 
 }
 
 /// One group of the pass: 16 rows x 32 columns (r9) against the first
-/// `tokens` (4, or 1 for a call of one token) of the tile group (r10),
-/// scaled into the f32 sums. The 4-token step is straight-line code (3.3
-/// ns per 4 rows x 32 columns x 8 tokens from L2, against 3.8 for a loop
-/// of two rounds of 4 chunks); the 1-token step, bound by memory, loops
-/// over two rounds of chunk pairs to save code: rbx counts 8 per pair
+/// `tokens` (4; 8 for Q5_0x16's calls of 5 to 8; 1 for a call of one
+/// token) of the tile group (r10), scaled into the f32 sums. The 4-token
+/// step is straight-line code (3.3 ns per 4 rows x 32 columns x 8 tokens
+/// from L2, against 3.8 for a loop of two rounds of 4 chunks); the 8-token
+/// step (for the budget) and the 1-token step (bound by memory) loop over
+/// two rounds of chunk pairs to save code: rbx counts 8 per pair
 /// done, so a round's inputs are 4 rbx on, its weights 8 rbx and
 /// Q5_0x16's masks rbx.
 fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
@@ -143,12 +163,15 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
     let round_pairs = PAIRS / rounds;
     let round = ops.new_dynamic_label();
     iced(ops, |a| {
-        for (t, s) in LOW_SUMS[..tokens].iter().enumerate() {
+        for (t, s) in SUMS[..tokens].iter().enumerate() {
             let at = (TILE_VNNI_STARTS_AT + t * 4) as i32;
             a.vpbroadcastd(*s, dword_ptr(r10 + at))?;
         }
-        for s in &HIGH_SUMS[..tokens] {
-            a.vpxord(*s, *s, *s)?;
+        if tokens < TILE_TOKENS {
+            for t in 0..tokens {
+                let s = chain(tokens, t, PAIRS);
+                a.vpxord(s, s, s)?;
+            }
         }
         if prefetch > 0 {
             // The group's bytes ahead (Q8_0x16 9 lines, Q5_0x16 6), before
@@ -161,7 +184,7 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
                 a.prefetcht0(byte_ptr(r9 + prefetch as i32 + 64 * line))?;
             }
         }
-        if tokens == PASS_TOKENS && p.l2_prefetch > 0 {
+        if tokens > 1 && p.l2_prefetch > 0 {
             // A pass over 4 tokens runs 32 `vpdpbusd` per group on port 0,
             // and a step's products and its reads added up rather than
             // overlapped (likely: the reorder buffer fills with products,
@@ -192,13 +215,10 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
     iced(ops, |a| {
         for n in 0..round_pairs {
             load_chunk_pair(a, q, n)?;
-            for (w, c, sums) in [
-                (WEIGHTS[0], n, &LOW_SUMS),
-                (WEIGHTS[1], n + PAIRS, &HIGH_SUMS),
-            ] {
-                for (t, &s) in sums[..tokens].iter().enumerate() {
-                    let x = (c * CHUNK_BYTES * super::gemm_quant::TOKENS + t * 4) as i32;
-                    a.vpdpbusd(s, w, dword_bcst(r10 + rbx * 4 + x))?;
+            for (w, c) in [(WEIGHTS[0], n), (WEIGHTS[1], n + PAIRS)] {
+                for t in 0..tokens {
+                    let x = (c * CHUNK_BYTES * TILE_TOKENS + t * 4) as i32;
+                    a.vpdpbusd(chain(tokens, t, c), w, dword_bcst(r10 + rbx * 4 + x))?;
                 }
             }
         }
@@ -215,12 +235,15 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
     iced(ops, |a| {
         a.vcvtph2ps(ROW_SCALES, ymmword_ptr(r9))?;
         for t in 0..tokens {
-            let (low, high, f) = (LOW_SUMS[t], HIGH_SUMS[t], F32_SUMS[t]);
+            let (low, high, f) = (SUMS[t], chain(tokens, t, PAIRS), F32_SUMS[t]);
             let at = (t * 4) as i32;
             // The sums started from the tile's `vnni_group_start`, so
             // their bits are 1.5 * 2^23 + the group's exact product as a
             // float: one subtraction converts it (see FLOAT_MAGIC_BITS).
-            a.vpaddd(low, low, high)?;
+            // Whole numbers, so one chain or two give the same sum.
+            if high != low {
+                a.vpaddd(low, low, high)?;
+            }
             a.vsubps(low, low, FLOAT_MAGIC)?;
             a.vmulps(
                 TEMP,
@@ -310,32 +333,58 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     });
     // A call of one token (a decode step) takes a loop of its own: the
     // 4-token loop's 3 idle tokens made a step of the default model 15%
-    // slower.
+    // slower. A call of 5 to 8 tokens takes one pass of 8, which unpacks
+    // Q5_0x16's chunks once for all of them (two passes of 4 each did it
+    // again) and keeps the stream of weights going through one pass.
+    //
+    // Only Q5_0x16 has the pass of 8 (866 bytes; the plan's budget holds
+    // one): its 8 tokens' products take as long as its bytes take to
+    // arrive, where Q8_0x16's take about 60% of that (one core, from L2,
+    // `tune --measure`), so two passes of 4 cost Q8_0 little.
+    let eight = q == QuantType::Q5_0x16;
     let one_token = ops.new_dynamic_label();
+    let eight_tokens = ops.new_dynamic_label();
     let stored = ops.new_dynamic_label();
     dynasm!(ops
         ; .arch x64
         ; cmp r13, BYTE 1
         ; je =>one_token
     );
-    for tokens in [PASS_TOKENS, 1] {
+    if eight {
+        dynasm!(ops
+            ; .arch x64
+            ; cmp r13, BYTE PASS_TOKENS as i32
+            ; ja =>eight_tokens
+        );
+    }
+    let forms: &[usize] = if eight {
+        &[PASS_TOKENS, TILE_TOKENS, 1]
+    } else {
+        &[PASS_TOKENS, 1]
+    };
+    for &tokens in forms {
         let group = ops.new_dynamic_label();
-        if tokens == 1 {
-            dynasm!(ops ; .arch x64 ; =>one_token);
+        match tokens {
+            1 => dynasm!(ops ; .arch x64 ; =>one_token),
+            TILE_TOKENS => dynasm!(ops ; .arch x64 ; =>eight_tokens),
+            _ => {}
         }
         let group_top = ops.offset();
         dynasm!(ops ; .arch x64 ; =>group);
         group_step(&mut ops, p, tokens);
         next_group(&mut ops, q, (group, group_top));
-        if tokens == PASS_TOKENS {
+        if tokens != 1 {
             dynasm!(ops ; .arch x64 ; jmp =>stored);
         }
     }
     dynasm!(ops ; .arch x64 ; =>stored);
     store_pass(&mut ops);
+    // Q5_0x16's calls are one pass, of 1, 4 or 8 tokens; Q8_0x16's calls
+    // of 5 to 8 take two of 4.
+    let pass_tokens = if eight { TILE_TOKENS } else { PASS_TOKENS };
     dynasm!(ops
         ; .arch x64
-        ; add rax, BYTE PASS_TOKENS as i8
+        ; add rax, BYTE pass_tokens as i8
         ; cmp rax, r13
     );
     jback!(ops, jb, pass, pass_top);
