@@ -4,9 +4,11 @@
 //! Why not the JIT's scores kernel (an f32 GEMM of 4 keys x 3 queries on
 //! ymm registers, `jit::emit::gemm`) on CPUs with AVX-512: a step over 8
 //! tokens of one sequence gives each thread 32 query rows over about 275
-//! keys of 256 values per layer, and that GEMM took 73-78 us of such a
+//! keys of 256 values per layer, and that GEMM took 75-81 us of such a
 //! unit's 150-175 (temporary timers in `bench --m-curve --m-curve-context
-//! 600`, Intel Xeon). The zmm tiles here hold 4 queries x 4 keys.
+//! 600`, Intel Xeon). The zmm tiles here hold 4 queries x 4 keys: from
+//! L1/L2, 51 us for that unit's scores against 64-68 for the JIT's GEMM (a
+//! temporary timing test, alternating).
 //!
 //! Each score is the same sum wherever it falls in a tile: 16 lanes, lane
 //! l summing dimensions l, l + 16, ... in order with one FMA each from

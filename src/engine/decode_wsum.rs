@@ -86,11 +86,13 @@ pub fn tiled_available(head_dim: usize) -> bool {
 /// once per tile and feed 16 FMAs. Each output element is still summed
 /// key after key with one FMA from zero: the bits of the other two forms.
 ///
-/// Why: a step over 8 tokens at 600 cached tokens gave its 32 query rows
-/// to the JIT's tile (6 queries x 16 dims, 16 passes over the keys each
-/// reading 64 bytes of every 1 KB row); the weighted sum took 74% of the
-/// step's attention (temporary timers in `bench --m-curve
-/// --m-curve-context 600`). Row by row it took longer still.
+/// Why: a step over 8 tokens at 600 cached tokens gives each thread 32
+/// query rows over about 275 keys. Those summed in 44 us here, 57-58 us
+/// in the JIT's tile (6 queries x 16 dims, 16 passes over the keys each
+/// reading 64 bytes of every 1 KB row) and 96-101 us row by row (all from
+/// L1/L2, a temporary timing test alternating the three, Intel Xeon whose
+/// cores retire one zmm FMA a cycle). In a real step V comes from memory,
+/// where the JIT's strided passes fare worse.
 pub fn weighted_sum_tiled(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
     let (n_keys, nq) = (v.len() / head_dim, out.len() / head_dim);
     assert!(

@@ -476,11 +476,12 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut two_block_gemv = true;
     let mut norm_unroll = 2usize;
     // With AVX-512 the engine computes attention's scores and weighted
-    // sums on zmm registers in Rust: a verify step's 32 query rows per
-    // thread took 150-175 us a layer at 600 cached tokens with the JIT's
-    // ymm kernels and 110-130 us so (they run at the FMA's rate; an
-    // AVX-512 form in the JIT would need EVEX code these 1,031 bytes
-    // could not hold). The bytes go back to the budget.
+    // sums on zmm registers in Rust: for a verify step's 32 query rows per
+    // thread over 275 keys, from L1/L2, scores 51 us against 64-68 with
+    // the JIT's ymm GEMM and weighted sums 44 against 57-58 (both near the
+    // FMA's rate; an AVX-512 form in the JIT would need EVEX code that the
+    // 1,031 bytes of the two ymm kernels could not hold). Those bytes go
+    // back to the budget.
     let avx512_attention = allowed_isa == Isa::Avx512 && dims.head_dim.is_multiple_of(64);
     let mut optional: Vec<&str> = if avx512_attention {
         vec!["softmax", "geglu"]
