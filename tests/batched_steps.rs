@@ -66,12 +66,27 @@ fn first_difference(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
         .map(|(i, (x, y))| (i, *x, *y))
 }
 
+/// Sequence 0 takes `run` in one step, sequence 1 (holding the same
+/// tokens before it) one token at a time: every position's logits must
+/// be the same bits.
+fn run_matches_one_token_steps(e: &mut FastEngine, run: &[u32]) {
+    let vocab = e.config().vocab_size;
+    let together = step(e, 0, run, LogitsWanted::All);
+    for (t, &token) in run.iter().enumerate() {
+        let alone = step(e, 1, &[token], LogitsWanted::Last);
+        let row = &together[t * vocab..(t + 1) * vocab];
+        if let Some((k, x, y)) = first_difference(row, &alone) {
+            let (m, pos) = (run.len(), e.sequence_len(1) - 1);
+            panic!("m = {m}, position {pos}: logit {k} is {x} in the step and {y} alone");
+        }
+    }
+}
+
 /// Sequences 0 and 1 hold the same prompt; 0 takes m tokens in one step,
 /// 1 one at a time: every position's logits are the same bits.
 fn short_steps_are_exact(native: bool, inputs: InputPrecision) {
     let mut e = engine(native, 2);
     e.set_input_precision(inputs);
-    let vocab = e.config().vocab_size;
     let prompt = tokens(40, 1);
     for seq in 0..2 {
         step(&mut e, seq, &prompt, LogitsWanted::Last);
@@ -80,14 +95,7 @@ fn short_steps_are_exact(native: bool, inputs: InputPrecision) {
     // tile and a lone token, which Q8_0's GEMV takes.
     for m in [2, 3, 4, 5, 9, EXACT_STEP_MAX_TOKENS] {
         let run = tokens(m + 1, 100 + m as u32)[1..].to_vec();
-        let together = step(&mut e, 0, &run, LogitsWanted::All);
-        for (t, &token) in run.iter().enumerate() {
-            let alone = step(&mut e, 1, &[token], LogitsWanted::Last);
-            let row = &together[t * vocab..(t + 1) * vocab];
-            if let Some((i, x, y)) = first_difference(row, &alone) {
-                panic!("m = {m}, token {t}: logit {i} is {x} in the step and {y} alone");
-            }
-        }
+        run_matches_one_token_steps(&mut e, &run);
     }
     assert_eq!(e.sequence_len(0), e.sequence_len(1));
 }
@@ -117,22 +125,13 @@ fn a_short_step_equals_one_token_steps_bit_for_bit_f16() {
 #[test]
 fn steps_past_the_window_equal_one_token_steps_bit_for_bit() {
     let mut e = engine_with_context(true, 2, 1024);
-    let vocab = e.config().vocab_size;
     let prompt = tokens(600, 7);
     for seq in 0..2 {
         step(&mut e, seq, &prompt, LogitsWanted::Last);
     }
     for (i, m) in [8, 3, 16, 5, 8, 13].into_iter().enumerate() {
         let run = tokens(m + 1, 200 + i as u32)[1..].to_vec();
-        let together = step(&mut e, 0, &run, LogitsWanted::All);
-        for (t, &token) in run.iter().enumerate() {
-            let alone = step(&mut e, 1, &[token], LogitsWanted::Last);
-            let row = &together[t * vocab..(t + 1) * vocab];
-            if let Some((k, x, y)) = first_difference(row, &alone) {
-                let pos = e.sequence_len(1) - 1;
-                panic!("m = {m}, position {pos}: logit {k} is {x} in the step and {y} alone");
-            }
-        }
+        run_matches_one_token_steps(&mut e, &run);
     }
     assert_eq!(e.sequence_len(0), 600 + 8 + 3 + 16 + 5 + 8 + 13);
 }
