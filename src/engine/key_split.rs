@@ -71,11 +71,17 @@ impl KeySplit {
         self.bounds[p]..self.bounds[p + 1]
     }
 
+    /// The boundaries between parts.
+    fn inner_bounds(&self) -> &[usize] {
+        &self.bounds[1..self.bounds.len() - 1]
+    }
+
     /// Whether `next` can share units with this token: the same sequence,
     /// the next position, and the same inner boundaries.
     fn continued_by(&self, next: &KeySplit) -> bool {
-        let inner = |s: &KeySplit| s.bounds[1..s.bounds.len() - 1].to_vec();
-        next.seq == self.seq && next.pos == self.pos + 1 && inner(next) == inner(self)
+        next.seq == self.seq
+            && next.pos == self.pos + 1
+            && next.inner_bounds() == self.inner_bounds()
     }
 }
 
