@@ -22,22 +22,34 @@
 //!
 //! The chunks 0..3 sums start from the tile's `vnni_group_start`
 //! (`1.5 * 2^23` as bits, less `sum_x << 7`), so the correction and the
-//! conversion are one `vsubps` of 1.5 * 2^23, exact. Port 0 is what bounds
-//! the kernel on Intel's AVX-512 cores (every zmm `vpdpbusd`, and
-//! `vcvtdq2ps` and `vpslld` too): per group of 4 tokens 40 port-0
-//! instructions became 32, the `vpdpbusd`s alone.
+//! conversion are one `vsubps` of 1.5 * 2^23, exact: per group of 4 tokens
+//! 40 vector instructions became 32 plus the scaling.
 //!
-//! Tokens go 4 at a time (a pass): a pass reads the block's 16 rows x K
-//! (10 KiB for K = 640 in Q8_0) and the next pass reads them again from
-//! L1 or L2. Fewer than 4 tokens in a pass compute the absent ones from
-//! the tile's zeros and store nothing for them; a call of one token has a
-//! loop of its own. Q5_0x16's calls of 5 to 8 tokens take one pass of 8
-//! instead (a loop of two rounds of chunk pairs, one chain per token), so
-//! its chunks are unpacked once: `bench --m-curve`, 3 runs alternating
-//! with two passes of 4, a step over 8 tokens 1.40-1.49x a one-token step
-//! against 1.51-1.63x, over 5 1.34-1.42x against 1.42-1.51x, prefill 512
-//! 1225, 1393, 1207 tok/s against 1010, 1200, 1309. Measured from L2, one thread, 128 x 640 (ns per 4 rows
-//! x 32 columns; the 4-row GEMM with (row, token) lanes it replaced in
+//! What bounds the arithmetic (Intel Xeon model 207, 2026-12-05, timed
+//! with a C loop of zmm `vpdpbusd`s in inline asm, 1 to 16 chains): a
+//! `vpdpbusd` takes 6 cycles and two issue per cycle (ports 0 and 5, which
+//! the FMAs, `vpaddd` and the unpacking share), so 8 chains reach 1.33 a
+//! cycle and 16 chains 2 (0.244 against 0.164 ns each). A group of 8
+//! tokens is 64 `vpdpbusd`, 24 scaling instructions and, for Q5_0x16, 20
+//! of unpacking: from L2 it runs at 16.5 GB/s of Q5_0x16 weights a core,
+//! within 15% of what the two ports allow and about the 13-16 GB/s a core
+//! streams from memory with both cores reading; Q8_0x16 has twice that
+//! slack. So in a step over 8 tokens the Q5_0 products take about as
+//! long as the weights take to arrive, and only a perfect overlap would
+//! hide them; two chains per token would not help, as the ports, not the
+//! chains' latency, are what is left (they would add a `vpaddd` a token).
+//!
+//! A call reads each 16-row block once, in one of three forms that its
+//! token count picks per group: one token (a decode step: a loop of two
+//! rounds of chunk pairs, 2 chains), 2 to 4 (straight-line, two chains per
+//! token; fewer than 4 compute the absent ones from the tile's zeros and
+//! store nothing for them) and 5 to 8 (a loop of two rounds, one chain
+//! per token). Q5_0x16 had the pass of 8 first: `bench --m-curve`, 3 runs
+//! alternating with two passes of 4, a step over 8 tokens 1.40-1.49x a
+//! one-token step against 1.51-1.63x, over 5 1.34-1.42x against
+//! 1.42-1.51x, prefill 512 1225, 1393, 1207 tok/s against 1010, 1200,
+//! 1309. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
+//! columns; the 4-row GEMM with (row, token) lanes it replaced in
 //! brackets), with a loop of two rounds of chunks: 8 tokens 3.8 (5.4), 4
 //! tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3); see
 //! `group_step` for the straight-line form.
@@ -56,13 +68,13 @@
 //! rows are zeros). Stores are masked (k1) to the rows that exist.
 //!
 //! Registers: zmm0..3 a pass of 4 tokens' group sums over chunks 0..3,
-//! zmm4..7 over chunks 4..7 (two chains each; a pass of 8 has one chain
-//! per token in zmm0..7), zmm8..15 their f32 sums, zmm16/17 chunks n and
+//! zmm4..7 over chunks 4..7 (two chains each; the 8-token form has one
+//! chain per token in zmm0..7), zmm8..15 their f32 sums, zmm16/17 chunks n and
 //! n + 4 of the weights, zmm18 the 16 row scales, zmm19 a temporary, zmm20
 //! 1.5 * 2^23 in every lane; Q5_0x16: zmm21..23 the bytes 0x0F, 0x70 and
 //! 0x80, zmm24 a nibble run, k2/k3 two chunks' high bits.
 //! General registers as `gemm_quant`'s frame (`token_call_frame`), plus
-//! r15 the block's first group, rax the pass's first token and rbx the
+//! r15 the block's first group, rax 0 (the first token) and rbx the
 //! round of the chunk loop (K, in rbx on entry, is not needed past the
 //! frame).
 
@@ -70,7 +82,7 @@ use super::gemm_quant::{
     FLOAT_MAGIC_BITS, GemmQuantParams, TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_VNNI_STARTS_AT,
     block_and_pass_top, iced, next_group, token_call_frame,
 };
-use super::{Asm, new_asm, next_block_and_return, save_callee_saved};
+use super::{Asm, cmp_imm8, new_asm, next_block_and_return, reg, save_callee_saved};
 use crate::jback;
 use crate::model::quant_blocks::{CHUNK_BYTES, GROUP_COLS, Q5_0X16_MASKS_AT, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -99,6 +111,9 @@ const SUMS: [AsmRegisterZmm; TILE_TOKENS] = [zmm0, zmm1, zmm2, zmm3, zmm4, zmm5,
 const F32_SUMS: [AsmRegisterZmm; TILE_TOKENS] =
     [zmm8, zmm9, zmm10, zmm11, zmm12, zmm13, zmm14, zmm15];
 /// Chunks n and n + 4 of 16 rows, as bytes s + 128.
+/// `F32_SUMS`' low 128 bits, to clear them with short VEX forms.
+const F32_SUMS_LOW: [AsmRegisterXmm; TILE_TOKENS] =
+    [xmm8, xmm9, xmm10, xmm11, xmm12, xmm13, xmm14, xmm15];
 const WEIGHTS: [AsmRegisterZmm; 2] = [zmm16, zmm17];
 const ROW_SCALES: AsmRegisterZmm = zmm18;
 const TEMP: AsmRegisterZmm = zmm19;
@@ -158,7 +173,7 @@ fn load_chunk_pair(a: &mut CodeAssembler, q: QuantType, n: usize) -> Result<(), 
 /// done, so a round's inputs are 4 rbx on, its weights 8 rbx and
 /// Q5_0x16's masks rbx.
 fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
-    let (q, prefetch) = (p.q, p.prefetch);
+    let q = p.q;
     let rounds = if tokens == PASS_TOKENS { 1 } else { 2 };
     let round_pairs = PAIRS / rounds;
     let round = ops.new_dynamic_label();
@@ -171,41 +186,6 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
             for t in 0..tokens {
                 let s = chain(tokens, t, PAIRS);
                 a.vpxord(s, s, s)?;
-            }
-        }
-        if prefetch > 0 {
-            // The group's bytes ahead (Q8_0x16 9 lines, Q5_0x16 6), before
-            // its rounds: a round covers a share of the chunks, not of the
-            // group's bytes (the masks come last). Spread over the rounds
-            // as `rbx * 8 + 64 line` they missed 96 of Q8_0x16's 544
-            // bytes a group (decode 103.2, 112.1, 95.8 tok/s in the runs
-            // with it, 130.0, 131.7, 98.6 after, in another window).
-            for line in 0..q.group_bytes().div_ceil(64) as i32 {
-                a.prefetcht0(byte_ptr(r9 + prefetch as i32 + 64 * line))?;
-            }
-        }
-        if tokens > 1 && p.l2_prefetch > 0 {
-            // A pass over 4 tokens runs 32 `vpdpbusd` per group on port 0,
-            // and a step's products and its reads added up rather than
-            // overlapped (likely: the reorder buffer fills with products,
-            // so the L1 prefetch 8 KiB ahead issues too late for memory's
-            // latency under load, and L1's few fill buffers cap what is in
-            // flight). The same lines 32 KiB ahead
-            // into L2 as well: `bench --m-curve`, Intel Xeon (AVX-512 VNNI),
-            // 3 alternating runs, a step over 2 tokens 1.03-1.06x a
-            // one-token step (1.15-1.21x without), over 4 1.12-1.13x
-            // (1.25-1.28x), over 8 1.54-1.55x (1.71-1.74x). 16 KiB ahead
-            // gave 1.10-1.18x at 4 and 1.55-1.67x at 8, 24 KiB 1.10-1.15x
-            // and 1.54-1.64x, 48 KiB 1.15-1.26x at 4; the L2 lines in
-            // place of the L1 ones, 1.17-1.21x at 4. A step's second pass
-            // (tokens 4..8) prefetching half a block further than its
-            // first, so that each pass brought in half the new lines:
-            // no change at 8 tokens (17.6-18.8 against 16.8-19.4 ms, 4
-            // alternating pairs). The one-token loop
-            // keeps the L1 prefetch alone (its 120 bytes more of code
-            // would not fit the plan's budget).
-            for line in 0..q.group_bytes().div_ceil(64) as i32 {
-                a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
             }
         }
         a.xor(ebx, ebx)
@@ -225,11 +205,12 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
         Ok(())
     });
     if rounds > 1 {
-        dynasm!(ops
-            ; .arch x64
-            ; add ebx, 8 * round_pairs as i32
-            ; cmp ebx, 8 * PAIRS as i32
-        );
+        // Through iced, whose encoder takes the 3-byte imm8 forms that
+        // dynasm's `add`/`cmp` with a Rust expression do not.
+        iced(ops, |a| {
+            a.add(ebx, 8 * round_pairs as i32)?;
+            a.cmp(ebx, 8 * PAIRS as i32)
+        });
         jback!(ops, jb, round, round_top);
     }
     iced(ops, |a| {
@@ -256,7 +237,53 @@ fn group_step(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
     });
 }
 
-/// Stores the pass's tokens (those below ntok, r13) at `y + t*ldy + r`,
+/// The group's prefetches, before the form of its token count is chosen,
+/// so that the three forms share one copy: the lines `p.prefetch` bytes
+/// ahead into L1 and `p.l2_prefetch` bytes ahead into L2 as well.
+fn prefetch_group(ops: &mut Asm, p: &GemmQuantParams) {
+    let q = p.q;
+    iced(ops, |a| {
+        if p.prefetch > 0 {
+            // The group's bytes ahead (Q8_0x16 9 lines, Q5_0x16 6), before
+            // its rounds: a round covers a share of the chunks, not of the
+            // group's bytes (the masks come last). Spread over the rounds
+            // as `rbx * 8 + 64 line` they missed 96 of Q8_0x16's 544
+            // bytes a group (decode 103.2, 112.1, 95.8 tok/s in the runs
+            // with it, 130.0, 131.7, 98.6 after, in another window).
+            for line in 0..q.group_bytes().div_ceil(64) as i32 {
+                a.prefetcht0(byte_ptr(r9 + p.prefetch as i32 + 64 * line))?;
+            }
+        }
+        if p.l2_prefetch > 0 {
+            // A pass over 4 tokens runs 32 `vpdpbusd` per group, and a
+            // step's products and its reads added up rather than
+            // overlapped (likely: the reorder buffer fills with products,
+            // so the L1 prefetch 8 KiB ahead issues too late for memory's
+            // latency under load, and L1's few fill buffers cap what is in
+            // flight). The same lines 32 KiB ahead into L2 as well: `bench
+            // --m-curve`, Intel Xeon (AVX-512 VNNI), 3 alternating runs, a
+            // step over 2 tokens 1.03-1.06x a one-token step (1.15-1.21x
+            // without), over 4 1.12-1.13x (1.25-1.28x), over 8 1.54-1.55x
+            // (1.71-1.74x). 16 KiB ahead gave 1.10-1.18x at 4 and
+            // 1.55-1.67x at 8, 24 KiB 1.10-1.15x and 1.54-1.64x, 48 KiB
+            // 1.15-1.26x at 4; the L2 lines in place of the L1 ones,
+            // 1.17-1.21x at 4. The one-token form had the L1 lines alone
+            // while each form had its own copy of the prefetches (no room
+            // in the budget); with them shared it has both, and decode got
+            // faster: `bench --no-tune --pp 16 --tg 128`, 6 alternating
+            // pairs, 131.4, 128.1, 129.0, 127.9, 147.6, 150.3 tok/s against
+            // 126.2, 124.0, 104.8, 113.6, 125.2, 135.2 (`tune --measure`,
+            // Q5_0x16 one token, 2 threads: 29.8, 29.8, 26.7 GB/s against
+            // 23.6, 25.0, 25.2).
+            for line in 0..q.group_bytes().div_ceil(64) as i32 {
+                a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Stores the call's tokens (ntok, r13) at `y + t*ldy + r` (r14 = y + r),
 /// one store each masked (k1) to the rows that exist (`r8 - rcx`, at most
 /// 16). (Through the red zone and two `vmaskmovps` of 8 rows each, the
 /// stores took 96 more bytes of code, which the plan's budget lacked.)
@@ -275,24 +302,15 @@ fn store_pass(ops: &mut Asm) {
         ; dec r10d
     );
     iced(ops, |a| a.kmovw(k1, r10d));
-    dynasm!(ops
-        ; .arch x64
-        ; mov r10, rax
-        ; imul r10, r12
-        ; add r10, r14
-        ; mov r9, r13
-        ; sub r9, rax
-    );
+    dynasm!(ops ; .arch x64 ; mov r10, r14);
     for (t, f) in F32_SUMS.into_iter().enumerate() {
         if t > 0 {
-            dynasm!(ops
-                ; .arch x64
-                ; cmp r9, t as i32
-                ; jbe =>done
-            );
+            dynasm!(ops ; .arch x64 ; add r10, r12);
+            cmp_imm8(ops, reg::R13, t as i8);
+            // The 7 stores after the first span 90 bytes: a short jump.
+            dynasm!(ops ; .arch x64 ; jbe BYTE =>done);
         }
         iced(ops, |a| a.vmovups(zmmword_ptr(r10).k1(), f));
-        dynasm!(ops ; .arch x64 ; add r10, r12);
     }
     dynasm!(ops ; .arch x64 ; =>done);
 }
@@ -324,69 +342,57 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         Ok(())
     });
-    let (block_top, pass_top) = block_and_pass_top(&mut ops, block, pass);
+    let (block_top, _) = block_and_pass_top(&mut ops, block, pass);
     iced(&mut ops, |a| {
-        for f in F32_SUMS {
-            a.vpxord(f, f, f)?;
+        // VEX xmm forms (4 bytes, against 6 for EVEX zmm): a VEX write
+        // clears the register's bits above 128 too.
+        for f in F32_SUMS_LOW {
+            a.vpxor(f, xmm0, xmm0)?;
         }
         Ok(())
     });
     // A call of one token (a decode step) takes a loop of its own: the
     // 4-token loop's 3 idle tokens made a step of the default model 15%
-    // slower. A call of 5 to 8 tokens takes one pass of 8, which unpacks
-    // Q5_0x16's chunks once for all of them (two passes of 4 each did it
-    // again) and keeps the stream of weights going through one pass.
+    // slower. A call of 5 to 8 tokens takes one pass of 8: Q5_0x16's
+    // chunks are unpacked once for all 8 tokens, and the block's weights
+    // are read in one pass while its products run, where two passes of 4
+    // left memory idle during the second (`tune --measure`, Q8_0x16 at
+    // K 640 from memory, 2 threads, a call over 8 tokens against one over
+    // 1, five runs each, alternating: 0.98, 1.13, 1.34, 1.13, 1.25x with
+    // the pass of 8, 1.25, 1.32, 1.37, 1.33, 1.28x with two passes of 4).
     //
-    // Only Q5_0x16 has the pass of 8 (866 bytes; the plan's budget holds
-    // one): its 8 tokens' products take as long as its bytes take to
-    // arrive, where Q8_0x16's take about 60% of that (one core, from L2,
-    // `tune --measure`), so two passes of 4 cost Q8_0 little.
-    let eight = q == QuantType::Q5_0x16;
+    // Every call is thus one pass, whose form the group's token count
+    // picks after the group's prefetches: one copy of the prefetches and
+    // of the step to the next group serves the three forms (a form each,
+    // with the group loop inside it, took 718 bytes more and did not fit
+    // the plan's budget with both types' passes of 8). The two compares
+    // a group cost nothing measurable next to its 8 to 64 `vpdpbusd`.
+    let group = ops.new_dynamic_label();
     let one_token = ops.new_dynamic_label();
     let eight_tokens = ops.new_dynamic_label();
-    let stored = ops.new_dynamic_label();
-    dynasm!(ops
-        ; .arch x64
-        ; cmp r13, BYTE 1
-        ; je =>one_token
-    );
-    if eight {
-        dynasm!(ops
-            ; .arch x64
-            ; cmp r13, BYTE PASS_TOKENS as i32
-            ; ja =>eight_tokens
-        );
-    }
-    let forms: &[usize] = if eight {
-        &[PASS_TOKENS, TILE_TOKENS, 1]
-    } else {
-        &[PASS_TOKENS, 1]
-    };
-    for &tokens in forms {
-        let group = ops.new_dynamic_label();
+    let group_done = ops.new_dynamic_label();
+    let group_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>group);
+    prefetch_group(&mut ops, p);
+    cmp_imm8(&mut ops, reg::R13, 1);
+    dynasm!(ops ; .arch x64 ; je =>one_token);
+    cmp_imm8(&mut ops, reg::R13, PASS_TOKENS as i8);
+    dynasm!(ops ; .arch x64 ; ja =>eight_tokens);
+    for tokens in [PASS_TOKENS, TILE_TOKENS, 1] {
         match tokens {
             1 => dynasm!(ops ; .arch x64 ; =>one_token),
             TILE_TOKENS => dynasm!(ops ; .arch x64 ; =>eight_tokens),
             _ => {}
         }
-        let group_top = ops.offset();
-        dynasm!(ops ; .arch x64 ; =>group);
         group_step(&mut ops, p, tokens);
-        next_group(&mut ops, q, (group, group_top));
         if tokens != 1 {
-            dynasm!(ops ; .arch x64 ; jmp =>stored);
+            dynasm!(ops ; .arch x64 ; jmp =>group_done);
         }
     }
-    dynasm!(ops ; .arch x64 ; =>stored);
+    dynasm!(ops ; .arch x64 ; =>group_done);
+    next_group(&mut ops, q, (group, group_top));
+    // A call has at most a tile's 8 tokens (`GemmQuant::run` checks), so
+    // the block takes no second pass.
     store_pass(&mut ops);
-    // Q5_0x16's calls are one pass, of 1, 4 or 8 tokens; Q8_0x16's calls
-    // of 5 to 8 take two of 4.
-    let pass_tokens = if eight { TILE_TOKENS } else { PASS_TOKENS };
-    dynasm!(ops
-        ; .arch x64
-        ; add rax, BYTE pass_tokens as i8
-        ; cmp rax, r13
-    );
-    jback!(ops, jb, pass, pass_top);
     next_block_and_return(ops, ROWS, (block, block_top), done, name)
 }
