@@ -90,8 +90,8 @@ pub fn tiled_available(head_dim: usize) -> bool {
 /// query rows over about 275 keys. Those summed in 44 us here, 57-58 us
 /// in the JIT's tile (6 queries x 16 dims, 16 passes over the keys each
 /// reading 64 bytes of every 1 KB row) and 96-101 us row by row (all from
-/// L1/L2, a temporary timing test alternating the three, Intel Xeon whose
-/// cores retire one zmm FMA a cycle). In a real step V comes from memory,
+/// L1/L2, a temporary timing test alternating the three, Intel Xeon: about
+/// one zmm FMA a cycle of the two it can issue). In a real step V comes from memory,
 /// where the JIT's strided passes fare worse.
 pub fn weighted_sum_tiled(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
     let (n_keys, nq) = (v.len() / head_dim, out.len() / head_dim);

@@ -75,43 +75,50 @@ impl InputPrecision {
 /// first holds the row, the second (if any) what the first's rounding
 /// left out.
 #[inline(always)]
-fn quantize_rows(x: &[f32], k: usize, levels: usize, bytes: &mut [u8]) {
-    quantize_rows_with(x, k, levels, bytes, quantize_block);
+fn quantize_rows(x: &[f32], k: usize, levels: usize, bytes: &mut [u8], tiles: &mut [u8]) {
+    quantize_rows_with(x, k, levels, bytes, tiles, quantize_block);
 }
 
 /// [`quantize_rows`] with `block` quantizing each group: it writes the 32
-/// quants and returns the scale and the quants' sum.
+/// quants and returns the scale and the quants' sum. Each group goes to
+/// the per-token layout (`bytes`) and to its token's tile (`tiles`) as it
+/// is made. Built in a second pass over the tokens' bytes, the tiles took
+/// a third of `Q8Input::quantize`'s time at 512 tokens (Intel Xeon, one
+/// thread, best of 50: K 640 461 us against 318 now, K 2048 783 against
+/// 534); at 8 tokens neither way measured different (3.1 and 9.6 us).
 #[inline(always)]
 fn quantize_rows_with(
     x: &[f32],
     k: usize,
     levels: usize,
     bytes: &mut [u8],
+    tiles: &mut [u8],
     block: impl Fn(&[f32], &mut [u8]) -> (f32, i32),
 ) {
     let stride = Q8Input::token_bytes(k);
-    for (row, out) in x
+    for (r, (row, out)) in x
         .chunks_exact(k)
         .zip(bytes.chunks_exact_mut(levels * stride))
+        .enumerate()
     {
         let (first, second) = out.split_at_mut(stride);
         for (g, values) in row.chunks_exact(GROUP_COLS).enumerate() {
-            let d = quantize_group(values, k, g, first, &block);
+            let d = quantize_group(values, k, g, first, &block, (tiles, r * levels));
             if levels == 2 {
                 let quants = &first[g * GROUP_COLS..(g + 1) * GROUP_COLS];
                 let mut left_out = [0.0f32; GROUP_COLS];
                 for ((l, &v), &q) in left_out.iter_mut().zip(values).zip(quants) {
                     *l = v - d * f32::from(q as i8);
                 }
-                quantize_group(&left_out, k, g, second, &block);
+                quantize_group(&left_out, k, g, second, &block, (tiles, r * levels + 1));
             }
         }
     }
 }
 
 /// Quantizes `values` as group `g` of one token's bytes (`k` values)
-/// with `block`: its 32 quants, its scale and the sum of its quants.
-/// Returns the scale.
+/// with `block`: its 32 quants, its scale and the sum of its quants, in
+/// `token` and in token `t`'s tile. Returns the scale.
 #[inline(always)]
 fn quantize_group(
     values: &[f32],
@@ -119,9 +126,21 @@ fn quantize_group(
     g: usize,
     token: &mut [u8],
     block: impl Fn(&[f32], &mut [u8]) -> (f32, i32),
+    (tiles, t): (&mut [u8], usize),
 ) -> f32 {
     let groups = k / GROUP_COLS;
-    let (d, total) = block(values, &mut token[g * GROUP_COLS..(g + 1) * GROUP_COLS]);
+    let quants = &mut token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
+    let (d, total) = block(values, quants);
+    let at = t / TOKENS * tile_bytes(k) + g * TILE_GROUP_BYTES;
+    let cell = &mut tiles[at..at + TILE_GROUP_BYTES];
+    let lane = 4 * (t % TOKENS);
+    for (c, four) in quants.chunks_exact(4).enumerate() {
+        cell[c * 4 * TOKENS + lane..][..4].copy_from_slice(four);
+    }
+    cell[TILE_SCALES_AT + lane..][..4].copy_from_slice(&d.to_le_bytes());
+    cell[TILE_SUMS_AT + lane..][..4].copy_from_slice(&total.to_le_bytes());
+    let start = vnni_group_start(total);
+    cell[TILE_VNNI_STARTS_AT + lane..][..4].copy_from_slice(&start.to_le_bytes());
     token[k + g * 4..][..4].copy_from_slice(&d.to_le_bytes());
     token[k + groups * 4 + g * 4..][..4].copy_from_slice(&total.to_le_bytes());
     d
@@ -241,10 +260,16 @@ fn abs_max(block: &[f32]) -> f32 {
 /// # Safety
 /// The CPU must have AVX2.
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_rows_avx2(x: &[f32], k: usize, levels: usize, bytes: &mut [u8]) {
+unsafe fn quantize_rows_avx2(
+    x: &[f32],
+    k: usize,
+    levels: usize,
+    bytes: &mut [u8],
+    tiles: &mut [u8],
+) {
     // SAFETY: AVX2 per this function's contract; every block the rows
     // are cut into holds 32 values and 32 quants.
-    quantize_rows_with(x, k, levels, bytes, |block, quants| unsafe {
+    quantize_rows_with(x, k, levels, bytes, tiles, |block, quants| unsafe {
         quantize_block_avx2(block, quants)
     });
 }
@@ -272,46 +297,20 @@ impl Q8Input {
         let levels = precision.levels();
         let tokens = x.len() / k * levels;
         let mut bytes = vec![0u8; tokens * Self::token_bytes(k)];
+        // Zeros stand for the absent tokens of the last tile.
+        let mut tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(k)];
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
-            unsafe { quantize_rows_avx2(x, k, levels, &mut bytes) };
+            unsafe { quantize_rows_avx2(x, k, levels, &mut bytes, &mut tiles) };
         } else {
-            quantize_rows(x, k, levels, &mut bytes);
+            quantize_rows(x, k, levels, &mut bytes, &mut tiles);
         }
-        let mut input = Q8Input {
+        Q8Input {
             bytes,
-            tiles: Vec::new(),
+            tiles,
             k,
             tokens,
-        };
-        input.tiles = input.interleave();
-        input
-    }
-
-    /// The token tiles, built from the per-token layout.
-    fn interleave(&self) -> Vec<u8> {
-        let groups = self.k / GROUP_COLS;
-        let tile_bytes = tile_bytes(self.k);
-        let mut tiles = vec![0u8; self.tokens.div_ceil(TOKENS) * tile_bytes];
-        for t in 0..self.tokens {
-            let tile = &mut tiles[t / TOKENS * tile_bytes..][..tile_bytes];
-            let lane = t % TOKENS;
-            let token = self.token(t);
-            for (g, out) in tile.chunks_exact_mut(TILE_GROUP_BYTES).enumerate() {
-                let quants = &token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
-                for (c, four) in quants.chunks_exact(4).enumerate() {
-                    out[c * 4 * TOKENS + lane * 4..][..4].copy_from_slice(four);
-                }
-                let scale_at = self.k + g * 4;
-                let sum_at = self.k + groups * 4 + g * 4;
-                out[TILE_SCALES_AT + lane * 4..][..4].copy_from_slice(&token[scale_at..][..4]);
-                let sum = &token[sum_at..][..4];
-                out[TILE_SUMS_AT + lane * 4..][..4].copy_from_slice(sum);
-                let start = vnni_group_start(i32::from_le_bytes([sum[0], sum[1], sum[2], sum[3]]));
-                out[TILE_VNNI_STARTS_AT + lane * 4..][..4].copy_from_slice(&start.to_le_bytes());
-            }
         }
-        tiles
     }
 
     /// Tiles of 8 tokens (a single token has one too, for the GEMMs that
@@ -418,7 +417,8 @@ mod tests {
             *slot = v;
         }
         let mut portable = vec![0u8; Q8Input::token_bytes(32)];
-        quantize_rows(&block, 32, 1, &mut portable);
+        let mut tile = vec![0u8; tile_bytes(32)];
+        quantize_rows(&block, 32, 1, &mut portable, &mut tile);
         let quants: Vec<i8> = portable[..cases.len()].iter().map(|&b| b as i8).collect();
         let expected: Vec<i8> = cases.iter().map(|&(_, q)| q).collect();
         assert_eq!(quants, expected);
@@ -432,12 +432,16 @@ mod tests {
             .collect();
         for input in [&block[..], &x[..]] {
             for levels in 1..=2 {
-                let mut plain = vec![0u8; input.len() / 32 * levels * Q8Input::token_bytes(32)];
+                let tokens = input.len() / 32 * levels;
+                let mut plain = vec![0u8; tokens * Q8Input::token_bytes(32)];
                 let mut avx2 = plain.clone();
-                quantize_rows(input, 32, levels, &mut plain);
+                let mut plain_tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(32)];
+                let mut avx2_tiles = plain_tiles.clone();
+                quantize_rows(input, 32, levels, &mut plain, &mut plain_tiles);
                 // SAFETY: AVX2 is present, asserted above.
-                unsafe { quantize_rows_avx2(input, 32, levels, &mut avx2) };
+                unsafe { quantize_rows_avx2(input, 32, levels, &mut avx2, &mut avx2_tiles) };
                 assert_eq!(plain, avx2);
+                assert_eq!(plain_tiles, avx2_tiles);
             }
         }
     }

@@ -91,8 +91,9 @@ impl StepCost {
 }
 
 /// A step size timed at least this often is priced by its own mean time
-/// rather than by the fitted line. The integer GEMM goes over tokens 4 at
-/// a time (`jit::emit::gemm_q8_0x16`), so the real cost is a staircase
+/// rather than by the fitted line. The integer GEMM has one form for 2 to
+/// 4 tokens and a costlier one for 5 to 8 (`jit::emit::gemm_q8_0x16`;
+/// two passes of 4 before 2026-12-05), so the real cost is a staircase
 /// that no line follows: on the default model with AVX-512 VNNI, `bench
 /// --m-curve` 1.30x at m = 2, 1.43x at 4, then 1.85x at 5. A line through
 /// those priced the fifth token of a 4-stream server step at a quarter of
@@ -638,7 +639,7 @@ mod tests {
         q.record_step(1, 0.010);
         assert_eq!(q.measured_cost(3), None);
 
-        // A server: the fifth token starts a second pass.
+        // A server: the fifth token takes the GEMM's 8-token form.
         let mut t = BatchStepTimes::default();
         for _ in 0..5 {
             for (m, ms) in [(2, 13.0), (3, 13.5), (4, 14.3), (5, 18.5)] {

@@ -82,8 +82,8 @@ pub const TILE_GROUP_BYTES: usize = TILE_VNNI_STARTS_AT + TOKENS * 4;
 /// 1.5 * 2^23 as f32 bits. Every integer i with |i| < 2^22 added to these
 /// bits gives the float 1.5 * 2^23 + i exactly, so subtracting 1.5 * 2^23
 /// (exact too) turns an integer into a float with one `vsubps`, on either
-/// vector port, where `vcvtdq2ps` needs port 0, the port every `vpdpbusd`
-/// already takes.
+/// vector port, where `vcvtdq2ps` needs port 0, which the `vpdpbusd`s
+/// share with port 5.
 pub const FLOAT_MAGIC_BITS: i32 = 0x4B40_0000;
 
 /// The value VNNI's group sums start from for a token whose group of
