@@ -117,6 +117,26 @@ unsafe fn tile_avx512<const Q: usize, const K: usize>(
     head_dim: usize,
     tile: &mut [[f32; TILE]; TILE],
 ) {
+    // SAFETY: AVX-512F per this function's contract.
+    let acc = unsafe { lane_sums::<Q, K>(q, k, head_dim) };
+    for (row, acc) in tile.iter_mut().zip(&acc) {
+        for (s, &a) in row.iter_mut().zip(acc) {
+            *s = lanes_sum(a);
+        }
+    }
+}
+
+/// Score (i, j) of the first `Q` rows of `q` and `K` rows of `k` in 16
+/// lanes, lane l the sum of dimensions l, l + 16, ... in order, one FMA
+/// each from zero.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn lane_sums<const Q: usize, const K: usize>(
+    q: &[f32],
+    k: &[f32],
+    head_dim: usize,
+) -> [[std::arch::x86_64::__m512; K]; Q] {
     use std::arch::x86_64::*;
     assert!(q.len() >= Q * head_dim && k.len() >= K * head_dim);
     let mut acc = [[_mm512_setzero_ps(); K]; Q];
@@ -135,15 +155,11 @@ unsafe fn tile_avx512<const Q: usize, const K: usize>(
             }
         }
     }
-    for (row, acc) in tile.iter_mut().zip(&acc) {
-        for (s, &a) in row.iter_mut().zip(acc) {
-            *s = lanes_sum(a);
-        }
-    }
+    acc
 }
 
 /// A whole tile, 4 queries x 4 keys, into `out[i * n_keys + j]`: the 16
-/// sums as [`tile_avx512`] makes them, then reduced together. Each level
+/// sums as [`lane_sums`] makes them, then reduced together. Each level
 /// of [`lanes_sum`]'s tree (halves, quarters, pairs, the last two) adds the
 /// same lanes of every score, but here two to four scores share each
 /// shuffle and add: 45 instructions for the 16 scores where `lanes_sum`
@@ -156,24 +172,9 @@ unsafe fn tile_avx512<const Q: usize, const K: usize>(
 #[target_feature(enable = "avx512f")]
 unsafe fn full_tile_avx512(q: &[f32], k: &[f32], head_dim: usize, out: &mut [f32], n_keys: usize) {
     use std::arch::x86_64::*;
-    assert!(q.len() >= TILE * head_dim && k.len() >= TILE * head_dim);
     assert!(out.len() >= (TILE - 1) * n_keys + TILE);
-    let mut acc = [[_mm512_setzero_ps(); TILE]; TILE];
-    for d in (0..head_dim).step_by(16) {
-        // SAFETY: rows i and j are inside `q` and `k` (asserted above), and
-        // d + 16 <= head_dim; unaligned loads.
-        let (qv, kv): ([__m512; TILE], [__m512; TILE]) = unsafe {
-            (
-                std::array::from_fn(|i| _mm512_loadu_ps(q.as_ptr().add(i * head_dim + d))),
-                std::array::from_fn(|j| _mm512_loadu_ps(k.as_ptr().add(j * head_dim + d))),
-            )
-        };
-        for (acc, &qv) in acc.iter_mut().zip(&qv) {
-            for (a, &kv) in acc.iter_mut().zip(&kv) {
-                *a = _mm512_fmadd_ps(kv, qv, *a);
-            }
-        }
-    }
+    // SAFETY: AVX-512F per this function's contract.
+    let acc = unsafe { lane_sums::<TILE, TILE>(q, k, head_dim) };
     // Halves: blocks 0 and 1 of a score's vector plus its blocks 2 and 3,
     // two scores (queries 2p and 2p + 1, key j) to a vector.
     let halves = |a: __m512, b: __m512| {
