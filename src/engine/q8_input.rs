@@ -25,6 +25,17 @@
 //! across threads. (Built by the first thread that asked, inside the
 //! parallel section, they made the other thread sleep on a futex: 4% of a
 //! 4-stream server's samples in waking threads.)
+//!
+//! Tried and not kept (2026-12-05, Intel Xeon, 2 threads, best of 200-300
+//! calls, alternating): the groups of 32 columns split over the pool's
+//! threads in a parallel section of their own, each thread quantizing its
+//! groups of every token (same bytes). A verify step's inputs got slower
+//! (8 tokens at K 640: 4.4-4.5 us against 2.9 alone; at K 2048 9.7-11.9
+//! against 9.5): the section and moving the rows between the cores cost
+//! more than half the work. From about 32,000 values it paid (126 tokens
+//! at K 640: 47-48 us against 75-77; at K 2048: 117-173 against 164-170),
+//! which is prefill alone, already 2.6-3.6x llama.cpp: about 2% of a
+//! prefill for a second, unsafe write path.
 
 use crate::jit::emit::gemm_quant::{
     TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TILE_VNNI_STARTS_AT, TOKENS, tile_bytes,
