@@ -89,6 +89,7 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
         Family::Gemma1 => "gemma",
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
+        Family::Gemma4 => "gemma4",
     };
     let key = |k: &str| format!("{arch}.{k}");
     w.add_str("general.architecture", arch);
@@ -154,6 +155,12 @@ pub enum Target {
 
 pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let src = ModelSource::open(input)?;
+    if src.config.family == Family::Gemma4 {
+        bail!(
+            "{}: `pulsar convert` does not write Gemma 4 models yet; run the GGUF file or HF folder directly",
+            input.display()
+        );
+    }
     let c = src.config.clone();
     // A BF16 checkpoint stays BF16 unless asked otherwise; all else is FP16.
     let default_format = || {

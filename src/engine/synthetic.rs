@@ -76,13 +76,13 @@ pub fn random_weights(
     let layers = (0..c.n_layers())
         .map(|i| {
             let mut m = |role: LayerRole| {
-                let [rows, cols] = layer_matrix_shape(role, c);
+                let [rows, cols] = layer_matrix_shape(role, c, 0);
                 mat(Role::Layer(i, role), rows, cols)
             };
             LayerWeights {
                 q: m(LayerRole::Q),
-                k: m(LayerRole::K),
-                v: m(LayerRole::V),
+                k: Some(m(LayerRole::K)),
+                v: Some(m(LayerRole::V)),
                 o: m(LayerRole::O),
                 gate: m(LayerRole::Gate),
                 up: m(LayerRole::Up),
@@ -93,6 +93,9 @@ pub fn random_weights(
                 ffn_post_norm: c.has_post_norms().then(|| ones(c.hidden)),
                 q_norm: c.has_qk_norm().then(|| ones(c.head_dim)),
                 k_norm: c.has_qk_norm().then(|| ones(c.head_dim)),
+                per_layer_input: None,
+                moe: None,
+                output_scale: 1.0,
             }
         })
         .collect();
@@ -100,5 +103,6 @@ pub fn random_weights(
         embedding: mat(Role::Embedding, c.vocab_size, c.hidden),
         final_norm: ones(c.hidden),
         layers,
+        per_layer_input: None,
     }
 }

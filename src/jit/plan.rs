@@ -39,6 +39,10 @@ pub struct PlanOptions {
     /// The tensors stored in the 16-bit format in at least one layer
     /// (`None`: all of them). A K none of them has gets no 16-bit GEMV.
     pub wide_tensors: Option<Vec<&'static str>>,
+    /// The model's matrices as (name, rows, K) where its layers differ in
+    /// shape (Gemma 4: two head sizes, wider MLPs, per-layer inputs,
+    /// experts); empty: the one layer shape of `ModelDims`.
+    pub matrices: Vec<(&'static str, usize, usize)>,
     /// Bytes ahead the quantized GEMVs prefetch (see `GemvQuantParams`).
     pub quant_prefetch: usize,
     pub budget: usize,
@@ -52,6 +56,7 @@ impl Default for PlanOptions {
             weights: WeightType::F16,
             quantized: Vec::new(),
             wide_tensors: None,
+            matrices: Vec::new(),
             quant_prefetch: QUANT_PREFETCH_BYTES,
             budget: BUDGET_BYTES,
         }
@@ -372,7 +377,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // Matrix-vector products of one layer plus the LM head.
     let q = dims.q_width();
     let kv = dims.kv_stride();
-    let mats: Vec<(&'static str, usize, usize)> = vec![
+    let uniform_mats = vec![
         ("attn_q", q, dims.hidden),
         ("attn_k", kv, dims.hidden),
         ("attn_v", kv, dims.hidden),
@@ -382,6 +387,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         ("ffn_down", dims.hidden, dims.intermediate),
         ("output(lm_head)", dims.vocab, dims.hidden),
     ];
+    let mats: Vec<(&'static str, usize, usize)> = if opts.matrices.is_empty() {
+        uniform_mats
+    } else {
+        opts.matrices.clone()
+    };
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();

@@ -41,6 +41,8 @@ pub fn gemma_2b() -> ModelConfig {
         max_context: 8192,
         bos_id: 2,
         eos_id: 1,
+        layer_shapes: Vec::new(),
+        features: Default::default(),
     }
 }
 
@@ -79,5 +81,7 @@ pub fn gemma3_270m() -> ModelConfig {
         max_context: 32_768,
         bos_id: 2,
         eos_id: 1,
+        layer_shapes: Vec::new(),
+        features: Default::default(),
     }
 }
