@@ -369,7 +369,7 @@ struct DumpCli {
     /// Model .gguf, HF folder or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     model: Option<PathBuf>,
-    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m; FP16 unless --dtype says otherwise)
+    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b; FP16 unless --dtype says otherwise)
     #[arg(long, conflicts_with = "model")]
     shape: Option<String>,
     /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
@@ -592,7 +592,7 @@ enum Command {
         /// Model (default: Gemma 3 270M).
         #[arg(short, long, conflicts_with = "shape")]
         model: Option<PathBuf>,
-        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m).
+        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
         #[arg(long)]
         shape: Option<String>,
         /// Formats of the matrices (random weights: native means f16).

@@ -527,3 +527,153 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     };
     assemble(scalars, &shapes_layout, path)
 }
+
+/// A released Gemma 4 model's text shape (`../shared/oracle/gemma4/shapes.md`),
+/// for planning and benchmarking without the weights.
+pub struct ReleasedShape {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads_sliding: usize,
+    pub kv_heads_global: usize,
+    pub ffn: usize,
+    /// The FFN of the KV-sharing layers is twice as wide.
+    pub double_wide: bool,
+    pub window: usize,
+    /// Sliding layers before each global one.
+    pub sliding_per_global: usize,
+    pub per_layer_input: usize,
+    pub shared_kv_layers: usize,
+    pub values_from_keys: bool,
+    /// (experts, used per token, expert width).
+    pub moe: Option<(usize, usize, usize)>,
+    pub context: usize,
+}
+
+impl ReleasedShape {
+    pub fn config(&self) -> ModelConfig {
+        let n = self.layers;
+        // Every (pattern+1)-th layer global, and the last one always.
+        let sliding: Vec<bool> = (0..n)
+            .map(|i| (i + 1) % (self.sliding_per_global + 1) != 0 && i + 1 != n)
+            .collect();
+        let layout = Layout {
+            kv_heads: sliding
+                .iter()
+                .map(|&s| {
+                    if s {
+                        self.kv_heads_sliding
+                    } else {
+                        self.kv_heads_global
+                    }
+                })
+                .collect(),
+            ffn_widths: (0..n)
+                .map(|i| {
+                    if self.double_wide && i >= n - self.shared_kv_layers {
+                        2 * self.ffn
+                    } else {
+                        self.ffn
+                    }
+                })
+                .collect(),
+            sliding,
+            head_dim: 256,
+            global_head_dim: 512,
+            global_rotated_pairs: proportional_pairs(0.25, 512),
+            shared_kv_layers: self.shared_kv_layers,
+            values_from_keys: self.values_from_keys,
+        };
+        let scalars = Scalars {
+            vocab_size: 262_144,
+            hidden: self.hidden,
+            n_heads: self.heads,
+            rms_eps: 1e-6,
+            final_softcap: Some(30.0),
+            window: Some(self.window),
+            global_base: 1e6,
+            local_base: 1e4,
+            max_context: self.context,
+            bos_id: 2,
+            eos_id: 1,
+            features: Features {
+                per_layer_input: self.per_layer_input,
+                moe: self
+                    .moe
+                    .map(|(e, k, w)| MoeShape::new(e, k, w, self.hidden)),
+                value_norm: true,
+                layer_scalar: true,
+            },
+        };
+        assemble(scalars, &layout, Path::new("(built-in shape)"))
+            .expect("the built-in Gemma 4 shapes are valid")
+    }
+}
+
+pub const E2B: ReleasedShape = ReleasedShape {
+    hidden: 1536,
+    layers: 35,
+    heads: 8,
+    kv_heads_sliding: 1,
+    kv_heads_global: 1,
+    ffn: 6144,
+    double_wide: true,
+    window: 512,
+    sliding_per_global: 4,
+    per_layer_input: 256,
+    shared_kv_layers: 20,
+    values_from_keys: false,
+    moe: None,
+    context: 131_072,
+};
+
+pub const E4B: ReleasedShape = ReleasedShape {
+    hidden: 2560,
+    layers: 42,
+    heads: 8,
+    kv_heads_sliding: 2,
+    kv_heads_global: 2,
+    ffn: 10_240,
+    double_wide: false,
+    window: 512,
+    sliding_per_global: 5,
+    per_layer_input: 256,
+    shared_kv_layers: 18,
+    values_from_keys: false,
+    moe: None,
+    context: 131_072,
+};
+
+pub const MOE_26B_A4B: ReleasedShape = ReleasedShape {
+    hidden: 2816,
+    layers: 30,
+    heads: 16,
+    kv_heads_sliding: 8,
+    kv_heads_global: 2,
+    ffn: 2112,
+    double_wide: false,
+    window: 1024,
+    sliding_per_global: 5,
+    per_layer_input: 0,
+    shared_kv_layers: 0,
+    values_from_keys: true,
+    moe: Some((128, 8, 704)),
+    context: 262_144,
+};
+
+pub const DENSE_31B: ReleasedShape = ReleasedShape {
+    hidden: 5376,
+    layers: 60,
+    heads: 32,
+    kv_heads_sliding: 16,
+    kv_heads_global: 4,
+    ffn: 21_504,
+    double_wide: false,
+    window: 1024,
+    sliding_per_global: 5,
+    per_layer_input: 0,
+    shared_kv_layers: 0,
+    values_from_keys: true,
+    moe: None,
+    context: 262_144,
+};
