@@ -20,7 +20,7 @@ use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
-use crate::model::weights::{ModelWeights, matrix_name, matrix_shape, model_matrices};
+use crate::model::weights::{ModelWeights, RowTable, matrix_name, matrix_shape, model_matrices};
 use anyhow::{Result, bail};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -284,13 +284,9 @@ impl WeightFormats {
     }
 }
 
-/// The matrices an engine multiplies by (all but the per-layer input
-/// table, which is only read a row at a time), with their shapes.
+/// The matrices an engine multiplies by, with their shapes.
 pub fn multiplied_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
     model_matrices(c)
-        .into_iter()
-        .filter(|&(role, _)| role != Role::PerLayerEmbedding)
-        .collect()
 }
 
 /// Options for building the fast engine.
@@ -346,8 +342,6 @@ fn resolve_kernels(
     w: &mut ModelWeights<PackedMatrix>,
 ) -> Result<(), String> {
     let mut matrices = w.matrices_mut();
-    // The per-layer input table is read a row at a time, never multiplied.
-    matrices.retain(|(role, _)| *role != Role::PerLayerEmbedding);
     let mut resolved = Vec::with_capacity(matrices.len());
     for (role, m) in &matrices {
         match kernels.resolve(m) {
@@ -503,14 +497,26 @@ impl FastEngine {
             .map(|(role, [rows, cols])| WeightArena::footprint(formats.of(role), rows, cols))
             .sum();
         let arena = WeightArena::new(arena_bytes);
-        let weights = ModelWeights::load(src, |role, t| {
-            let format = formats.of(role);
-            if opts.in_place && t.dtype == format.row_blocked_dtype() {
-                PackedMatrix::borrowed(owner.clone(), &t)
-            } else {
-                Ok(PackedMatrix::convert_into(&t, format, &arena))
-            }
-        })?;
+        let table_owner = owner.clone();
+        let weights = ModelWeights::load_with(
+            src,
+            |role, t| {
+                let format = formats.of(role);
+                if opts.in_place && t.dtype == format.row_blocked_dtype() {
+                    PackedMatrix::borrowed(owner.clone(), &t)
+                } else {
+                    Ok(PackedMatrix::convert_into(&t, format, &arena))
+                }
+            },
+            // A token reads one row of the per-layer table: it stays in
+            // the mapped file, in the file's type. Its pages, read once
+            // for the scale check, are dropped; rows fault back in as
+            // tokens need them.
+            |t| {
+                t.release_pages();
+                Ok(RowTable::mapped(table_owner, &t))
+            },
+        )?;
         Self::new(src.config.clone(), weights, kernels, opts)
     }
 
@@ -735,7 +741,6 @@ impl FastEngine {
             .matrices()
             .into_iter()
             .map(|(role, m)| match role {
-                Role::PerLayerEmbedding => 0,
                 Role::Expert(..) => m.bytes() * top_k / experts,
                 _ => m.bytes(),
             })

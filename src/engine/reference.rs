@@ -337,7 +337,8 @@ pub fn per_layer_inputs(
     matvec(&table.model_projection.data, x0, &mut projected);
     let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
     let token_scale = (p as f32).sqrt();
-    let row = table.embedding.row(token as usize);
+    let mut row = vec![0.0; c.n_layers() * p];
+    table.embedding.row_f32(token as usize, &mut row);
     for (part, tok) in projected.chunks_exact_mut(p).zip(row.chunks_exact(p)) {
         part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
         rms_norm_in_place(part, &table.projection_norm, c.rms_eps);

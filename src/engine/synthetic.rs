@@ -8,7 +8,7 @@ use crate::model::dtype::{DType, TensorView};
 use crate::model::source::{ExpertRole, LayerRole, Role};
 use crate::model::weights::{
     F32Matrix, LayerWeights, Mlp, ModelWeights, MoeWeights, PerLayerInputTable,
-    PerLayerInputWeights, has_layer_matrix, matrix_shape,
+    PerLayerInputWeights, RowTable, has_layer_matrix, matrix_shape,
 };
 
 /// splitmix64: a tiny, fast, well-mixed generator; quality needs are low.
@@ -62,6 +62,20 @@ fn random_matrix(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> P
         bytes: &bytes,
     };
     PackedMatrix::convert(&view, format)
+}
+
+/// A random row table in Q8_0 (as the per-layer tables of released files
+/// are stored quantized).
+fn random_rows([rows, cols]: [usize; 2], seed: u64) -> RowTable {
+    let values = random_values(rows * cols, seed, |v| v);
+    let bytes = crate::model::gguf_write::q8_0_bytes(&values);
+    drop(values);
+    let shape = [rows, cols];
+    RowTable::owned(&TensorView {
+        dtype: DType::Q8_0,
+        shape: &shape,
+        bytes: &bytes,
+    })
 }
 
 /// Random weights for `c` in `formats`, deterministic in `seed`: every
@@ -141,7 +155,7 @@ pub fn random_weights(
         });
     }
     let per_layer_input = (c.features.per_layer_input > 0).then(|| PerLayerInputTable {
-        embedding: mat(Role::PerLayerEmbedding),
+        embedding: random_rows(matrix_shape(Role::PerLayerEmbedding, c), seed ^ 0x5eed),
         model_projection: mat(Role::PerLayerModelProjection),
         projection_norm: ones(c.features.per_layer_input),
     });

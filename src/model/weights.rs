@@ -74,7 +74,8 @@ pub fn matrix_shape(role: Role, c: &ModelConfig) -> [usize; 2] {
 pub fn model_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
     let mut roles = vec![Role::Embedding];
     if c.features.per_layer_input > 0 {
-        roles.extend([Role::PerLayerEmbedding, Role::PerLayerModelProjection]);
+        // The per-layer token table is a row table (`RowTable`), not here.
+        roles.push(Role::PerLayerModelProjection);
     }
     for i in 0..c.n_layers() {
         roles.extend(
@@ -245,11 +246,87 @@ impl<M> LayerWeights<M> {
     }
 }
 
+/// A table read one row at a time (Gemma 4's per-layer token table: 2.3
+/// billion values in E2B, of which a token reads 8,960), kept in the
+/// file's own type: owned bytes, or in place inside the mapped file.
+pub struct RowTable {
+    dtype: super::dtype::DType,
+    shape: [usize; 2],
+    storage: RowStorage,
+}
+
+enum RowStorage {
+    Owned(Vec<u8>),
+    /// Bytes inside a mapped model file.
+    Mapped {
+        /// Held only to keep the mapping alive.
+        _owner: std::sync::Arc<dyn Send + Sync>,
+        ptr: *const u8,
+        len: usize,
+    },
+}
+
+// SAFETY: `Mapped` points into memory kept alive by the Arc beside it
+// (itself Send + Sync), a read-only file mapping never written.
+unsafe impl Send for RowStorage {}
+unsafe impl Sync for RowStorage {}
+
+impl RowTable {
+    /// A copy of the tensor's bytes.
+    pub fn owned(t: &TensorView<'_>) -> RowTable {
+        let (rows, cols) = t.matrix_dims();
+        RowTable {
+            dtype: t.dtype,
+            shape: [rows, cols],
+            storage: RowStorage::Owned(t.bytes.to_vec()),
+        }
+    }
+
+    /// The tensor in place. `owner` must own the memory `t` points into.
+    pub fn mapped(owner: std::sync::Arc<dyn Send + Sync>, t: &TensorView<'_>) -> RowTable {
+        let (rows, cols) = t.matrix_dims();
+        RowTable {
+            dtype: t.dtype,
+            shape: [rows, cols],
+            storage: RowStorage::Mapped {
+                _owner: owner,
+                ptr: t.bytes.as_ptr(),
+                len: t.bytes.len(),
+            },
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.shape[0]
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            RowStorage::Owned(bytes) => bytes,
+            // SAFETY: `ptr..ptr+len` is the tensor's bytes inside the
+            // mapping `_owner` keeps alive for as long as `self`.
+            RowStorage::Mapped { ptr, len, .. } => unsafe {
+                std::slice::from_raw_parts(*ptr, *len)
+            },
+        }
+    }
+
+    /// Row `r` as f32, into `out` (one row long).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let view = TensorView {
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: self.bytes(),
+        };
+        dequant::row_into(&view, r, out);
+    }
+}
+
 /// Gemma 4's per-layer inputs: the token table and the embedding's
 /// projection, shared by all layers.
 pub struct PerLayerInputTable<M> {
     /// `[vocab, layers x P]`: one row per token, read a row at a time.
-    pub embedding: M,
+    pub embedding: RowTable,
     /// `[layers x P, hidden]`.
     pub model_projection: M,
     /// `[P]`, applied to each layer's part of the projection.
@@ -266,11 +343,10 @@ pub struct ModelWeights<M> {
 
 impl<M> ModelWeights<M> {
     /// Every matrix with its role: the embedding, the per-layer input
-    /// table's, then each layer's ([`LayerWeights::matrices`]).
+    /// projection, then each layer's ([`LayerWeights::matrices`]).
     pub fn matrices(&self) -> Vec<(Role, &M)> {
         let mut out = vec![(Role::Embedding, &self.embedding)];
         if let Some(p) = &self.per_layer_input {
-            out.push((Role::PerLayerEmbedding, &p.embedding));
             out.push((Role::PerLayerModelProjection, &p.model_projection));
         }
         for (i, l) in self.layers.iter().enumerate() {
@@ -283,7 +359,6 @@ impl<M> ModelWeights<M> {
     pub fn matrices_mut(&mut self) -> Vec<(Role, &mut M)> {
         let mut out = vec![(Role::Embedding, &mut self.embedding)];
         if let Some(p) = &mut self.per_layer_input {
-            out.push((Role::PerLayerEmbedding, &mut p.embedding));
             out.push((Role::PerLayerModelProjection, &mut p.model_projection));
         }
         for (i, l) in self.layers.iter_mut().enumerate() {
@@ -294,9 +369,19 @@ impl<M> ModelWeights<M> {
 
     /// Collects every tensor the config calls for; `matrix` converts each
     /// weight matrix (given its role and view) into the engine's layout.
+    /// A table read by rows is copied in the file's type.
     pub fn load(
         src: &ModelSource,
+        matrix: impl FnMut(Role, TensorView<'_>) -> Result<M>,
+    ) -> Result<Self> {
+        Self::load_with(src, matrix, |t| Ok(RowTable::owned(&t)))
+    }
+
+    /// [`ModelWeights::load`] with the row table made by `table`.
+    pub fn load_with(
+        src: &ModelSource,
         mut matrix: impl FnMut(Role, TensorView<'_>) -> Result<M>,
+        table: impl FnOnce(TensorView<'_>) -> Result<RowTable>,
     ) -> Result<Self> {
         let c = &src.config;
         let vector = |role: Role, len: usize| -> Result<Vec<f32>> {
@@ -421,10 +506,14 @@ impl<M> ModelWeights<M> {
             });
         }
         let per_layer_input = if c.features.per_layer_input > 0 {
-            let mut table = |r: Role| matrix(r, src.tensor(r, &matrix_shape(r, c))?);
+            let rows = Role::PerLayerEmbedding;
+            let projection = Role::PerLayerModelProjection;
             Some(PerLayerInputTable {
-                embedding: table(Role::PerLayerEmbedding)?,
-                model_projection: table(Role::PerLayerModelProjection)?,
+                embedding: table(src.tensor(rows, &matrix_shape(rows, c))?)?,
+                model_projection: matrix(
+                    projection,
+                    src.tensor(projection, &matrix_shape(projection, c))?,
+                )?,
                 projection_norm: norm(Role::PerLayerProjectionNorm, c.features.per_layer_input)?,
             })
         } else {
