@@ -10,11 +10,13 @@ mod common;
 
 use common::*;
 use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
-use pulsar::engine::jit_kernels::JitKernels;
+use pulsar::engine::jit_kernels::{JitKernels, plan_options};
 use pulsar::engine::kernels::{MatKernels, PortableKernels};
 use pulsar::engine::packed::WeightFormat;
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
+use pulsar::jit::cpu::Isa;
+use pulsar::jit::plan::PlanOptions;
 use pulsar::model::config::Family;
 use pulsar::model::source::ModelSource;
 use std::path::PathBuf;
@@ -124,10 +126,24 @@ fn both_layouts_describe_the_same_model() {
 
 type MakeKernels = fn(&pulsar::model::config::ModelConfig, WeightFormats) -> Box<dyn MatKernels>;
 
+/// The JIT's kernels with what this CPU has, held to AVX2 (the baseline
+/// every kernel must have: there the plan emits attention for both head
+/// sizes), and the portable ones.
 fn kernel_sets() -> Vec<(&'static str, MakeKernels)> {
     vec![
         ("jit", |c, f| {
             Box::new(JitKernels::build(c, f, 2).expect("JIT builds on this CPU"))
+        }),
+        ("jit-avx2", |c, f| {
+            let opts = PlanOptions {
+                max_isa: Isa::Avx2,
+                ..plan_options(c, &f, 2)
+            };
+            Box::new(
+                JitKernels::with_options(c, opts)
+                    .expect("JIT builds")
+                    .expect("this CPU has AVX2"),
+            )
         }),
         ("portable", |_, _| Box::new(PortableKernels)),
     ]
@@ -214,4 +230,123 @@ fn fast_integer_kernels() {
         0.25,
     );
     check_fast("tiny-gemma4-moe-f32", "tiny-gemma4-moe-ref", q8, 0.6);
+}
+
+/// The text part of an image-text checkpoint (`Gemma4ForConditionalGeneration`):
+/// the config nests `text_config`, tensors sit under
+/// `model.language_model.`, and the towers are skipped with one line.
+#[test]
+fn the_text_part_of_an_image_text_checkpoint_runs() {
+    let fixture = gemma4_dir().join("tiny-gemma4-dense-f32");
+    let text_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text_config,
+        "vision_config": {"model_type": "gemma4_vision"},
+    });
+    // The safetensors file with every name moved under the language model,
+    // and one vision tensor beside them.
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let mut data = bytes[8 + header_len..].to_vec();
+    let mut renamed = serde_json::Map::new();
+    for (name, entry) in header {
+        let name = match name.strip_prefix("model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => name,
+        };
+        renamed.insert(name, entry);
+    }
+    let at = data.len();
+    data.extend_from_slice(&[0u8; 8]);
+    renamed.insert(
+        "model.vision_tower.patch_embedder.weight".into(),
+        serde_json::json!({"dtype": "F32", "shape": [2], "data_offsets": [at, at + 8]}),
+    );
+    let mut header = serde_json::to_vec(&renamed).unwrap();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    file.extend_from_slice(&data);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+
+    let src = ModelSource::open(dir.path()).expect("the text model opens");
+    let (input, want) = expected("tiny-gemma4-dense-ref", "f32");
+    let mut engine = ReferenceEngine::load(&src).expect("weights load");
+    let logits = engine.forward(&input, LogitsWanted::All).unwrap();
+    let (diff, _) = max_abs_diff(&logits, &want);
+    assert!(diff <= 1e-4, "logits differ by {diff}");
+
+    // Through the binary: one line says what was skipped.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["logits", "--tokens", "2,5,17", "-o"])
+        .arg(dir.path().join("out.bin"))
+        .arg("-m")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let skipped: Vec<&str> = stderr.lines().filter(|l| l.contains("skipped")).collect();
+    assert_eq!(skipped.len(), 1, "{stderr}");
+    assert!(skipped[0].contains("vision tower"), "{stderr}");
+}
+
+/// A GGUF whose experts' gate and up are two tensors (`ffn_gate_exps`,
+/// `ffn_up_exps`) rather than one fused tensor computes the same.
+#[test]
+fn split_expert_tensors_equal_fused_ones() {
+    use pulsar::model::gguf::GgufFile;
+    use pulsar::model::gguf_write::GgufWriter;
+    let g = GgufFile::open(&gemma4_dir().join("tiny-gemma4-moe-f32.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in g.metadata() {
+        w.add_value(key, value);
+    }
+    for t in g.tensors() {
+        let bytes = g.tensor(&t.name).unwrap().bytes;
+        match t.name.strip_suffix("ffn_gate_up_exps.weight") {
+            Some(prefix) => {
+                // [experts, 2 x width, hidden]: the gate is each expert's
+                // first half of rows.
+                let (experts, rows, cols) = (t.shape[0], t.shape[1], t.shape[2]);
+                let half = rows / 2 * cols * 4;
+                let (mut gate, mut up) = (Vec::new(), Vec::new());
+                for e in bytes.chunks_exact(rows * cols * 4).take(experts) {
+                    gate.extend_from_slice(&e[..half]);
+                    up.extend_from_slice(&e[half..]);
+                }
+                let shape = [experts, rows / 2, cols];
+                w.add_tensor(
+                    &format!("{prefix}ffn_gate_exps.weight"),
+                    &shape,
+                    t.dtype,
+                    gate,
+                )
+                .unwrap();
+                w.add_tensor(&format!("{prefix}ffn_up_exps.weight"), &shape, t.dtype, up)
+                    .unwrap();
+            }
+            None => {
+                w.add_tensor(&t.name, &t.shape, t.dtype, bytes.to_vec())
+                    .unwrap();
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("split.gguf");
+    w.write(&path).unwrap();
+    let src = ModelSource::open(&path).expect("split file opens");
+    let (input, want) = expected("tiny-gemma4-moe-ref", "f32");
+    let mut engine = ReferenceEngine::load(&src).expect("weights load");
+    let logits = engine.forward(&input, LogitsWanted::All).unwrap();
+    let (diff, _) = max_abs_diff(&logits, &want);
+    assert!(diff <= 1e-4, "logits differ by {diff}");
 }

@@ -166,8 +166,17 @@ impl OpKernels {
                 None => bail!("the kernel plan has no RMSNorm for {dim} values"),
             }
         }
-        // Other head sizes of a model whose layers differ (Gemma 4's
-        // global layers) have no planned norm: they run the portable one.
+        // Another head size of a model whose layers differ (Gemma 4's
+        // global layers): its norm if the plan has one, else the portable.
+        for i in 0..config.n_layers() {
+            let hd = config.shape(i).head_dim;
+            if config.has_qk_norm()
+                && !norms.iter().any(|&(d, _)| d == hd)
+                && let Some(id) = set.resolve::<RmsNorm>(hd)
+            {
+                norms.push((hd, id));
+            }
+        }
         let width = config.intermediate;
         let geglu = set.resolve::<Geglu>(width).map(|id| (width, id));
         let mut head_dims: Vec<usize> = (0..config.n_layers())

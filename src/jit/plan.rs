@@ -492,7 +492,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // FMA's rate; an AVX-512 form in the JIT would need EVEX code that the
     // 1,031 bytes of the two ymm kernels could not hold). Those bytes go
     // back to the budget.
-    let avx512_attention = allowed_isa == Isa::Avx512 && dims.head_dim.is_multiple_of(64);
+    let avx512_attention = allowed_isa == Isa::Avx512
+        && dims.head_dim.is_multiple_of(64)
+        && dims.other_head_dim.is_multiple_of(64);
     let mut optional: Vec<&str> = if avx512_attention {
         vec!["softmax", "geglu"]
     } else {
@@ -745,14 +747,18 @@ fn build_kinds(
         },
         vec!["attn/ffn pre- and post-norms, final norm".into()],
     ));
-    if dims.qk_norm && dims.head_dim != dims.hidden {
-        out.push((
-            KernelKind::RmsNorm {
-                dim: dims.head_dim,
-                unroll: norm_unroll.min(2),
-            },
-            vec!["q_norm, k_norm (per head)".into()],
-        ));
+    let head_dims = std::iter::once(dims.head_dim)
+        .chain((dims.other_head_dim != 0).then_some(dims.other_head_dim));
+    for hd in head_dims.clone() {
+        if dims.qk_norm && hd != dims.hidden {
+            out.push((
+                KernelKind::RmsNorm {
+                    dim: hd,
+                    unroll: norm_unroll.min(2),
+                },
+                vec![format!("q_norm, k_norm (per head of {hd})")],
+            ));
+        }
     }
     let has = |op: &str| optional.contains(&op);
     if has("geglu") {
@@ -763,25 +769,29 @@ fn build_kinds(
             vec!["ffn activation".into()],
         ));
     }
-    if has("attn_scores") && dims.head_dim >= LANES {
-        out.push((
-            KernelKind::AttnScores(GemmParams {
-                wt: WeightType::F32,
-                k: dims.head_dim,
-            }),
-            vec!["q . k of a query block over the KV cache".into()],
-        ));
+    for hd in head_dims.clone() {
+        if has("attn_scores") && hd >= LANES {
+            out.push((
+                KernelKind::AttnScores(GemmParams {
+                    wt: WeightType::F32,
+                    k: hd,
+                }),
+                vec![format!(
+                    "q . k of a query block over the KV cache (heads of {hd})"
+                )],
+            ));
+        }
     }
     if has("softmax") {
         out.push((KernelKind::Softmax, vec!["attention probabilities".into()]));
     }
-    if has("attn_wsum") && dims.head_dim.is_multiple_of(LANES) {
-        out.push((
-            KernelKind::AttnWsum {
-                head_dim: dims.head_dim,
-            },
-            vec!["probability-weighted sum of V".into()],
-        ));
+    for hd in head_dims {
+        if has("attn_wsum") && hd.is_multiple_of(LANES) {
+            out.push((
+                KernelKind::AttnWsum { head_dim: hd },
+                vec![format!("probability-weighted sum of V (heads of {hd})")],
+            ));
+        }
     }
     out
 }
@@ -928,6 +938,7 @@ mod tests {
                 vocab,
                 n_layers: 1,
                 qk_norm,
+                other_head_dim: 0,
             };
             for max_isa in [Isa::Avx2, Isa::Avx512] {
                 let opts = PlanOptions {
