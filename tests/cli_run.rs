@@ -258,3 +258,15 @@ fn the_m_curve_reports_every_step_size_after_the_context_asked_for() {
         assert!(s["step_ms"].as_f64().unwrap() > 0.0, "{s}");
     }
 }
+
+/// A length limit that cuts the reply inside a stop string does not show
+/// the stop string's start: with the base model's dialogue format ("\nUser:"
+/// ends the model's turn), seed 4 and `-n 4` once printed "Hi!\nUser".
+#[test]
+fn a_limit_inside_a_stop_string_hides_its_start() {
+    let out = pulsar(&["run", "-p", "hi", "-n", "4", "-s", "4"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text, "Hi!\n", "{stderr}");
+}
