@@ -268,5 +268,10 @@ fn a_limit_inside_a_stop_string_hides_its_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(text, "Hi!\n", "{stderr}");
+    let shown = text.strip_suffix('\n').unwrap_or(&text);
+    // No proper start of "\nUser:" ends the text (on this model and seed
+    // the reply is "Hi!" then the cut stop string).
+    for end in 1.."\nUser:".len() {
+        assert!(!shown.ends_with(&"\nUser:"[..end]), "{text:?}");
+    }
 }
