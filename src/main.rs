@@ -581,7 +581,7 @@ enum Command {
         /// The file to write.
         #[arg(short, long)]
         output: PathBuf,
-        /// Weight format (default: bf16 checkpoints stay bf16, the rest f16).
+        /// Weight format (default: native, the file's own types; a 16-bit or f32 checkpoint becomes f16, bf16 stays bf16).
         #[arg(long, value_enum)]
         dtype: Option<ConvertDtypeArg>,
     },
