@@ -277,8 +277,8 @@ struct GenerationCli {
     mmap: bool,
     /// Speculative decoding: draft tokens from n-grams of the prompt and the text so far and
     /// verify them in one batched step. The output is the same as with `off` (greedy: identical;
-    /// sampled: the same distribution, and the same text for a seed). Off under --json,
-    /// --json-schema, --regex and --grammar.
+    /// sampled: the same distribution, and the same text for a seed). Under --json,
+    /// --json-schema, --regex and --grammar a draft is cut where the constraint refuses it.
     #[arg(long, value_enum, default_value = "ngram")]
     spec: SpecArg,
     /// Constrain the output to a JSON object (any keys and values). Generation ends when the
@@ -452,8 +452,8 @@ struct ServeCli {
     /// Seconds running requests may go on after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
-    /// Speculative decoding while one request is decoding: ngram drafts from the request's own
-    /// text, verified in one batched step.
+    /// Speculative decoding: ngram drafts from each request's own text, verified in the step it
+    /// shares with the other requests; replies are the same as with `off`.
     #[arg(long, value_enum, default_value = "ngram")]
     spec: SpecArg,
     /// Defaults for the sampling settings a request leaves out.
@@ -570,8 +570,8 @@ enum Command {
     Tune {
         #[command(flatten)]
         common: DumpCli,
-        /// Also time the GEMV and GEMM kernels on synthetic weights.
-        #[arg(long, hide = true)]
+        /// Also time every GEMV and GEMM on synthetic weights (one thread and the plan's threads, beside a plain read of the same bytes), search the launch tuning on the real weights, and store it.
+        #[arg(long)]
         measure: bool,
     },
     /// Write a model in the fast engine's layout (GGUF; FP16, BF16, Q8_0 or Q4_0), loadable zero-copy.

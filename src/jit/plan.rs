@@ -260,6 +260,21 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The instruction sets that run, as a user should read them: AVX2
+    /// kernels, plus VNNI's byte products where the integer kernels use
+    /// them, plus the engine's AVX-512 attention where the plan leaves
+    /// attention to it.
+    pub fn isa_description(&self) -> String {
+        let mut text = self.isa.name().to_string();
+        if self.kernels.iter().any(|k| k.isa == Isa::Avx512) {
+            text += " + avx512-vnni (integer products)";
+        }
+        if self.avx512_attention {
+            text += " + avx512 (attention, in the engine)";
+        }
+        text
+    }
+
     pub fn total_bytes(&self) -> usize {
         self.kernel_bytes.iter().sum()
     }
