@@ -11,18 +11,19 @@
 //! Characters without a piece of their own are spelled as `<0xNN>` byte
 //! tokens at the end (byte fallback).
 
+use super::merge_ranks::MergeRanks;
 use super::vocab::Vocab;
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 /// How adjacent pairs are judged.
 pub(crate) enum MergeRule {
     /// SentencePiece: a pair may merge when its joined text is a mergeable
     /// piece; higher piece score merges first.
     Scores,
-    /// Hugging Face BPE: `(left id, right id) -> (rank, merged id)`; lower
-    /// rank merges first.
-    Ranks(HashMap<(u32, u32), (u32, u32)>),
+    /// Hugging Face BPE (and Gemma 4's GGUF): a merge list; the pair with
+    /// the lower rank merges first.
+    Ranks(MergeRanks),
 }
 
 #[derive(Clone, Copy)]
@@ -74,8 +75,8 @@ impl MergeRule {
                 Some((vocab.score(id), id))
             }
             MergeRule::Ranks(table) => {
-                let &(rank, merged) = table.get(&(l.id?, r.id?))?;
-                // Ranks are below 2^24 in any real merge list, so exact in f32.
+                let (rank, merged) = table.get(l.id?, r.id?)?;
+                // Loaders refuse lists of 2^24 merges or more, so this is exact.
                 Some((-(rank as f32), merged))
             }
         }
@@ -236,7 +237,10 @@ mod tests {
             ("bc", 0.0, Normal),
         ]);
         let ranks = |ab: u32, bc: u32| {
-            MergeRule::Ranks(HashMap::from([((1, 2), (ab, 4)), ((2, 3), (bc, 5))]))
+            let mut table = MergeRanks::default();
+            table.insert(1, 2, ab, 4);
+            table.insert(2, 3, bc, 5);
+            MergeRule::Ranks(table)
         };
         assert_eq!(run(&v, &ranks(0, 1), "abc"), vec![4, 3]);
         assert_eq!(run(&v, &ranks(1, 0), "abc"), vec![1, 5]);

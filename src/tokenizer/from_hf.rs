@@ -4,6 +4,9 @@
 //! special tokens, the BOS flag and the chat template.
 
 use super::bpe::MergeRule;
+use super::markers::RENDERED_MARKERS;
+use super::merge_ranks::MergeRanks;
+use super::pretokenize::Pretokenizer;
 use super::vocab::{TokenKind, parse_byte_piece};
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
@@ -200,7 +203,9 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
         let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
             bail!("{source}: an added_tokens entry lacks id or content: {t}");
         };
-        let kind = if t["special"].as_bool().unwrap_or(false) {
+        let kind = if RENDERED_MARKERS.contains(&content) {
+            TokenKind::UserDefined
+        } else if t["special"].as_bool().unwrap_or(false) {
             TokenKind::Control
         } else {
             TokenKind::UserDefined
@@ -220,21 +225,15 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
     for (i, p) in pieces.iter().enumerate() {
         index.entry(p.as_str()).or_insert(i as u32);
     }
-    let mut ranks = HashMap::new();
     let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-    for (rank, m) in merges.iter().enumerate() {
-        let (a, b) = merge_pair(m, rank, &source)?;
-        let lookup = |p: &str| {
-            index.get(p).copied().ok_or_else(|| {
-                anyhow::anyhow!("{source}: merge {rank} ({a:?} {b:?}) uses {p:?}, which is not in the vocabulary")
-            })
-        };
-        let merged = lookup(&format!("{a}{b}"))?;
-        // The first (best) rank for a pair wins, as in Hugging Face tokenizers.
-        ranks
-            .entry((lookup(a)?, lookup(b)?))
-            .or_insert((rank as u32, merged));
-    }
+    let ranks = MergeRanks::from_text_pairs(
+        merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| merge_pair(m, i, &source)),
+        |p| index.get(p).copied(),
+        &format!("{source}: model.merges"),
+    )?;
 
     let find = |name: &Option<String>, fallbacks: &[&str], what: &str| -> Result<u32> {
         let names = name
@@ -263,6 +262,9 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
         scores,
         kinds,
         rule: MergeRule::Ranks(ranks),
+        // Hugging Face merges each stretch whole (no pre-tokenizer, or a
+        // split on " " that finds none once spaces are `▁`).
+        pretokenizer: Pretokenizer::Whole,
         ids,
         add_bos: cfg.add_bos.unwrap_or(true),
         add_space_prefix,

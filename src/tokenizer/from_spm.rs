@@ -9,6 +9,7 @@
 //!   4 remove_extra_whitespaces.
 
 use super::bpe::MergeRule;
+use super::pretokenize::Pretokenizer;
 use super::protobuf::{Field, Reader};
 use super::vocab::TokenKind;
 use super::{Parts, SpecialIds, Tokenizer};
@@ -193,6 +194,7 @@ impl Tokenizer {
             scores,
             kinds,
             rule: MergeRule::Scores,
+            pretokenizer: Pretokenizer::Whole,
             ids,
             add_bos: true,
             add_space_prefix: normalizer.add_dummy_prefix,
