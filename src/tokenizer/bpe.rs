@@ -12,6 +12,7 @@
 //! tokens at the end (byte fallback).
 
 use super::merge_ranks::MergeRanks;
+use super::merge_text::TextMerges;
 use super::vocab::Vocab;
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -24,6 +25,10 @@ pub(crate) enum MergeRule {
     /// Hugging Face BPE (and Gemma 4's GGUF): a merge list; the pair with
     /// the lower rank merges first.
     Ranks(MergeRanks),
+    /// The same, with the merge list looked up by the pair's text (Gemma
+    /// 4's GGUF: see `merge_text`). A merge whose joined text is no
+    /// mergeable piece is skipped, so no text can be lost to it.
+    TextRanks(TextMerges),
 }
 
 #[derive(Clone, Copy)]
@@ -43,7 +48,8 @@ struct Candidate {
     right: usize,
     /// Joined length when pushed; a mismatch later means the entry is stale.
     len: usize,
-    merged: u32,
+    /// The merged piece's id, when the rule knows it already.
+    merged: Option<u32>,
 }
 
 impl PartialEq for Candidate {
@@ -67,17 +73,28 @@ impl Ord for Candidate {
 }
 
 impl MergeRule {
-    /// The verdict on merging `l` and `r` in `text`: (priority, merged id).
-    fn judge(&self, vocab: &Vocab, text: &str, l: &Symbol, r: &Symbol) -> Option<(f32, u32)> {
+    /// The verdict on merging `l` and `r` in `text`: (priority, merged id
+    /// if known yet).
+    fn judge(
+        &self,
+        vocab: &Vocab,
+        text: &str,
+        l: &Symbol,
+        r: &Symbol,
+    ) -> Option<(f32, Option<u32>)> {
+        // Loaders refuse lists of 2^24 merges or more, so ranks are exact in f32.
         match self {
             MergeRule::Scores => {
                 let id = vocab.mergeable_id(&text[l.start..r.start + r.len])?;
-                Some((vocab.score(id), id))
+                Some((vocab.score(id), Some(id)))
             }
             MergeRule::Ranks(table) => {
                 let (rank, merged) = table.get(l.id?, r.id?)?;
-                // Loaders refuse lists of 2^24 merges or more, so this is exact.
-                Some((-(rank as f32), merged))
+                Some((-(rank as f32), Some(merged)))
+            }
+            MergeRule::TextRanks(table) => {
+                let rank = table.rank(&text[l.start..r.start + r.len], l.len)?;
+                Some((-(rank as f32), None))
             }
         }
     }
@@ -134,10 +151,16 @@ pub(crate) fn encode_segment(
         if l.len == 0 || r.len == 0 || l.next != Some(c.right) || l.len + r.len != c.len {
             continue;
         }
+        let Some(merged) = c
+            .merged
+            .or_else(|| vocab.mergeable_id(&text[l.start..l.start + c.len]))
+        else {
+            continue;
+        };
         let right_next = r.next;
         let left = &mut symbols[c.left];
         left.len = c.len;
-        left.id = Some(c.merged);
+        left.id = Some(merged);
         left.next = right_next;
         symbols[c.right].len = 0;
         if let Some(n) = right_next {

@@ -5,10 +5,9 @@
 //! `tokenizer.ggml.merges`, cut at newline runs first, as llama.cpp does).
 
 use super::bpe::MergeRule;
-use super::merge_ranks::MergeRanks;
-use super::piece_table::PieceTable;
+use super::merge_text::TextMerges;
 use super::pretokenize::Pretokenizer;
-use super::vocab::TokenKind;
+use super::vocab::{TokenKind, Vocab};
 use super::{Parts, SpecialIds, Tokenizer};
 use crate::model::gguf::{GgufFile, Value};
 use anyhow::{Result, bail};
@@ -18,21 +17,14 @@ const SCORES: &str = "tokenizer.ggml.scores";
 const TYPES: &str = "tokenizer.ggml.token_type";
 const MERGES: &str = "tokenizer.ggml.merges";
 
-/// The merge list of a `gemma4` file, resolved against its pieces.
-fn gemma4_merges(file: &GgufFile, pieces: &[&str], source: &str) -> Result<MergeRanks> {
+/// The merge list of a `gemma4` file.
+fn gemma4_merges(file: &GgufFile, source: &str) -> Result<TextMerges> {
     let merges = file.get_str_array(MERGES)?.ok_or_else(|| {
         anyhow::anyhow!(
             "{source}: metadata key {MERGES:?} is missing; a \"gemma4\" tokenizer needs its \
              merge list (reconvert the model with a current llama.cpp)"
         )
     })?;
-    // The piece table's offsets are u32; the vocabulary refuses larger
-    // tables too, but only after this index is built.
-    let text_len: usize = pieces.iter().map(|p| p.len()).sum();
-    if pieces.len() >= 1 << 31 || u32::try_from(text_len).is_err() {
-        bail!("{source}: {TOKENS} is too large ({} entries)", pieces.len());
-    }
-    let index = PieceTable::new(pieces);
     let what = format!("{source}: {MERGES}");
     let pairs = merges.iter().enumerate().map(|(i, m)| {
         // llama.cpp cuts at the first space after the first byte, so a
@@ -42,7 +34,7 @@ fn gemma4_merges(file: &GgufFile, pieces: &[&str], source: &str) -> Result<Merge
             anyhow::anyhow!("{what}[{i}] = {m:?} is not two pieces separated by a space")
         })
     });
-    MergeRanks::from_text_pairs(pairs, |p| index.get(p), &what)
+    TextMerges::from_pairs(pairs, &what)
 }
 
 impl Tokenizer {
@@ -115,9 +107,10 @@ impl Tokenizer {
             pad: id_key("tokenizer.ggml.padding_token_id")?,
         };
 
+        let vocab = Vocab::new(&pieces, scores, kinds, &source)?;
         let (rule, pretokenizer) = if gemma4 {
-            let ranks = gemma4_merges(file, &pieces, &source)?;
-            (MergeRule::Ranks(ranks), Pretokenizer::NewlineRuns)
+            let merges = gemma4_merges(file, &source)?;
+            (MergeRule::TextRanks(merges), Pretokenizer::NewlineRuns)
         } else {
             (MergeRule::Scores, Pretokenizer::Whole)
         };
@@ -141,9 +134,7 @@ impl Tokenizer {
         let chat_template = file.get_str("tokenizer.chat_template")?.map(str::to_owned);
 
         Tokenizer::assemble(Parts {
-            pieces,
-            scores,
-            kinds,
+            vocab,
             rule,
             pretokenizer,
             ids,

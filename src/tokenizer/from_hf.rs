@@ -7,7 +7,7 @@ use super::bpe::MergeRule;
 use super::markers::RENDERED_MARKERS;
 use super::merge_ranks::MergeRanks;
 use super::pretokenize::Pretokenizer;
-use super::vocab::{TokenKind, parse_byte_piece};
+use super::vocab::{TokenKind, Vocab, parse_byte_piece};
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -258,9 +258,7 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
     drop(index);
     let scores = vec![0.0; pieces.len()];
     Tokenizer::assemble(Parts {
-        pieces,
-        scores,
-        kinds,
+        vocab: Vocab::new(&pieces, scores, kinds, &source)?,
         rule: MergeRule::Ranks(ranks),
         // Hugging Face merges each stretch whole (no pre-tokenizer, or a
         // split on " " that finds none once spaces are `▁`).

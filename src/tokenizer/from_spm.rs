@@ -12,6 +12,7 @@ use super::bpe::MergeRule;
 use super::pretokenize::Pretokenizer;
 use super::protobuf::{Field, Reader};
 use super::vocab::TokenKind;
+use super::vocab::Vocab;
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
@@ -190,9 +191,7 @@ impl Tokenizer {
             pad: id("pad", trainer.pad)?,
         };
         Tokenizer::assemble(Parts {
-            pieces,
-            scores,
-            kinds,
+            vocab: Vocab::new(&pieces, scores, kinds, source)?,
             rule: MergeRule::Scores,
             pretokenizer: Pretokenizer::Whole,
             ids,

@@ -19,6 +19,7 @@ mod from_hf;
 mod from_spm;
 mod markers;
 mod merge_ranks;
+mod merge_text;
 mod piece_table;
 mod pretokenize;
 mod protobuf;
@@ -56,10 +57,9 @@ pub struct Tokenizer {
 }
 
 /// Everything a loader gathers; [`Tokenizer::assemble`] checks and indexes it.
-pub(crate) struct Parts<S> {
-    pub pieces: Vec<S>,
-    pub scores: Vec<f32>,
-    pub kinds: Vec<TokenKind>,
+pub(crate) struct Parts {
+    /// Built by the loader, which may need its index (Gemma 4's merges do).
+    pub vocab: Vocab,
     pub rule: MergeRule,
     pub pretokenizer: Pretokenizer,
     pub ids: SpecialIds,
@@ -71,8 +71,8 @@ pub(crate) struct Parts<S> {
 }
 
 impl Tokenizer {
-    pub(crate) fn assemble<S: AsRef<str>>(parts: Parts<S>) -> anyhow::Result<Tokenizer> {
-        let mut vocab = Vocab::new(&parts.pieces, parts.scores, parts.kinds, &parts.source)?;
+    pub(crate) fn assemble(parts: Parts) -> anyhow::Result<Tokenizer> {
+        let mut vocab = parts.vocab;
         for text in markers::END_OF_GENERATION {
             if let Some(id) = vocab.id_of(text) {
                 vocab.set_kind(id, TokenKind::Control);
@@ -330,10 +330,15 @@ impl Tokenizer {
             let at = pieces.iter().position(|(p, _)| *p == text);
             at.expect("test vocabulary needs <bos> and <eos>") as u32
         };
+        let vocab = Vocab::new(
+            &pieces.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            vec![0.0; pieces.len()],
+            pieces.iter().map(|(_, k)| *k).collect(),
+            "test vocabulary",
+        )
+        .expect("test vocabulary is well formed");
         Tokenizer::assemble(Parts {
-            pieces: pieces.iter().map(|(p, _)| *p).collect(),
-            scores: vec![0.0; pieces.len()],
-            kinds: pieces.iter().map(|(_, k)| *k).collect(),
+            vocab,
             rule: MergeRule::Scores,
             pretokenizer: Pretokenizer::Whole,
             ids: SpecialIds {
