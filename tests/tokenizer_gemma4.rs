@@ -316,6 +316,7 @@ fn tokenize_command_reads_a_vocabulary_only_gguf() {
 // ---- malformed gemma4 GGUFs ----
 
 enum Meta<'a> {
+    Bool(bool),
     Str(&'a str),
     Strs(&'a [&'a str]),
     I32s(&'a [i32]),
@@ -341,6 +342,10 @@ fn write_gguf(path: &Path, kvs: &[(&str, Meta)]) {
             out.extend_from_slice(&(n as u64).to_le_bytes());
         };
         match value {
+            Meta::Bool(v) => {
+                out.extend_from_slice(&7u32.to_le_bytes());
+                out.push(*v as u8);
+            }
             Meta::Str(s) => {
                 out.extend_from_slice(&8u32.to_le_bytes());
                 put_str(&mut out, s);
@@ -371,6 +376,13 @@ const TINY_TYPES: &[i32] = &[3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 6];
 const TINY_MERGES: &[&str] = &["a b", "\n \n", "▁ ab"];
 
 fn tiny_gemma4(merges: Option<&[&str]>) -> anyhow::Result<Tokenizer> {
+    tiny_gemma4_with(merges, vec![])
+}
+
+fn tiny_gemma4_with(
+    merges: Option<&[&str]>,
+    extra: Vec<(&str, Meta)>,
+) -> anyhow::Result<Tokenizer> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-gemma4.gguf");
     let mut kvs = vec![
@@ -382,6 +394,7 @@ fn tiny_gemma4(merges: Option<&[&str]>) -> anyhow::Result<Tokenizer> {
     if let Some(m) = merges {
         kvs.push(("tokenizer.ggml.merges", Meta::Strs(m)));
     }
+    kvs.extend(extra);
     write_gguf(&path, &kvs);
     GgufFile::open(&path).and_then(|f| Tokenizer::from_gguf(&f))
 }
@@ -389,7 +402,7 @@ fn tiny_gemma4(merges: Option<&[&str]>) -> anyhow::Result<Tokenizer> {
 #[test]
 fn tiny_gemma4_gguf_merges_by_rank_and_cuts_newline_runs() {
     let tok = tiny_gemma4(Some(TINY_MERGES)).unwrap();
-    // BOS is added for Gemma 4 even though the file does not ask.
+    // The file has no add_bos_token key; Gemma 4 wants BOS.
     assert!(tok.add_bos_by_default());
     assert_eq!(tok.encode(" ab", true), vec![2, 11]);
     assert_eq!(tok.encode("aab", false), vec![7, 9]);
@@ -423,6 +436,22 @@ fn malformed_gemma4_gguf_errors_name_file_and_key() {
         e.contains("tokenizer.ggml.merges[1]") && e.contains("\"ab\""),
         "{e}"
     );
+}
+
+#[test]
+fn gemma4_always_adds_bos_and_never_a_space_prefix() {
+    // llama.cpp overrides both flags for Gemma 4, whatever the file says.
+    let tok = tiny_gemma4_with(
+        Some(TINY_MERGES),
+        vec![
+            ("tokenizer.ggml.add_bos_token", Meta::Bool(false)),
+            ("tokenizer.ggml.add_space_prefix", Meta::Bool(true)),
+        ],
+    )
+    .unwrap();
+    assert!(tok.add_bos_by_default());
+    assert_eq!(tok.encode("ab", false), vec![9]);
+    assert_eq!(tok.decode(&[11]), " ab", "no prefix to strip either");
 }
 
 #[test]
