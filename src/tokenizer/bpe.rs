@@ -11,7 +11,6 @@
 //! Characters without a piece of their own are spelled as `<0xNN>` byte
 //! tokens at the end (byte fallback).
 
-use super::merge_ranks::MergeRanks;
 use super::merge_text::TextMerges;
 use super::vocab::Vocab;
 use std::cmp::Ordering;
@@ -22,13 +21,11 @@ pub(crate) enum MergeRule {
     /// SentencePiece: a pair may merge when its joined text is a mergeable
     /// piece; higher piece score merges first.
     Scores,
-    /// Hugging Face BPE (and Gemma 4's GGUF): a merge list; the pair with
-    /// the lower rank merges first.
-    Ranks(MergeRanks),
-    /// The same, with the merge list looked up by the pair's text (Gemma
-    /// 4's GGUF: see `merge_text`). A merge whose joined text is no
-    /// mergeable piece is skipped, so no text can be lost to it.
-    TextRanks(TextMerges),
+    /// Hugging Face BPE and Gemma 4's GGUF: a merge list, looked up by the
+    /// pair's text; the pair with the lower rank merges first. A merge
+    /// whose joined text is no mergeable piece is skipped, so no text can
+    /// be lost to it.
+    Ranks(TextMerges),
 }
 
 #[derive(Clone, Copy)]
@@ -89,10 +86,6 @@ impl MergeRule {
                 Some((vocab.score(id), Some(id)))
             }
             MergeRule::Ranks(table) => {
-                let (rank, merged) = table.get(l.id?, r.id?)?;
-                Some((-(rank as f32), Some(merged)))
-            }
-            MergeRule::TextRanks(table) => {
                 let rank = table.rank(&text[l.start..r.start + r.len], l.len)?;
                 Some((-(rank as f32), None))
             }
@@ -259,14 +252,14 @@ mod tests {
             ("ab", 0.0, Normal),
             ("bc", 0.0, Normal),
         ]);
-        let ranks = |ab: u32, bc: u32| {
-            let mut table = MergeRanks::default();
-            table.insert(1, 2, ab, 4);
-            table.insert(2, 3, bc, 5);
-            MergeRule::Ranks(table)
+        let ranks = |merges: [(&'static str, &'static str); 2]| {
+            let list = TextMerges::from_pairs(merges.into_iter().map(Ok), "test").unwrap();
+            MergeRule::Ranks(list)
         };
-        assert_eq!(run(&v, &ranks(0, 1), "abc"), vec![4, 3]);
-        assert_eq!(run(&v, &ranks(1, 0), "abc"), vec![1, 5]);
+        assert_eq!(run(&v, &ranks([("a", "b"), ("b", "c")]), "abc"), vec![4, 3]);
+        assert_eq!(run(&v, &ranks([("b", "c"), ("a", "b")]), "abc"), vec![1, 5]);
+        // "ca" is listed but no piece: skipped, the characters stay.
+        assert_eq!(run(&v, &ranks([("c", "a"), ("a", "b")]), "cab"), vec![3, 4]);
     }
 
     #[test]

@@ -110,7 +110,7 @@ impl Tokenizer {
         let vocab = Vocab::new(&pieces, scores, kinds, &source)?;
         let (rule, pretokenizer) = if gemma4 {
             let merges = gemma4_merges(file, &source)?;
-            (MergeRule::TextRanks(merges), Pretokenizer::NewlineRuns)
+            (MergeRule::Ranks(merges), Pretokenizer::NewlineRuns)
         } else {
             (MergeRule::Scores, Pretokenizer::Whole)
         };

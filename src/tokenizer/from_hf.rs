@@ -5,13 +5,12 @@
 
 use super::bpe::MergeRule;
 use super::markers::RENDERED_MARKERS;
-use super::merge_ranks::MergeRanks;
+use super::merge_text::TextMerges;
 use super::pretokenize::Pretokenizer;
 use super::vocab::{TokenKind, Vocab, parse_byte_piece};
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::collections::HashMap;
 use std::path::Path;
 
 /// What `tokenizer_config.json` (and `chat_template.jinja`) contribute.
@@ -220,18 +219,17 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
         kinds.push(k);
     }
 
-    // Lowest id wins on duplicate text, as in the vocabulary proper.
-    let mut index: HashMap<&str, u32> = HashMap::with_capacity(pieces.len());
-    for (i, p) in pieces.iter().enumerate() {
-        index.entry(p.as_str()).or_insert(i as u32);
-    }
+    let scores = vec![0.0; pieces.len()];
+    let vocab = Vocab::new(&pieces, scores, kinds, &source)?;
+    drop(pieces);
+    // Kept as text like Gemma 4's GGUF merges (see `merge_text`): resolving
+    // half a million merges to ids at load is most of the load time.
     let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-    let ranks = MergeRanks::from_text_pairs(
+    let merges = TextMerges::from_pairs(
         merges
             .iter()
             .enumerate()
             .map(|(i, m)| merge_pair(m, i, &source)),
-        |p| index.get(p).copied(),
         &format!("{source}: model.merges"),
     )?;
 
@@ -241,7 +239,7 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
             .map(String::as_str)
             .chain(fallbacks.iter().copied());
         for n in names {
-            if let Some(&id) = index.get(n) {
+            if let Some(id) = vocab.id_of(n) {
                 return Ok(id);
             }
         }
@@ -250,16 +248,12 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
     let ids = SpecialIds {
         bos: find(&cfg.bos, &["<bos>", "<s>"], "bos")?,
         eos: find(&cfg.eos, &["<eos>", "</s>"], "eos")?,
-        unk: model["unk_token"]
-            .as_str()
-            .and_then(|u| index.get(u).copied()),
-        pad: index.get("<pad>").copied(),
+        unk: model["unk_token"].as_str().and_then(|u| vocab.id_of(u)),
+        pad: vocab.id_of("<pad>"),
     };
-    drop(index);
-    let scores = vec![0.0; pieces.len()];
     Tokenizer::assemble(Parts {
-        vocab: Vocab::new(&pieces, scores, kinds, &source)?,
-        rule: MergeRule::Ranks(ranks),
+        vocab,
+        rule: MergeRule::Ranks(merges),
         // Hugging Face merges each stretch whole (no pre-tokenizer, or a
         // split on " " that finds none once spaces are `▁`).
         pretokenizer: Pretokenizer::Whole,

@@ -1,14 +1,15 @@
-//! A merge list kept as text and looked up by the text of a pair: Gemma 4's
-//! GGUF route.
+//! A BPE merge list (Gemma 4's GGUF, any `tokenizer.json`) kept as text and
+//! looked up by the text of a pair.
 //!
 //! Resolving Gemma 4's 514,906 merges to ids at load takes three vocabulary
 //! lookups each (left, right, joined), nearly all cache misses: most of the
 //! load time. Kept as text, loading copies the merges into one buffer and
 //! makes one table insert each; the merged piece's id is looked up while
 //! encoding, only for merges that happen. This is also how llama.cpp applies
-//! a GGUF merge list: to two adjacent strings, whatever their ids.
+//! a GGUF merge list: to two adjacent strings, whatever their ids. (So a
+//! merge naming pieces the vocabulary lacks is not refused at load, as
+//! Hugging Face would; it can never apply, or its result is skipped.)
 
-use super::merge_ranks::MAX_MERGES;
 use super::piece_table::hash;
 use anyhow::{Result, bail};
 
@@ -26,6 +27,9 @@ pub(crate) struct TextMerges {
 }
 
 const TAG: u64 = !0xffff_ffff;
+
+/// Ranks are compared as `f32` in the merge loop, exact below 2^24.
+pub(crate) const MAX_MERGES: usize = 1 << 24;
 
 impl TextMerges {
     /// Builds the table from merges in rank order; when a merge is listed

@@ -18,7 +18,6 @@ mod from_gguf;
 mod from_hf;
 mod from_spm;
 mod markers;
-mod merge_ranks;
 mod merge_text;
 mod piece_table;
 mod pretokenize;
