@@ -72,14 +72,10 @@ impl GenerationStats {
     }
 }
 
-/// Ids that end generation: EOS and, where the vocabulary has it,
-/// `<end_of_turn>`.
+/// Ids that end generation: EOS, `<end_of_turn>` (Gemma 1-3), `<turn|>`
+/// and `<|tool_response>` (Gemma 4), whichever the vocabulary has.
 pub fn stop_ids(tok: &Tokenizer) -> Vec<u32> {
-    let mut ids = vec![tok.eos_id()];
-    if let Some(id) = tok.id_of("<end_of_turn>") {
-        ids.push(id);
-    }
-    ids
+    tok.end_of_generation_ids()
 }
 
 pub struct Request<'a> {
