@@ -330,14 +330,21 @@ fn ctrl_c_mid_reply_returns_to_the_prompt_and_quit_exits_zero() {
     }
 }
 
+/// Ctrl-D at the prompt leaves; Ctrl-C asks once, then leaves (a single
+/// Ctrl-C also stops a reply, so one press at the prompt could be a slip).
 #[test]
-fn ctrl_c_or_ctrl_d_at_the_prompt_exits_zero() {
+fn ctrl_c_twice_or_ctrl_d_at_the_prompt_exits_zero() {
     for key in ['c', 'd'] {
         let mut cmd = chat_command(&["-t", "0"]);
         cmd.env("TERM", "xterm");
         let mut p = rexpect::session::spawn_command(cmd, Some(600_000)).expect("spawn under a pty");
         p.exp_string("> ").expect("prompt");
         p.send_control(key).expect("send the key");
+        if key == 'c' {
+            p.exp_string("press Ctrl-C again").expect("asks once");
+            p.exp_string("> ").expect("still at the prompt");
+            p.send_control('c').expect("send Ctrl-C again");
+        }
         p.exp_eof().expect("program ends");
         match p.process().wait().expect("exit status") {
             rexpect::process::WaitStatus::Exited(_, code) => assert_eq!(code, 0, "Ctrl-{key}"),
@@ -430,4 +437,19 @@ fn the_first_screen_names_the_model_and_the_format() {
     assert!(before.contains("gemma-3-270m-q4_k_m.gguf"), "{before}");
     p.send_line("/quit").expect("send /quit");
     p.exp_eof().expect("program ends");
+}
+
+/// A line ending in `\` continues on the next: the two lines are one
+/// message (one reply, one stats line), not two.
+#[test]
+fn a_line_ending_in_a_backslash_continues_the_message() {
+    let out = chat_piped(&["-t", "0", "-n", "4"], "Hello, who\\\nare you?\n");
+    let stderr = assert_ok(&out);
+    let stats = stats_lines(&stderr);
+    assert_eq!(stats.len(), 1, "{stderr}");
+    let path = model();
+    let tok = load_tokenizer(&ModelSource::open(&path).unwrap()).unwrap();
+    let enc = TurnEncoder::new(ChatTemplate::dialogue(), None, None).unwrap();
+    let joined = enc.user_turn(&tok, "Hello, who\nare you?", true).len();
+    assert_eq!(stats[0].0, joined, "{stderr}");
 }
