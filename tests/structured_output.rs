@@ -222,6 +222,12 @@ fn bad_constraints_fail_with_one_line_naming_the_flag() {
     assert!(line.starts_with("pulsar: --json-schema: "), "{line}");
     assert!(line.contains("column"), "{line}");
 
+    // A schema file that is not there is named as a missing file, not
+    // parsed as JSON text.
+    let line = error_line(&["-p", "x", "--json-schema", "/no/such/schema.json"]);
+    assert!(line.contains("no such file"), "{line}");
+    assert!(line.contains("/no/such/schema.json"), "{line}");
+
     let dir = tempfile::Builder::new()
         .prefix("pulsar-badlark-")
         .tempdir()

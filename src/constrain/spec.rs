@@ -49,9 +49,18 @@ impl ConstraintSpec {
             (arg.to_string(), "the given text".to_string())
         };
         let schema: Value = serde_json::from_str(&text).map_err(|e| {
-            anyhow::anyhow!(
-                "--json-schema: {origin} is not valid JSON ({e}); give a schema file or the schema text"
-            )
+            // Text that cannot begin a schema was meant as a file name.
+            let looks_like_json = arg.trim_start().starts_with(['{', '[', '"'])
+                || matches!(arg.trim(), "true" | "false");
+            if !path.is_file() && !looks_like_json {
+                anyhow::anyhow!(
+                    "--json-schema: no such file {arg:?} (nor is it schema text); give a schema file or the schema text"
+                )
+            } else {
+                anyhow::anyhow!(
+                    "--json-schema: {origin} is not valid JSON ({e}); give a schema file or the schema text"
+                )
+            }
         })?;
         if !(schema.is_object() || schema.is_boolean()) {
             bail!("--json-schema: {origin} is JSON but not a schema (a schema is an object)");
