@@ -13,6 +13,8 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use std::path::Path;
 
+pub mod jinja;
+
 /// The built-in templates, by name.
 const BUILT_IN: [(&str, &str); 2] = [
     ("gemma", include_str!("../templates/gemma.json")),
