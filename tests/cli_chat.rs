@@ -416,7 +416,7 @@ fn chat_template_gemma_restores_the_turn_format() {
         .expect("binary runs");
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("gemma, dialogue"), "{stderr}");
+    assert!(stderr.contains("gemma, gemma4, dialogue"), "{stderr}");
 }
 
 #[test]

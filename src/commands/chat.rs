@@ -160,7 +160,12 @@ impl<'a> Session<'a> {
         let tok = load_tokenizer(&src)?;
         let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
         eprintln!("pulsar: {}", choice.describe());
-        let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
+        let encoder = TurnEncoder::with_thinking(
+            choice.template,
+            args.common.system.as_deref(),
+            document,
+            args.common.think,
+        )?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
         let speculation = effective_speculation(args.common.speculation)?;

@@ -92,7 +92,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )?)
     };
     let template = choice.as_ref().map(|c| &c.template);
-    let stops = generate::stop_ids(&tok);
+    if args.common.think && !template.is_some_and(|t| t.can_think()) {
+        bail!(
+            "--think: the chat format {} has no thinking switch (Gemma 4's has one)",
+            template.map_or("of --raw".to_string(), |t| format!("{:?}", t.name))
+        );
+    }
+    let stops = match template {
+        Some(t) => t.stop_ids(&tok),
+        None => generate::stop_ids(&tok),
+    };
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
     let speculation = effective_speculation(args.common.speculation)?;
     // Under a constraint the constraint decides where the output ends; the
@@ -105,7 +114,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     stop_strings.extend(args.common.stop.iter().cloned());
     let prompt = match template {
         Some(t) => tok.encode(
-            &t.user_then_model(&text, args.common.system.as_deref()),
+            &t.user_then_model(&text, args.common.system.as_deref(), args.common.think),
             t.bos,
         ),
         None => {
