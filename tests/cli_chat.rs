@@ -431,3 +431,35 @@ fn the_first_screen_names_the_model_and_the_format() {
     p.send_line("/quit").expect("send /quit");
     p.exp_eof().expect("program ends");
 }
+
+#[test]
+fn think_needs_a_format_with_a_thinking_switch() {
+    let out = chat_command(&["--think", "-p", "Hi"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("binary runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--think") && stderr.contains("\"dialogue\"") && stderr.contains("Gemma 4"),
+        "{stderr}"
+    );
+    // Gemma 4's format takes it: the system turn opens with <|think|>.
+    let out = chat_command(&[
+        "--chat-template",
+        "gemma4",
+        "--think",
+        "-t",
+        "0",
+        "-n",
+        "2",
+        "-p",
+        "Hi",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("binary runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("chat format \"gemma4\""), "{stderr}");
+}

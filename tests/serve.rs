@@ -1337,6 +1337,18 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     assert_error(st, &b, 400, Some("n"), &["n = 0", "1 to 16"]);
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 17}));
     assert_error(st, &b, 400, Some("n"), &["n = 17", "1 to 16"]);
+    // The default model's format (dialogue) has no thinking switch.
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "chat_template_kwargs": {"enable_thinking": true}}),
+    );
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("chat_template_kwargs.enable_thinking"),
+        &["no thinking switch"],
+    );
     let (st, b) = s.call(
         "/v1/completions",
         &json!({"prompt": "Hi", "n": 2, "best_of": 3}),

@@ -122,6 +122,12 @@ impl TurnEncoder {
             .unwrap_or((&self.template.user_turn, ""))
     }
 
+    /// Whether replies may hold a thought channel to tell from the answer
+    /// (Gemma 4's format).
+    pub fn has_thought_channel(&self) -> bool {
+        self.template.can_think()
+    }
+
     /// What closes the model's turn, fed after every reply.
     pub fn model_end(&self, tok: &Tokenizer) -> Vec<u32> {
         tok.encode(&self.template.model_end, false)

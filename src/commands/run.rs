@@ -5,7 +5,8 @@ use super::{
     ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
     start_constraint,
 };
-use crate::chat_template::TemplateChoice;
+use crate::chat::thinking::{Part, ThoughtSplitter};
+use crate::chat_template::{ChatTemplate, TemplateChoice};
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
@@ -172,6 +173,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
         generate::StdoutStream::default()
     };
     let mut history = Vec::new();
+    // Gemma 4's thought channel: hidden, or on stderr with --show-thinking.
+    let mut thoughts = template
+        .is_some_and(ChatTemplate::can_think)
+        .then(ThoughtSplitter::new);
+    let show_thinking = args.common.show_thinking;
+    let route = move |out: &mut generate::StdoutStream, parts: Vec<Part>| {
+        for part in parts {
+            match part {
+                Part::Answer(text) => out.write(&text),
+                Part::Thought(text) if show_thinking => eprint!("{text}"),
+                Part::Thought(_) => {}
+            }
+        }
+    };
     let decoded = generate::generate(
         engine.as_mut(),
         &tok,
@@ -186,8 +201,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
             speculation,
         },
         &mut history,
-        &mut |piece| out.write(piece),
+        &mut |piece| match &mut thoughts {
+            Some(splitter) => route(&mut out, splitter.push(piece)),
+            None => out.write(piece),
+        },
     )?;
+    if let Some(splitter) = &mut thoughts {
+        route(&mut out, splitter.finish());
+    }
     out.finish("\n").context("cannot write to stdout")?;
     report_constraint(
         decoded.stats.stop,

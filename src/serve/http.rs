@@ -14,6 +14,7 @@ use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
 use super::tools::{self, CallFormat, Growth};
+use crate::chat::thinking::{self, Part, ThoughtSplitter};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -304,6 +305,9 @@ struct Reply {
     /// Function calling: each choice's text is a reply object, read back
     /// ([`tools::read_partial`]) into calls or content.
     tool_calls: Option<CallFormat>,
+    /// Gemma 4's thought channel goes out as `reasoning_content`, as
+    /// llama-server sends it.
+    thought_channel: bool,
 }
 
 impl Reply {
@@ -364,6 +368,7 @@ async fn serve(
                 .collect()
         }),
         tool_calls: prepared.tool_calls,
+        thought_channel: prepared.thought_channel,
     };
     let stream = prepared.stream;
     let events = enqueue(&app, prepared)?;
@@ -690,7 +695,14 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
             let logprobs = reply.logprobs_value(&c.logprobs, 0);
             match reply.kind {
                 Kind::Chat => {
-                    let (message, reason) = reply.message(index, c.text, c.reason);
+                    let (thought, text) = match reply.thought_channel {
+                        true => thinking::split_reply(&c.text),
+                        false => (None, c.text),
+                    };
+                    let (mut message, reason) = reply.message(index, text, c.reason);
+                    if let Some(thought) = thought {
+                        message["reasoning_content"] = json!(thought);
+                    }
                     json!({
                         "index": index,
                         "message": message,
@@ -757,6 +769,10 @@ struct Streaming {
     /// Function calling: each choice's reply so far and what of it went
     /// out.
     tool_streams: Vec<ToolStream>,
+    /// Each choice's thought channel and answer told apart, and the
+    /// log-probabilities of text held back while a marker may be forming.
+    thoughts: Vec<ThoughtSplitter>,
+    held_logprobs: Vec<Vec<TokenLogprob>>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
 }
@@ -851,6 +867,23 @@ impl Streaming {
         read
     }
 
+    /// A chat with a thought channel: the thought's text as
+    /// `reasoning_content` deltas, the answer's as `content` deltas. The
+    /// log-probabilities held so far go with the first of them.
+    fn send_thought_parts(&mut self, i: usize, parts: Vec<Part>) {
+        for part in parts {
+            let delta = match part {
+                Part::Thought(text) => json!({ "reasoning_content": text }),
+                Part::Answer(text) => json!({ "content": text }),
+            };
+            let logprobs = std::mem::take(&mut self.held_logprobs[i]);
+            let lp = self.reply.logprobs_value(&logprobs, 0);
+            let choice =
+                json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+            self.queued.push_back(data(&self.reply.chunk(choice)));
+        }
+    }
+
     async fn next(&mut self) -> Option<SseEvent> {
         loop {
             if let Some(event) = self.queued.pop_front() {
@@ -882,6 +915,13 @@ impl Streaming {
                         self.tool_streams[i].logprobs.extend(logprobs);
                         self.send_tool_deltas(i, false, format);
                     }
+                    Some((i, Some(Event::Delta { text, logprobs })))
+                        if self.reply.thought_channel =>
+                    {
+                        self.held_logprobs[i].extend(logprobs);
+                        let parts = self.thoughts[i].push(&text);
+                        self.send_thought_parts(i, parts);
+                    }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
                         self.echo(i);
                         let lp = self.reply.logprobs_value(&logprobs, self.sent[i]);
@@ -893,6 +933,10 @@ impl Streaming {
                         self.echo(i);
                         self.usages[i] = Some(usage);
                         self.events.close(i);
+                        if self.reply.thought_channel {
+                            let parts = self.thoughts[i].finish();
+                            self.send_thought_parts(i, parts);
+                        }
                         let mut reason = Some(reason.as_str().to_string());
                         let mut logprobs = Value::Null;
                         if let Some(format) = self.reply.tool_calls {
@@ -948,6 +992,8 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         echoed: vec![false; count],
         prompt_logprobs: vec![Vec::new(); count],
         tool_streams: (0..count).map(|_| ToolStream::default()).collect(),
+        thoughts: (0..count).map(|_| ThoughtSplitter::new()).collect(),
+        held_logprobs: vec![Vec::new(); count],
         queued: VecDeque::new(),
     };
     sse_response(state)

@@ -62,6 +62,9 @@ pub struct Prepared {
     /// The reply is a function-calling object ([`tools`]) to read back
     /// into calls of this format, or content.
     pub tool_calls: Option<CallFormat>,
+    /// The chat format has a thought channel (Gemma 4): what the model
+    /// writes in it is sent as `reasoning_content`, not as content.
+    pub thought_channel: bool,
 }
 
 /// An embeddings request ready for the queue.
@@ -145,7 +148,22 @@ impl ServeContext {
             None => self.constraint(&sampling)?,
         };
         let instructions = tool_calling.as_ref().map(ToolCalling::instructions);
-        let prompt = self.chat_prompt(&req.messages, instructions.as_deref())?;
+        let think = req
+            .chat_template_kwargs
+            .as_ref()
+            .and_then(|k| k.enable_thinking)
+            .unwrap_or(false);
+        if think && !self.template.can_think() {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs.enable_thinking",
+                format!(
+                    "this model's chat format {:?} has no thinking switch (Gemma 4's has one); \
+                     leave enable_thinking out",
+                    self.template.name
+                ),
+            ));
+        }
+        let prompt = self.chat_prompt(&req.messages, instructions.as_deref(), think)?;
         let mut stop_strings = if constraint.is_some() {
             // Under a constraint the constraint decides where the output
             // ends; the template's stop strings would only cut it short.
@@ -178,6 +196,7 @@ impl ServeContext {
             choices: choices(&sampling)?,
             echo: false,
             tool_calls: tool_calling.is_some().then_some(call_format),
+            thought_channel: self.template.can_think(),
         })
     }
 
@@ -237,6 +256,7 @@ impl ServeContext {
             choices: choices(&sampling)?,
             echo,
             tool_calls: None,
+            thought_channel: false,
         })
     }
 
@@ -429,8 +449,9 @@ impl ServeContext {
     }
 
     /// The chat's messages in the template's turn format. System (and
-    /// developer) messages are folded into the first user turn, as
-    /// `pulsar chat` does (Gemma has no system role), and after them the
+    /// developer) messages go in the format's system turn (Gemma 4), else
+    /// they are folded into the first user turn, as `pulsar chat` does
+    /// (Gemma 1–3 have no system role), and after them the
     /// function-calling `instructions` of a request with tools. Calls in
     /// the history go in as the model writes them, and `tool` messages as
     /// a user turn ([`tools`]). The template's own pieces are trusted;
@@ -439,6 +460,7 @@ impl ServeContext {
         &self,
         messages: &[Message],
         instructions: Option<&str>,
+        think: bool,
     ) -> Result<Vec<u32>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages is empty"));
@@ -515,11 +537,15 @@ impl ServeContext {
             .split_once("{system}")
             .unwrap_or((t.system_prefix.as_str(), ""));
         let mut parts: Vec<(&str, bool)> = vec![(&t.preamble, true)];
+        let system_turn = t.system_turn_parts(Some(&system), think);
+        if let Some(turn) = &system_turn {
+            parts.extend(turn.iter().map(|(text, trusted)| (text.as_str(), *trusted)));
+        }
         let mut first_user = true;
         for (user, text) in &turns {
             if *user {
                 parts.push((before, true));
-                if first_user && !system.is_empty() {
+                if first_user && !system.is_empty() && t.system_turn.is_none() {
                     parts.extend([
                         (sys_before, true),
                         (system.as_str(), false),
@@ -540,7 +566,7 @@ impl ServeContext {
                 parts.extend([(text.as_str(), false), (&t.model_end, true)]);
             }
         }
-        parts.push((&t.model_start, true));
+        parts.push((t.model_start(think), true));
         Ok(self.tok.encode_parts(&parts, t.bos))
     }
 
