@@ -23,6 +23,7 @@
 //! sampler, stop strings and constraints; nothing below imports it.
 
 pub mod api;
+pub mod gemma4_calls;
 pub mod http;
 pub mod metrics;
 pub mod request;
