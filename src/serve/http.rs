@@ -8,6 +8,7 @@ use super::api::{
     ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, TokenLogprob, Usage,
     completion_logprobs,
 };
+use super::gemma4_calls;
 use super::metrics::Metrics;
 use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
@@ -598,6 +599,9 @@ impl Reply {
         let Some(format) = self.tool_calls else {
             return (plain(text), reason.map(str::to_string));
         };
+        if format == CallFormat::Native {
+            return self.native_message(choice, &text, reason);
+        }
         let read = tools::read_partial(&text);
         let reason = tool_reason(&read, reason, format);
         if read.is_unread() {
@@ -630,6 +634,36 @@ impl Reply {
             "refusal": null,
         });
         (message, reason)
+    }
+
+    /// A reply in the model's own call syntax ([`gemma4_calls`]): its
+    /// calls as `tool_calls`, the text around them as content; a reply
+    /// whose calls do not read is content as it is.
+    fn native_message(
+        &self,
+        choice: usize,
+        text: &str,
+        reason: Option<&str>,
+    ) -> (Value, Option<String>) {
+        let read = gemma4_calls::read_reply(text);
+        if read.calls.is_empty() {
+            let message = json!({ "role": "assistant", "content": read.content, "refusal": null });
+            return (message, reason.map(str::to_string));
+        }
+        let calls: Vec<Value> = read
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| tools::native_call_value(&c.name, &c.arguments, &self.id, choice, k))
+            .collect();
+        let content = (!read.content.is_empty()).then_some(read.content);
+        let message = json!({
+            "role": "assistant",
+            "content": content,
+            "tool_calls": calls,
+            "refusal": null,
+        });
+        (message, Some("tool_calls".to_string()))
     }
 
     fn delta(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
@@ -773,6 +807,8 @@ struct Streaming {
     /// log-probabilities of text held back while a marker may be forming.
     thoughts: Vec<ThoughtSplitter>,
     held_logprobs: Vec<Vec<TokenLogprob>>,
+    /// Replies in the model's own call syntax, gathered until they end.
+    native_text: Vec<String>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
 }
@@ -795,7 +831,7 @@ fn tool_reason(
 ) -> Option<String> {
     if read.complete && !read.calls.is_empty() {
         Some(match format {
-            CallFormat::ToolCalls => "tool_calls".to_string(),
+            CallFormat::ToolCalls | CallFormat::Native => "tool_calls".to_string(),
             CallFormat::FunctionCall => "function_call".to_string(),
         })
     } else {
@@ -839,7 +875,8 @@ impl Streaming {
         let deltas: Vec<Value> = grown
             .into_iter()
             .map(|growth| match (growth, format) {
-                (Growth::CallStarted(k), CallFormat::ToolCalls) => {
+                // A reply in the model's own syntax is read whole, not here.
+                (Growth::CallStarted(k), CallFormat::ToolCalls | CallFormat::Native) => {
                     let mut start = tools::call_value(&read.calls[k], &self.reply.id, i, k);
                     start["function"]["arguments"] = json!("");
                     start["index"] = json!(k);
@@ -848,7 +885,7 @@ impl Streaming {
                 (Growth::CallStarted(k), CallFormat::FunctionCall) => {
                     json!({ "function_call": {"name": read.calls[k].name, "arguments": ""} })
                 }
-                (Growth::Arguments(k, piece), CallFormat::ToolCalls) => {
+                (Growth::Arguments(k, piece), CallFormat::ToolCalls | CallFormat::Native) => {
                     json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] })
                 }
                 (Growth::Arguments(_, piece), CallFormat::FunctionCall) => {
@@ -884,6 +921,43 @@ impl Streaming {
         }
     }
 
+    /// A whole reply in the model's own call syntax, as chunks: the
+    /// thought, the content, then each call whole. Returns the finish
+    /// reason (`tool_calls` when it calls).
+    fn send_native_reply(&mut self, i: usize, reason: Option<String>) -> Option<String> {
+        let text = std::mem::take(&mut self.native_text[i]);
+        let (thought, answer) = match self.reply.thought_channel {
+            true => thinking::split_reply(&text),
+            false => (None, text),
+        };
+        let (message, reason) = self.reply.native_message(i, &answer, reason.as_deref());
+        let mut deltas = Vec::new();
+        if let Some(thought) = thought {
+            deltas.push(json!({ "reasoning_content": thought }));
+        }
+        if let Some(content) = message["content"].as_str().filter(|c| !c.is_empty()) {
+            deltas.push(json!({ "content": content }));
+        }
+        for (k, call) in message["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let mut call = call.clone();
+            call["index"] = json!(k);
+            deltas.push(json!({ "tool_calls": [call] }));
+        }
+        for delta in deltas {
+            let logprobs = std::mem::take(&mut self.held_logprobs[i]);
+            let lp = self.reply.logprobs_value(&logprobs, 0);
+            let choice =
+                json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+            self.queued.push_back(data(&self.reply.chunk(choice)));
+        }
+        reason
+    }
+
     async fn next(&mut self) -> Option<SseEvent> {
         loop {
             if let Some(event) = self.queued.pop_front() {
@@ -916,6 +990,14 @@ impl Streaming {
                         self.send_tool_deltas(i, false, format);
                     }
                     Some((i, Some(Event::Delta { text, logprobs })))
+                        if self.reply.tool_calls == Some(CallFormat::Native) =>
+                    {
+                        // Calls are read from the whole reply; it goes out
+                        // when it ends.
+                        self.native_text[i].push_str(&text);
+                        self.held_logprobs[i].extend(logprobs);
+                    }
+                    Some((i, Some(Event::Delta { text, logprobs })))
                         if self.reply.thought_channel =>
                     {
                         self.held_logprobs[i].extend(logprobs);
@@ -933,13 +1015,17 @@ impl Streaming {
                         self.echo(i);
                         self.usages[i] = Some(usage);
                         self.events.close(i);
-                        if self.reply.thought_channel {
+                        let mut reason = Some(reason.as_str().to_string());
+                        if self.reply.tool_calls == Some(CallFormat::Native) {
+                            reason = self.send_native_reply(i, reason);
+                        } else if self.reply.thought_channel {
                             let parts = self.thoughts[i].finish();
                             self.send_thought_parts(i, parts);
                         }
-                        let mut reason = Some(reason.as_str().to_string());
                         let mut logprobs = Value::Null;
-                        if let Some(format) = self.reply.tool_calls {
+                        if let Some(format) =
+                            self.reply.tool_calls.filter(|&f| f != CallFormat::Native)
+                        {
                             let read = self.send_tool_deltas(i, true, format);
                             reason = tool_reason(&read, reason.as_deref(), format);
                             let left = std::mem::take(&mut self.tool_streams[i].logprobs);
@@ -994,6 +1080,7 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         tool_streams: (0..count).map(|_| ToolStream::default()).collect(),
         thoughts: (0..count).map(|_| ThoughtSplitter::new()).collect(),
         held_logprobs: vec![Vec::new(); count],
+        native_text: vec![String::new(); count],
         queued: VecDeque::new(),
     };
     sse_response(state)

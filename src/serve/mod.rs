@@ -26,6 +26,7 @@ pub mod api;
 pub mod gemma4_calls;
 pub mod http;
 pub mod metrics;
+pub mod native_prompt;
 pub mod request;
 pub mod responses;
 pub mod scheduler;

@@ -5,12 +5,15 @@ use super::api::{
     ApiError, ChatRequest, CompletionRequest, Content, EmbeddingRequest, Message, Prompt,
     ResponseFormat, Sampling,
 };
+use super::native_prompt;
 use super::slot::GenParams;
 use super::tools::{self, CallFormat, ToolCalling};
 use crate::chat_template::ChatTemplate;
+use crate::chat_template::jinja::JinjaTemplate;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
 use crate::sample::SamplerConfig;
 use crate::tokenizer::Tokenizer;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Most stop strings a request may give.
@@ -26,6 +29,8 @@ pub const MAX_CHOICES: u32 = 16;
 pub struct ServeContext {
     pub tok: Tokenizer,
     pub template: ChatTemplate,
+    /// The model's Jinja template, when the format was read from one.
+    pub jinja: Option<Arc<JinjaTemplate>>,
     pub compiler: GrammarCompiler,
     /// Tokens one sequence holds (`-c`).
     pub context: usize,
@@ -143,11 +148,6 @@ impl ServeContext {
             _ => None,
         };
         let sampling = req.sampling();
-        let constraint = match &tool_calling {
-            Some(t) => self.tools_constraint(t, &sampling)?,
-            None => self.constraint(&sampling)?,
-        };
-        let instructions = tool_calling.as_ref().map(ToolCalling::instructions);
         let think = req
             .chat_template_kwargs
             .as_ref()
@@ -163,7 +163,54 @@ impl ServeContext {
                 ),
             ));
         }
+        // A template with its own call syntax declares the tools and reads
+        // the calls itself, where the model may answer or call as it likes.
+        if let (Some(jinja), Some(tools), false) = (self.native_tools(), &tool_calling, legacy)
+            && tools.is_auto()
+        {
+            if let Some(ResponseFormat::JsonObject | ResponseFormat::JsonSchema { .. }) =
+                &sampling.response_format
+            {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "response_format cannot be combined with tools: leave one of them out",
+                ));
+            }
+            let prompt = native_prompt::render(
+                jinja,
+                &self.tok,
+                &req.messages,
+                req.tools.as_deref().unwrap_or_default(),
+                think,
+            )?;
+            return self.prepared_chat(&sampling, prompt, None, Some(CallFormat::Native), top);
+        }
+        let constraint = match &tool_calling {
+            Some(t) => self.tools_constraint(t, &sampling)?,
+            None => self.constraint(&sampling)?,
+        };
+        let instructions = tool_calling.as_ref().map(ToolCalling::instructions);
         let prompt = self.chat_prompt(&req.messages, instructions.as_deref(), think)?;
+        let format = tool_calling.is_some().then_some(call_format);
+        self.prepared_chat(&sampling, prompt, constraint, format, top)
+    }
+
+    /// The model's Jinja template when it has its own tool-call syntax.
+    fn native_tools(&self) -> Option<&JinjaTemplate> {
+        self.jinja
+            .as_deref()
+            .filter(|j| j.mentions(super::gemma4_calls::CALL_OPEN))
+    }
+
+    /// A chat request's prompt and reply settings, ready for the queue.
+    fn prepared_chat(
+        &self,
+        sampling: &Sampling,
+        prompt: Vec<u32>,
+        constraint: Option<CompiledConstraint>,
+        tool_calls: Option<CallFormat>,
+        top: Option<u32>,
+    ) -> Result<Prepared, ApiError> {
         let mut stop_strings = if constraint.is_some() {
             // Under a constraint the constraint decides where the output
             // ends; the template's stop strings would only cut it short.
@@ -172,7 +219,7 @@ impl ServeContext {
             self.template.stop_strings.clone()
         };
         let params = self.params(
-            &sampling,
+            sampling,
             &prompt,
             "messages",
             Report {
@@ -192,10 +239,10 @@ impl ServeContext {
             }],
             constraint,
             stream: sampling.stream.unwrap_or(false),
-            include_usage: include_usage(&sampling),
-            choices: choices(&sampling)?,
+            include_usage: include_usage(sampling),
+            choices: choices(sampling)?,
             echo: false,
-            tool_calls: tool_calling.is_some().then_some(call_format),
+            tool_calls,
             thought_channel: self.template.can_think(),
         })
     }
