@@ -297,8 +297,17 @@ fn check(p: &Prober, t: &ChatTemplate, history_reply_open: &str) -> Result<()> {
     ];
     let ours = built(t, p, Some(SYSTEM), false, &past, "PulsarProbeUserThree");
     if rendered != ours {
+        let at = rendered
+            .char_indices()
+            .zip(ours.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(rendered.len().min(ours.len()), |((i, _), _)| i);
+        let near = |text: &str| text[at..].chars().take(40).collect::<String>();
         bail!(
-            "a three-turn conversation renders as {rendered:?}, but the turn pieces read from it write {ours:?}"
+            "a three-turn conversation renders differently from the turn pieces read from it, \
+             at byte {at}: {:?} where the pieces write {:?}",
+            near(&rendered),
+            near(&ours)
         );
     }
     Ok(())
@@ -347,6 +356,19 @@ mod tests {
         assert_eq!(derived.system_turn, None);
         assert!(derived.bos && derived.preamble.is_empty());
         assert!(!derived.can_think());
+    }
+
+    #[test]
+    fn a_template_that_changes_later_turns_fails_the_check() {
+        // Marks the fourth message only, which no probe before the check has.
+        let source = "{% for m in messages %}{% if loop.index0 == 4 %}*{% endif %}<{{ m.role }}>{{ m.content }}</>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+        let jinja = JinjaTemplate::new("later", source).unwrap();
+        let err = derive(&jinja, "later", "<bos>", "<eos>").expect_err("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("renders differently") && text.contains("\"*<assistant>"),
+            "{text}"
+        );
     }
 
     #[test]
