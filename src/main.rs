@@ -256,14 +256,22 @@ struct GenerationCli {
     /// Context size in tokens.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     context: usize,
-    /// Instructions that open the first user turn (Gemma has no system role).
+    /// Instructions for the model: Gemma 4's system turn, or the start of the first user turn
+    /// (Gemma 1–3 have no system role).
     #[arg(long)]
     system: Option<String>,
-    /// Turn format: `gemma` (instruction-tuned models), `dialogue` (User:/Assistant: lines, for
-    /// base models) or a JSON file like templates/gemma.json. Default: gemma when the model ships
-    /// a chat template or its name marks it instruction-tuned (-it), else dialogue.
+    /// Turn format: `gemma` (Gemma 1–3 instruction-tuned), `gemma4`, `dialogue` (User:/Assistant:
+    /// lines, for base models), a JSON file like templates/gemma.json or a Jinja file
+    /// (.jinja). Default: the template the model ships, else gemma4 or gemma by its vocabulary
+    /// when its name marks it instruction-tuned (-it), else dialogue.
     #[arg(long, value_name = "NAME|FILE")]
     chat_template: Option<String>,
+    /// Let the model think before it answers (Gemma 4: `<|think|>` in the system turn).
+    #[arg(long)]
+    think: bool,
+    /// Print the model's thinking (Gemma 4's thought channel) instead of hiding it.
+    #[arg(long)]
+    show_thinking: bool,
     /// Text that ends generation when generated (not printed; repeatable). The dialogue format
     /// adds "\nUser:".
     #[arg(long = "stop", value_name = "TEXT")]
@@ -333,6 +341,8 @@ impl GenerationCli {
             context: self.context,
             system: self.system,
             chat_template: self.chat_template,
+            think: self.think,
+            show_thinking: self.show_thinking,
             stop: self.stop,
             engine: self.forward.engine.into(),
             threads: self.forward.threads,
@@ -436,7 +446,7 @@ struct ServeCli {
     /// Use the weights of a `pulsar convert` file in place from the mapped file.
     #[arg(long)]
     mmap: bool,
-    /// Turn format for /v1/chat/completions: gemma, dialogue or a JSON file (default: chosen as
+    /// Turn format for /v1/chat/completions: gemma, gemma4, dialogue, a JSON or a Jinja file (default: chosen as
     /// `pulsar chat` chooses it).
     #[arg(long, value_name = "NAME|FILE")]
     chat_template: Option<String>,

@@ -178,3 +178,74 @@ fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
     let default = TemplateChoice::for_model(&src, &tok, None).unwrap();
     assert_eq!(default.template.name, "dialogue", "{}", default.why);
 }
+
+fn template_file(name: &str) -> String {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/chat_templates")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn gemma3_shipped_template_gives_the_built_in_gemma_tokens() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    let file = template_file("google-gemma-3-it.jinja");
+    let choice = TemplateChoice::for_model(&src, &tok, Some(&file)).unwrap();
+    assert!(choice.jinja.is_some(), "read as Jinja");
+    let from_jinja = choice.template;
+    let built_in = ChatTemplate::gemma();
+    assert_eq!(from_jinja.name, "gemma");
+    // Every conversation, with system text and a document, is the same
+    // tokens whichever way the format was obtained.
+    let conversation = |t: ChatTemplate| {
+        let enc = TurnEncoder::new(t, Some("Be brief."), Some("A document.\n")).unwrap();
+        let mut ids = enc.prefix(&tok);
+        ids.extend(enc.user_turn(&tok, "Hello there", true));
+        ids.extend(tok.encode("Hi!", false));
+        ids.extend(enc.model_end(&tok));
+        ids.extend(enc.user_turn(&tok, "Name a colour.", false));
+        (ids, enc.stop_ids(&tok))
+    };
+    let (jinja_ids, jinja_stops) = conversation(from_jinja);
+    let (built_in_ids, built_in_stops) = conversation(built_in);
+    assert_eq!(jinja_ids, built_in_ids);
+    assert_eq!(jinja_stops, built_in_stops);
+    assert_eq!(
+        tok.decode_with_control(&jinja_ids),
+        "<bos><start_of_turn>user\nBe brief.\n\nA document.\n\nHello there<end_of_turn>\n\
+         <start_of_turn>model\nHi!<end_of_turn>\n<start_of_turn>user\nName a colour.<end_of_turn>\n\
+         <start_of_turn>model\n"
+    );
+}
+
+#[test]
+fn gemma4_template_file_gives_gemma4_turns_and_thinking() {
+    let path = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = ModelSource::open(&path).unwrap();
+    let tok = load_tokenizer(&src).unwrap();
+    let file = template_file("google-gemma-4-31B-it.jinja");
+    let choice = TemplateChoice::for_model(&src, &tok, Some(&file)).unwrap();
+    let t = choice.template;
+    assert_eq!(
+        t.user_then_model("Hi", Some("Be brief."), true),
+        "<|turn>system\n<|think|>\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
+    );
+    let bad = std::env::temp_dir().join(format!("pulsar-bad-{}.jinja", std::process::id()));
+    std::fs::write(
+        &bad,
+        "{{ bos_token }}\n{% for m in messages %}\n{{ m.content }\n{% endfor %}",
+    )
+    .unwrap();
+    let err = TemplateChoice::for_model(&src, &tok, bad.to_str())
+        .err()
+        .expect("a template with a syntax error is refused");
+    let _ = std::fs::remove_file(&bad);
+    let text = format!("{err:#}");
+    assert!(
+        text.contains(&bad.display().to_string()) && text.contains("line 3"),
+        "{text}"
+    );
+}

@@ -423,7 +423,7 @@ fn chat_template_gemma_restores_the_turn_format() {
         .expect("binary runs");
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("gemma, dialogue"), "{stderr}");
+    assert!(stderr.contains("gemma, gemma4, dialogue"), "{stderr}");
 }
 
 #[test]
@@ -452,4 +452,36 @@ fn a_line_ending_in_a_backslash_continues_the_message() {
     let enc = TurnEncoder::new(ChatTemplate::dialogue(), None, None).unwrap();
     let joined = enc.user_turn(&tok, "Hello, who\nare you?", true).len();
     assert_eq!(stats[0].0, joined, "{stderr}");
+}
+
+#[test]
+fn think_needs_a_format_with_a_thinking_switch() {
+    let out = chat_command(&["--think", "-p", "Hi"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("binary runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--think") && stderr.contains("\"dialogue\"") && stderr.contains("Gemma 4"),
+        "{stderr}"
+    );
+    // Gemma 4's format takes it: the system turn opens with <|think|>.
+    let out = chat_command(&[
+        "--chat-template",
+        "gemma4",
+        "--think",
+        "-t",
+        "0",
+        "-n",
+        "2",
+        "-p",
+        "Hi",
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .expect("binary runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("chat format \"gemma4\""), "{stderr}");
 }

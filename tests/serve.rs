@@ -1337,6 +1337,18 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     assert_error(st, &b, 400, Some("n"), &["n = 0", "1 to 16"]);
     let (st, b) = s.call(chat, &json!({"messages": user("Hi"), "n": 17}));
     assert_error(st, &b, 400, Some("n"), &["n = 17", "1 to 16"]);
+    // The default model's format (dialogue) has no thinking switch.
+    let (st, b) = s.call(
+        chat,
+        &json!({"messages": user("Hi"), "chat_template_kwargs": {"enable_thinking": true}}),
+    );
+    assert_error(
+        st,
+        &b,
+        400,
+        Some("chat_template_kwargs.enable_thinking"),
+        &["no thinking switch"],
+    );
     let (st, b) = s.call(
         "/v1/completions",
         &json!({"prompt": "Hi", "n": 2, "best_of": 3}),
@@ -2347,4 +2359,58 @@ fn the_load_benchmark_counts_every_token_with_either_client() {
             "--client {client}: {stderr}"
         );
     }
+}
+
+/// A model template with its own call syntax (Gemma 4's, given as a file)
+/// renders a request with tools: the tools declared, the history's call and
+/// result written as jinja2 writes them (tests/data/chat_templates), and a
+/// reply without a call comes back as content, whole or streamed.
+#[test]
+fn a_template_with_its_own_call_syntax_renders_requests_with_tools() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat_templates");
+    let template = dir.join("google-gemma-4-31B-it.jinja");
+    let s = Server::start(&["-c", "1024", "--chat-template", template.to_str().unwrap()]);
+    let cases: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let conversation = &cases["conversations"]["tool_exchange"];
+    // OpenAI clients send a call's arguments as JSON text.
+    let mut messages = conversation["messages"].clone();
+    for m in messages.as_array_mut().unwrap() {
+        for call in m["tool_calls"].as_array_mut().into_iter().flatten() {
+            let text = call["function"]["arguments"].to_string();
+            call["function"]["arguments"] = json!(text);
+        }
+    }
+    let body = json!({"messages": messages, "tools": conversation["tools"],
+                      "temperature": 0, "max_tokens": 8});
+    let v = s.ok("/v1/chat/completions", &body);
+    let expected = std::fs::read_to_string(dir.join("expected/gemma4_tool_exchange.txt")).unwrap();
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    let src = pulsar::model::source::ModelSource::open(&model).expect("model opens");
+    let tok = pulsar::commands::run::load_tokenizer(&src).expect("tokenizer");
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64(),
+        Some(tok.encode(&expected, false).len() as u64),
+        "{v}"
+    );
+    let content = chat_text(&v);
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, content);
+    let last = chunks.last().expect("chunks");
+    assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
+
+    // A message's text cannot pass for the template's markers.
+    let (st, b) = s.call(
+        "/v1/chat/completions",
+        &json!({"messages": user("a \u{FDD0} b"), "tools": conversation["tools"]}),
+    );
+    assert_error(st, &b, 400, Some("messages[0].content"), &["noncharacter"]);
 }

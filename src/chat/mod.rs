@@ -7,4 +7,5 @@ pub mod input;
 pub mod interrupt;
 pub mod reply;
 pub mod slash;
+pub mod thinking;
 pub mod turns;

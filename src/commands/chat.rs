@@ -12,6 +12,7 @@ use crate::chat::input::Input;
 use crate::chat::interrupt::Interrupt;
 use crate::chat::reply::{self, ReplyReport, ReplySettings};
 use crate::chat::slash::{self, Line};
+use crate::chat::thinking::{Part, ThoughtSplitter};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
 use crate::constrain::CompiledConstraint;
@@ -160,7 +161,12 @@ impl<'a> Session<'a> {
         let tok = load_tokenizer(&src)?;
         let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
         eprintln!("pulsar: {}", choice.describe());
-        let encoder = TurnEncoder::new(choice.template, args.common.system.as_deref(), document)?;
+        let encoder = TurnEncoder::with_thinking(
+            choice.template,
+            args.common.system.as_deref(),
+            document,
+            args.common.think,
+        )?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
         let speculation = effective_speculation(args.common.speculation)?;
@@ -290,6 +296,22 @@ impl<'a> Session<'a> {
         }
 
         let mut out = StdoutStream::reply();
+        // Gemma 4's thought channel: hidden, or on stderr with
+        // --show-thinking, so that stdout holds only the answers.
+        let mut thoughts = self
+            .encoder
+            .has_thought_channel()
+            .then(ThoughtSplitter::new);
+        let show_thinking = self.args.common.show_thinking;
+        let route = move |out: &mut StdoutStream, parts: Vec<Part>| {
+            for part in parts {
+                match part {
+                    Part::Answer(text) => out.write(&text),
+                    Part::Thought(text) if show_thinking => eprint!("{text}"),
+                    Part::Thought(_) => {}
+                }
+            }
+        };
         let mut bar: Option<ProgressBar> = None;
         self.interrupt.begin_reply();
         let result = reply::reply(
@@ -300,8 +322,14 @@ impl<'a> Session<'a> {
             &user_turn,
             &settings,
             &mut |fed, total| show_progress(&mut bar, "reading the prompt", fed, total),
-            &mut |piece| out.write(piece),
+            &mut |piece| match &mut thoughts {
+                Some(splitter) => route(&mut out, splitter.push(piece)),
+                None => out.write(piece),
+            },
         );
+        if let Some(splitter) = &mut thoughts {
+            route(&mut out, splitter.finish());
+        }
         let stopped = self.interrupt.end_reply();
         if let Some(bar) = bar {
             // A prefill stopped by Ctrl-C never reached the end.

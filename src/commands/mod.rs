@@ -59,6 +59,10 @@ pub struct GenerationArgs {
     pub system: Option<String>,
     /// `--chat-template NAME|FILE`; without it the model decides.
     pub chat_template: Option<String>,
+    /// `--think`: the model may think before it answers (Gemma 4).
+    pub think: bool,
+    /// `--show-thinking`: print the thought channel instead of hiding it.
+    pub show_thinking: bool,
     /// `--stop TEXT`: text that ends generation, never printed.
     pub stop: Vec<String>,
     pub engine: EngineKind,

@@ -5,7 +5,8 @@ use super::{
     ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
     start_constraint,
 };
-use crate::chat_template::TemplateChoice;
+use crate::chat::thinking::{Part, ThoughtSplitter};
+use crate::chat_template::{ChatTemplate, TemplateChoice};
 use crate::generate::{self, Request};
 use crate::model::source::ModelSource;
 use crate::sample::Sampler;
@@ -92,7 +93,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )?)
     };
     let template = choice.as_ref().map(|c| &c.template);
-    let stops = generate::stop_ids(&tok);
+    if args.common.think && !template.is_some_and(|t| t.can_think()) {
+        bail!(
+            "--think: the chat format {} has no thinking switch (Gemma 4's has one)",
+            template.map_or("of --raw".to_string(), |t| format!("{:?}", t.name))
+        );
+    }
+    let stops = match template {
+        Some(t) => t.stop_ids(&tok),
+        None => generate::stop_ids(&tok),
+    };
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
     let speculation = effective_speculation(args.common.speculation)?;
     // Under a constraint the constraint decides where the output ends; the
@@ -105,7 +115,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     stop_strings.extend(args.common.stop.iter().cloned());
     let prompt = match template {
         Some(t) => tok.encode(
-            &t.user_then_model(&text, args.common.system.as_deref()),
+            &t.user_then_model(&text, args.common.system.as_deref(), args.common.think),
             t.bos,
         ),
         None => {
@@ -163,6 +173,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
         generate::StdoutStream::default()
     };
     let mut history = Vec::new();
+    // Gemma 4's thought channel: hidden, or on stderr with --show-thinking.
+    let mut thoughts = template
+        .is_some_and(ChatTemplate::can_think)
+        .then(ThoughtSplitter::new);
+    let show_thinking = args.common.show_thinking;
+    let route = move |out: &mut generate::StdoutStream, parts: Vec<Part>| {
+        for part in parts {
+            match part {
+                Part::Answer(text) => out.write(&text),
+                Part::Thought(text) if show_thinking => eprint!("{text}"),
+                Part::Thought(_) => {}
+            }
+        }
+    };
     let decoded = generate::generate(
         engine.as_mut(),
         &tok,
@@ -177,8 +201,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
             speculation,
         },
         &mut history,
-        &mut |piece| out.write(piece),
+        &mut |piece| match &mut thoughts {
+            Some(splitter) => route(&mut out, splitter.push(piece)),
+            None => out.write(piece),
+        },
     )?;
+    if let Some(splitter) = &mut thoughts {
+        route(&mut out, splitter.finish());
+    }
     out.finish("\n").context("cannot write to stdout")?;
     report_constraint(
         decoded.stats.stop,

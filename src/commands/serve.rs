@@ -107,6 +107,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let ctx = ServeContext {
         tok,
         template: choice.template,
+        jinja: choice.jinja,
         compiler,
         context,
         model_id: model_id(&args.model),

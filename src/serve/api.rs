@@ -234,6 +234,15 @@ pub struct ChatRequest {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub response_format: Option<ResponseFormat>,
+    /// Settings for the chat template, as llama-server takes them:
+    /// `{"enable_thinking": true}` lets Gemma 4 think before it answers.
+    pub chat_template_kwargs: Option<ChatTemplateKwargs>,
+}
+
+/// `chat_template_kwargs` of a chat request.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ChatTemplateKwargs {
+    pub enable_thinking: Option<bool>,
 }
 
 /// `POST /v1/completions`.

@@ -8,12 +8,14 @@ use super::api::{
     ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, TokenLogprob, Usage,
     completion_logprobs,
 };
+use super::gemma4_calls;
 use super::metrics::Metrics;
 use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
 use super::tools::{self, CallFormat, Growth};
+use crate::chat::thinking::{self, Part, ThoughtSplitter};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -304,6 +306,9 @@ struct Reply {
     /// Function calling: each choice's text is a reply object, read back
     /// ([`tools::read_partial`]) into calls or content.
     tool_calls: Option<CallFormat>,
+    /// Gemma 4's thought channel goes out as `reasoning_content`, as
+    /// llama-server sends it.
+    thought_channel: bool,
 }
 
 impl Reply {
@@ -364,6 +369,7 @@ async fn serve(
                 .collect()
         }),
         tool_calls: prepared.tool_calls,
+        thought_channel: prepared.thought_channel,
     };
     let stream = prepared.stream;
     let events = enqueue(&app, prepared)?;
@@ -593,6 +599,9 @@ impl Reply {
         let Some(format) = self.tool_calls else {
             return (plain(text), reason.map(str::to_string));
         };
+        if format == CallFormat::Native {
+            return self.native_message(choice, &text, reason);
+        }
         let read = tools::read_partial(&text);
         let reason = tool_reason(&read, reason, format);
         if read.is_unread() {
@@ -625,6 +634,36 @@ impl Reply {
             "refusal": null,
         });
         (message, reason)
+    }
+
+    /// A reply in the model's own call syntax ([`gemma4_calls`]): its
+    /// calls as `tool_calls`, the text around them as content; a reply
+    /// whose calls do not read is content as it is.
+    fn native_message(
+        &self,
+        choice: usize,
+        text: &str,
+        reason: Option<&str>,
+    ) -> (Value, Option<String>) {
+        let read = gemma4_calls::read_reply(text);
+        if read.calls.is_empty() {
+            let message = json!({ "role": "assistant", "content": read.content, "refusal": null });
+            return (message, reason.map(str::to_string));
+        }
+        let calls: Vec<Value> = read
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| tools::native_call_value(&c.name, &c.arguments, &self.id, choice, k))
+            .collect();
+        let content = (!read.content.is_empty()).then_some(read.content);
+        let message = json!({
+            "role": "assistant",
+            "content": content,
+            "tool_calls": calls,
+            "refusal": null,
+        });
+        (message, Some("tool_calls".to_string()))
     }
 
     fn delta(&self, index: usize, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
@@ -690,7 +729,14 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
             let logprobs = reply.logprobs_value(&c.logprobs, 0);
             match reply.kind {
                 Kind::Chat => {
-                    let (message, reason) = reply.message(index, c.text, c.reason);
+                    let (thought, text) = match reply.thought_channel {
+                        true => thinking::split_reply(&c.text),
+                        false => (None, c.text),
+                    };
+                    let (mut message, reason) = reply.message(index, text, c.reason);
+                    if let Some(thought) = thought {
+                        message["reasoning_content"] = json!(thought);
+                    }
                     json!({
                         "index": index,
                         "message": message,
@@ -757,6 +803,12 @@ struct Streaming {
     /// Function calling: each choice's reply so far and what of it went
     /// out.
     tool_streams: Vec<ToolStream>,
+    /// Each choice's thought channel and answer told apart, and the
+    /// log-probabilities of text held back while a marker may be forming.
+    thoughts: Vec<ThoughtSplitter>,
+    held_logprobs: Vec<Vec<TokenLogprob>>,
+    /// Replies in the model's own call syntax, gathered until they end.
+    native_text: Vec<String>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
 }
@@ -779,7 +831,7 @@ fn tool_reason(
 ) -> Option<String> {
     if read.complete && !read.calls.is_empty() {
         Some(match format {
-            CallFormat::ToolCalls => "tool_calls".to_string(),
+            CallFormat::ToolCalls | CallFormat::Native => "tool_calls".to_string(),
             CallFormat::FunctionCall => "function_call".to_string(),
         })
     } else {
@@ -823,7 +875,8 @@ impl Streaming {
         let deltas: Vec<Value> = grown
             .into_iter()
             .map(|growth| match (growth, format) {
-                (Growth::CallStarted(k), CallFormat::ToolCalls) => {
+                // A reply in the model's own syntax is read whole, not here.
+                (Growth::CallStarted(k), CallFormat::ToolCalls | CallFormat::Native) => {
                     let mut start = tools::call_value(&read.calls[k], &self.reply.id, i, k);
                     start["function"]["arguments"] = json!("");
                     start["index"] = json!(k);
@@ -832,7 +885,7 @@ impl Streaming {
                 (Growth::CallStarted(k), CallFormat::FunctionCall) => {
                     json!({ "function_call": {"name": read.calls[k].name, "arguments": ""} })
                 }
-                (Growth::Arguments(k, piece), CallFormat::ToolCalls) => {
+                (Growth::Arguments(k, piece), CallFormat::ToolCalls | CallFormat::Native) => {
                     json!({ "tool_calls": [{"index": k, "function": {"arguments": piece}}] })
                 }
                 (Growth::Arguments(_, piece), CallFormat::FunctionCall) => {
@@ -849,6 +902,60 @@ impl Streaming {
             self.queued.push_back(data(&self.reply.chunk(choice)));
         }
         read
+    }
+
+    /// A chat with a thought channel: the thought's text as
+    /// `reasoning_content` deltas, the answer's as `content` deltas. The
+    /// log-probabilities held so far go with the first of them.
+    fn send_thought_parts(&mut self, i: usize, parts: Vec<Part>) {
+        for part in parts {
+            let delta = match part {
+                Part::Thought(text) => json!({ "reasoning_content": text }),
+                Part::Answer(text) => json!({ "content": text }),
+            };
+            let logprobs = std::mem::take(&mut self.held_logprobs[i]);
+            let lp = self.reply.logprobs_value(&logprobs, 0);
+            let choice =
+                json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+            self.queued.push_back(data(&self.reply.chunk(choice)));
+        }
+    }
+
+    /// A whole reply in the model's own call syntax, as chunks: the
+    /// thought, the content, then each call whole. Returns the finish
+    /// reason (`tool_calls` when it calls).
+    fn send_native_reply(&mut self, i: usize, reason: Option<String>) -> Option<String> {
+        let text = std::mem::take(&mut self.native_text[i]);
+        let (thought, answer) = match self.reply.thought_channel {
+            true => thinking::split_reply(&text),
+            false => (None, text),
+        };
+        let (message, reason) = self.reply.native_message(i, &answer, reason.as_deref());
+        let mut deltas = Vec::new();
+        if let Some(thought) = thought {
+            deltas.push(json!({ "reasoning_content": thought }));
+        }
+        if let Some(content) = message["content"].as_str().filter(|c| !c.is_empty()) {
+            deltas.push(json!({ "content": content }));
+        }
+        for (k, call) in message["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let mut call = call.clone();
+            call["index"] = json!(k);
+            deltas.push(json!({ "tool_calls": [call] }));
+        }
+        for delta in deltas {
+            let logprobs = std::mem::take(&mut self.held_logprobs[i]);
+            let lp = self.reply.logprobs_value(&logprobs, 0);
+            let choice =
+                json!({ "index": i, "delta": delta, "logprobs": lp, "finish_reason": null });
+            self.queued.push_back(data(&self.reply.chunk(choice)));
+        }
+        reason
     }
 
     async fn next(&mut self) -> Option<SseEvent> {
@@ -882,6 +989,21 @@ impl Streaming {
                         self.tool_streams[i].logprobs.extend(logprobs);
                         self.send_tool_deltas(i, false, format);
                     }
+                    Some((i, Some(Event::Delta { text, logprobs })))
+                        if self.reply.tool_calls == Some(CallFormat::Native) =>
+                    {
+                        // Calls are read from the whole reply; it goes out
+                        // when it ends.
+                        self.native_text[i].push_str(&text);
+                        self.held_logprobs[i].extend(logprobs);
+                    }
+                    Some((i, Some(Event::Delta { text, logprobs })))
+                        if self.reply.thought_channel =>
+                    {
+                        self.held_logprobs[i].extend(logprobs);
+                        let parts = self.thoughts[i].push(&text);
+                        self.send_thought_parts(i, parts);
+                    }
                     Some((i, Some(Event::Delta { text, logprobs }))) => {
                         self.echo(i);
                         let lp = self.reply.logprobs_value(&logprobs, self.sent[i]);
@@ -894,8 +1016,16 @@ impl Streaming {
                         self.usages[i] = Some(usage);
                         self.events.close(i);
                         let mut reason = Some(reason.as_str().to_string());
+                        if self.reply.tool_calls == Some(CallFormat::Native) {
+                            reason = self.send_native_reply(i, reason);
+                        } else if self.reply.thought_channel {
+                            let parts = self.thoughts[i].finish();
+                            self.send_thought_parts(i, parts);
+                        }
                         let mut logprobs = Value::Null;
-                        if let Some(format) = self.reply.tool_calls {
+                        if let Some(format) =
+                            self.reply.tool_calls.filter(|&f| f != CallFormat::Native)
+                        {
                             let read = self.send_tool_deltas(i, true, format);
                             reason = tool_reason(&read, reason.as_deref(), format);
                             let left = std::mem::take(&mut self.tool_streams[i].logprobs);
@@ -948,6 +1078,9 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         echoed: vec![false; count],
         prompt_logprobs: vec![Vec::new(); count],
         tool_streams: (0..count).map(|_| ToolStream::default()).collect(),
+        thoughts: (0..count).map(|_| ThoughtSplitter::new()).collect(),
+        held_logprobs: vec![Vec::new(); count],
+        native_text: vec![String::new(); count],
         queued: VecDeque::new(),
     };
     sse_response(state)

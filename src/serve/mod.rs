@@ -23,8 +23,10 @@
 //! sampler, stop strings and constraints; nothing below imports it.
 
 pub mod api;
+pub mod gemma4_calls;
 pub mod http;
 pub mod metrics;
+pub mod native_prompt;
 pub mod request;
 pub mod responses;
 pub mod scheduler;

@@ -5,12 +5,15 @@ use super::api::{
     ApiError, ChatRequest, CompletionRequest, Content, EmbeddingRequest, Message, Prompt,
     ResponseFormat, Sampling,
 };
+use super::native_prompt;
 use super::slot::GenParams;
 use super::tools::{self, CallFormat, ToolCalling};
 use crate::chat_template::ChatTemplate;
+use crate::chat_template::jinja::JinjaTemplate;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
 use crate::sample::SamplerConfig;
 use crate::tokenizer::Tokenizer;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Most stop strings a request may give.
@@ -26,6 +29,8 @@ pub const MAX_CHOICES: u32 = 16;
 pub struct ServeContext {
     pub tok: Tokenizer,
     pub template: ChatTemplate,
+    /// The model's Jinja template, when the format was read from one.
+    pub jinja: Option<Arc<JinjaTemplate>>,
     pub compiler: GrammarCompiler,
     /// Tokens one sequence holds (`-c`).
     pub context: usize,
@@ -62,6 +67,9 @@ pub struct Prepared {
     /// The reply is a function-calling object ([`tools`]) to read back
     /// into calls of this format, or content.
     pub tool_calls: Option<CallFormat>,
+    /// The chat format has a thought channel (Gemma 4): what the model
+    /// writes in it is sent as `reasoning_content`, not as content.
+    pub thought_channel: bool,
 }
 
 /// An embeddings request ready for the queue.
@@ -140,12 +148,69 @@ impl ServeContext {
             _ => None,
         };
         let sampling = req.sampling();
+        let think = req
+            .chat_template_kwargs
+            .as_ref()
+            .and_then(|k| k.enable_thinking)
+            .unwrap_or(false);
+        if think && !self.template.can_think() {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs.enable_thinking",
+                format!(
+                    "this model's chat format {:?} has no thinking switch (Gemma 4's has one); \
+                     leave enable_thinking out",
+                    self.template.name
+                ),
+            ));
+        }
+        // A template with its own call syntax declares the tools and reads
+        // the calls itself, where the model may answer or call as it likes.
+        if let (Some(jinja), Some(tools), false) = (self.native_tools(), &tool_calling, legacy)
+            && tools.is_auto()
+        {
+            if let Some(ResponseFormat::JsonObject | ResponseFormat::JsonSchema { .. }) =
+                &sampling.response_format
+            {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "response_format cannot be combined with tools: leave one of them out",
+                ));
+            }
+            let prompt = native_prompt::render(
+                jinja,
+                &self.tok,
+                &req.messages,
+                req.tools.as_deref().unwrap_or_default(),
+                think,
+            )?;
+            return self.prepared_chat(&sampling, prompt, None, Some(CallFormat::Native), top);
+        }
         let constraint = match &tool_calling {
             Some(t) => self.tools_constraint(t, &sampling)?,
             None => self.constraint(&sampling)?,
         };
         let instructions = tool_calling.as_ref().map(ToolCalling::instructions);
-        let prompt = self.chat_prompt(&req.messages, instructions.as_deref())?;
+        let prompt = self.chat_prompt(&req.messages, instructions.as_deref(), think)?;
+        let format = tool_calling.is_some().then_some(call_format);
+        self.prepared_chat(&sampling, prompt, constraint, format, top)
+    }
+
+    /// The model's Jinja template when it has its own tool-call syntax.
+    fn native_tools(&self) -> Option<&JinjaTemplate> {
+        self.jinja
+            .as_deref()
+            .filter(|j| j.mentions(super::gemma4_calls::CALL_OPEN))
+    }
+
+    /// A chat request's prompt and reply settings, ready for the queue.
+    fn prepared_chat(
+        &self,
+        sampling: &Sampling,
+        prompt: Vec<u32>,
+        constraint: Option<CompiledConstraint>,
+        tool_calls: Option<CallFormat>,
+        top: Option<u32>,
+    ) -> Result<Prepared, ApiError> {
         let mut stop_strings = if constraint.is_some() {
             // Under a constraint the constraint decides where the output
             // ends; the template's stop strings would only cut it short.
@@ -154,7 +219,7 @@ impl ServeContext {
             self.template.stop_strings.clone()
         };
         let params = self.params(
-            &sampling,
+            sampling,
             &prompt,
             "messages",
             Report {
@@ -174,10 +239,11 @@ impl ServeContext {
             }],
             constraint,
             stream: sampling.stream.unwrap_or(false),
-            include_usage: include_usage(&sampling),
-            choices: choices(&sampling)?,
+            include_usage: include_usage(sampling),
+            choices: choices(sampling)?,
             echo: false,
-            tool_calls: tool_calling.is_some().then_some(call_format),
+            tool_calls,
+            thought_channel: self.template.can_think(),
         })
     }
 
@@ -237,6 +303,7 @@ impl ServeContext {
             choices: choices(&sampling)?,
             echo,
             tool_calls: None,
+            thought_channel: false,
         })
     }
 
@@ -429,8 +496,9 @@ impl ServeContext {
     }
 
     /// The chat's messages in the template's turn format. System (and
-    /// developer) messages are folded into the first user turn, as
-    /// `pulsar chat` does (Gemma has no system role), and after them the
+    /// developer) messages go in the format's system turn (Gemma 4), else
+    /// they are folded into the first user turn, as `pulsar chat` does
+    /// (Gemma 1–3 have no system role), and after them the
     /// function-calling `instructions` of a request with tools. Calls in
     /// the history go in as the model writes them, and `tool` messages as
     /// a user turn ([`tools`]). The template's own pieces are trusted;
@@ -439,6 +507,7 @@ impl ServeContext {
         &self,
         messages: &[Message],
         instructions: Option<&str>,
+        think: bool,
     ) -> Result<Vec<u32>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages is empty"));
@@ -515,11 +584,15 @@ impl ServeContext {
             .split_once("{system}")
             .unwrap_or((t.system_prefix.as_str(), ""));
         let mut parts: Vec<(&str, bool)> = vec![(&t.preamble, true)];
+        let system_turn = t.system_turn_parts(Some(&system), think);
+        if let Some(turn) = &system_turn {
+            parts.extend(turn.iter().map(|(text, trusted)| (text.as_str(), *trusted)));
+        }
         let mut first_user = true;
         for (user, text) in &turns {
             if *user {
                 parts.push((before, true));
-                if first_user && !system.is_empty() {
+                if first_user && !system.is_empty() && t.system_turn.is_none() {
                     parts.extend([
                         (sys_before, true),
                         (system.as_str(), false),
@@ -540,7 +613,7 @@ impl ServeContext {
                 parts.extend([(text.as_str(), false), (&t.model_end, true)]);
             }
         }
-        parts.push((&t.model_start, true));
+        parts.push((t.model_start(think), true));
         Ok(self.tok.encode_parts(&parts, t.bos))
     }
 

@@ -237,6 +237,7 @@ pub fn chat_request(req: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
         stream: req.stream,
         stream_options: None,
         response_format,
+        chat_template_kwargs: None,
     })
 }
 

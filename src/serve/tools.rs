@@ -54,6 +54,9 @@ pub enum CallFormat {
     /// The deprecated `functions` API: one call in
     /// `message.function_call`, `finish_reason: "function_call"`.
     FunctionCall,
+    /// The model's own call syntax (Gemma 4's, [`super::gemma4_calls`]),
+    /// sent as `message.tool_calls`.
+    Native,
 }
 
 /// A request's tools, when it lets the model call them.
@@ -143,6 +146,13 @@ impl ToolCalling {
             choice,
             parallel: parallel.unwrap_or(true),
         }))
+    }
+
+    /// Whether the model may answer or call as it likes (`tool_choice`
+    /// `"auto"`): the only choice a model's own call syntax leaves it, as
+    /// nothing holds it to a call.
+    pub fn is_auto(&self) -> bool {
+        matches!(self.choice, Choice::Auto)
     }
 
     /// The deprecated `functions` and `function_call`, as tools with one
@@ -636,6 +646,22 @@ pub fn call_value(call: &PartialCall, reply_id: &str, choice: usize, k: usize) -
         "id": call_id(reply_id, choice, k),
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
+    })
+}
+
+/// The OpenAI `tool_calls` entry of a call read from the model's own
+/// syntax: `arguments` is JSON text.
+pub fn native_call_value(
+    name: &str,
+    arguments: &Value,
+    reply_id: &str,
+    choice: usize,
+    k: usize,
+) -> Value {
+    json!({
+        "id": call_id(reply_id, choice, k),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments.to_string()},
     })
 }
 
