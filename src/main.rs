@@ -452,6 +452,22 @@ struct ServeCli {
     /// Seconds running requests may go on after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
+    /// Connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, counted from when it opens or
+    /// its previous reply ended (so also how long an idle connection is kept alive).
+    #[arg(long, default_value_t = 5)]
+    header_timeout: u64,
+    /// Seconds a request's body may take to arrive; then 408.
+    #[arg(long, default_value_t = 600)]
+    read_timeout: u64,
+    /// Seconds a write to a client may wait for it to read before the connection is closed.
+    #[arg(long, default_value_t = 600)]
+    write_timeout: u64,
+    /// No log line per request on stderr.
+    #[arg(long)]
+    quiet: bool,
     /// Speculative decoding while one request is decoding: ngram drafts from the request's own
     /// text, verified in one batched step.
     #[arg(long, value_enum, default_value = "ngram")]
@@ -479,6 +495,13 @@ impl ServeCli {
             prefill_chunk: self.prefill_chunk,
             stall_timeout: std::time::Duration::from_secs(self.stall_timeout),
             grace: std::time::Duration::from_secs(self.grace),
+            limits: pulsar::serve::conn::ConnectionLimits {
+                max_connections: self.max_connections,
+                header_timeout: std::time::Duration::from_secs(self.header_timeout),
+                write_timeout: std::time::Duration::from_secs(self.write_timeout),
+            },
+            read_timeout: std::time::Duration::from_secs(self.read_timeout),
+            quiet: self.quiet,
             speculation: self.spec.into(),
             defaults: self.sampling.config(),
         })

@@ -36,6 +36,9 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     pub stall_timeout: Duration,
     pub grace: Duration,
+    pub limits: crate::serve::conn::ConnectionLimits,
+    pub read_timeout: Duration,
+    pub quiet: bool,
     pub speculation: Speculation,
     /// Defaults for the settings a request leaves out.
     pub defaults: SamplerConfig,
@@ -58,6 +61,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             "-c {}: a sequence must hold a prompt token and a new one",
             args.context
         );
+    }
+    if args.limits.max_connections == 0 {
+        bail!("--max-connections 0: the server needs at least one connection");
     }
     args.defaults.validate()?;
     let started = Instant::now();
@@ -114,6 +120,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         defaults: args.defaults,
         chat_stop_ids,
         completion_stop_ids: end_ids,
+        max_waiting: args.queue,
     };
     eprintln!(
         "pulsar serve: {}, {} slots of {context} tokens",
@@ -133,6 +140,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             prefill_chunk: args.prefill_chunk.max(1),
             stall_timeout: args.stall_timeout,
             grace: args.grace,
+            limits: args.limits,
+            read_timeout: args.read_timeout,
+            quiet: args.quiet,
             speculation: effective_speculation(args.speculation)?,
         },
     )
