@@ -81,6 +81,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
     // The model cannot attend further than it was built for.
     let context = args.context.min(src.config.max_context);
+    if context < args.context {
+        eprintln!(
+            "pulsar serve: -c {}: the model was trained for {context} tokens; using {context}",
+            args.context
+        );
+    }
     let opts = args
         .dtype
         .fast_options(args.threads, context, args.in_place);
