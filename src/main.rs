@@ -29,6 +29,9 @@ struct Cli {
     /// used.
     #[arg(long, global = true)]
     no_tune: bool,
+    /// Print the long start-up notes too (how weights were converted at load).
+    #[arg(long, global = true)]
+    verbose: bool,
     /// Bits of the inputs to the integer kernels of quantized weights: 8 (one 8-bit level per
     /// value, fastest) or 16 (two 8-bit levels, the value and its rounding error: matches
     /// `--dtype f16` more closely, for about twice the integer work; see the README).
@@ -797,6 +800,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if cli.no_tune {
         commands::disable_launch_tuning();
+    }
+    if cli.verbose {
+        commands::set_verbose();
     }
     commands::set_input_precision(cli.input_bits.into());
     let result = match cli.command {

@@ -306,3 +306,25 @@ fn a_context_above_the_trained_one_is_capped_and_minus_one_means_no_limit() {
     assert!(!out.status.success());
     assert!(stderr.contains("or -1 for no limit"), "{stderr}");
 }
+
+#[test]
+fn start_up_is_short_and_the_conversion_note_needs_verbose() {
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Before the statistics line: the start-up.
+    let start_up: Vec<&str> = stderr
+        .lines()
+        .take_while(|l| !l.starts_with("pulsar: ["))
+        .collect();
+    assert!(start_up.len() <= 2, "{stderr}");
+    assert!(!stderr.contains("converted"), "{stderr}");
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw", "--verbose"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("were converted"),
+        "the default model's Q4_K/Q6_K matrices are converted at load; with --verbose the \
+         note says so: {stderr}"
+    );
+}

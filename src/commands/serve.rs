@@ -91,9 +91,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .dtype
         .fast_options(args.threads, context, args.in_place);
     let formats = FastEngine::weight_formats(&src, &opts)?;
-    if let Some(note) = formats.conversion_note() {
-        eprintln!("pulsar serve: {note}");
-    }
+    super::print_conversion_note("pulsar serve", &formats);
     // The engine is built on the engine thread, where it then runs.
     let threads = args.threads;
     let embedding_width = src.config.hidden;
