@@ -2391,6 +2391,49 @@ fn raw_connection(s: &Server) -> std::net::TcpStream {
     std::net::TcpStream::connect(addr).expect("connect")
 }
 
+/// A connection whose receive buffer is a few KiB (set before it
+/// connects, so the window it offers stays small): a client that does not
+/// read fills the server's send buffer after little data.
+fn small_window_connection(s: &Server) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let addr: std::net::SocketAddrV4 = s
+        .base
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IPv4 address");
+    let size: libc::c_int = 4096;
+    let peer = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a new socket of this function's own; the option and address
+    // pointers are to locals of the sizes given; once connected, the
+    // descriptor is handed to the TcpStream, which closes it.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let set = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        assert_eq!(set, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+        let connected = libc::connect(
+            fd,
+            (&peer as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(connected, 0, "connect: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
 /// The peak resident memory of a process (`VmHWM`), in MiB.
 fn peak_rss_mib(pid: u32) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
@@ -2587,12 +2630,13 @@ fn connections_beyond_the_cap_wait_to_be_accepted() {
 fn a_stalled_request_frees_all_its_choices_at_once() {
     let s = Server::start(&["-c", "1024", "--parallel", "2", "--stall-timeout", "5"]);
     // n = 6 on 2 slots, from a client that never reads; big events
-    // (20 alternatives per token) fill the socket buffers soon.
+    // (20 alternatives per token) and a small receive window fill the
+    // socket buffers soon, then each choice's channel.
     let mut body = endless(900);
     body["n"] = json!(6);
     body["logprobs"] = json!(20);
     let body = body.to_string();
-    let mut conn = raw_connection(&s);
+    let mut conn = small_window_connection(&s);
     let head = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n",
@@ -2600,9 +2644,11 @@ fn a_stalled_request_frees_all_its_choices_at_once() {
     );
     conn.write_all(head.as_bytes()).expect("head sent");
     conn.write_all(body.as_bytes()).expect("body sent");
-    s.wait_metric("pulsar_stalled_total", Duration::from_secs(120), |v| {
+    let sent = Instant::now();
+    s.wait_metric("pulsar_stalled_total", Duration::from_secs(300), |v| {
         v >= 1.0
     });
+    eprintln!("the request stalled {:?} after it was sent", sent.elapsed());
     // Every choice, running or waiting, ends with the first stall: none
     // takes a slot to stall again for another 5 s.
     let start = Instant::now();
@@ -2740,27 +2786,30 @@ fn unknown_models_get_404_and_each_request_logs_a_line() {
     );
     while sse.next_data().is_some() {}
     drop(sse);
-    let start = Instant::now();
+    // Each line is written when its reply has gone out: the stream's, with
+    // its tokens, at its end.
     let wanted = [
         "POST /v1/chat/completions 404 ".to_string(),
         format!("POST /v1/completions 200 {total} tokens "),
         "GET /health 200 ".to_string(),
     ];
-    while !wanted.iter().all(|w| s.stderr().contains(w.as_str())) {
+    let logged = |s: &Server| {
+        let stderr = s.stderr();
+        let completions = stderr
+            .lines()
+            .filter(|l| l.starts_with("pulsar serve: POST /v1/completions 200 "))
+            .count();
+        completions == 2 && wanted.iter().all(|w| stderr.contains(w.as_str()))
+    };
+    let start = Instant::now();
+    while !logged(&s) {
         assert!(
             start.elapsed() < Duration::from_secs(10),
-            "no log lines {wanted:?} in:\n{}",
+            "no log lines {wanted:?} and two for /v1/completions in:\n{}",
             s.stderr()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // The stream's line counts its tokens too, once it is over.
-    let streamed = s
-        .stderr()
-        .lines()
-        .filter(|l| l.starts_with("pulsar serve: POST /v1/completions 200 "))
-        .count();
-    assert_eq!(streamed, 2, "{}", s.stderr());
     assert!(
         !s.stderr().contains("/v1/completions 200 - tokens"),
         "{}",
