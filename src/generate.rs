@@ -323,6 +323,9 @@ pub fn decode(
         cut_at = show(decoder.finish(), &mut text, emit);
         if cut_at.is_some() {
             stop = StopReason::StopString;
+        } else if stop == StopReason::Limit {
+            // The start of a stop string the limit cut stays hidden.
+            stops.discard();
         } else {
             emit(&stops.finish());
         }

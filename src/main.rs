@@ -320,8 +320,8 @@ struct GenerationCli {
     mmap: bool,
     /// Speculative decoding: draft tokens from n-grams of the prompt and the text so far and
     /// verify them in one batched step. The output is the same as with `off` (greedy: identical;
-    /// sampled: the same distribution, and the same text for a seed). Off under --json,
-    /// --json-schema, --regex and --grammar.
+    /// sampled: the same distribution, and the same text for a seed). Under --json,
+    /// --json-schema, --regex and --grammar a draft is cut where the constraint refuses it.
     #[arg(long, value_enum, default_value = "ngram")]
     spec: SpecArg,
     /// Constrain the output to a JSON object (any keys and values). Generation ends when the
@@ -412,7 +412,7 @@ struct DumpCli {
     /// Model .gguf, HF folder or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     model: Option<PathBuf>,
-    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m; FP16 unless --dtype says otherwise)
+    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b; FP16 unless --dtype says otherwise)
     #[arg(long, conflicts_with = "model")]
     shape: Option<String>,
     /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
@@ -511,8 +511,8 @@ struct ServeCli {
     /// No log line per request on stderr.
     #[arg(long)]
     quiet: bool,
-    /// Speculative decoding while one request is decoding: ngram drafts from the request's own
-    /// text, verified in one batched step.
+    /// Speculative decoding: ngram drafts from each request's own text, verified in the step it
+    /// shares with the other requests; replies are the same as with `off`.
     #[arg(long, value_enum, default_value = "ngram")]
     spec: SpecArg,
     /// Defaults for the sampling settings a request leaves out.
@@ -636,8 +636,8 @@ enum Command {
     Tune {
         #[command(flatten)]
         common: DumpCli,
-        /// Also time the GEMV and GEMM kernels on synthetic weights.
-        #[arg(long, hide = true)]
+        /// Also time every GEMV and GEMM on synthetic weights (one thread and the plan's threads, beside a plain read of the same bytes), search the launch tuning on the real weights, and store it.
+        #[arg(long)]
         measure: bool,
     },
     /// Write a model in the fast engine's layout (GGUF; FP16, BF16, Q8_0 or Q4_0), loadable zero-copy.
@@ -647,7 +647,7 @@ enum Command {
         /// The file to write.
         #[arg(short, long)]
         output: PathBuf,
-        /// Weight format (default: bf16 checkpoints stay bf16, the rest f16).
+        /// Weight format (default: native, the file's own types; a 16-bit or f32 checkpoint becomes f16, bf16 stays bf16).
         #[arg(long, value_enum)]
         dtype: Option<ConvertDtypeArg>,
     },
@@ -658,7 +658,7 @@ enum Command {
         /// Model (default: Gemma 3 270M).
         #[arg(short, long, conflicts_with = "shape")]
         model: Option<PathBuf>,
-        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m).
+        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
         #[arg(long)]
         shape: Option<String>,
         /// Formats of the matrices (random weights: native means f16).

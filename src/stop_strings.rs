@@ -76,6 +76,14 @@ impl StopStrings {
         std::mem::take(&mut self.held)
     }
 
+    /// Drops what is held back: a length limit cut the reply while a stop
+    /// string may have been under way, and the start of hidden text is
+    /// not shown (`-n 4` must not end a reply on "\nUser" when "\nUser:"
+    /// is a stop string).
+    pub fn discard(&mut self) {
+        self.held.clear();
+    }
+
     /// Length of the longest tail of `held` that is a proper start of a
     /// stop string (a whole one was looked for already).
     fn unfinished_tail(&self) -> usize {
@@ -140,6 +148,14 @@ mod tests {
         assert_eq!(at, Some("aéb".len()));
         let (shown, at) = run(&["日本"], &["日", "x日"]);
         assert_eq!((shown.as_str(), at), ("日x日", None));
+    }
+
+    #[test]
+    fn a_discarded_start_is_never_shown() {
+        let mut stops = StopStrings::new(&["\nUser:"]);
+        assert_eq!(stops.push("Hello.\nUs"), Scan::Go("Hello.".into()));
+        stops.discard();
+        assert_eq!(stops.finish(), "");
     }
 
     #[test]

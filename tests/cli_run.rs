@@ -328,3 +328,20 @@ fn start_up_is_short_and_the_conversion_note_needs_verbose() {
          note says so: {stderr}"
     );
 }
+
+/// A length limit that cuts the reply inside a stop string does not show
+/// the stop string's start: with the base model's dialogue format ("\nUser:"
+/// ends the model's turn), seed 4 and `-n 4` once printed "Hi!\nUser".
+#[test]
+fn a_limit_inside_a_stop_string_hides_its_start() {
+    let out = pulsar(&["run", "-p", "hi", "-n", "4", "-s", "4"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let shown = text.strip_suffix('\n').unwrap_or(&text);
+    // No proper start of "\nUser:" ends the text (on this model and seed
+    // the reply is "Hi!" then the cut stop string).
+    for end in 1.."\nUser:".len() {
+        assert!(!shown.ends_with(&"\nUser:"[..end]), "{text:?}");
+    }
+}

@@ -318,3 +318,32 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
     assert_eq!(kept, 27, "18 attn_output and 9 ffn_down");
     assert_computes_in_place_and_copied(&converted, opts, &tokens, &want, "native", kept);
 }
+
+/// Without `--dtype` a quantized file keeps its own types: the default
+/// Q4_K_M model is not widened to FP16 (543 MB), and the one line that says
+/// other readers refuse the result is there unless the name says so.
+#[test]
+fn convert_keeps_the_files_own_types_by_default() {
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    let input_bytes = std::fs::metadata(&model).unwrap().len();
+    for name in ["plain", "model.pulsar"] {
+        let out = ScratchFile::new("pulsar-convert-native-", &format!("{name}.gguf"));
+        let run = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+            .arg("convert")
+            .arg(&model)
+            .arg("-o")
+            .arg(&*out)
+            .output()
+            .expect("binary runs");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(run.status.success(), "{stderr}");
+        let written = std::fs::metadata(&*out).unwrap().len();
+        // Q6_K becomes Q8_0 (said on stderr); nothing becomes FP16.
+        assert!(
+            (written as f64) < input_bytes as f64 * 1.3,
+            "{written} bytes from {input_bytes}: {stderr}"
+        );
+        let warned = stderr.contains("other GGUF readers refuse");
+        assert_eq!(warned, name == "plain", "{stderr}");
+    }
+}

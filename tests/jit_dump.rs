@@ -263,3 +263,22 @@ fn bad_model_paths_and_configs_give_clear_errors() {
         "{err}"
     );
 }
+
+/// Introspection says what runs: on a CPU with AVX-512 VNNI the default
+/// model's quantized plan names VNNI (its integer kernels use it), held to
+/// AVX2 it does not; and `tune --help` lists `--measure`.
+#[test]
+fn the_isa_shown_is_the_isa_that_runs() {
+    let caps = pulsar::jit::cpu::CpuCaps::detect();
+    let model = pulsar::model::fetch::default_model_path().expect("default model");
+    let model = model.to_str().unwrap();
+    let shown = dump_json(&["-m", model])["isa"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(shown.contains("avx512-vnni"), caps.avx512_vnni, "{shown}");
+    let held = dump_json(&["-m", model, "--max-isa", "avx2"]);
+    assert_eq!(held["isa"], "avx2");
+    let help = pulsar(&["tune", "--help"]);
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--measure"));
+}

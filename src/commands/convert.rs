@@ -89,6 +89,7 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
         Family::Gemma1 => "gemma",
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
+        Family::Gemma4 => "gemma4",
     };
     let key = |k: &str| format!("{arch}.{k}");
     w.add_str("general.architecture", arch);
@@ -152,19 +153,18 @@ pub enum Target {
     Format(WeightFormat),
 }
 
+/// Without `--dtype` a file keeps its own types (`native`): a quantized
+/// file is never widened to 16 bits unasked.
 pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
+    let target = target.unwrap_or(Target::Native);
     let src = ModelSource::open(input)?;
-    let c = src.config.clone();
-    // A BF16 checkpoint stays BF16 unless asked otherwise; all else is FP16.
-    let default_format = || {
-        let q = src.tensor_unscanned(
-            Role::Layer(0, LayerRole::Q),
-            &[c.n_heads * c.head_dim, c.hidden],
+    if src.config.family == Family::Gemma4 {
+        bail!(
+            "{}: `pulsar convert` does not write Gemma 4 models yet; run the GGUF file or HF folder directly",
+            input.display()
         );
-        q.map(|t| WeightFormat::default_for(t.dtype))
-            .unwrap_or(WeightFormat::F16)
-    };
-
+    }
+    let c = src.config.clone();
     // Each matrix's format, as `--dtype` gives them at load: Q8_0 in the
     // layout this CPU's kernels read (16-row blocks with VNNI), so that
     // `--mmap` uses it in place here; a CPU whose kernels read the other
@@ -175,7 +175,7 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
         (formats, format)
     };
     let (formats, format) = match target {
-        Some(Target::Native) => {
+        Target::Native => {
             // Only the formats are read from these options.
             let opts = FastOptions {
                 threads: 1,
@@ -186,14 +186,10 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
                 in_place: false,
             };
             let formats = FastEngine::weight_formats(&src, &opts)?;
-            if let Some(note) = formats.conversion_note() {
-                eprintln!("convert: {note}");
-            }
             let head = formats.of(Role::Embedding);
             (formats, head)
         }
-        Some(Target::Format(format)) => uniform(format),
-        None => uniform(default_format()),
+        Target::Format(format) => uniform(format),
     };
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
@@ -285,7 +281,7 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     out.file.commit()?;
     bar.finish_and_clear();
     let weights = match target {
-        Some(Target::Native) => formats.describe(),
+        Target::Native => formats.describe(),
         _ => format!("{} weights", format.name()),
     };
     eprintln!(
@@ -294,6 +290,18 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
         total as f64 / 1e6,
         planned.len()
     );
+    // Said after the write, so that a failed one stays a single line.
+    if let Some(note) = formats.conversion_note() {
+        eprintln!("convert: {note}");
+    }
+    let named_for_pulsar = output
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().ends_with(".pulsar.gguf"));
+    if !named_for_pulsar {
+        eprintln!(
+            "convert: note: the file uses Pulsar's own tensor layouts, which llama.cpp and other GGUF readers refuse; a name ending in .pulsar.gguf says so"
+        );
+    }
     Ok(())
 }
 

@@ -166,7 +166,7 @@ struct JsonDump<'a> {
     kernels: Vec<JsonKernel<'a>>,
     total_bytes: usize,
     budget_bytes: usize,
-    isa: &'static str,
+    isa: String,
     verified: bool,
     emit_verify_ms: f64,
     model: String,
@@ -206,7 +206,7 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
                 .collect(),
             total_bytes: total,
             budget_bytes: plan.budget_bytes,
-            isa: plan.isa.name(),
+            isa: plan.isa_description(),
             verified: true,
             emit_verify_ms: elapsed.as_secs_f64() * 1e3,
             model: path.display().to_string(),
@@ -231,7 +231,7 @@ pub fn run_dump_command(args: &DumpArgs) -> Result<()> {
             out,
             "\ntotal {total} of {} bytes budget, isa {}, all {} kernels verified",
             plan.budget_bytes,
-            plan.isa.name(),
+            plan.isa_description(),
             kernels.len()
         )?;
         for n in &plan.notes {
@@ -359,7 +359,12 @@ fn launch_tuning_report(
 fn print_plan(out: &mut String, caps: &CpuCaps, dims: &ModelDims, plan: &Plan) -> Result<()> {
     writeln!(out, "cpu: {caps}")?;
     writeln!(out, "model: {dims:?}")?;
-    writeln!(out, "isa: {}  threads: {}", plan.isa.name(), plan.threads)?;
+    writeln!(
+        out,
+        "isa: {}  threads: {}",
+        plan.isa_description(),
+        plan.threads
+    )?;
     for (k, b) in plan.kernels.iter().zip(&plan.kernel_bytes) {
         writeln!(
             out,

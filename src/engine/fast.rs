@@ -20,8 +20,9 @@ use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
-use crate::model::weights::{LAYER_MATRICES, ModelWeights, layer_matrix_shape};
+use crate::model::weights::{ModelWeights, RowTable, matrix_name, matrix_shape, model_matrices};
 use anyhow::{Result, bail};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -96,9 +97,9 @@ pub struct WeightFormats {
     pub wide: WeightFormat,
     /// The tied embedding and LM head.
     pub head: WeightFormat,
-    /// Each layer's matrices in the order of `LAYER_MATRICES`; empty when
-    /// every layer matrix is `wide`.
-    pub layers: Vec<[WeightFormat; 7]>,
+    /// Every other matrix's format (`model::weights::model_matrices`);
+    /// empty when every one is `wide`.
+    pub matrices: HashMap<Role, WeightFormat>,
     /// Quantized types no kernel family reads yet, converted to the
     /// nearest one that has one (never silently to FP16).
     pub converted: Vec<Conversion>,
@@ -155,11 +156,14 @@ impl WeightFormats {
                 WeightFormat::F16
             }
         };
-        let layer = LAYER_MATRICES.map(|(role, _)| fit(layer_matrix_shape(role, c)[1]));
         WeightFormats {
             wide: WeightFormat::F16,
             head: fit(c.hidden),
-            layers: vec![layer; c.n_layers()],
+            matrices: model_matrices(c)
+                .into_iter()
+                .filter(|&(role, _)| role != Role::Embedding)
+                .map(|(role, [_, k])| (role, fit(k)))
+                .collect(),
             converted: Vec::new(),
         }
     }
@@ -173,7 +177,7 @@ impl WeightFormats {
             }
         };
         swap(&mut self.head);
-        self.layers.iter_mut().flatten().for_each(swap);
+        self.matrices.values_mut().for_each(swap);
         self.converted.iter_mut().for_each(|c| swap(&mut c.to));
         self
     }
@@ -183,7 +187,7 @@ impl WeightFormats {
         WeightFormats {
             wide: format,
             head: format,
-            layers: Vec::new(),
+            matrices: HashMap::new(),
             converted: Vec::new(),
         }
     }
@@ -223,30 +227,23 @@ impl WeightFormats {
     pub fn of(&self, role: Role) -> WeightFormat {
         match role {
             Role::Embedding => self.head,
-            Role::Layer(i, r) => LAYER_MATRICES
-                .iter()
-                .position(|&(m, _)| m == r)
-                .and_then(|m| self.layers.get(i).map(|l| l[m]))
-                .unwrap_or(self.wide),
-            Role::FinalNorm => self.wide,
+            _ => self.matrices.get(&role).copied().unwrap_or(self.wide),
         }
     }
 
     /// The quantized matrices by the plan's name, type and K, once each.
     pub fn quantized(&self, c: &ModelConfig) -> Vec<QuantizedMatrix> {
         let mut out: Vec<QuantizedMatrix> = Vec::new();
-        let mut add = |tensor: &'static str, format: WeightFormat, k: usize| {
-            if let Some(q) = format.quant() {
-                let m = QuantizedMatrix { tensor, q, k };
+        for (role, [_, k]) in multiplied_matrices(c) {
+            if let Some(q) = self.of(role).quant() {
+                let m = QuantizedMatrix {
+                    tensor: matrix_name(role),
+                    q,
+                    k,
+                };
                 if !out.contains(&m) {
                     out.push(m);
                 }
-            }
-        };
-        add("output(lm_head)", self.head, c.hidden);
-        for layer in &self.layers {
-            for (&(role, name), &format) in LAYER_MATRICES.iter().zip(layer) {
-                add(name, format, layer_matrix_shape(role, c)[1]);
             }
         }
         out
@@ -254,14 +251,11 @@ impl WeightFormats {
 
     /// The plan's names of the matrices kept in the 16-bit format in at
     /// least one place.
-    pub fn wide_tensors(&self) -> Vec<&'static str> {
+    pub fn wide_tensors(&self, c: &ModelConfig) -> Vec<&'static str> {
         let mut out = Vec::new();
-        if self.head.is_16bit() {
-            out.push("output(lm_head)");
-        }
-        for (i, &(_, name)) in LAYER_MATRICES.iter().enumerate() {
-            let wide = self.layers.is_empty() || self.layers.iter().any(|l| l[i].is_16bit());
-            if wide {
+        for (role, _) in multiplied_matrices(c) {
+            let name = matrix_name(role);
+            if self.of(role).is_16bit() && !out.contains(&name) {
                 out.push(name);
             }
         }
@@ -275,18 +269,24 @@ impl WeightFormats {
             text += &format!(" + {} LM head", self.head.name());
         }
         let mut counts: Vec<(WeightFormat, usize)> = Vec::new();
-        for &f in self.layers.iter().flatten().filter(|&&f| f != self.wide) {
+        for &f in self.matrices.values().filter(|&&f| f != self.wide) {
             match counts.iter_mut().find(|(g, _)| *g == f) {
                 Some((_, n)) => *n += 1,
                 None => counts.push((f, 1)),
             }
         }
-        let total = self.layers.len() * LAYER_MATRICES.len();
+        counts.sort_by_key(|(f, _)| f.name());
+        let total = self.matrices.len();
         for (f, n) in counts {
             text += &format!(" + {} ({n} of {total} layer matrices)", f.name());
         }
         text
     }
+}
+
+/// The matrices an engine multiplies by, with their shapes.
+pub fn multiplied_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
+    model_matrices(c)
 }
 
 /// Options for building the fast engine.
@@ -341,29 +341,25 @@ fn resolve_kernels(
     kernels: &dyn MatKernels,
     w: &mut ModelWeights<PackedMatrix>,
 ) -> Result<(), String> {
-    let mut matrices: Vec<(&str, usize, &mut PackedMatrix)> =
-        vec![("output(lm_head)", 0, &mut w.embedding)];
-    for (i, layer) in w.layers.iter_mut().enumerate() {
-        let names = LAYER_MATRICES.iter().map(|&(_, name)| name);
-        matrices.extend(
-            names
-                .zip(layer.matrices_mut())
-                .map(|(name, m)| (name, i, m)),
-        );
-    }
+    let mut matrices = w.matrices_mut();
     let mut resolved = Vec::with_capacity(matrices.len());
-    for (name, layer, m) in &matrices {
+    for (role, m) in &matrices {
         match kernels.resolve(m) {
             Ok(k) => resolved.push(k),
             Err(why) => {
+                let layer = match role {
+                    Role::Layer(i, _) | Role::Expert(i, _, _) => format!(" (layer {i})"),
+                    _ => String::new(),
+                };
                 return Err(format!(
-                    "the {} kernels cannot multiply {name} (layer {layer}): {why}",
-                    kernels.name()
+                    "the {} kernels cannot multiply {}{layer}: {why}",
+                    kernels.name(),
+                    matrix_name(*role)
                 ));
             }
         }
     }
-    for ((_, _, m), k) in matrices.iter_mut().zip(resolved) {
+    for ((_, m), k) in matrices.iter_mut().zip(resolved) {
         m.set_kernels(k);
     }
     Ok(())
@@ -371,7 +367,8 @@ fn resolve_kernels(
 
 /// One step's activations, row-major `[tokens, width]`. Kept by the
 /// engine and resized per step, never shrunk: sized once for a prefill
-/// chunk, a decode step reuses the same memory.
+/// chunk, a decode step reuses the same memory. Where layers differ in
+/// shape, each buffer is sized for the widest and a layer uses the front.
 #[derive(Default)]
 struct Activations {
     x: Vec<f32>,
@@ -384,13 +381,26 @@ struct Activations {
     gate: Vec<f32>,
     up: Vec<f32>,
     act: Vec<f32>,
+    /// Gemma 4: every layer's per-layer input, `[tokens, layers x P]`.
+    per_layer_inputs: Vec<f32>,
+    /// Gemma 4: a layer's per-layer gate, `[tokens, P]`.
+    per_layer_gate: Vec<f32>,
+    /// Gemma 4's mixture: the experts' input and their weighted sum.
+    expert_in: Vec<f32>,
+    routed: Vec<f32>,
 }
 
 impl Activations {
     /// Sets every buffer to `n` tokens' rows (contents are overwritten
     /// before they are read).
     fn size_for(&mut self, c: &ModelConfig, n: usize) {
-        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let (q_dim, kv_dim, ffn) = (c.max_q_width(), c.max_kv_width(), c.max_ffn_width());
+        let p = c.features.per_layer_input;
+        let moe_rows = if c.features.moe.is_some() {
+            c.hidden
+        } else {
+            0
+        };
         for (buf, width) in [
             (&mut self.x, c.hidden),
             (&mut self.normed, c.hidden),
@@ -399,9 +409,13 @@ impl Activations {
             (&mut self.v, kv_dim),
             (&mut self.attn, q_dim),
             (&mut self.proj, c.hidden),
-            (&mut self.gate, c.intermediate),
-            (&mut self.up, c.intermediate),
-            (&mut self.act, c.intermediate),
+            (&mut self.gate, ffn),
+            (&mut self.up, ffn),
+            (&mut self.act, ffn),
+            (&mut self.per_layer_inputs, c.n_layers() * p),
+            (&mut self.per_layer_gate, p),
+            (&mut self.expert_in, moe_rows),
+            (&mut self.routed, moe_rows),
         ] {
             buf.resize(n * width, 0.0);
         }
@@ -414,8 +428,8 @@ struct Step<'a> {
     parts: &'a [Part],
     first_rows: Vec<usize>,
     exact: usize,
-    /// One table per distinct (base, scale) pair of the model's layers (a
-    /// model has one or two): `(cos, sin)` per row.
+    /// One table per distinct RoPE of the model's layers (base, scale, head
+    /// size and pairs rotated; a model has one or two): `(cos, sin)` per row.
     rope_tables: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
     /// Each layer's index into `rope_tables`.
     rope_table_of: Vec<usize>,
@@ -431,17 +445,19 @@ impl<'a> Step<'a> {
             })
             .collect();
         let positions: Vec<usize> = parts.iter().flat_map(|p| p.start..p.start + p.n).collect();
-        let mut keys: Vec<(f32, f32)> = Vec::new();
+        let mut keys: Vec<(f32, f32, usize, usize)> = Vec::new();
         let mut rope_tables = Vec::new();
         let rope_table_of = c
             .layers
             .iter()
-            .map(|l| {
-                let key = (l.rope_base, l.rope_scale);
+            .enumerate()
+            .map(|(i, l)| {
+                let s = c.shape(i);
+                let key = (l.rope_base, l.rope_scale, s.head_dim, s.rotated_pairs);
                 keys.iter().position(|k| *k == key).unwrap_or_else(|| {
                     let angles = positions
                         .iter()
-                        .map(|&pos| ops::rope_angles(pos, c.head_dim, key.0, key.1))
+                        .map(|&pos| ops::rope_angles_partial(pos, key.2, key.0, key.1, key.3))
                         .collect();
                     keys.push(key);
                     rope_tables.push(angles);
@@ -476,23 +492,31 @@ impl FastEngine {
         let formats = Self::weight_formats(src, opts)?;
         let c = &src.config;
         // One arena for every matrix that needs converting.
-        let mut arena_bytes = WeightArena::footprint(formats.head, c.vocab_size, c.hidden);
-        for i in 0..c.n_layers() {
-            for &(role, _) in &LAYER_MATRICES {
-                let [rows, cols] = layer_matrix_shape(role, c);
-                let format = formats.of(Role::Layer(i, role));
-                arena_bytes += WeightArena::footprint(format, rows, cols);
-            }
-        }
+        let arena_bytes = model_matrices(c)
+            .into_iter()
+            .map(|(role, [rows, cols])| WeightArena::footprint(formats.of(role), rows, cols))
+            .sum();
         let arena = WeightArena::new(arena_bytes);
-        let weights = ModelWeights::load(src, |role, t| {
-            let format = formats.of(role);
-            if opts.in_place && t.dtype == format.row_blocked_dtype() {
-                PackedMatrix::borrowed(owner.clone(), &t)
-            } else {
-                Ok(PackedMatrix::convert_into(&t, format, &arena))
-            }
-        })?;
+        let table_owner = owner.clone();
+        let weights = ModelWeights::load_with(
+            src,
+            |role, t| {
+                let format = formats.of(role);
+                if opts.in_place && t.dtype == format.row_blocked_dtype() {
+                    PackedMatrix::borrowed(owner.clone(), &t)
+                } else {
+                    Ok(PackedMatrix::convert_into(&t, format, &arena))
+                }
+            },
+            // A token reads one row of the per-layer table: it stays in
+            // the mapped file, in the file's type. Its pages, read once
+            // for the scale check, are dropped; rows fault back in as
+            // tokens need them.
+            |t| {
+                t.release_pages();
+                Ok(RowTable::mapped(table_owner, &t))
+            },
+        )?;
         Self::new(src.config.clone(), weights, kernels, opts)
     }
 
@@ -523,7 +547,7 @@ impl FastEngine {
                 if !opts.native || !quant_blocks::fits(shape[1]) {
                     return Ok(wide);
                 }
-                let t = src.tensor_unscanned(role, &shape)?;
+                let t = src.matrix_unscanned(role, &shape)?;
                 if let Some(format) = WeightFormat::native(t.dtype) {
                     return Ok(format);
                 }
@@ -552,18 +576,16 @@ impl FastEngine {
                 Ok(to)
             };
         let head = keep(Role::Embedding, "output(lm_head)", [c.vocab_size, c.hidden])?;
-        let mut layers = Vec::with_capacity(c.n_layers());
-        for i in 0..c.n_layers() {
-            let mut formats = [wide; 7];
-            for (f, &(role, name)) in formats.iter_mut().zip(&LAYER_MATRICES) {
-                *f = keep(Role::Layer(i, role), name, layer_matrix_shape(role, c))?;
+        let mut matrices = HashMap::new();
+        for (role, shape) in model_matrices(c) {
+            if role != Role::Embedding {
+                matrices.insert(role, keep(role, matrix_name(role), shape)?);
             }
-            layers.push(formats);
         }
         Ok(WeightFormats {
             wide,
             head,
-            layers,
+            matrices,
             converted,
         })
     }
@@ -578,7 +600,7 @@ impl FastEngine {
         let c = &src.config;
         let q = src.tensor_unscanned(
             Role::Layer(0, LayerRole::Q),
-            &[c.n_heads * c.head_dim, c.hidden],
+            &matrix_shape(Role::Layer(0, LayerRole::Q), c),
         )?;
         Ok(WeightFormat::default_for(q.dtype))
     }
@@ -626,30 +648,22 @@ impl FastEngine {
     /// How many matrices are used in place from a mapped file, of how
     /// many.
     pub fn matrices_in_place(&self) -> (usize, usize) {
-        let w = &self.weights;
-        let all = std::iter::once(&w.embedding).chain(w.layers.iter().flat_map(|l| l.matrices()));
-        all.fold((0, 0), |(in_place, total), m| {
-            (in_place + usize::from(m.is_borrowed()), total + 1)
-        })
+        let all = self.weights.matrices();
+        let in_place = all.iter().filter(|(_, m)| m.is_borrowed()).count();
+        (in_place, all.len())
     }
 
     /// The packed formats of the matrices.
     pub fn formats(&self) -> WeightFormats {
-        let layers: Vec<[WeightFormat; 7]> = self
+        let matrices: HashMap<Role, WeightFormat> = self
             .weights
-            .layers
-            .iter()
-            .map(|l| {
-                let mut formats = [WeightFormat::F16; 7];
-                for (f, m) in formats.iter_mut().zip(l.matrices()) {
-                    *f = m.format;
-                }
-                formats
-            })
+            .matrices()
+            .into_iter()
+            .filter(|&(role, _)| role != Role::Embedding)
+            .map(|(role, m)| (role, m.format))
             .collect();
-        let wide = layers
-            .iter()
-            .flatten()
+        let wide = matrices
+            .values()
             .copied()
             .chain([self.weights.embedding.format])
             .find(|f| f.is_16bit())
@@ -657,7 +671,7 @@ impl FastEngine {
         WeightFormats {
             wide,
             head: self.weights.embedding.format,
-            layers,
+            matrices,
             converted: Vec::new(),
         }
     }
@@ -716,13 +730,21 @@ impl FastEngine {
     /// Weight bytes one decode step streams: every layer matrix and the LM
     /// head (the embedding lookup touches one row).
     pub fn bytes_per_token(&self) -> usize {
-        let layers: usize = self
-            .weights
-            .layers
-            .iter()
-            .map(|l| l.matrices().map(PackedMatrix::bytes).sum::<usize>())
-            .sum();
-        layers + self.weights.embedding.bytes()
+        // A token reads one row of the per-layer input table, and of a
+        // mixture only the experts it is routed to: their share of all.
+        let (top_k, experts) = self
+            .config
+            .features
+            .moe
+            .map_or((1, 1), |m| (m.top_k, m.experts));
+        self.weights
+            .matrices()
+            .into_iter()
+            .map(|(role, m)| match role {
+                Role::Expert(..) => m.bytes() * top_k / experts,
+                _ => m.bytes(),
+            })
+            .sum()
     }
 
     /// `y[t] = W · x[t]` for every token, rows split across the pool; the
@@ -921,10 +943,11 @@ impl FastEngine {
         // engine while writing them.
         let mut acts = std::mem::take(&mut self.activations);
         acts.size_for(&self.config, n);
-        let result = self.embed(tokens, &mut acts.x).map(|()| {
+        let result = self.embed(tokens, &mut acts).map(|()| {
             for li in 0..self.config.n_layers() {
                 self.attention_block(li, &step, &mut acts);
                 self.feed_forward_block(li, step.exact, &mut acts);
+                self.per_layer_input_block(li, step.exact, &mut acts);
             }
             self.kernels.rms_norm_in_place(
                 &mut acts.x,
@@ -942,11 +965,12 @@ impl FastEngine {
         result
     }
 
-    /// Each token's scaled embedding row into `x`.
-    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+    /// Each token's scaled embedding row into `x`, and with per-layer
+    /// inputs each token's input to every layer.
+    fn embed(&self, tokens: &[u32], a: &mut Activations) -> Result<()> {
         let c = &self.config;
         let scale = (c.hidden as f32).sqrt();
-        for (&token, row) in tokens.iter().zip(x.chunks_exact_mut(c.hidden)) {
+        for (&token, row) in tokens.iter().zip(a.x.chunks_exact_mut(c.hidden)) {
             if token as usize >= c.vocab_size {
                 bail!(
                     "token id {token} is outside the vocabulary (size {})",
@@ -956,32 +980,82 @@ impl FastEngine {
             self.weights.embedding.row_f32(token as usize, row);
             row.iter_mut().for_each(|v| *v *= scale);
         }
+        if let Some(table) = &self.weights.per_layer_input {
+            let p = c.features.per_layer_input;
+            let width = c.n_layers() * p;
+            // The projection of the scaled embeddings; then per token and
+            // layer its norm, plus the token's row of the table (as the
+            // reference's `per_layer_inputs`).
+            self.matmul(
+                &table.model_projection,
+                &a.x,
+                &mut a.per_layer_inputs,
+                tokens.len(),
+            );
+            let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
+            let token_scale = (p as f32).sqrt();
+            let mut row = vec![0.0; width];
+            for (&token, inputs) in tokens
+                .iter()
+                .zip(a.per_layer_inputs.chunks_exact_mut(width))
+            {
+                table.embedding.row_f32(token as usize, &mut row);
+                for (part, tok) in inputs.chunks_exact_mut(p).zip(row.chunks_exact(p)) {
+                    part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
+                    ops::rms_norm_in_place(part, &table.projection_norm, c.rms_eps);
+                    for (v, &t) in part.iter_mut().zip(tok) {
+                        *v = (*v + t * token_scale) * std::f32::consts::FRAC_1_SQRT_2;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
     /// Layer `li`'s attention: norm, q/k/v, q/k norms and RoPE, the new
-    /// keys and values into each sequence's cache, attention per part, the
-    /// output projection and the residual.
+    /// keys and values into each sequence's cache (unless the layer reads
+    /// an earlier layer's), attention per part, the output projection and
+    /// the residual.
     fn attention_block(&mut self, li: usize, step: &Step, a: &mut Activations) {
         let c = &self.config;
-        let kv_dim = c.n_kv_heads * c.head_dim;
-        let q_dim = c.n_heads * c.head_dim;
+        let shape = c.shape(li);
+        let n = a.x.len() / c.hidden;
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let q_dim = c.n_heads * shape.head_dim;
         let w = &self.weights.layers[li];
         self.kernels
             .rms_norm(&a.x, &w.attn_norm, &mut a.normed, c.rms_eps);
-        self.matmuls(
-            vec![
-                (&w.q, &a.normed, &mut a.q[..]),
-                (&w.k, &a.normed, &mut a.k[..]),
-                (&w.v, &a.normed, &mut a.v[..]),
-            ],
-            step.exact,
+        let (q, k, v) = (
+            &mut a.q[..n * q_dim],
+            &mut a.k[..n * kv_dim],
+            &mut a.v[..n * kv_dim],
         );
-        self.prepare_queries_keys(li, step.angles_of_layer(li), &mut a.q, &mut a.k);
-        for (p, &row) in step.parts.iter().zip(&step.first_rows) {
-            for t in 0..p.n {
-                let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
-                self.seqs[p.seq].store(li, p.start + t, &a.k[r.clone()], &a.v[r]);
+        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = vec![(&w.q, &a.normed, q)];
+        if let Some(wk) = &w.k {
+            jobs.push((wk, &a.normed, k));
+        }
+        if let Some(wv) = &w.v {
+            jobs.push((wv, &a.normed, v));
+        }
+        self.matmuls(jobs, step.exact);
+        let keeps_kv = w.k.is_some();
+        if keeps_kv && w.v.is_none() {
+            // k = v: the values are the raw keys, before K's norm and RoPE.
+            a.v[..n * kv_dim].copy_from_slice(&a.k[..n * kv_dim]);
+        }
+        self.prepare_queries_keys(
+            li,
+            step.angles_of_layer(li),
+            &mut a.q[..n * q_dim],
+            keeps_kv.then_some(&mut a.k[..n * kv_dim]),
+            keeps_kv.then_some(&mut a.v[..n * kv_dim]),
+        );
+        if keeps_kv {
+            for (p, &row) in step.parts.iter().zip(&step.first_rows) {
+                for t in 0..p.n {
+                    let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
+                    self.seqs[p.seq].store(li, p.start + t, &a.k[r.clone()], &a.v[r]);
+                }
             }
         }
         // The exact parts come first: their tokens attend alone, all in one
@@ -1005,46 +1079,188 @@ impl FastEngine {
             }
         }
         let w = &self.weights.layers[li];
-        self.matmul(&w.o, &a.attn, &mut a.proj, step.exact);
+        self.matmul(&w.o, &a.attn[..n * q_dim], &mut a.proj, step.exact);
         self.residual_add(&mut a.x, &mut a.proj, w.attn_post_norm.as_deref());
     }
 
-    /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down and the
-    /// residual.
+    /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down, with a
+    /// mixture the experts beside it, and the residual.
     fn feed_forward_block(&self, li: usize, exact: usize, a: &mut Activations) {
         let c = &self.config;
         let w = &self.weights.layers[li];
+        let n = a.x.len() / c.hidden;
+        let width = c.shape(li).ffn_width;
         self.kernels
             .rms_norm(&a.x, &w.ffn_norm, &mut a.normed, c.rms_eps);
         self.matmuls(
             vec![
-                (&w.gate, &a.normed, &mut a.gate[..]),
-                (&w.up, &a.normed, &mut a.up[..]),
+                (&w.gate, &a.normed, &mut a.gate[..n * width]),
+                (&w.up, &a.normed, &mut a.up[..n * width]),
             ],
             exact,
         );
-        let n = a.x.len() / c.hidden;
-        self.geglu(&a.gate, &a.up, &mut a.act, n);
-        self.matmul(&w.down, &a.act, &mut a.proj, exact);
+        self.geglu(
+            &a.gate[..n * width],
+            &a.up[..n * width],
+            &mut a.act[..n * width],
+            n,
+        );
+        self.matmul(&w.down, &a.act[..n * width], &mut a.proj, exact);
+        if let Some(moe) = &w.moe {
+            self.kernels
+                .rms_norm_in_place(&mut a.proj, &moe.dense_post_norm, c.rms_eps);
+            self.experts_block(li, exact, a);
+            self.kernels
+                .rms_norm_in_place(&mut a.routed, &moe.experts_post_norm, c.rms_eps);
+            for (p, r) in a.proj.iter_mut().zip(&a.routed) {
+                *p += r;
+            }
+        }
         self.residual_add(&mut a.x, &mut a.proj, w.ffn_post_norm.as_deref());
     }
 
+    /// The mixture of layer `li` for every row of `a.x` into `a.routed`:
+    /// each token's experts chosen by the router (in Rust: a few dozen
+    /// dot products), then the tokens grouped by expert so each chosen
+    /// expert's rows are read once for the step, all experts' products in
+    /// one parallel section per stage.
+    fn experts_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let (Some(moe), Some(shape)) = (&self.weights.layers[li].moe, c.features.moe) else {
+            return;
+        };
+        let (h, width) = (c.hidden, shape.width);
+        let n = a.x.len() / h;
+        self.kernels
+            .rms_norm(&a.x, &moe.norm, &mut a.expert_in, c.rms_eps);
+        // Per expert: its tokens (rows of the step, in order) and weights.
+        let mut routed_to: Vec<Vec<(usize, f32)>> = vec![Vec::new(); shape.experts];
+        let mut logits = vec![0.0; shape.experts];
+        let mut input = vec![0.0; h];
+        for (t, x) in a.x.chunks_exact(h).enumerate() {
+            input.copy_from_slice(x);
+            ops::rms_normalize(&mut input, c.rms_eps);
+            for (v, s) in input.iter_mut().zip(&moe.router_input_scale) {
+                *v *= s;
+            }
+            ops::matvec(&moe.router.data, &input, &mut logits);
+            for (e, weight) in ops::route_experts(&logits, shape.top_k, &moe.expert_scale) {
+                routed_to[e].push((t, weight));
+            }
+        }
+        let used: Vec<usize> = (0..shape.experts)
+            .filter(|&e| !routed_to[e].is_empty())
+            .collect();
+        // Each used expert's inputs gathered, and room for its products.
+        let gathered: Vec<Vec<f32>> = used
+            .iter()
+            .map(|&e| {
+                routed_to[e]
+                    .iter()
+                    .flat_map(|&(t, _)| a.expert_in[t * h..(t + 1) * h].iter().copied())
+                    .collect()
+            })
+            .collect();
+        let exact_of = |e: usize| routed_to[e].iter().filter(|&&(t, _)| t < exact).count();
+        let rows_of = |e: usize| routed_to[e].len();
+        let mut gates: Vec<Vec<f32>> = used
+            .iter()
+            .map(|&e| vec![0.0; rows_of(e) * width])
+            .collect();
+        let mut ups: Vec<Vec<f32>> = gates.clone();
+        // One section for every expert's gate and up. Each job's exact
+        // tokens lead its input, as `matmuls` wants; all jobs share the
+        // smallest count (tokens past it go through the GEMM, which only
+        // 16-bit weights distinguish).
+        let jobs_exact = used.iter().map(|&e| exact_of(e)).min().unwrap_or(0);
+        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = Vec::new();
+        for (((&e, x), g), u) in used.iter().zip(&gathered).zip(&mut gates).zip(&mut ups) {
+            let expert = &moe.experts[e];
+            jobs.push((&expert.gate, x, g));
+            jobs.push((&expert.up, x, u));
+        }
+        self.matmuls(jobs, jobs_exact);
+        let mut acts: Vec<Vec<f32>> = gates
+            .iter()
+            .zip(&ups)
+            .map(|(g, u)| {
+                let mut out = vec![0.0; g.len()];
+                self.kernels.geglu(g, u, &mut out);
+                out
+            })
+            .collect();
+        let mut outs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0.0; rows_of(e) * h]).collect();
+        let jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = used
+            .iter()
+            .zip(&mut acts)
+            .zip(&mut outs)
+            .map(|((&e, x), y)| (&moe.experts[e].down, &x[..], &mut y[..]))
+            .collect();
+        self.matmuls(jobs, jobs_exact);
+        // Each token's sum in expert order, whatever else shares the step.
+        a.routed[..n * h].fill(0.0);
+        for (&e, out) in used.iter().zip(&outs) {
+            for (&(t, weight), y) in routed_to[e].iter().zip(out.chunks_exact(h)) {
+                for (r, v) in a.routed[t * h..(t + 1) * h].iter_mut().zip(y) {
+                    *r += weight * v;
+                }
+            }
+        }
+    }
+
+    /// Gemma 4's per-layer input of layer `li`, added to the residual:
+    /// `post_norm(projection(gelu(gate(x)) * input))`, then the layer's
+    /// scale on the whole stream.
+    fn per_layer_input_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let w = &self.weights.layers[li];
+        if let Some(ple) = &w.per_layer_input {
+            let p = c.features.per_layer_input;
+            let n = a.x.len() / c.hidden;
+            let width = c.n_layers() * p;
+            self.matmul(&ple.gate, &a.x, &mut a.per_layer_gate[..n * p], exact);
+            for (t, gate) in a.per_layer_gate[..n * p].chunks_exact_mut(p).enumerate() {
+                let input = &a.per_layer_inputs[t * width + li * p..t * width + (li + 1) * p];
+                for (g, &i) in gate.iter_mut().zip(input) {
+                    *g = ops::gelu_tanh(*g) * i;
+                }
+            }
+            self.matmul(
+                &ple.projection,
+                &a.per_layer_gate[..n * p],
+                &mut a.proj,
+                exact,
+            );
+            self.residual_add(&mut a.x, &mut a.proj, Some(&ple.post_norm));
+        }
+        if w.output_scale != 1.0 {
+            let s = w.output_scale;
+            a.x.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
     /// Per token, in parallel: q/k norms, RoPE with the given angles (one
-    /// pair of tables per token) and the query scale.
+    /// pair of tables per token) and the query scale; with a V norm, V's
+    /// heads normalised. `k` and `v` are `None` in a layer that reads an
+    /// earlier layer's cache.
     fn prepare_queries_keys(
         &self,
         li: usize,
         angles: &[(Vec<f32>, Vec<f32>)],
         q: &mut [f32],
-        k: &mut [f32],
+        k: Option<&mut [f32]>,
+        v: Option<&mut [f32]>,
     ) {
         let c = &self.config;
         let w = &self.weights.layers[li];
-        let (hd, n) = (c.head_dim, angles.len());
-        let (qs, ks) = (
-            SharedOut::new(q, c.n_heads * hd),
-            SharedOut::new(k, c.n_kv_heads * hd),
-        );
+        let shape = c.shape(li);
+        let (hd, n) = (shape.head_dim, angles.len());
+        let kv_dim = shape.n_kv_heads * hd;
+        let qs = SharedOut::new(q, c.n_heads * hd);
+        let ks = k.map(|k| SharedOut::new(k, kv_dim));
+        let vs = v
+            .filter(|_| c.features.value_norm)
+            .map(|v| SharedOut::new(v, kv_dim));
         let kern = &*self.kernels;
         let prepare = |t: usize| {
             let (cos, sin) = &angles[t];
@@ -1055,14 +1271,26 @@ impl FastEngine {
             }
             for head in q_row.chunks_exact_mut(hd) {
                 ops::rope(head, cos, sin);
-                head.iter_mut().for_each(|e| *e *= c.query_scale);
+                if c.query_scale != 1.0 {
+                    head.iter_mut().for_each(|e| *e *= c.query_scale);
+                }
             }
-            let k_row = unsafe { ks.cells(t, 0..ks.stride) };
-            if let Some(nw) = &w.k_norm {
-                kern.rms_norm_in_place(k_row, nw, c.rms_eps);
+            if let Some(ks) = &ks {
+                // SAFETY: as above.
+                let k_row = unsafe { ks.cells(t, 0..ks.stride) };
+                if let Some(nw) = &w.k_norm {
+                    kern.rms_norm_in_place(k_row, nw, c.rms_eps);
+                }
+                for head in k_row.chunks_exact_mut(hd) {
+                    ops::rope(head, cos, sin);
+                }
             }
-            for head in k_row.chunks_exact_mut(hd) {
-                ops::rope(head, cos, sin);
+            if let Some(vs) = &vs {
+                // SAFETY: as above.
+                let v_row = unsafe { vs.cells(t, 0..vs.stride) };
+                for head in v_row.chunks_exact_mut(hd) {
+                    ops::rms_normalize(head, c.rms_eps);
+                }
             }
         };
         // A single decode token is not worth waking the pool for.
@@ -1083,24 +1311,25 @@ impl FastEngine {
     fn attention(&self, seq: usize, li: usize, start: usize, q: &[f32], out: &mut [f32], n: usize) {
         let c = &self.config;
         let kv = &self.seqs[seq];
-        let hd = c.head_dim;
+        let shape = c.shape(li);
+        let (hd, n_kv_heads, cache) = (shape.head_dim, shape.n_kv_heads, shape.kv_layer);
         let q_dim = c.n_heads * hd;
-        let group = c.n_heads / c.n_kv_heads;
+        let group = c.n_heads / n_kv_heads;
         let window = c.layers[li].window;
-        let (keys, values) = (&kv.keys[li], &kv.values[li]);
+        let (keys, values) = (&kv.keys[cache], &kv.values[cache]);
         let threads = self.pool.threads();
         if n == 1 {
             return self.decode_attention(li, &[(seq, start)], q, out);
         }
         let token_block = self.blocking.attention_token_block;
         let blocks = n.div_ceil(token_block);
-        let head_parts = if blocks * c.n_kv_heads >= threads {
+        let head_parts = if blocks * n_kv_heads >= threads {
             1
         } else {
-            group.min(threads.div_ceil(blocks * c.n_kv_heads))
+            group.min(threads.div_ceil(blocks * n_kv_heads))
         };
         let heads_per_part = group.div_ceil(head_parts);
-        let units = c.n_kv_heads * blocks * head_parts;
+        let units = n_kv_heads * blocks * head_parts;
         let next = AtomicUsize::new(0);
         let shared = SharedOut::new(out, q_dim);
         let kern = &*self.kernels;
@@ -1118,7 +1347,7 @@ impl FastEngine {
                 }
                 // Later token blocks see more keys: hand them out first.
                 let unit = units - 1 - taken;
-                let (kv_head, rest) = (unit % c.n_kv_heads, unit / c.n_kv_heads);
+                let (kv_head, rest) = (unit % n_kv_heads, unit / n_kv_heads);
                 let (block, part) = (rest / head_parts, rest % head_parts);
                 let (t0, t1) = (block * token_block, ((block + 1) * token_block).min(n));
                 let (h0, h1) = (
@@ -1137,7 +1366,10 @@ impl FastEngine {
                 }
                 let first_query = start + t0;
                 let first_key = window.map_or(0, |w| (first_query + 1).saturating_sub(w));
-                let (lo, hi) = (kv.at(kv_head, first_key), kv.at(kv_head, start + t1));
+                let (lo, hi) = (
+                    kv.at(cache, kv_head, first_key),
+                    kv.at(cache, kv_head, start + t1),
+                );
                 let block_attention = GroupAttention {
                     queries: &queries,
                     head_dim: hd,
@@ -1186,7 +1418,9 @@ impl FastEngine {
     /// step read the whole cache again.)
     fn decode_attention(&self, li: usize, tokens: &[(usize, usize)], q: &[f32], out: &mut [f32]) {
         let c = &self.config;
-        let (hd, group) = (c.head_dim, c.n_heads / c.n_kv_heads);
+        let shape = c.shape(li);
+        let (hd, n_kv_heads, cache) = (shape.head_dim, shape.n_kv_heads, shape.kv_layer);
+        let group = c.n_heads / n_kv_heads;
         let q_dim = c.n_heads * hd;
         debug_assert_eq!(q.len(), tokens.len() * q_dim);
         let window = c.layers[li].window;
@@ -1202,7 +1436,7 @@ impl FastEngine {
         let mut first_row = Vec::with_capacity(splits.len() + 1);
         first_row.push(0);
         for s in &splits {
-            first_row.push(first_row[first_row.len() - 1] + c.n_kv_heads * s.parts());
+            first_row.push(first_row[first_row.len() - 1] + n_kv_heads * s.parts());
         }
         let rows = first_row[splits.len()];
         let mut partial = vec![0.0f32; rows * group * hd];
@@ -1211,7 +1445,7 @@ impl FastEngine {
             SharedOut::new(&mut partial, group * hd),
             SharedOut::new(&mut log_sums, group),
         );
-        let units = attention_units(&splits, c.n_kv_heads, threads);
+        let units = attention_units(&splits, n_kv_heads, threads);
         let most_scores = units
             .iter()
             .map(|u| u.tokens.len() * group * u.keys(&splits).len())
@@ -1235,14 +1469,14 @@ impl FastEngine {
                 let kv = &self.seqs[first.seq];
                 let keys = unit.keys(&splits);
                 let (lo, hi) = (
-                    kv.at(unit.kv_head, keys.start),
-                    kv.at(unit.kv_head, keys.end),
+                    kv.at(cache, unit.kv_head, keys.start),
+                    kv.at(cache, unit.kv_head, keys.end),
                 );
                 let head_rows = |i: usize| {
                     let col = i * q_dim + unit.kv_head * group * hd;
                     col..col + group * hd
                 };
-                let unit_queries = if unit.tokens.len() == 1 || c.n_kv_heads == 1 {
+                let unit_queries = if unit.tokens.len() == 1 || n_kv_heads == 1 {
                     &q[head_rows(unit.tokens.start).start..head_rows(unit.tokens.end - 1).end]
                 } else {
                     queries.clear();
@@ -1256,8 +1490,8 @@ impl FastEngine {
                     head_dim: hd,
                     rows_per_token: group,
                     first_query: first.pos,
-                    keys: &kv.keys[li][lo..hi],
-                    values: &kv.values[li][lo..hi],
+                    keys: &kv.keys[cache][lo..hi],
+                    values: &kv.values[cache][lo..hi],
                     first_key: keys.start,
                     window,
                     softcap: c.attn_softcap,

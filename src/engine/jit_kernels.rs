@@ -70,7 +70,19 @@ pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usiz
         threads,
         weights: weight_type(formats.wide),
         quantized: formats.quantized(config),
-        wide_tensors: Some(formats.wide_tensors()),
+        wide_tensors: Some(formats.wide_tensors(config)),
+        matrices: if config.layer_shapes.is_empty() && config.features == Default::default() {
+            Vec::new()
+        } else {
+            let mut mats: Vec<(&'static str, usize, usize)> = Vec::new();
+            for (role, [rows, k]) in super::fast::multiplied_matrices(config) {
+                let m = (crate::model::weights::matrix_name(role), rows, k);
+                if !mats.contains(&m) {
+                    mats.push(m);
+                }
+            }
+            mats
+        },
         max_isa: max_isa_from_env(),
         ..PlanOptions::default()
     }
@@ -118,9 +130,9 @@ struct OpKernels {
     norms: Vec<(usize, KernelId)>,
     /// GeGLU over the feed-forward width.
     geglu: Option<(usize, KernelId)>,
-    /// Attention's kernels for the head dimension, if the plan has all it
-    /// needs.
-    attention: Option<AttentionKernels>,
+    /// Attention's kernels for each head dimension the plan has all it
+    /// needs for (a head size without them runs the portable code).
+    attention: Vec<AttentionKernels>,
 }
 
 /// The softmax (always the JIT's) and what computes the scores and the
@@ -154,30 +166,50 @@ impl OpKernels {
                 None => bail!("the kernel plan has no RMSNorm for {dim} values"),
             }
         }
+        // Another head size of a model whose layers differ (Gemma 4's
+        // global layers): its norm if the plan has one, else the portable.
+        for i in 0..config.n_layers() {
+            let hd = config.shape(i).head_dim;
+            if config.has_qk_norm()
+                && !norms.iter().any(|&(d, _)| d == hd)
+                && let Some(id) = set.resolve::<RmsNorm>(hd)
+            {
+                norms.push((hd, id));
+            }
+        }
         let width = config.intermediate;
         let geglu = set.resolve::<Geglu>(width).map(|id| (width, id));
-        let hd = config.head_dim;
-        let products = if avx512_attention {
-            if !(attn_scores::available(hd) && decode_wsum::tiled_available(hd)) {
-                bail!(
-                    "the kernel plan leaves attention to AVX-512 code, which this CPU or head size ({hd}) does not run"
-                );
+        let mut head_dims: Vec<usize> = (0..config.n_layers())
+            .map(|i| config.shape(i).head_dim)
+            .collect();
+        head_dims.sort_unstable();
+        head_dims.dedup();
+        let mut attention = Vec::new();
+        for hd in head_dims {
+            let products = if avx512_attention {
+                if !(attn_scores::available(hd) && decode_wsum::tiled_available(hd)) {
+                    if hd == config.head_dim {
+                        bail!(
+                            "the kernel plan leaves attention to AVX-512 code, which this CPU or head size ({hd}) does not run"
+                        );
+                    }
+                    continue;
+                }
+                Some(AttentionProducts::Avx512)
+            } else {
+                match (set.resolve::<AttnScores>(hd), set.resolve::<AttnWsum>(hd)) {
+                    (Some(scores), Some(wsum)) => Some(AttentionProducts::Jit { scores, wsum }),
+                    _ => None,
+                }
+            };
+            if let (Some(softmax), Some(products)) = (set.resolve::<Softmax>(()), products) {
+                attention.push(AttentionKernels {
+                    head_dim: hd,
+                    softmax,
+                    products,
+                });
             }
-            Some(AttentionProducts::Avx512)
-        } else {
-            match (set.resolve::<AttnScores>(hd), set.resolve::<AttnWsum>(hd)) {
-                (Some(scores), Some(wsum)) => Some(AttentionProducts::Jit { scores, wsum }),
-                _ => None,
-            }
-        };
-        let attention = match (set.resolve::<Softmax>(()), products) {
-            (Some(softmax), Some(products)) => Some(AttentionKernels {
-                head_dim: hd,
-                softmax,
-                products,
-            }),
-            _ => None,
-        };
+        }
         Ok(OpKernels {
             norms,
             geglu,
@@ -185,13 +217,10 @@ impl OpKernels {
         })
     }
 
-    /// The RMSNorm kernel for `dim` values. Panics for a dimension the
-    /// engine never normalises: the plan has one for each it does.
-    fn norm<'a>(&self, set: &'a KernelSet, dim: usize) -> RmsNorm<'a> {
-        let Some(&(_, id)) = self.norms.iter().find(|(d, _)| *d == dim) else {
-            panic!("no RMSNorm kernel was planned for {dim} values");
-        };
-        set.bind(id, dim)
+    /// The RMSNorm kernel for `dim` values, if the plan has one.
+    fn norm<'a>(&self, set: &'a KernelSet, dim: usize) -> Option<RmsNorm<'a>> {
+        let &(_, id) = self.norms.iter().find(|(d, _)| *d == dim)?;
+        Some(set.bind(id, dim))
     }
 }
 
@@ -423,27 +452,32 @@ impl MatKernels for JitKernels {
     }
 
     fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32], eps: f32) {
-        self.ops
-            .norm(&self.set, w.len())
-            .run(x, w, out, eps)
-            .expect("RMSNorm sized by the engine");
+        match self.ops.norm(&self.set, w.len()) {
+            Some(norm) => norm
+                .run(x, w, out, eps)
+                .expect("RMSNorm sized by the engine"),
+            None => PortableKernels.rms_norm(x, w, out, eps),
+        }
     }
 
     fn rms_norm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.ops
-            .norm(&self.set, w.len())
-            .run_inplace(x, w, eps)
-            .expect("RMSNorm sized by the engine");
+        match self.ops.norm(&self.set, w.len()) {
+            Some(norm) => norm
+                .run_inplace(x, w, eps)
+                .expect("RMSNorm sized by the engine"),
+            None => PortableKernels.rms_norm_in_place(x, w, eps),
+        }
     }
 
     fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
         match self.ops.geglu {
-            Some((width, id)) => self
+            // Rows of the planned width (a token's or several tokens').
+            Some((width, id)) if gate.len().is_multiple_of(width) => self
                 .set
                 .bind::<Geglu>(id, width)
                 .run(gate, up, out)
                 .expect("GeGLU sized by the engine"),
-            None => PortableKernels.geglu(gate, up, out),
+            _ => PortableKernels.geglu(gate, up, out),
         }
     }
 
@@ -454,11 +488,10 @@ impl MatKernels for JitKernels {
         out: &mut [f32],
         mut log_sums: Option<&mut [f32]>,
     ) {
-        let Some(kernels) = self.ops.attention else {
+        let Some(&kernels) = self.ops.attention.iter().find(|k| k.head_dim == a.head_dim) else {
             return PortableKernels.attend(a, scratch, out, log_sums);
         };
         let hd = kernels.head_dim;
-        assert_eq!(a.head_dim, hd, "attention planned for another head size");
         let softmax: Softmax = self.set.bind(kernels.softmax, ());
         // One GEMM for the whole block's scores, then each row masked and
         // normalised, then one pass over V shared by every row.

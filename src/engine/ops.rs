@@ -48,6 +48,31 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// RMS normalisation without a weight (Gemma 4's V norm and router
+/// input): x / sqrt(mean(x²) + eps).
+pub fn rms_normalize(x: &mut [f32], eps: f32) {
+    let mean_sq = dot(x, x) / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The experts a router sends a token to, with their weights: the
+/// softmax of `logits`, its `top_k` largest (the lower index first on
+/// ties), renormalised to sum to 1, each times its expert's scale.
+pub fn route_experts(logits: &[f32], top_k: usize, expert_scale: &[f32]) -> Vec<(usize, f32)> {
+    let mut probs = logits.to_vec();
+    softmax(&mut probs);
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    // A stable sort keeps equal probabilities in index order.
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    order.truncate(top_k);
+    let total: f32 = order.iter().map(|&e| probs[e]).sum();
+    order
+        .into_iter()
+        .map(|e| (e, probs[e] / total * expert_scale[e]))
+        .collect()
+}
+
 /// GELU, tanh approximation (what Gemma was trained with, whatever its
 /// config calls it).
 pub fn gelu_tanh(x: f32) -> f32 {
@@ -76,14 +101,27 @@ pub fn softmax(x: &mut [f32]) {
 /// RoPE angles for one position: cos and sin of `pos / scale · base^(-2i/d)`
 /// for i in 0..d/2, computed in f32 the way the HF reference does.
 pub fn rope_angles(pos: usize, head_dim: usize, base: f32, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    rope_angles_partial(pos, head_dim, base, scale, head_dim / 2)
+}
+
+/// [`rope_angles`] where only the first `rotated` pairs turn (frequencies
+/// still over the whole head, as Gemma 4's proportional RoPE has them);
+/// the others get angle 0, so they pass through unchanged.
+pub fn rope_angles_partial(
+    pos: usize,
+    head_dim: usize,
+    base: f32,
+    scale: f32,
+    rotated: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(half);
-    let mut sin = Vec::with_capacity(half);
-    for i in 0..half {
+    let mut cos = vec![1.0; half];
+    let mut sin = vec![0.0; half];
+    for i in 0..rotated.min(half) {
         let inv_freq = 1.0 / base.powf((2 * i) as f32 / head_dim as f32) / scale;
         let angle = pos as f32 * inv_freq;
-        cos.push(angle.cos());
-        sin.push(angle.sin());
+        cos[i] = angle.cos();
+        sin[i] = angle.sin();
     }
     (cos, sin)
 }

@@ -8,7 +8,9 @@ use super::ops::{self, dot, matvec, rms_norm, rms_norm_in_place};
 use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
-use crate::model::weights::{F32Matrix, LayerWeights, ModelWeights};
+use crate::model::weights::{
+    F32Matrix, LayerWeights, ModelWeights, MoeWeights, PerLayerInputTable,
+};
 use anyhow::{Result, bail};
 
 pub struct ReferenceEngine {
@@ -70,8 +72,15 @@ impl ReferenceEngine {
                 .map(|v| v * scale)
                 .collect();
             snapshots.push(x.clone());
+            let inputs = self
+                .weights
+                .per_layer_input
+                .as_ref()
+                .map(|table| per_layer_inputs(c, table, token, &x));
+            let p = c.features.per_layer_input;
             for (i, layer) in self.weights.layers.iter().enumerate() {
-                layer_step(c, i, layer, &mut self.kv, pos, &mut x);
+                let input = inputs.as_ref().map(|all| &all[i * p..(i + 1) * p]);
+                layer_step(c, i, layer, &mut self.kv, pos, &mut x, input);
                 snapshots.push(x.clone());
             }
             self.kv.advance();
@@ -137,7 +146,9 @@ impl Engine for ReferenceEngine {
 }
 
 /// One transformer block for the token at `pos`, updating the residual
-/// stream `x` in place and appending this position's K and V to the cache.
+/// stream `x` in place and appending this position's K and V to the cache
+/// (unless the layer reads an earlier layer's). `per_layer_input` is this
+/// layer's part of the token's per-layer input (Gemma 4), if any.
 fn layer_step(
     c: &ModelConfig,
     layer_index: usize,
@@ -145,20 +156,23 @@ fn layer_step(
     kv: &mut KvCache,
     pos: usize,
     x: &mut [f32],
+    per_layer_input: Option<&[f32]>,
 ) {
-    let hd = c.head_dim;
+    let shape = c.shape(layer_index);
+    let hd = shape.head_dim;
     let mut normed = vec![0.0; c.hidden];
     rms_norm(x, &w.attn_norm, c.rms_eps, &mut normed);
 
     let mut q = vec![0.0; c.n_heads * hd];
-    let mut k = vec![0.0; c.n_kv_heads * hd];
-    let mut v = vec![0.0; c.n_kv_heads * hd];
     matvec(&w.q.data, &normed, &mut q);
-    matvec(&w.k.data, &normed, &mut k);
-    matvec(&w.v.data, &normed, &mut v);
-
     let attn = c.layers[layer_index];
-    let (cos, sin) = ops::rope_angles(pos, hd, attn.rope_base, attn.rope_scale);
+    let (cos, sin) = ops::rope_angles_partial(
+        pos,
+        hd,
+        attn.rope_base,
+        attn.rope_scale,
+        shape.rotated_pairs,
+    );
     for head in q.chunks_exact_mut(hd) {
         if let Some(n) = &w.q_norm {
             rms_norm_in_place(head, n, c.rms_eps);
@@ -168,27 +182,46 @@ fn layer_step(
             *e *= c.query_scale;
         }
     }
-    for head in k.chunks_exact_mut(hd) {
-        if let Some(n) = &w.k_norm {
-            rms_norm_in_place(head, n, c.rms_eps);
+    if let Some(k_matrix) = &w.k {
+        let kv_width = shape.n_kv_heads * hd;
+        let mut k = vec![0.0; kv_width];
+        matvec(&k_matrix.data, &normed, &mut k);
+        // With k = v the values are the raw keys, before K's norm and RoPE.
+        let mut v = match &w.v {
+            Some(v_matrix) => {
+                let mut v = vec![0.0; kv_width];
+                matvec(&v_matrix.data, &normed, &mut v);
+                v
+            }
+            None => k.clone(),
+        };
+        for head in k.chunks_exact_mut(hd) {
+            if let Some(n) = &w.k_norm {
+                rms_norm_in_place(head, n, c.rms_eps);
+            }
+            ops::rope(head, &cos, &sin);
         }
-        ops::rope(head, &cos, &sin);
+        if c.features.value_norm {
+            v.chunks_exact_mut(hd)
+                .for_each(|head| ops::rms_normalize(head, c.rms_eps));
+        }
+        kv.store(layer_index, &k, &v);
     }
-    kv.store(layer_index, &k, &v);
 
     // Keys visible to this query: q - window < key <= q.
     let first = match attn.window {
         Some(win) => (pos + 1).saturating_sub(win),
         None => 0,
     };
-    let group = c.n_heads / c.n_kv_heads;
+    let cache_layer = shape.kv_layer;
+    let group = c.n_heads / shape.n_kv_heads;
     let mut attn_out = vec![0.0; c.n_heads * hd];
     let mut scores = vec![0.0; pos + 1 - first];
     for h in 0..c.n_heads {
         let kv_head = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
         for (s, key_pos) in scores.iter_mut().zip(first..=pos) {
-            let score = dot(qh, kv.key(layer_index, key_pos, kv_head));
+            let score = dot(qh, kv.key(cache_layer, key_pos, kv_head));
             *s = match c.attn_softcap {
                 Some(cap) => ops::softcap(score, cap),
                 None => score,
@@ -197,7 +230,7 @@ fn layer_step(
         ops::softmax(&mut scores);
         let out = &mut attn_out[h * hd..(h + 1) * hd];
         for (&p, key_pos) in scores.iter().zip(first..=pos) {
-            for (o, &val) in out.iter_mut().zip(kv.value(layer_index, key_pos, kv_head)) {
+            for (o, &val) in out.iter_mut().zip(kv.value(cache_layer, key_pos, kv_head)) {
                 *o += p * val;
             }
         }
@@ -211,20 +244,107 @@ fn layer_step(
         *xi += a;
     }
 
-    // Feed-forward: down(gelu(gate(h)) * up(h)).
+    // Feed-forward: down(gelu(gate(h)) * up(h)), and with a mixture the
+    // experts' weighted sum beside it.
     rms_norm(x, &w.ffn_norm, c.rms_eps, &mut normed);
-    let mut gate = vec![0.0; c.intermediate];
-    let mut up = vec![0.0; c.intermediate];
-    matvec(&w.gate.data, &normed, &mut gate);
-    matvec(&w.up.data, &normed, &mut up);
-    for (g, u) in gate.iter_mut().zip(&up) {
-        *g = ops::gelu_tanh(*g) * u;
+    mlp(&w.gate, &w.up, &w.down, &normed, &mut projected);
+    if let Some(moe) = &w.moe {
+        rms_norm_in_place(&mut projected, &moe.dense_post_norm, c.rms_eps);
+        let mut routed = vec![0.0; c.hidden];
+        experts_step(c, moe, x, &mut routed);
+        rms_norm_in_place(&mut routed, &moe.experts_post_norm, c.rms_eps);
+        for (p, r) in projected.iter_mut().zip(&routed) {
+            *p += r;
+        }
     }
-    matvec(&w.down.data, &gate, &mut projected);
     if let Some(n) = &w.ffn_post_norm {
         rms_norm_in_place(&mut projected, n, c.rms_eps);
     }
     for (xi, f) in x.iter_mut().zip(&projected) {
         *xi += f;
     }
+
+    if let (Some(ple), Some(input)) = (&w.per_layer_input, per_layer_input) {
+        let mut gate = vec![0.0; input.len()];
+        matvec(&ple.gate.data, x, &mut gate);
+        for (g, &p) in gate.iter_mut().zip(input) {
+            *g = ops::gelu_tanh(*g) * p;
+        }
+        matvec(&ple.projection.data, &gate, &mut projected);
+        rms_norm_in_place(&mut projected, &ple.post_norm, c.rms_eps);
+        for (xi, p) in x.iter_mut().zip(&projected) {
+            *xi += p;
+        }
+    }
+    if w.output_scale != 1.0 {
+        x.iter_mut().for_each(|v| *v *= w.output_scale);
+    }
+}
+
+/// `out = down(gelu(gate(h)) * up(h))`.
+fn mlp(gate: &F32Matrix, up: &F32Matrix, down: &F32Matrix, h: &[f32], out: &mut [f32]) {
+    let mut g = vec![0.0; gate.rows];
+    let mut u = vec![0.0; up.rows];
+    matvec(&gate.data, h, &mut g);
+    matvec(&up.data, h, &mut u);
+    for (g, u) in g.iter_mut().zip(&u) {
+        *g = ops::gelu_tanh(*g) * u;
+    }
+    matvec(&down.data, &g, out);
+}
+
+/// The mixture's output for the residual `x` (before the feed-forward's
+/// norm, which the router reads): the routed experts' weighted sum.
+fn experts_step(c: &ModelConfig, moe: &MoeWeights<F32Matrix>, x: &[f32], out: &mut [f32]) {
+    let mut router_input = x.to_vec();
+    ops::rms_normalize(&mut router_input, c.rms_eps);
+    for (v, s) in router_input.iter_mut().zip(&moe.router_input_scale) {
+        *v *= s;
+    }
+    let mut logits = vec![0.0; moe.router.rows];
+    matvec(&moe.router.data, &router_input, &mut logits);
+    let top_k = c.features.moe.map_or(0, |m| m.top_k);
+    let mut expert_in = vec![0.0; c.hidden];
+    rms_norm(x, &moe.norm, c.rms_eps, &mut expert_in);
+    let mut expert_out = vec![0.0; c.hidden];
+    out.fill(0.0);
+    for (e, weight) in ops::route_experts(&logits, top_k, &moe.expert_scale) {
+        let expert = &moe.experts[e];
+        mlp(
+            &expert.gate,
+            &expert.up,
+            &expert.down,
+            &expert_in,
+            &mut expert_out,
+        );
+        for (o, v) in out.iter_mut().zip(&expert_out) {
+            *o += weight * v;
+        }
+    }
+}
+
+/// Each layer's per-layer input for a token (Gemma 4), `[layers][P]`: the
+/// token's row of the table times sqrt(P), plus the normalised projection
+/// of the scaled embedding `x0`, times 2^-1/2.
+pub fn per_layer_inputs(
+    c: &ModelConfig,
+    table: &PerLayerInputTable<F32Matrix>,
+    token: u32,
+    x0: &[f32],
+) -> Vec<f32> {
+    let p = c.features.per_layer_input;
+    let mut projected = vec![0.0; c.n_layers() * p];
+    matvec(&table.model_projection.data, x0, &mut projected);
+    let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
+    let token_scale = (p as f32).sqrt();
+    let mut row = vec![0.0; c.n_layers() * p];
+    table.embedding.row_f32(token as usize, &mut row);
+    for (part, tok) in projected.chunks_exact_mut(p).zip(row.chunks_exact(p)) {
+        part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
+        rms_norm_in_place(part, &table.projection_norm, c.rms_eps);
+        for (v, &t) in part.iter_mut().zip(tok) {
+            *v = (*v + t * token_scale) * std::f32::consts::FRAC_1_SQRT_2;
+        }
+    }
+    projected
 }

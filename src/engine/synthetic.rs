@@ -5,8 +5,11 @@ use super::fast::WeightFormats;
 use super::packed::{PackedMatrix, WeightFormat};
 use crate::model::config::ModelConfig;
 use crate::model::dtype::{DType, TensorView};
-use crate::model::source::{LayerRole, Role};
-use crate::model::weights::{LayerWeights, ModelWeights, layer_matrix_shape};
+use crate::model::source::{ExpertRole, LayerRole, Role};
+use crate::model::weights::{
+    F32Matrix, LayerWeights, Mlp, ModelWeights, MoeWeights, PerLayerInputTable,
+    PerLayerInputWeights, RowTable, has_layer_matrix, matrix_shape,
+};
 
 /// splitmix64: a tiny, fast, well-mixed generator; quality needs are low.
 fn splitmix(state: &mut u64) -> u64 {
@@ -61,44 +64,105 @@ fn random_matrix(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> P
     PackedMatrix::convert(&view, format)
 }
 
-/// Random weights for `c` in `formats`, deterministic in `seed`.
+/// A random row table in Q8_0 (as the per-layer tables of released files
+/// are stored quantized).
+fn random_rows([rows, cols]: [usize; 2], seed: u64) -> RowTable {
+    let values = random_values(rows * cols, seed, |v| v);
+    let bytes = crate::model::gguf_write::q8_0_bytes(&values);
+    drop(values);
+    let shape = [rows, cols];
+    RowTable::owned(&TensorView {
+        dtype: DType::Q8_0,
+        shape: &shape,
+        bytes: &bytes,
+    })
+}
+
+/// Random weights for `c` in `formats`, deterministic in `seed`: every
+/// matrix the config calls for (per-layer shapes, per-layer inputs and
+/// experts included), norms of ones, scales of one.
 pub fn random_weights(
     c: &ModelConfig,
     formats: &WeightFormats,
     seed: u64,
 ) -> ModelWeights<PackedMatrix> {
     let mut n = seed;
-    let mut mat = |role: Role, rows, cols| {
+    let mut mat = |role: Role| {
         n = n.wrapping_add(1);
+        let [rows, cols] = matrix_shape(role, c);
         random_matrix(formats.of(role), rows, cols, n)
     };
     let ones = |len: usize| vec![1.0f32; len];
-    let layers = (0..c.n_layers())
-        .map(|i| {
-            let mut m = |role: LayerRole| {
-                let [rows, cols] = layer_matrix_shape(role, c);
-                mat(Role::Layer(i, role), rows, cols)
-            };
-            LayerWeights {
-                q: m(LayerRole::Q),
-                k: m(LayerRole::K),
-                v: m(LayerRole::V),
-                o: m(LayerRole::O),
-                gate: m(LayerRole::Gate),
-                up: m(LayerRole::Up),
-                down: m(LayerRole::Down),
-                attn_norm: ones(c.hidden),
-                ffn_norm: ones(c.hidden),
-                attn_post_norm: c.has_post_norms().then(|| ones(c.hidden)),
-                ffn_post_norm: c.has_post_norms().then(|| ones(c.hidden)),
-                q_norm: c.has_qk_norm().then(|| ones(c.head_dim)),
-                k_norm: c.has_qk_norm().then(|| ones(c.head_dim)),
+    let mut layers = Vec::with_capacity(c.n_layers());
+    for i in 0..c.n_layers() {
+        let mut m = |role: LayerRole| mat(Role::Layer(i, role));
+        let hd = c.shape(i).head_dim;
+        let has = |role: LayerRole| has_layer_matrix(role, c, i);
+        let (q, k, v, o) = (
+            m(LayerRole::Q),
+            has(LayerRole::K).then(|| m(LayerRole::K)),
+            has(LayerRole::V).then(|| m(LayerRole::V)),
+            m(LayerRole::O),
+        );
+        let (gate, up, down) = (m(LayerRole::Gate), m(LayerRole::Up), m(LayerRole::Down));
+        let per_layer_input = (c.features.per_layer_input > 0).then(|| PerLayerInputWeights {
+            gate: m(LayerRole::PleGate),
+            projection: m(LayerRole::PleProjection),
+            post_norm: ones(c.hidden),
+        });
+        let moe = c.features.moe.map(|shape| {
+            let mut values = 0u64;
+            let router = (0..shape.experts * c.hidden)
+                .map(|_| (splitmix(&mut values) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                .collect();
+            MoeWeights {
+                router: F32Matrix {
+                    rows: shape.experts,
+                    cols: c.hidden,
+                    data: router,
+                },
+                router_input_scale: ones(c.hidden),
+                expert_scale: ones(shape.experts),
+                norm: ones(c.hidden),
+                dense_post_norm: ones(c.hidden),
+                experts_post_norm: ones(c.hidden),
+                experts: (0..shape.experts)
+                    .map(|e| Mlp {
+                        gate: mat(Role::Expert(i, e, ExpertRole::Gate)),
+                        up: mat(Role::Expert(i, e, ExpertRole::Up)),
+                        down: mat(Role::Expert(i, e, ExpertRole::Down)),
+                    })
+                    .collect(),
             }
-        })
-        .collect();
+        });
+        layers.push(LayerWeights {
+            q,
+            k,
+            v,
+            o,
+            gate,
+            up,
+            down,
+            attn_norm: ones(c.hidden),
+            ffn_norm: ones(c.hidden),
+            attn_post_norm: c.has_post_norms().then(|| ones(c.hidden)),
+            ffn_post_norm: c.has_post_norms().then(|| ones(c.hidden)),
+            q_norm: c.has_qk_norm().then(|| ones(hd)),
+            k_norm: (c.has_qk_norm() && c.keeps_kv(i)).then(|| ones(hd)),
+            per_layer_input,
+            moe,
+            output_scale: 1.0,
+        });
+    }
+    let per_layer_input = (c.features.per_layer_input > 0).then(|| PerLayerInputTable {
+        embedding: random_rows(matrix_shape(Role::PerLayerEmbedding, c), seed ^ 0x5eed),
+        model_projection: mat(Role::PerLayerModelProjection),
+        projection_norm: ones(c.features.per_layer_input),
+    });
     ModelWeights {
-        embedding: mat(Role::Embedding, c.vocab_size, c.hidden),
+        embedding: mat(Role::Embedding),
         final_norm: ones(c.hidden),
         layers,
+        per_layer_input,
     }
 }

@@ -16,6 +16,10 @@ pub struct ModelDims {
     pub n_layers: usize,
     /// Gemma 3 normalises q and k per head (a second RMSNorm size).
     pub qk_norm: bool,
+    /// The head size of layers whose heads differ from `head_dim` (Gemma
+    /// 4's global layers: 512 beside 256), or 0: its attention and q/k
+    /// norm get kernels of their own.
+    pub other_head_dim: usize,
 }
 
 impl ModelDims {
@@ -29,6 +33,7 @@ impl ModelDims {
         vocab: 262_144,
         n_layers: 18,
         qk_norm: true,
+        other_head_dim: 0,
     };
 
     /// Width of the attention output (input width of the o projection).
@@ -90,6 +95,10 @@ impl From<&ModelConfig> for ModelDims {
             vocab: c.vocab_size,
             n_layers: c.n_layers(),
             qk_norm: c.has_qk_norm(),
+            other_head_dim: (0..c.n_layers())
+                .map(|i| c.shape(i).head_dim)
+                .find(|&h| h != c.head_dim)
+                .unwrap_or(0),
         }
     }
 }

@@ -39,6 +39,10 @@ pub struct PlanOptions {
     /// The tensors stored in the 16-bit format in at least one layer
     /// (`None`: all of them). A K none of them has gets no 16-bit GEMV.
     pub wide_tensors: Option<Vec<&'static str>>,
+    /// The model's matrices as (name, rows, K) where its layers differ in
+    /// shape (Gemma 4: two head sizes, wider MLPs, per-layer inputs,
+    /// experts); empty: the one layer shape of `ModelDims`.
+    pub matrices: Vec<(&'static str, usize, usize)>,
     /// Bytes ahead the quantized GEMVs prefetch (see `GemvQuantParams`).
     pub quant_prefetch: usize,
     pub budget: usize,
@@ -52,6 +56,7 @@ impl Default for PlanOptions {
             weights: WeightType::F16,
             quantized: Vec::new(),
             wide_tensors: None,
+            matrices: Vec::new(),
             quant_prefetch: QUANT_PREFETCH_BYTES,
             budget: BUDGET_BYTES,
         }
@@ -255,6 +260,21 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The instruction sets that run, as a user should read them: AVX2
+    /// kernels, plus VNNI's byte products where the integer kernels use
+    /// them, plus the engine's AVX-512 attention where the plan leaves
+    /// attention to it.
+    pub fn isa_description(&self) -> String {
+        let mut text = self.isa.name().to_string();
+        if self.kernels.iter().any(|k| k.isa == Isa::Avx512) {
+            text += " + avx512-vnni (integer products)";
+        }
+        if self.avx512_attention {
+            text += " + avx512 (attention, in the engine)";
+        }
+        text
+    }
+
     pub fn total_bytes(&self) -> usize {
         self.kernel_bytes.iter().sum()
     }
@@ -372,7 +392,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // Matrix-vector products of one layer plus the LM head.
     let q = dims.q_width();
     let kv = dims.kv_stride();
-    let mats: Vec<(&'static str, usize, usize)> = vec![
+    let uniform_mats = vec![
         ("attn_q", q, dims.hidden),
         ("attn_k", kv, dims.hidden),
         ("attn_v", kv, dims.hidden),
@@ -382,6 +402,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         ("ffn_down", dims.hidden, dims.intermediate),
         ("output(lm_head)", dims.vocab, dims.hidden),
     ];
+    let mats: Vec<(&'static str, usize, usize)> = if opts.matrices.is_empty() {
+        uniform_mats
+    } else {
+        opts.matrices.clone()
+    };
     let mut ks: Vec<usize> = mats.iter().map(|m| m.2).collect();
     ks.sort_unstable();
     ks.dedup();
@@ -482,7 +507,9 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     // FMA's rate; an AVX-512 form in the JIT would need EVEX code that the
     // 1,031 bytes of the two ymm kernels could not hold). Those bytes go
     // back to the budget.
-    let avx512_attention = allowed_isa == Isa::Avx512 && dims.head_dim.is_multiple_of(64);
+    let avx512_attention = allowed_isa == Isa::Avx512
+        && dims.head_dim.is_multiple_of(64)
+        && dims.other_head_dim.is_multiple_of(64);
     let mut optional: Vec<&str> = if avx512_attention {
         vec!["softmax", "geglu"]
     } else {
@@ -735,14 +762,18 @@ fn build_kinds(
         },
         vec!["attn/ffn pre- and post-norms, final norm".into()],
     ));
-    if dims.qk_norm && dims.head_dim != dims.hidden {
-        out.push((
-            KernelKind::RmsNorm {
-                dim: dims.head_dim,
-                unroll: norm_unroll.min(2),
-            },
-            vec!["q_norm, k_norm (per head)".into()],
-        ));
+    let head_dims = std::iter::once(dims.head_dim)
+        .chain((dims.other_head_dim != 0).then_some(dims.other_head_dim));
+    for hd in head_dims.clone() {
+        if dims.qk_norm && hd != dims.hidden {
+            out.push((
+                KernelKind::RmsNorm {
+                    dim: hd,
+                    unroll: norm_unroll.min(2),
+                },
+                vec![format!("q_norm, k_norm (per head of {hd})")],
+            ));
+        }
     }
     let has = |op: &str| optional.contains(&op);
     if has("geglu") {
@@ -753,25 +784,29 @@ fn build_kinds(
             vec!["ffn activation".into()],
         ));
     }
-    if has("attn_scores") && dims.head_dim >= LANES {
-        out.push((
-            KernelKind::AttnScores(GemmParams {
-                wt: WeightType::F32,
-                k: dims.head_dim,
-            }),
-            vec!["q . k of a query block over the KV cache".into()],
-        ));
+    for hd in head_dims.clone() {
+        if has("attn_scores") && hd >= LANES {
+            out.push((
+                KernelKind::AttnScores(GemmParams {
+                    wt: WeightType::F32,
+                    k: hd,
+                }),
+                vec![format!(
+                    "q . k of a query block over the KV cache (heads of {hd})"
+                )],
+            ));
+        }
     }
     if has("softmax") {
         out.push((KernelKind::Softmax, vec!["attention probabilities".into()]));
     }
-    if has("attn_wsum") && dims.head_dim.is_multiple_of(LANES) {
-        out.push((
-            KernelKind::AttnWsum {
-                head_dim: dims.head_dim,
-            },
-            vec!["probability-weighted sum of V".into()],
-        ));
+    for hd in head_dims {
+        if has("attn_wsum") && hd.is_multiple_of(LANES) {
+            out.push((
+                KernelKind::AttnWsum { head_dim: hd },
+                vec![format!("probability-weighted sum of V (heads of {hd})")],
+            ));
+        }
     }
     out
 }
@@ -918,6 +953,7 @@ mod tests {
                 vocab,
                 n_layers: 1,
                 qk_norm,
+                other_head_dim: 0,
             };
             for max_isa in [Isa::Avx2, Isa::Avx512] {
                 let opts = PlanOptions {

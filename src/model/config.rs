@@ -17,6 +17,72 @@ pub enum Family {
     Gemma2,
     /// Gemma 3 text: pre- and post-norms, q/k norm, 5 local : 1 global.
     Gemma3,
+    /// Gemma 4 text: Gemma 3's block with per-layer shapes, RMSNorm by `w`,
+    /// attention scale 1, a weightless V norm and a scalar per layer; some
+    /// models add per-layer inputs, KV sharing or a mixture of experts
+    /// ([`Features`]).
+    Gemma4,
+}
+
+/// The shape of one layer where a family lets layers differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerShape {
+    pub head_dim: usize,
+    pub n_kv_heads: usize,
+    /// Width of the feed-forward's hidden layer (gate and up rows).
+    pub ffn_width: usize,
+    /// RoPE rotates pairs `(i, i + head_dim/2)` for `i < rotated_pairs`,
+    /// with frequencies over the whole head (`base^(-2i/head_dim)`); the
+    /// rest pass unrotated. `head_dim / 2` is ordinary RoPE; fewer is
+    /// Gemma 4's proportional RoPE on global layers.
+    pub rotated_pairs: usize,
+    /// The layer whose keys and values this one attends over: itself, or
+    /// for a layer that shares KV an earlier layer of the same kind (it
+    /// then has no K and V projections and keeps no cache).
+    pub kv_layer: usize,
+    /// V is the K projection's output (before K's norm and RoPE): the
+    /// layer has no V projection (`attention_k_eq_v`).
+    pub values_from_keys: bool,
+}
+
+/// A mixture-of-experts feed-forward beside the dense one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Hidden width of one expert.
+    pub width: usize,
+    /// `[width, hidden]`: an expert's gate or up matrix (borrowed as the
+    /// shape of per-expert tensor views).
+    pub gate_shape: [usize; 2],
+    /// `[hidden, width]`: an expert's down matrix.
+    pub down_shape: [usize; 2],
+}
+
+impl MoeShape {
+    pub fn new(experts: usize, top_k: usize, width: usize, hidden: usize) -> MoeShape {
+        MoeShape {
+            experts,
+            top_k,
+            width,
+            gate_shape: [width, hidden],
+            down_shape: [hidden, width],
+        }
+    }
+}
+
+/// Operations only some models have; all off for Gemma 1-3.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Features {
+    /// Per-layer inputs (Gemma 4 "PLE"): each token gets a vector of this
+    /// many values per layer, gated into the residual after the block.
+    pub per_layer_input: usize,
+    pub moe: Option<MoeShape>,
+    /// V heads get an RMS normalisation without weights.
+    pub value_norm: bool,
+    /// Each layer ends by scaling the residual stream by a stored scalar.
+    pub layer_scalar: bool,
 }
 
 /// How one layer attends.
@@ -51,6 +117,10 @@ pub struct ModelConfig {
     pub max_context: usize,
     pub bos_id: u32,
     pub eos_id: u32,
+    /// Each layer's shape where layers differ; empty when every layer has
+    /// the shape of the fields above (see [`ModelConfig::shape`]).
+    pub layer_shapes: Vec<LayerShape>,
+    pub features: Features,
 }
 
 impl ModelConfig {
@@ -58,14 +128,62 @@ impl ModelConfig {
         self.layers.len()
     }
 
-    /// Gemma 2 and 3 wrap attention and feed-forward in post-norms too.
-    pub fn has_post_norms(&self) -> bool {
-        matches!(self.family, Family::Gemma2 | Family::Gemma3)
+    /// Layer `i`'s shape.
+    pub fn shape(&self, i: usize) -> LayerShape {
+        match self.layer_shapes.get(i) {
+            Some(s) => *s,
+            None => LayerShape {
+                head_dim: self.head_dim,
+                n_kv_heads: self.n_kv_heads,
+                ffn_width: self.intermediate,
+                rotated_pairs: self.head_dim / 2,
+                kv_layer: i,
+                values_from_keys: false,
+            },
+        }
     }
 
-    /// Gemma 3 normalizes each query and key head before RoPE.
+    /// Whether layer `i` computes and caches keys and values of its own.
+    pub fn keeps_kv(&self, i: usize) -> bool {
+        self.shape(i).kv_layer == i
+    }
+
+    /// The widest query row (heads x head dim) of any layer.
+    pub fn max_q_width(&self) -> usize {
+        (0..self.n_layers())
+            .map(|i| self.n_heads * self.shape(i).head_dim)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The widest key or value row (KV heads x head dim) of any layer.
+    pub fn max_kv_width(&self) -> usize {
+        (0..self.n_layers())
+            .map(|i| self.shape(i).n_kv_heads * self.shape(i).head_dim)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The widest feed-forward of any layer (dense or one expert).
+    pub fn max_ffn_width(&self) -> usize {
+        (0..self.n_layers())
+            .map(|i| self.shape(i).ffn_width)
+            .chain(self.features.moe.map(|m| m.width))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Gemma 2 and 3 wrap attention and feed-forward in post-norms too.
+    pub fn has_post_norms(&self) -> bool {
+        matches!(
+            self.family,
+            Family::Gemma2 | Family::Gemma3 | Family::Gemma4
+        )
+    }
+
+    /// Gemma 3 and 4 normalize each query and key head before RoPE.
     pub fn has_qk_norm(&self) -> bool {
-        self.family == Family::Gemma3
+        matches!(self.family, Family::Gemma3 | Family::Gemma4)
     }
 
     /// Checks the relations the forward pass relies on.
@@ -108,6 +226,72 @@ impl ModelConfig {
                 bail!("{o}: a sliding window of 0 tokens sees nothing");
             }
         }
+        if !self.layer_shapes.is_empty() && self.layer_shapes.len() != self.layers.len() {
+            bail!(
+                "{o}: {} layer shapes for {} layers",
+                self.layer_shapes.len(),
+                self.layers.len()
+            );
+        }
+        for i in 0..self.n_layers() {
+            let s = self.shape(i);
+            if s.head_dim == 0 || s.head_dim > 1 << 16 || !s.head_dim.is_multiple_of(2) {
+                bail!(
+                    "{o}: layer {i}'s head dim {} is zero, odd or absurd",
+                    s.head_dim
+                );
+            }
+            if s.n_kv_heads == 0 || !self.n_heads.is_multiple_of(s.n_kv_heads) {
+                bail!(
+                    "{o}: layer {i}: {} query heads cannot be grouped over {} KV heads",
+                    self.n_heads,
+                    s.n_kv_heads
+                );
+            }
+            if s.ffn_width == 0 || s.ffn_width > 1 << 24 {
+                bail!(
+                    "{o}: layer {i}'s feed-forward width {} is zero or absurd",
+                    s.ffn_width
+                );
+            }
+            if s.rotated_pairs > s.head_dim / 2 {
+                bail!(
+                    "{o}: layer {i} rotates {} pairs of a {}-dim head",
+                    s.rotated_pairs,
+                    s.head_dim
+                );
+            }
+            if s.kv_layer > i {
+                bail!(
+                    "{o}: layer {i} cannot share the keys of the later layer {}",
+                    s.kv_layer
+                );
+            }
+            let source = self.shape(s.kv_layer);
+            if source.kv_layer != s.kv_layer
+                || (source.head_dim, source.n_kv_heads) != (s.head_dim, s.n_kv_heads)
+                || self.layers[s.kv_layer].window != self.layers[i].window
+            {
+                bail!(
+                    "{o}: layer {i} shares the keys of layer {}, which has another shape or kind",
+                    s.kv_layer
+                );
+            }
+        }
+        if let Some(m) = self.features.moe
+            && (m.experts == 0
+                || m.top_k == 0
+                || m.top_k > m.experts
+                || m.width == 0
+                || m.experts > 1 << 16)
+        {
+            bail!(
+                "{o}: {} experts with {} used per token and width {} is not a valid mixture",
+                m.experts,
+                m.top_k,
+                m.width
+            );
+        }
         for cap in [self.attn_softcap, self.final_softcap]
             .into_iter()
             .flatten()
@@ -136,6 +320,9 @@ impl ModelConfig {
             bail!("{p}: config must be a JSON object");
         }
         let model_type = str_key(root, "model_type", path)?;
+        if matches!(model_type.as_str(), "gemma4" | "gemma4_text") {
+            return super::gemma4::config_from_hf(root, &model_type, path);
+        }
         // Multimodal Gemma 3 checkpoints nest the text model.
         let cfg = if model_type == "gemma3" {
             root.get("text_config")
@@ -151,7 +338,7 @@ impl ModelConfig {
             "gemma2" => Family::Gemma2,
             "gemma3" | "gemma3_text" => Family::Gemma3,
             other => bail!(
-                "{p}: model_type {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3_text)"
+                "{p}: model_type {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3_text, gemma4_text)"
             ),
         };
         let r = Reader { v: cfg, path };
@@ -225,6 +412,8 @@ impl ModelConfig {
             max_context: r.opt_usize("max_position_embeddings")?.unwrap_or(8192),
             bos_id: r.opt_usize("bos_token_id")?.unwrap_or(2) as u32,
             eos_id: first_id(cfg.get("eos_token_id")).unwrap_or(1),
+            layer_shapes: Vec::new(),
+            features: Features::default(),
         };
         config.validate(path)?;
         Ok(config)
@@ -232,7 +421,7 @@ impl ModelConfig {
 }
 
 /// `eos_token_id` may be a number or a list of numbers.
-fn first_id(v: Option<&Value>) -> Option<u32> {
+pub(super) fn first_id(v: Option<&Value>) -> Option<u32> {
     match v? {
         Value::Number(n) => n.as_u64().map(|x| x as u32),
         Value::Array(a) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
@@ -333,7 +522,7 @@ fn layer_kinds(cfg: &Value, family: Family, n_layers: usize, path: &Path) -> Res
         Family::Gemma1 => vec![true; n_layers],
         // Gemma 2 alternates, starting with a sliding layer.
         Family::Gemma2 => (0..n_layers).map(|i| i % 2 == 1).collect(),
-        Family::Gemma3 => {
+        Family::Gemma3 | Family::Gemma4 => {
             let r = Reader { v: cfg, path };
             let pattern = r.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
             (0..n_layers).map(|i| (i + 1) % pattern == 0).collect()
@@ -341,24 +530,24 @@ fn layer_kinds(cfg: &Value, family: Family, n_layers: usize, path: &Path) -> Res
     })
 }
 
-fn str_key(v: &Value, key: &str, path: &Path) -> Result<String> {
+pub(super) fn str_key(v: &Value, key: &str, path: &Path) -> Result<String> {
     (Reader { v, path })
         .opt_str(key)?
         .ok_or_else(|| anyhow::anyhow!("{}: key {key:?} is missing", path.display()))
 }
 
 /// Typed access to JSON keys with errors naming the file and key.
-struct Reader<'a> {
-    v: &'a Value,
-    path: &'a Path,
+pub(super) struct Reader<'a> {
+    pub v: &'a Value,
+    pub path: &'a Path,
 }
 
 impl Reader<'_> {
-    fn opt(&self, key: &str) -> Option<&Value> {
+    pub(super) fn opt(&self, key: &str) -> Option<&Value> {
         self.v.get(key).filter(|v| !v.is_null())
     }
 
-    fn wrong(&self, key: &str, want: &str) -> anyhow::Error {
+    pub(super) fn wrong(&self, key: &str, want: &str) -> anyhow::Error {
         anyhow::anyhow!(
             "{}: key {key:?} should be {want}, found {}",
             self.path.display(),
@@ -366,7 +555,7 @@ impl Reader<'_> {
         )
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.opt(key) {
             None => Ok(None),
             Some(v) => v
@@ -377,12 +566,12 @@ impl Reader<'_> {
         }
     }
 
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(super) fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?
             .ok_or_else(|| anyhow::anyhow!("{}: key {key:?} is missing", self.path.display()))
     }
 
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+    pub(super) fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.opt(key) {
             None => Ok(None),
             Some(v) => v
@@ -392,7 +581,7 @@ impl Reader<'_> {
         }
     }
 
-    fn opt_str(&self, key: &str) -> Result<Option<String>> {
+    pub(super) fn opt_str(&self, key: &str) -> Result<Option<String>> {
         match self.opt(key) {
             None => Ok(None),
             Some(v) => v

@@ -290,9 +290,17 @@ impl GgufFile {
             raw_infos.push((name, shape, dtype, offset));
         }
 
-        let data_start = align_up(cur.pos as u64, alignment)
-            .filter(|&s| s <= map.len() as u64)
-            .ok_or_else(|| fail("file ends before the tensor data section (truncated?)".into()))?;
+        let data_start = match align_up(cur.pos as u64, alignment) {
+            Some(start) if start <= map.len() as u64 => start,
+            // A file without tensors (llama.cpp's vocabulary-only GGUFs) may
+            // end right after the metadata, without padding to a data section.
+            Some(_) if raw_infos.is_empty() => map.len() as u64,
+            _ => {
+                return Err(fail(
+                    "file ends before the tensor data section (truncated?)".into(),
+                ));
+            }
+        };
         let data_len = map.len() as u64 - data_start;
 
         let mut tensors = Vec::with_capacity(raw_infos.len());

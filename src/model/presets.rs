@@ -4,13 +4,24 @@
 use super::config::{Family, LayerAttention, ModelConfig};
 
 /// Shape names `--shape` accepts.
-pub const SHAPES: [&str; 2] = ["gemma-2b", "gemma3-270m"];
+pub const SHAPES: [&str; 6] = [
+    "gemma-2b",
+    "gemma3-270m",
+    "gemma4-e2b",
+    "gemma4-e4b",
+    "gemma4-26b-a4b",
+    "gemma4-31b",
+];
 
 /// The shape called `name`, if known.
 pub fn shape(name: &str) -> Option<ModelConfig> {
     match name {
         "gemma-2b" => Some(gemma_2b()),
         "gemma3-270m" => Some(gemma3_270m()),
+        "gemma4-e2b" => Some(super::gemma4::E2B.config()),
+        "gemma4-e4b" => Some(super::gemma4::E4B.config()),
+        "gemma4-26b-a4b" => Some(super::gemma4::MOE_26B_A4B.config()),
+        "gemma4-31b" => Some(super::gemma4::DENSE_31B.config()),
         _ => None,
     }
 }
@@ -41,6 +52,8 @@ pub fn gemma_2b() -> ModelConfig {
         max_context: 8192,
         bos_id: 2,
         eos_id: 1,
+        layer_shapes: Vec::new(),
+        features: Default::default(),
     }
 }
 
@@ -79,5 +92,7 @@ pub fn gemma3_270m() -> ModelConfig {
         max_context: 32_768,
         bos_id: 2,
         eos_id: 1,
+        layer_shapes: Vec::new(),
+        features: Default::default(),
     }
 }

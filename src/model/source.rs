@@ -10,14 +10,29 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// What a tensor is for, independent of how a format names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     Embedding,
     FinalNorm,
     Layer(usize, LayerRole),
+    /// Gemma 4's per-layer inputs: the token table `[vocab, layers x P]`,
+    /// the projection of the embedding `[layers x P, hidden]` and its norm.
+    PerLayerEmbedding,
+    PerLayerModelProjection,
+    PerLayerProjectionNorm,
+    /// One expert's matrix of a layer's mixture: a view into the layer's
+    /// expert tensor (fused gate-up or split).
+    Expert(usize, usize, ExpertRole),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertRole {
+    Gate,
+    Up,
+    Down,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerRole {
     AttnNorm,
     AttnPostNorm,
@@ -32,6 +47,29 @@ pub enum LayerRole {
     Gate,
     Up,
     Down,
+    /// Gemma 4: the per-layer input's gate `[P, hidden]`, projection
+    /// `[hidden, P]` and post-norm.
+    PleGate,
+    PleProjection,
+    PlePostNorm,
+    /// Gemma 4: the scalar the residual stream is multiplied by at the end.
+    OutputScale,
+    /// Gemma 4's mixture: router `[experts, hidden]`, its input scale
+    /// `[hidden]` and per-expert scale `[experts]`; the experts' input norm
+    /// and the post-norms of the dense and the experts' outputs.
+    RouterProj,
+    RouterScale,
+    ExpertScale,
+    MoeNorm,
+    DensePostNorm,
+    MoePostNorm,
+    /// The layer's expert tensors: `[experts, 2 x width, hidden]` fused
+    /// (gate rows first), or gate and up `[experts, width, hidden]` apart;
+    /// down `[experts, hidden, width]`.
+    ExpertsGateUp,
+    ExpertsGate,
+    ExpertsUp,
+    ExpertsDown,
 }
 
 enum Files {
@@ -43,6 +81,9 @@ enum Files {
         /// The file that lists the tensors (model.safetensors or the shard
         /// index), named when a tensor is missing.
         listing: PathBuf,
+        /// What tensor names start with: `model.`, or for the text part of
+        /// an image-text checkpoint `model.language_model.`.
+        prefix: &'static str,
     },
 }
 
@@ -166,6 +207,22 @@ impl ModelSource {
                 dir.display()
             );
         }
+        let prefix = if index.contains_key("model.language_model.embed_tokens.weight") {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        let towers: Vec<&str> = ["vision_tower", "audio_tower"]
+            .into_iter()
+            .filter(|t| index.keys().any(|k| k.starts_with(&format!("model.{t}."))))
+            .collect();
+        if !towers.is_empty() {
+            eprintln!(
+                "{}: running the text model; skipped the {}",
+                dir.display(),
+                towers.join(" and ").replace('_', " ")
+            );
+        }
         Ok(ModelSource {
             path: dir.to_path_buf(),
             config,
@@ -173,6 +230,7 @@ impl ModelSource {
                 shards,
                 index,
                 listing,
+                prefix,
             },
         })
     }
@@ -189,8 +247,88 @@ impl ModelSource {
     pub fn tensor_name(&self, role: Role) -> String {
         match &self.files {
             Files::Gguf(_) => gguf_name(role),
-            Files::Hf { .. } => hf_name(role, self.config.family),
+            Files::Hf { prefix, .. } => hf_name(role, self.config.family, prefix),
         }
+    }
+
+    /// Expert `e`'s matrix of layer `layer`: a view into the layer's fused
+    /// gate-up tensor (gate rows first) or its split gate, up or down
+    /// tensor, whichever the file has. Rows of every stored type are whole
+    /// blocks, so an expert's rows are one contiguous run of bytes.
+    pub fn expert_tensor(
+        &self,
+        layer: usize,
+        e: usize,
+        which: ExpertRole,
+    ) -> Result<TensorView<'_>> {
+        self.expert_view(layer, e, which, true)
+    }
+
+    /// Any matrix's view by its role, shape checked, blocks not scanned
+    /// (see [`ModelSource::tensor_unscanned`]).
+    pub fn matrix_unscanned(&self, role: Role, shape: &[usize]) -> Result<TensorView<'_>> {
+        match role {
+            Role::Expert(layer, e, which) => self.expert_view(layer, e, which, false),
+            _ => self.tensor_unscanned(role, shape),
+        }
+    }
+
+    fn expert_view(
+        &self,
+        layer: usize,
+        e: usize,
+        which: ExpertRole,
+        scan: bool,
+    ) -> Result<TensorView<'_>> {
+        let Some(moe) = &self.config.features.moe else {
+            bail!("{}: the model has no experts", self.path.display());
+        };
+        let n = moe.experts;
+        let (role, rows_per_expert, first_row, shape) = match which {
+            ExpertRole::Down => (
+                LayerRole::ExpertsDown,
+                moe.down_shape[0],
+                0,
+                &moe.down_shape,
+            ),
+            ExpertRole::Gate | ExpertRole::Up
+                if self.has(Role::Layer(layer, LayerRole::ExpertsGateUp)) =>
+            {
+                let up = usize::from(which == ExpertRole::Up);
+                (
+                    LayerRole::ExpertsGateUp,
+                    2 * moe.width,
+                    up * moe.width,
+                    &moe.gate_shape,
+                )
+            }
+            ExpertRole::Gate => (LayerRole::ExpertsGate, moe.width, 0, &moe.gate_shape),
+            ExpertRole::Up => (LayerRole::ExpertsUp, moe.width, 0, &moe.gate_shape),
+        };
+        let whole_shape = [n, rows_per_expert, shape[1]];
+        let (t, file) = self.locate(Role::Layer(layer, role), &whole_shape)?;
+        let row_bytes = t.bytes.len() / (n * rows_per_expert);
+        let start = (e * rows_per_expert + first_row) * row_bytes;
+        let view = TensorView {
+            dtype: t.dtype,
+            shape: &shape[..],
+            bytes: &t.bytes[start..start + shape[0] * row_bytes],
+        };
+        // Only this expert's blocks: the whole tensor is read once, expert
+        // by expert.
+        if !scan {
+            return Ok(view);
+        }
+        if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes, shape[1]) {
+            bail!(
+                "{}: tensor {:?} is damaged: expert {e}'s {} block {block} has the scale {scale}; \
+                 fetch or convert the file again",
+                file.display(),
+                self.tensor_name(Role::Layer(layer, role)),
+                view.dtype
+            );
+        }
+        Ok(view)
     }
 
     /// The tensor playing `role`, with its shape checked against `expect`
@@ -230,6 +368,7 @@ impl ModelSource {
                 shards,
                 index,
                 listing,
+                ..
             } => match index.get(&name) {
                 Some(&i) => (shards[i].tensor(&name), shards[i].path()),
                 None => (None, listing.as_path()),
@@ -276,6 +415,12 @@ pub fn gguf_name(role: Role) -> String {
     match role {
         Role::Embedding => "token_embd.weight".into(),
         Role::FinalNorm => "output_norm.weight".into(),
+        Role::PerLayerEmbedding => "per_layer_token_embd.weight".into(),
+        Role::PerLayerModelProjection => "per_layer_model_proj.weight".into(),
+        Role::PerLayerProjectionNorm => "per_layer_proj_norm.weight".into(),
+        Role::Expert(i, _, r) => gguf_name(Role::Layer(i, expert_tensor_role(r))),
+        Role::Layer(i, LayerRole::RouterScale) => format!("blk.{i}.ffn_gate_inp.scale"),
+        Role::Layer(i, LayerRole::ExpertScale) => format!("blk.{i}.ffn_down_exps.scale"),
         Role::Layer(i, r) => {
             let suffix = match r {
                 LayerRole::AttnNorm => "attn_norm",
@@ -291,17 +436,57 @@ pub fn gguf_name(role: Role) -> String {
                 LayerRole::Gate => "ffn_gate",
                 LayerRole::Up => "ffn_up",
                 LayerRole::Down => "ffn_down",
+                LayerRole::PleGate => "inp_gate",
+                LayerRole::PleProjection => "proj",
+                LayerRole::PlePostNorm => "post_norm",
+                LayerRole::OutputScale => "layer_output_scale",
+                LayerRole::RouterProj => "ffn_gate_inp",
+                LayerRole::MoeNorm => "pre_ffw_norm_2",
+                LayerRole::DensePostNorm => "post_ffw_norm_1",
+                LayerRole::MoePostNorm => "post_ffw_norm_2",
+                LayerRole::ExpertsGateUp => "ffn_gate_up_exps",
+                LayerRole::ExpertsGate => "ffn_gate_exps",
+                LayerRole::ExpertsUp => "ffn_up_exps",
+                LayerRole::ExpertsDown => "ffn_down_exps",
+                LayerRole::RouterScale | LayerRole::ExpertScale => unreachable!("named above"),
             };
             format!("blk.{i}.{suffix}.weight")
         }
     }
 }
 
-fn hf_name(role: Role, family: Family) -> String {
+/// The tensor file role an expert's matrix is a view into.
+fn expert_tensor_role(r: ExpertRole) -> LayerRole {
+    match r {
+        ExpertRole::Gate => LayerRole::ExpertsGate,
+        ExpertRole::Up => LayerRole::ExpertsUp,
+        ExpertRole::Down => LayerRole::ExpertsDown,
+    }
+}
+
+fn hf_name(role: Role, family: Family, prefix: &str) -> String {
     match role {
-        Role::Embedding => "model.embed_tokens.weight".into(),
-        Role::FinalNorm => "model.norm.weight".into(),
+        Role::Embedding => format!("{prefix}embed_tokens.weight"),
+        Role::FinalNorm => format!("{prefix}norm.weight"),
+        Role::PerLayerEmbedding => format!("{prefix}embed_tokens_per_layer.weight"),
+        Role::PerLayerModelProjection => format!("{prefix}per_layer_model_projection.weight"),
+        Role::PerLayerProjectionNorm => format!("{prefix}per_layer_projection_norm.weight"),
+        Role::Expert(i, _, r) => hf_name(Role::Layer(i, expert_tensor_role(r)), family, prefix),
         Role::Layer(i, r) => {
+            // Parameters stored without a ".weight" suffix.
+            let bare = match r {
+                LayerRole::OutputScale => Some("layer_scalar"),
+                LayerRole::RouterScale => Some("router.scale"),
+                LayerRole::ExpertScale => Some("router.per_expert_scale"),
+                LayerRole::ExpertsGateUp => Some("experts.gate_up_proj"),
+                LayerRole::ExpertsGate => Some("experts.gate_proj"),
+                LayerRole::ExpertsUp => Some("experts.up_proj"),
+                LayerRole::ExpertsDown => Some("experts.down_proj"),
+                _ => None,
+            };
+            if let Some(name) = bare {
+                return format!("{prefix}layers.{i}.{name}");
+            }
             let suffix = match (r, family) {
                 (LayerRole::AttnNorm, _) => "input_layernorm",
                 // Gemma 1 calls its pre-FFN norm "post_attention_layernorm".
@@ -318,8 +503,16 @@ fn hf_name(role: Role, family: Family) -> String {
                 (LayerRole::Gate, _) => "mlp.gate_proj",
                 (LayerRole::Up, _) => "mlp.up_proj",
                 (LayerRole::Down, _) => "mlp.down_proj",
+                (LayerRole::PleGate, _) => "per_layer_input_gate",
+                (LayerRole::PleProjection, _) => "per_layer_projection",
+                (LayerRole::PlePostNorm, _) => "post_per_layer_input_norm",
+                (LayerRole::RouterProj, _) => "router.proj",
+                (LayerRole::MoeNorm, _) => "pre_feedforward_layernorm_2",
+                (LayerRole::DensePostNorm, _) => "post_feedforward_layernorm_1",
+                (LayerRole::MoePostNorm, _) => "post_feedforward_layernorm_2",
+                (_, _) => unreachable!("bare parameters are named above"),
             };
-            format!("model.layers.{i}.{suffix}.weight")
+            format!("{prefix}layers.{i}.{suffix}.weight")
         }
     }
 }
@@ -336,8 +529,9 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         "gemma" => Family::Gemma1,
         "gemma2" => Family::Gemma2,
         "gemma3" => Family::Gemma3,
+        "gemma4" => return super::gemma4::config_from_gguf(g),
         other => bail!(
-            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3)"
+            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3, gemma4)"
         ),
     };
     let key = |k: &str| format!("{arch}.{k}");
@@ -388,7 +582,7 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
                 (Some(flags), _) => flags[i] != 0.0,
                 (None, Family::Gemma1) => true,
                 (None, Family::Gemma2) => i % 2 == 1,
-                (None, Family::Gemma3) => (i + 1) % 6 == 0,
+                (None, Family::Gemma3 | Family::Gemma4) => (i + 1) % 6 == 0,
             };
             match window {
                 Some(w) if !global => LayerAttention {
@@ -431,6 +625,8 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         max_context: g.get_usize(&key("context_length"))?.unwrap_or(8192),
         bos_id: g.get_usize("tokenizer.ggml.bos_token_id")?.unwrap_or(2) as u32,
         eos_id: g.get_usize("tokenizer.ggml.eos_token_id")?.unwrap_or(1) as u32,
+        layer_shapes: Vec::new(),
+        features: super::config::Features::default(),
     };
     config.validate(g.path())?;
     Ok(config)

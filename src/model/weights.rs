@@ -5,7 +5,7 @@
 use super::config::ModelConfig;
 use super::dequant;
 use super::dtype::TensorView;
-use super::source::{LayerRole, ModelSource, Role};
+use super::source::{ExpertRole, LayerRole, ModelSource, Role};
 use anyhow::Result;
 
 /// The seven matrices of a layer, in the order the forward pass uses them,
@@ -21,23 +21,142 @@ pub const LAYER_MATRICES: [(LayerRole, &str); 7] = [
     (LayerRole::Down, "ffn_down"),
 ];
 
-/// `[rows, cols]` of a layer matrix.
-pub fn layer_matrix_shape(role: LayerRole, c: &ModelConfig) -> [usize; 2] {
-    let q_rows = c.n_heads * c.head_dim;
-    let kv_rows = c.n_kv_heads * c.head_dim;
+/// `[rows, cols]` of layer `layer`'s matrix of a role of [`LAYER_MATRICES`].
+pub fn layer_matrix_shape(role: LayerRole, c: &ModelConfig, layer: usize) -> [usize; 2] {
+    let s = c.shape(layer);
+    let q_rows = c.n_heads * s.head_dim;
+    let kv_rows = s.n_kv_heads * s.head_dim;
     match role {
         LayerRole::Q => [q_rows, c.hidden],
         LayerRole::K | LayerRole::V => [kv_rows, c.hidden],
         LayerRole::O => [c.hidden, q_rows],
-        LayerRole::Gate | LayerRole::Up => [c.intermediate, c.hidden],
-        LayerRole::Down => [c.hidden, c.intermediate],
+        LayerRole::Gate | LayerRole::Up => [s.ffn_width, c.hidden],
+        LayerRole::Down => [c.hidden, s.ffn_width],
+        LayerRole::PleGate => [c.features.per_layer_input, c.hidden],
+        LayerRole::PleProjection => [c.hidden, c.features.per_layer_input],
         other => panic!("{other:?} is not a layer matrix"),
+    }
+}
+
+/// Whether layer `layer` has a matrix of `role` (of [`LAYER_MATRICES`]):
+/// a layer that shares another's keys has no K or V, and a layer whose
+/// values are its keys has no V.
+pub fn has_layer_matrix(role: LayerRole, c: &ModelConfig, layer: usize) -> bool {
+    let s = c.shape(layer);
+    match role {
+        LayerRole::K => c.keeps_kv(layer),
+        LayerRole::V => c.keeps_kv(layer) && !s.values_from_keys,
+        _ => true,
+    }
+}
+
+/// `[rows, cols]` of any matrix an engine multiplies by.
+pub fn matrix_shape(role: Role, c: &ModelConfig) -> [usize; 2] {
+    let layers_p = c.n_layers() * c.features.per_layer_input;
+    match role {
+        Role::Embedding => [c.vocab_size, c.hidden],
+        Role::PerLayerEmbedding => [c.vocab_size, layers_p],
+        Role::PerLayerModelProjection => [layers_p, c.hidden],
+        Role::Layer(i, r) => layer_matrix_shape(r, c, i),
+        Role::Expert(_, _, r) => {
+            let m = c.features.moe.expect("experts in a model with a mixture");
+            match r {
+                ExpertRole::Gate | ExpertRole::Up => m.gate_shape,
+                ExpertRole::Down => m.down_shape,
+            }
+        }
+        other => panic!("{other:?} is not a matrix"),
+    }
+}
+
+/// Every matrix a model of this config has, with its shape, in the order
+/// [`ModelWeights::matrices`] gives them.
+pub fn model_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
+    let mut roles = vec![Role::Embedding];
+    if c.features.per_layer_input > 0 {
+        // The per-layer token table is a row table (`RowTable`), not here.
+        roles.push(Role::PerLayerModelProjection);
+    }
+    for i in 0..c.n_layers() {
+        roles.extend(
+            LAYER_MATRICES
+                .iter()
+                .filter(|&&(r, _)| has_layer_matrix(r, c, i))
+                .map(|&(r, _)| Role::Layer(i, r)),
+        );
+        if c.features.per_layer_input > 0 {
+            roles.extend([
+                Role::Layer(i, LayerRole::PleGate),
+                Role::Layer(i, LayerRole::PleProjection),
+            ]);
+        }
+        if let Some(moe) = c.features.moe {
+            for e in 0..moe.experts {
+                roles.extend(
+                    [ExpertRole::Gate, ExpertRole::Up, ExpertRole::Down]
+                        .map(|r| Role::Expert(i, e, r)),
+                );
+            }
+        }
+    }
+    roles.into_iter().map(|r| (r, matrix_shape(r, c))).collect()
+}
+
+/// The name the plan and reports give a matrix (llama.cpp's tensor name
+/// without the layer).
+pub fn matrix_name(role: Role) -> &'static str {
+    match role {
+        Role::Embedding => "output(lm_head)",
+        Role::PerLayerEmbedding => "per_layer_token_embd",
+        Role::PerLayerModelProjection => "per_layer_model_proj",
+        Role::Layer(_, LayerRole::PleGate) => "inp_gate",
+        Role::Layer(_, LayerRole::PleProjection) => "proj",
+        Role::Layer(_, r) => LAYER_MATRICES
+            .iter()
+            .find(|&&(m, _)| m == r)
+            .map_or("?", |&(_, name)| name),
+        Role::Expert(_, _, ExpertRole::Gate) => "ffn_gate_exps",
+        Role::Expert(_, _, ExpertRole::Up) => "ffn_up_exps",
+        Role::Expert(_, _, ExpertRole::Down) => "ffn_down_exps",
+        Role::FinalNorm | Role::PerLayerProjectionNorm => "?",
     }
 }
 
 /// RMSNorm weights are kept as the final multiplier (the `1 + w` of HF
 /// checkpoints already added).
 pub type NormWeights = Vec<f32>;
+
+/// A gated feed-forward: `down(gelu(gate(x)) * up(x))`. A layer's dense
+/// MLP and each expert of a mixture.
+pub struct Mlp<M> {
+    pub gate: M,
+    pub up: M,
+    pub down: M,
+}
+
+/// Gemma 4's per-layer input path of one layer: `post_norm(projection(
+/// gelu(gate(x)) * per_layer_input))` added to the residual.
+pub struct PerLayerInputWeights<M> {
+    pub gate: M,
+    pub projection: M,
+    pub post_norm: NormWeights,
+}
+
+/// A layer's mixture of experts (Gemma 4 26B-A4B), beside its dense MLP.
+pub struct MoeWeights<M> {
+    /// `[experts, hidden]`, small: kept in f32 and multiplied in Rust.
+    pub router: F32Matrix,
+    /// Multiplies the router's normalised input, with `hidden^-1/2` folded in.
+    pub router_input_scale: Vec<f32>,
+    /// Multiplies each chosen expert's weight.
+    pub expert_scale: Vec<f32>,
+    /// The experts' input norm.
+    pub norm: NormWeights,
+    /// The post-norms of the dense MLP's and the experts' outputs.
+    pub dense_post_norm: NormWeights,
+    pub experts_post_norm: NormWeights,
+    pub experts: Vec<Mlp<M>>,
+}
 
 pub struct LayerWeights<M> {
     pub attn_norm: NormWeights,
@@ -47,47 +166,171 @@ pub struct LayerWeights<M> {
     pub q_norm: Option<NormWeights>,
     pub k_norm: Option<NormWeights>,
     pub q: M,
-    pub k: M,
-    pub v: M,
+    /// `None` in a layer that shares an earlier layer's keys and values.
+    pub k: Option<M>,
+    /// `None` where K is absent or the values are the keys.
+    pub v: Option<M>,
     pub o: M,
     pub gate: M,
     pub up: M,
     pub down: M,
+    pub per_layer_input: Option<PerLayerInputWeights<M>>,
+    pub moe: Option<MoeWeights<M>>,
+    /// The residual stream's scale at the end of the layer (1 where the
+    /// family has none).
+    pub output_scale: f32,
 }
 
 impl<M> LayerWeights<M> {
-    /// The matrix of a role of [`LAYER_MATRICES`].
-    pub fn matrix(&self, role: LayerRole) -> &M {
+    /// The matrix of a role of [`LAYER_MATRICES`], if the layer has it.
+    pub fn matrix(&self, role: LayerRole) -> Option<&M> {
         match role {
-            LayerRole::Q => &self.q,
-            LayerRole::K => &self.k,
-            LayerRole::V => &self.v,
-            LayerRole::O => &self.o,
-            LayerRole::Gate => &self.gate,
-            LayerRole::Up => &self.up,
-            LayerRole::Down => &self.down,
+            LayerRole::Q => Some(&self.q),
+            LayerRole::K => self.k.as_ref(),
+            LayerRole::V => self.v.as_ref(),
+            LayerRole::O => Some(&self.o),
+            LayerRole::Gate => Some(&self.gate),
+            LayerRole::Up => Some(&self.up),
+            LayerRole::Down => Some(&self.down),
             other => panic!("{other:?} is not a layer matrix"),
         }
     }
 
-    /// The seven matrices in the order of [`LAYER_MATRICES`].
-    pub fn matrices(&self) -> impl Iterator<Item = &M> {
-        LAYER_MATRICES.iter().map(|&(role, _)| self.matrix(role))
+    /// Every matrix of layer `i` with its role: those of
+    /// [`LAYER_MATRICES`] it has, then the per-layer input's, then each
+    /// expert's.
+    pub fn matrices(&self, i: usize) -> Vec<(Role, &M)> {
+        let mut out: Vec<(Role, &M)> = LAYER_MATRICES
+            .iter()
+            .filter_map(|&(r, _)| self.matrix(r).map(|m| (Role::Layer(i, r), m)))
+            .collect();
+        if let Some(p) = &self.per_layer_input {
+            out.push((Role::Layer(i, LayerRole::PleGate), &p.gate));
+            out.push((Role::Layer(i, LayerRole::PleProjection), &p.projection));
+        }
+        if let Some(moe) = &self.moe {
+            for (e, x) in moe.experts.iter().enumerate() {
+                out.push((Role::Expert(i, e, ExpertRole::Gate), &x.gate));
+                out.push((Role::Expert(i, e, ExpertRole::Up), &x.up));
+                out.push((Role::Expert(i, e, ExpertRole::Down), &x.down));
+            }
+        }
+        out
     }
 
-    /// The seven matrices, mutable, in the order of [`LAYER_MATRICES`].
-    pub fn matrices_mut(&mut self) -> [&mut M; 7] {
-        // The order of LAYER_MATRICES, checked by a test below.
-        [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-        ]
+    /// [`LayerWeights::matrices`], mutable, in the same order.
+    pub fn matrices_mut(&mut self, i: usize) -> Vec<(Role, &mut M)> {
+        let mut out: Vec<(Role, &mut M)> = vec![(Role::Layer(i, LayerRole::Q), &mut self.q)];
+        if let Some(k) = &mut self.k {
+            out.push((Role::Layer(i, LayerRole::K), k));
+        }
+        if let Some(v) = &mut self.v {
+            out.push((Role::Layer(i, LayerRole::V), v));
+        }
+        out.push((Role::Layer(i, LayerRole::O), &mut self.o));
+        out.push((Role::Layer(i, LayerRole::Gate), &mut self.gate));
+        out.push((Role::Layer(i, LayerRole::Up), &mut self.up));
+        out.push((Role::Layer(i, LayerRole::Down), &mut self.down));
+        if let Some(p) = &mut self.per_layer_input {
+            out.push((Role::Layer(i, LayerRole::PleGate), &mut p.gate));
+            out.push((Role::Layer(i, LayerRole::PleProjection), &mut p.projection));
+        }
+        if let Some(moe) = &mut self.moe {
+            for (e, x) in moe.experts.iter_mut().enumerate() {
+                out.push((Role::Expert(i, e, ExpertRole::Gate), &mut x.gate));
+                out.push((Role::Expert(i, e, ExpertRole::Up), &mut x.up));
+                out.push((Role::Expert(i, e, ExpertRole::Down), &mut x.down));
+            }
+        }
+        out
     }
+}
+
+/// A table read one row at a time (Gemma 4's per-layer token table: 2.3
+/// billion values in E2B, of which a token reads 8,960), kept in the
+/// file's own type: owned bytes, or in place inside the mapped file.
+pub struct RowTable {
+    dtype: super::dtype::DType,
+    shape: [usize; 2],
+    storage: RowStorage,
+}
+
+enum RowStorage {
+    Owned(Vec<u8>),
+    /// Bytes inside a mapped model file.
+    Mapped {
+        /// Held only to keep the mapping alive.
+        _owner: std::sync::Arc<dyn Send + Sync>,
+        ptr: *const u8,
+        len: usize,
+    },
+}
+
+// SAFETY: `Mapped` points into memory kept alive by the Arc beside it
+// (itself Send + Sync), a read-only file mapping never written.
+unsafe impl Send for RowStorage {}
+unsafe impl Sync for RowStorage {}
+
+impl RowTable {
+    /// A copy of the tensor's bytes.
+    pub fn owned(t: &TensorView<'_>) -> RowTable {
+        let (rows, cols) = t.matrix_dims();
+        RowTable {
+            dtype: t.dtype,
+            shape: [rows, cols],
+            storage: RowStorage::Owned(t.bytes.to_vec()),
+        }
+    }
+
+    /// The tensor in place. `owner` must own the memory `t` points into.
+    pub fn mapped(owner: std::sync::Arc<dyn Send + Sync>, t: &TensorView<'_>) -> RowTable {
+        let (rows, cols) = t.matrix_dims();
+        RowTable {
+            dtype: t.dtype,
+            shape: [rows, cols],
+            storage: RowStorage::Mapped {
+                _owner: owner,
+                ptr: t.bytes.as_ptr(),
+                len: t.bytes.len(),
+            },
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.shape[0]
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            RowStorage::Owned(bytes) => bytes,
+            // SAFETY: `ptr..ptr+len` is the tensor's bytes inside the
+            // mapping `_owner` keeps alive for as long as `self`.
+            RowStorage::Mapped { ptr, len, .. } => unsafe {
+                std::slice::from_raw_parts(*ptr, *len)
+            },
+        }
+    }
+
+    /// Row `r` as f32, into `out` (one row long).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let view = TensorView {
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: self.bytes(),
+        };
+        dequant::row_into(&view, r, out);
+    }
+}
+
+/// Gemma 4's per-layer inputs: the token table and the embedding's
+/// projection, shared by all layers.
+pub struct PerLayerInputTable<M> {
+    /// `[vocab, layers x P]`: one row per token, read a row at a time.
+    pub embedding: RowTable,
+    /// `[layers x P, hidden]`.
+    pub model_projection: M,
+    /// `[P]`, applied to each layer's part of the projection.
+    pub projection_norm: NormWeights,
 }
 
 pub struct ModelWeights<M> {
@@ -95,19 +338,57 @@ pub struct ModelWeights<M> {
     pub embedding: M,
     pub final_norm: NormWeights,
     pub layers: Vec<LayerWeights<M>>,
+    pub per_layer_input: Option<PerLayerInputTable<M>>,
 }
 
 impl<M> ModelWeights<M> {
+    /// Every matrix with its role: the embedding, the per-layer input
+    /// projection, then each layer's ([`LayerWeights::matrices`]).
+    pub fn matrices(&self) -> Vec<(Role, &M)> {
+        let mut out = vec![(Role::Embedding, &self.embedding)];
+        if let Some(p) = &self.per_layer_input {
+            out.push((Role::PerLayerModelProjection, &p.model_projection));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            out.extend(l.matrices(i));
+        }
+        out
+    }
+
+    /// [`ModelWeights::matrices`], mutable, in the same order.
+    pub fn matrices_mut(&mut self) -> Vec<(Role, &mut M)> {
+        let mut out = vec![(Role::Embedding, &mut self.embedding)];
+        if let Some(p) = &mut self.per_layer_input {
+            out.push((Role::PerLayerModelProjection, &mut p.model_projection));
+        }
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            out.extend(l.matrices_mut(i));
+        }
+        out
+    }
+
     /// Collects every tensor the config calls for; `matrix` converts each
     /// weight matrix (given its role and view) into the engine's layout.
+    /// A table read by rows is copied in the file's type.
     pub fn load(
         src: &ModelSource,
+        matrix: impl FnMut(Role, TensorView<'_>) -> Result<M>,
+    ) -> Result<Self> {
+        Self::load_with(src, matrix, |t| Ok(RowTable::owned(&t)))
+    }
+
+    /// [`ModelWeights::load`] with the row table made by `table`.
+    pub fn load_with(
+        src: &ModelSource,
         mut matrix: impl FnMut(Role, TensorView<'_>) -> Result<M>,
+        table: impl FnOnce(TensorView<'_>) -> Result<RowTable>,
     ) -> Result<Self> {
         let c = &src.config;
+        let vector = |role: Role, len: usize| -> Result<Vec<f32>> {
+            Ok(dequant::to_f32(&src.tensor(role, &[len])?))
+        };
         let norm = |role: Role, len: usize| -> Result<NormWeights> {
-            let t = src.tensor(role, &[len])?;
-            Ok(dequant::to_f32(&t)
+            Ok(vector(role, len)?
                 .into_iter()
                 .map(|w| w + c.norm_weight_offset)
                 .collect())
@@ -122,17 +403,89 @@ impl<M> ModelWeights<M> {
         let mut layers = Vec::with_capacity(c.n_layers());
         for i in 0..c.n_layers() {
             let l = |r: LayerRole| Role::Layer(i, r);
+            let hd = c.shape(i).head_dim;
             let mut mat = |r: LayerRole| -> Result<M> {
-                matrix(l(r), src.tensor(l(r), &layer_matrix_shape(r, c))?)
+                matrix(l(r), src.tensor(l(r), &layer_matrix_shape(r, c, i))?)
+            };
+            let q = mat(LayerRole::Q)?;
+            let k = if has_layer_matrix(LayerRole::K, c, i) {
+                Some(mat(LayerRole::K)?)
+            } else {
+                None
+            };
+            let v = if has_layer_matrix(LayerRole::V, c, i) {
+                Some(mat(LayerRole::V)?)
+            } else {
+                None
+            };
+            let (o, gate, up, down) = (
+                mat(LayerRole::O)?,
+                mat(LayerRole::Gate)?,
+                mat(LayerRole::Up)?,
+                mat(LayerRole::Down)?,
+            );
+            let per_layer_input = if c.features.per_layer_input > 0 {
+                Some(PerLayerInputWeights {
+                    gate: mat(LayerRole::PleGate)?,
+                    projection: mat(LayerRole::PleProjection)?,
+                    post_norm: norm(l(LayerRole::PlePostNorm), c.hidden)?,
+                })
+            } else {
+                None
+            };
+            let moe = match c.features.moe {
+                Some(shape) => {
+                    let mut experts = Vec::with_capacity(shape.experts);
+                    for e in 0..shape.experts {
+                        let mut expert = |r: ExpertRole| -> Result<M> {
+                            matrix(Role::Expert(i, e, r), src.expert_tensor(i, e, r)?)
+                        };
+                        experts.push(Mlp {
+                            gate: expert(ExpertRole::Gate)?,
+                            up: expert(ExpertRole::Up)?,
+                            down: expert(ExpertRole::Down)?,
+                        });
+                    }
+                    let router_view =
+                        src.tensor(l(LayerRole::RouterProj), &[shape.experts, c.hidden])?;
+                    // The router reads rms(x) * scale * hidden^-1/2.
+                    let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
+                    Some(MoeWeights {
+                        router: F32Matrix::from_view(&router_view),
+                        router_input_scale: vector(l(LayerRole::RouterScale), c.hidden)?
+                            .into_iter()
+                            .map(|s| s * inv_sqrt_hidden)
+                            .collect(),
+                        expert_scale: vector(l(LayerRole::ExpertScale), shape.experts)?,
+                        norm: norm(l(LayerRole::MoeNorm), c.hidden)?,
+                        dense_post_norm: norm(l(LayerRole::DensePostNorm), c.hidden)?,
+                        experts_post_norm: norm(l(LayerRole::MoePostNorm), c.hidden)?,
+                        experts,
+                    })
+                }
+                None => None,
+            };
+            let output_scale = if c.features.layer_scalar {
+                let s = vector(l(LayerRole::OutputScale), 1)?[0];
+                if !s.is_finite() {
+                    anyhow::bail!(
+                        "{}: tensor {:?} holds {s}; the file is damaged",
+                        src.path.display(),
+                        src.tensor_name(l(LayerRole::OutputScale))
+                    );
+                }
+                s
+            } else {
+                1.0
             };
             layers.push(LayerWeights {
-                q: mat(LayerRole::Q)?,
-                k: mat(LayerRole::K)?,
-                v: mat(LayerRole::V)?,
-                o: mat(LayerRole::O)?,
-                gate: mat(LayerRole::Gate)?,
-                up: mat(LayerRole::Up)?,
-                down: mat(LayerRole::Down)?,
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
                 attn_norm: norm(l(LayerRole::AttnNorm), c.hidden)?,
                 ffn_norm: norm(l(LayerRole::FfnNorm), c.hidden)?,
                 attn_post_norm: optional_norm(
@@ -145,10 +498,27 @@ impl<M> ModelWeights<M> {
                     c.hidden,
                     c.has_post_norms(),
                 )?,
-                q_norm: optional_norm(l(LayerRole::QNorm), c.head_dim, c.has_qk_norm())?,
-                k_norm: optional_norm(l(LayerRole::KNorm), c.head_dim, c.has_qk_norm())?,
+                q_norm: optional_norm(l(LayerRole::QNorm), hd, c.has_qk_norm())?,
+                k_norm: optional_norm(l(LayerRole::KNorm), hd, c.has_qk_norm() && c.keeps_kv(i))?,
+                per_layer_input,
+                moe,
+                output_scale,
             });
         }
+        let per_layer_input = if c.features.per_layer_input > 0 {
+            let rows = Role::PerLayerEmbedding;
+            let projection = Role::PerLayerModelProjection;
+            Some(PerLayerInputTable {
+                embedding: table(src.tensor(rows, &matrix_shape(rows, c))?)?,
+                model_projection: matrix(
+                    projection,
+                    src.tensor(projection, &matrix_shape(projection, c))?,
+                )?,
+                projection_norm: norm(Role::PerLayerProjectionNorm, c.features.per_layer_input)?,
+            })
+        } else {
+            None
+        };
         Ok(ModelWeights {
             embedding: matrix(
                 Role::Embedding,
@@ -156,6 +526,7 @@ impl<M> ModelWeights<M> {
             )?,
             final_norm: norm(Role::FinalNorm, c.hidden)?,
             layers,
+            per_layer_input,
         })
     }
 }
@@ -179,33 +550,5 @@ impl F32Matrix {
 
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mutable_matrices_come_in_the_table_order() {
-        let mut layer = LayerWeights {
-            attn_norm: Vec::new(),
-            attn_post_norm: None,
-            ffn_norm: Vec::new(),
-            ffn_post_norm: None,
-            q_norm: None,
-            k_norm: None,
-            q: 0,
-            k: 1,
-            v: 2,
-            o: 3,
-            gate: 4,
-            up: 5,
-            down: 6,
-        };
-        let shared: Vec<i32> = layer.matrices().copied().collect();
-        let mutable: Vec<i32> = layer.matrices_mut().into_iter().map(|m| *m).collect();
-        assert_eq!(shared, mutable);
-        assert_eq!(shared, (0..7).collect::<Vec<_>>());
     }
 }

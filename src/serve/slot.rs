@@ -396,6 +396,10 @@ impl<'t> Generation<'t> {
         if self.show(&tail, out) {
             return self.finish_stopped(out);
         }
+        if reason == FinishReason::Length {
+            // The start of a stop string the limit cut stays hidden.
+            self.stops.discard();
+        }
         let held = self.stops.finish();
         self.released += held.len();
         self.send(&held, Release::All, out);

@@ -11,18 +11,21 @@
 //! Characters without a piece of their own are spelled as `<0xNN>` byte
 //! tokens at the end (byte fallback).
 
+use super::merge_text::TextMerges;
 use super::vocab::Vocab;
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 /// How adjacent pairs are judged.
 pub(crate) enum MergeRule {
     /// SentencePiece: a pair may merge when its joined text is a mergeable
     /// piece; higher piece score merges first.
     Scores,
-    /// Hugging Face BPE: `(left id, right id) -> (rank, merged id)`; lower
-    /// rank merges first.
-    Ranks(HashMap<(u32, u32), (u32, u32)>),
+    /// Hugging Face BPE and Gemma 4's GGUF: a merge list, looked up by the
+    /// pair's text; the pair with the lower rank merges first. A merge
+    /// whose joined text is no mergeable piece is skipped, so no text can
+    /// be lost to it.
+    Ranks(TextMerges),
 }
 
 #[derive(Clone, Copy)]
@@ -42,7 +45,8 @@ struct Candidate {
     right: usize,
     /// Joined length when pushed; a mismatch later means the entry is stale.
     len: usize,
-    merged: u32,
+    /// The merged piece's id, when the rule knows it already.
+    merged: Option<u32>,
 }
 
 impl PartialEq for Candidate {
@@ -66,17 +70,24 @@ impl Ord for Candidate {
 }
 
 impl MergeRule {
-    /// The verdict on merging `l` and `r` in `text`: (priority, merged id).
-    fn judge(&self, vocab: &Vocab, text: &str, l: &Symbol, r: &Symbol) -> Option<(f32, u32)> {
+    /// The verdict on merging `l` and `r` in `text`: (priority, merged id
+    /// if known yet).
+    fn judge(
+        &self,
+        vocab: &Vocab,
+        text: &str,
+        l: &Symbol,
+        r: &Symbol,
+    ) -> Option<(f32, Option<u32>)> {
+        // Loaders refuse lists of 2^24 merges or more, so ranks are exact in f32.
         match self {
             MergeRule::Scores => {
                 let id = vocab.mergeable_id(&text[l.start..r.start + r.len])?;
-                Some((vocab.score(id), id))
+                Some((vocab.score(id), Some(id)))
             }
             MergeRule::Ranks(table) => {
-                let &(rank, merged) = table.get(&(l.id?, r.id?))?;
-                // Ranks are below 2^24 in any real merge list, so exact in f32.
-                Some((-(rank as f32), merged))
+                let rank = table.rank(&text[l.start..r.start + r.len], l.len)?;
+                Some((-(rank as f32), None))
             }
         }
     }
@@ -133,10 +144,16 @@ pub(crate) fn encode_segment(
         if l.len == 0 || r.len == 0 || l.next != Some(c.right) || l.len + r.len != c.len {
             continue;
         }
+        let Some(merged) = c
+            .merged
+            .or_else(|| vocab.mergeable_id(&text[l.start..l.start + c.len]))
+        else {
+            continue;
+        };
         let right_next = r.next;
         let left = &mut symbols[c.left];
         left.len = c.len;
-        left.id = Some(c.merged);
+        left.id = Some(merged);
         left.next = right_next;
         symbols[c.right].len = 0;
         if let Some(n) = right_next {
@@ -235,11 +252,14 @@ mod tests {
             ("ab", 0.0, Normal),
             ("bc", 0.0, Normal),
         ]);
-        let ranks = |ab: u32, bc: u32| {
-            MergeRule::Ranks(HashMap::from([((1, 2), (ab, 4)), ((2, 3), (bc, 5))]))
+        let ranks = |merges: [(&'static str, &'static str); 2]| {
+            let list = TextMerges::from_pairs(merges.into_iter().map(Ok), "test").unwrap();
+            MergeRule::Ranks(list)
         };
-        assert_eq!(run(&v, &ranks(0, 1), "abc"), vec![4, 3]);
-        assert_eq!(run(&v, &ranks(1, 0), "abc"), vec![1, 5]);
+        assert_eq!(run(&v, &ranks([("a", "b"), ("b", "c")]), "abc"), vec![4, 3]);
+        assert_eq!(run(&v, &ranks([("b", "c"), ("a", "b")]), "abc"), vec![1, 5]);
+        // "ca" is listed but no piece: skipped, the characters stay.
+        assert_eq!(run(&v, &ranks([("c", "a"), ("a", "b")]), "cab"), vec![3, 4]);
     }
 
     #[test]

@@ -1,7 +1,13 @@
 //! Loading the tokenizer from a GGUF file's `tokenizer.*` metadata.
+//!
+//! Two kinds: `tokenizer.ggml.model = "llama"` (Gemma 1–3: SentencePiece
+//! BPE, merges by piece score) and `"gemma4"` (Gemma 4: BPE by the rank of
+//! `tokenizer.ggml.merges`, cut at newline runs first, as llama.cpp does).
 
 use super::bpe::MergeRule;
-use super::vocab::TokenKind;
+use super::merge_text::TextMerges;
+use super::pretokenize::Pretokenizer;
+use super::vocab::{TokenKind, Vocab};
 use super::{Parts, SpecialIds, Tokenizer};
 use crate::model::gguf::{GgufFile, Value};
 use anyhow::{Result, bail};
@@ -9,18 +15,42 @@ use anyhow::{Result, bail};
 const TOKENS: &str = "tokenizer.ggml.tokens";
 const SCORES: &str = "tokenizer.ggml.scores";
 const TYPES: &str = "tokenizer.ggml.token_type";
+const MERGES: &str = "tokenizer.ggml.merges";
+
+/// The merge list of a `gemma4` file.
+fn gemma4_merges(file: &GgufFile, source: &str) -> Result<TextMerges> {
+    let merges = file.get_str_array(MERGES)?.ok_or_else(|| {
+        anyhow::anyhow!(
+            "{source}: metadata key {MERGES:?} is missing; a \"gemma4\" tokenizer needs its \
+             merge list (reconvert the model with a current llama.cpp)"
+        )
+    })?;
+    let what = format!("{source}: {MERGES}");
+    let pairs = merges.iter().enumerate().map(|(i, m)| {
+        // llama.cpp cuts at the first space after the first byte, so a
+        // merge whose left side is a literal space still parses.
+        let cut = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1);
+        cut.map(|at| (&m[..at], &m[at + 1..])).ok_or_else(|| {
+            anyhow::anyhow!("{what}[{i}] = {m:?} is not two pieces separated by a space")
+        })
+    });
+    TextMerges::from_pairs(pairs, &what)
+}
 
 impl Tokenizer {
-    /// Reads a SentencePiece-style ("llama" model) tokenizer from GGUF metadata.
+    /// Reads a tokenizer from GGUF metadata: SentencePiece-style ("llama"
+    /// model, Gemma 1–3) or Gemma 4's BPE ("gemma4").
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         let source = file.path().display().to_string();
         let model = file.get_str("tokenizer.ggml.model")?.unwrap_or("llama");
-        if model != "llama" {
-            bail!(
-                "{source}: tokenizer.ggml.model is {model:?}; only SentencePiece-style \"llama\" \
-                 tokenizers (Gemma's) are supported"
-            );
-        }
+        let gemma4 = match model {
+            "llama" => false,
+            "gemma4" => true,
+            _ => bail!(
+                "{source}: tokenizer.ggml.model is {model:?}; supported are \"llama\" \
+                 (SentencePiece-style, Gemma 1-3) and \"gemma4\" (Gemma 4's BPE)"
+            ),
+        };
         let missing = |key: &str| {
             anyhow::anyhow!(
                 "{source}: metadata key {key:?} is missing; the file has no usable tokenizer"
@@ -77,6 +107,14 @@ impl Tokenizer {
             pad: id_key("tokenizer.ggml.padding_token_id")?,
         };
 
+        let vocab = Vocab::new(&pieces, scores, kinds, &source)?;
+        let (rule, pretokenizer) = if gemma4 {
+            let merges = gemma4_merges(file, &source)?;
+            (MergeRule::Ranks(merges), Pretokenizer::NewlineRuns)
+        } else {
+            (MergeRule::Scores, Pretokenizer::Whole)
+        };
+
         let flag = |key: &str, default: bool| -> Result<bool> {
             match file.get(key) {
                 None => Ok(default),
@@ -87,17 +125,18 @@ impl Tokenizer {
                 },
             }
         };
-        // llama.cpp adds BOS for SentencePiece vocabularies that do not say otherwise.
-        let add_bos = flag("tokenizer.ggml.add_bos_token", true)?;
-        // SentencePiece's default is a dummy prefix; Gemma's files turn it off.
-        let add_space_prefix = flag("tokenizer.ggml.add_space_prefix", true)?;
+        // llama.cpp adds BOS for SentencePiece vocabularies that do not say
+        // otherwise, and always for Gemma 4 (the model needs it).
+        let add_bos = flag("tokenizer.ggml.add_bos_token", true)? || gemma4;
+        // SentencePiece's default is a dummy prefix; Gemma's files turn it
+        // off, and llama.cpp never adds one to a BPE vocabulary.
+        let add_space_prefix = !gemma4 && flag("tokenizer.ggml.add_space_prefix", true)?;
         let chat_template = file.get_str("tokenizer.chat_template")?.map(str::to_owned);
 
         Tokenizer::assemble(Parts {
-            pieces,
-            scores,
-            kinds,
-            rule: MergeRule::Scores,
+            vocab,
+            rule,
+            pretokenizer,
             ids,
             add_bos,
             add_space_prefix,

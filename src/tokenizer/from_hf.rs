@@ -4,11 +4,13 @@
 //! special tokens, the BOS flag and the chat template.
 
 use super::bpe::MergeRule;
-use super::vocab::{TokenKind, parse_byte_piece};
+use super::markers::RENDERED_MARKERS;
+use super::merge_text::TextMerges;
+use super::pretokenize::Pretokenizer;
+use super::vocab::{TokenKind, Vocab, parse_byte_piece};
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
-use std::collections::HashMap;
 use std::path::Path;
 
 /// What `tokenizer_config.json` (and `chat_template.jinja`) contribute.
@@ -200,7 +202,9 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
         let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
             bail!("{source}: an added_tokens entry lacks id or content: {t}");
         };
-        let kind = if t["special"].as_bool().unwrap_or(false) {
+        let kind = if RENDERED_MARKERS.contains(&content) {
+            TokenKind::UserDefined
+        } else if t["special"].as_bool().unwrap_or(false) {
             TokenKind::Control
         } else {
             TokenKind::UserDefined
@@ -215,26 +219,19 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
         kinds.push(k);
     }
 
-    // Lowest id wins on duplicate text, as in the vocabulary proper.
-    let mut index: HashMap<&str, u32> = HashMap::with_capacity(pieces.len());
-    for (i, p) in pieces.iter().enumerate() {
-        index.entry(p.as_str()).or_insert(i as u32);
-    }
-    let mut ranks = HashMap::new();
+    let scores = vec![0.0; pieces.len()];
+    let vocab = Vocab::new(&pieces, scores, kinds, &source)?;
+    drop(pieces);
+    // Kept as text like Gemma 4's GGUF merges (see `merge_text`): resolving
+    // half a million merges to ids at load is most of the load time.
     let merges = model["merges"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-    for (rank, m) in merges.iter().enumerate() {
-        let (a, b) = merge_pair(m, rank, &source)?;
-        let lookup = |p: &str| {
-            index.get(p).copied().ok_or_else(|| {
-                anyhow::anyhow!("{source}: merge {rank} ({a:?} {b:?}) uses {p:?}, which is not in the vocabulary")
-            })
-        };
-        let merged = lookup(&format!("{a}{b}"))?;
-        // The first (best) rank for a pair wins, as in Hugging Face tokenizers.
-        ranks
-            .entry((lookup(a)?, lookup(b)?))
-            .or_insert((rank as u32, merged));
-    }
+    let merges = TextMerges::from_pairs(
+        merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| merge_pair(m, i, &source)),
+        &format!("{source}: model.merges"),
+    )?;
 
     let find = |name: &Option<String>, fallbacks: &[&str], what: &str| -> Result<u32> {
         let names = name
@@ -242,7 +239,7 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
             .map(String::as_str)
             .chain(fallbacks.iter().copied());
         for n in names {
-            if let Some(&id) = index.get(n) {
+            if let Some(id) = vocab.id_of(n) {
                 return Ok(id);
             }
         }
@@ -251,18 +248,15 @@ fn from_tokenizer_json_bytes(bytes: &[u8], source: &str, cfg: Config) -> Result<
     let ids = SpecialIds {
         bos: find(&cfg.bos, &["<bos>", "<s>"], "bos")?,
         eos: find(&cfg.eos, &["<eos>", "</s>"], "eos")?,
-        unk: model["unk_token"]
-            .as_str()
-            .and_then(|u| index.get(u).copied()),
-        pad: index.get("<pad>").copied(),
+        unk: model["unk_token"].as_str().and_then(|u| vocab.id_of(u)),
+        pad: vocab.id_of("<pad>"),
     };
-    drop(index);
-    let scores = vec![0.0; pieces.len()];
     Tokenizer::assemble(Parts {
-        pieces,
-        scores,
-        kinds,
-        rule: MergeRule::Ranks(ranks),
+        vocab,
+        rule: MergeRule::Ranks(merges),
+        // Hugging Face merges each stretch whole (no pre-tokenizer, or a
+        // split on " " that finds none once spaces are `▁`).
+        pretokenizer: Pretokenizer::Whole,
         ids,
         add_bos: cfg.add_bos.unwrap_or(true),
         add_space_prefix,

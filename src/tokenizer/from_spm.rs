@@ -9,8 +9,10 @@
 //!   4 remove_extra_whitespaces.
 
 use super::bpe::MergeRule;
+use super::pretokenize::Pretokenizer;
 use super::protobuf::{Field, Reader};
 use super::vocab::TokenKind;
+use super::vocab::Vocab;
 use super::{Parts, SpecialIds, Tokenizer};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
@@ -189,10 +191,9 @@ impl Tokenizer {
             pad: id("pad", trainer.pad)?,
         };
         Tokenizer::assemble(Parts {
-            pieces,
-            scores,
-            kinds,
+            vocab: Vocab::new(&pieces, scores, kinds, source)?,
             rule: MergeRule::Scores,
+            pretokenizer: Pretokenizer::Whole,
             ids,
             add_bos: true,
             add_space_prefix: normalizer.add_dummy_prefix,

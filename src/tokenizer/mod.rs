@@ -1,10 +1,13 @@
-//! Gemma's tokenizer: SentencePiece-style BPE with byte fallback.
+//! Gemma's tokenizer: BPE on text with spaces written as `▁`, with byte
+//! fallback. Gemma 1–3 merge by SentencePiece piece scores, Gemma 4 (and
+//! every Hugging Face `tokenizer.json`) by the rank of a merge list.
 //!
 //! Encoding first cuts verbatim pieces out of the text (control tokens such
 //! as `<start_of_turn>`, and user-defined pieces such as `\n`, runs of spaces
-//! or `<b>`), then writes spaces as `▁` and merges each remaining stretch of
-//! characters into vocabulary pieces, falling back to `<0xNN>` byte tokens
-//! for characters without a piece. No Unicode normalization is applied.
+//! or `<b>`), then writes spaces as `▁`, cuts each remaining stretch into
+//! words when the tokenizer asks for it (Gemma 4's GGUF: at newline runs)
+//! and merges each word into vocabulary pieces, falling back to `<0xNN>` byte
+//! tokens for characters without a piece. No Unicode normalization is applied.
 //!
 //! Loaders: [`Tokenizer::from_gguf`] (GGUF metadata), [`Tokenizer::from_hf_folder`]
 //! (`tokenizer.json`, or a SentencePiece `tokenizer.model`).
@@ -14,7 +17,10 @@ mod decode;
 mod from_gguf;
 mod from_hf;
 mod from_spm;
+mod markers;
+mod merge_text;
 mod piece_table;
+mod pretokenize;
 mod protobuf;
 mod specials;
 mod vocab;
@@ -23,6 +29,7 @@ pub use decode::StreamDecoder;
 pub use vocab::{SPACE_MARK, TokenKind, parse_byte_piece};
 
 use bpe::MergeRule;
+use pretokenize::Pretokenizer;
 use specials::{Segment, SpecialMatcher};
 use vocab::Vocab;
 
@@ -40,6 +47,7 @@ pub struct SpecialIds {
 pub struct Tokenizer {
     vocab: Vocab,
     rule: MergeRule,
+    pretokenizer: Pretokenizer,
     specials: SpecialMatcher,
     ids: SpecialIds,
     add_bos: bool,
@@ -48,11 +56,11 @@ pub struct Tokenizer {
 }
 
 /// Everything a loader gathers; [`Tokenizer::assemble`] checks and indexes it.
-pub(crate) struct Parts<S> {
-    pub pieces: Vec<S>,
-    pub scores: Vec<f32>,
-    pub kinds: Vec<TokenKind>,
+pub(crate) struct Parts {
+    /// Built by the loader, which may need its index (Gemma 4's merges do).
+    pub vocab: Vocab,
     pub rule: MergeRule,
+    pub pretokenizer: Pretokenizer,
     pub ids: SpecialIds,
     pub add_bos: bool,
     pub add_space_prefix: bool,
@@ -62,8 +70,13 @@ pub(crate) struct Parts<S> {
 }
 
 impl Tokenizer {
-    pub(crate) fn assemble<S: AsRef<str>>(parts: Parts<S>) -> anyhow::Result<Tokenizer> {
-        let vocab = Vocab::new(&parts.pieces, parts.scores, parts.kinds, &parts.source)?;
+    pub(crate) fn assemble(parts: Parts) -> anyhow::Result<Tokenizer> {
+        let mut vocab = parts.vocab;
+        for text in markers::END_OF_GENERATION {
+            if let Some(id) = vocab.id_of(text) {
+                vocab.set_kind(id, TokenKind::Control);
+            }
+        }
         let n = vocab.len();
         let check = |what: &str, id: u32| {
             if (id as usize) < n {
@@ -95,6 +108,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             vocab,
             rule: parts.rule,
+            pretokenizer: parts.pretokenizer,
             specials,
             ids: parts.ids,
             add_bos: parts.add_bos,
@@ -183,8 +197,24 @@ impl Tokenizer {
 
     /// Merges normalized text into ids and empties the buffer.
     fn merge_into(&self, normalized: &mut String, out: &mut Vec<u32>) {
-        bpe::encode_segment(&self.vocab, &self.rule, self.ids.unk, normalized, out);
+        match self.pretokenizer {
+            Pretokenizer::Whole => self.merge_word(normalized, out),
+            Pretokenizer::NewlineRuns => {
+                for word in pretokenize::newline_runs(normalized) {
+                    // llama.cpp takes a newline run that is an entry as is,
+                    // whatever the merges would make of it.
+                    match self.vocab.id_of(word.text).filter(|_| word.newlines) {
+                        Some(id) => out.push(id),
+                        None => self.merge_word(word.text, out),
+                    }
+                }
+            }
+        }
         normalized.clear();
+    }
+
+    fn merge_word(&self, word: &str, out: &mut Vec<u32>) {
+        bpe::encode_segment(&self.vocab, &self.rule, self.ids.unk, word, out);
     }
 
     /// Decodes ids to text. Control tokens (BOS, `<end_of_turn>`…) produce no
@@ -264,6 +294,20 @@ impl Tokenizer {
         self.ids
     }
 
+    /// Ids that end generation: EOS, and `<end_of_turn>` (Gemma 1–3),
+    /// `<turn|>` and `<|tool_response>` (Gemma 4) where the vocabulary has
+    /// them, as in llama.cpp. Sorted, without repeats.
+    pub fn end_of_generation_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = markers::END_OF_GENERATION
+            .iter()
+            .filter_map(|text| self.vocab.id_of(text))
+            .chain([self.ids.eos])
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     /// Whether the model file asks for BOS at the start of a prompt.
     pub fn add_bos_by_default(&self) -> bool {
         self.add_bos
@@ -285,11 +329,17 @@ impl Tokenizer {
             let at = pieces.iter().position(|(p, _)| *p == text);
             at.expect("test vocabulary needs <bos> and <eos>") as u32
         };
+        let vocab = Vocab::new(
+            &pieces.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            vec![0.0; pieces.len()],
+            pieces.iter().map(|(_, k)| *k).collect(),
+            "test vocabulary",
+        )
+        .expect("test vocabulary is well formed");
         Tokenizer::assemble(Parts {
-            pieces: pieces.iter().map(|(p, _)| *p).collect(),
-            scores: vec![0.0; pieces.len()],
-            kinds: pieces.iter().map(|(_, k)| *k).collect(),
+            vocab,
             rule: MergeRule::Scores,
+            pretokenizer: Pretokenizer::Whole,
             ids: SpecialIds {
                 bos: id("<bos>"),
                 eos: id("<eos>"),

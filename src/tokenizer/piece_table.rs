@@ -1,7 +1,9 @@
 //! The vocabulary's piece texts in one buffer, with an open-addressing hash
 //! table for text → id. One allocation instead of two per piece (262k pieces
 //! for Gemma) and a cheap hash make both loading and encoding faster than a
-//! `HashMap<String, u32>` would.
+//! `HashMap<String, u32>` would. Each slot keeps 32 bits of its piece's hash,
+//! so a probe that passes a different piece costs no visit to the text
+//! (Gemma 4's 514,906 merges make 1.5 million lookups at load).
 
 pub(crate) struct PieceTable {
     /// Every piece, back to back.
@@ -9,13 +11,14 @@ pub(crate) struct PieceTable {
     /// `ends[id]` is where piece `id` ends in `text`; it starts where the
     /// previous one ends.
     ends: Vec<u32>,
-    /// 0 = empty, otherwise id + 1. Length is a power of two, at most half full.
-    slots: Vec<u32>,
+    /// 0 = empty, otherwise the high half of the piece's hash above id + 1.
+    /// Length is a power of two, at most half full.
+    slots: Vec<u64>,
 }
 
 /// FNV-1a with a final mix so the low bits (used for the slot) depend on all
 /// input bytes.
-fn hash(bytes: &[u8]) -> u64 {
+pub(crate) fn hash(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
         h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
@@ -44,9 +47,10 @@ impl PieceTable {
             slots: vec![0; size],
         };
         for id in 0..pieces.len() as u32 {
-            let slot = table.find_slot(table.piece_unchecked(id));
+            let h = hash(table.piece_unchecked(id).as_bytes());
+            let slot = table.find_slot(table.piece_unchecked(id), h);
             if table.slots[slot] == 0 {
-                table.slots[slot] = id + 1;
+                table.slots[slot] = (h & !0xffff_ffff) | u64::from(id + 1);
             }
         }
         table
@@ -66,23 +70,30 @@ impl PieceTable {
         ((id as usize) < self.ends.len()).then(|| self.piece_unchecked(id))
     }
 
-    /// The slot holding `s`, or the empty slot where it would go (linear probing).
-    fn find_slot(&self, s: &str) -> usize {
+    /// The slot holding `s` (whose hash is `h`), or the empty slot where it
+    /// would go (linear probing).
+    fn find_slot(&self, s: &str, h: u64) -> usize {
         let mask = self.slots.len() - 1;
-        let mut slot = hash(s.as_bytes()) as usize & mask;
+        let tag = h & !0xffff_ffff;
+        let mut slot = h as usize & mask;
         loop {
             match self.slots[slot] {
                 0 => return slot,
-                id if self.piece_unchecked(id - 1) == s => return slot,
+                entry
+                    if entry & !0xffff_ffff == tag
+                        && self.piece_unchecked(entry as u32 - 1) == s =>
+                {
+                    return slot;
+                }
                 _ => slot = (slot + 1) & mask,
             }
         }
     }
 
     pub(crate) fn get(&self, s: &str) -> Option<u32> {
-        match self.slots[self.find_slot(s)] {
+        match self.slots[self.find_slot(s, hash(s.as_bytes()))] {
             0 => None,
-            id => Some(id - 1),
+            entry => Some(entry as u32 - 1),
         }
     }
 

@@ -143,6 +143,16 @@ impl Vocab {
             .filter(|&id| self.kinds[id as usize].mergeable())
     }
 
+    /// Retypes an entry. Byte entries keep their kind: their byte table was
+    /// built from it.
+    pub(crate) fn set_kind(&mut self, id: u32, kind: TokenKind) {
+        if let Some(k) = self.kinds.get_mut(id as usize)
+            && *k != TokenKind::Byte
+        {
+            *k = kind;
+        }
+    }
+
     pub(crate) fn byte_id(&self, byte: u8) -> Option<u32> {
         self.byte_ids[byte as usize]
     }
