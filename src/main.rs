@@ -29,6 +29,9 @@ struct Cli {
     /// used.
     #[arg(long, global = true)]
     no_tune: bool,
+    /// Print the long start-up notes too (how weights were converted at load).
+    #[arg(long, global = true)]
+    verbose: bool,
     /// Bits of the inputs to the integer kernels of quantized weights: 8 (one 8-bit level per
     /// value, fastest) or 16 (two 8-bit levels, the value and its rounding error: matches
     /// `--dtype f16` more closely, for about twice the integer work; see the README).
@@ -172,6 +175,44 @@ fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// `--threads`: at most the cores there are. More threads than cores spin
+/// against each other (4 on 2 cores ran at a quarter of the speed, 999
+/// seemed to hang), so a larger count is capped, with one line saying so.
+fn threads_arg(text: &str) -> Result<usize, String> {
+    let asked: usize = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of threads"))?;
+    let cores = default_threads();
+    if asked > cores {
+        eprintln!("pulsar: --threads {asked}: this machine has {cores} cores; using {cores}");
+        return Ok(cores);
+    }
+    Ok(asked)
+}
+
+/// `-n`: a count of tokens, or -1 for no limit but the context (as in
+/// llama.cpp).
+fn max_new_arg(text: &str) -> Result<usize, String> {
+    match text.parse::<i64>() {
+        Ok(-1) => Ok(usize::MAX),
+        Ok(n) if n >= 0 => Ok(n as usize),
+        _ => Err(format!(
+            "{text:?}: give a number of tokens, or -1 for no limit but the context"
+        )),
+    }
+}
+
+/// `-k`: a count of tokens, 0 or -1 for off (as in llama.cpp).
+fn top_k_arg(text: &str) -> Result<usize, String> {
+    match text.parse::<i64>() {
+        Ok(-1) => Ok(0),
+        Ok(k) if k >= 0 => Ok(k as usize),
+        _ => Err(format!(
+            "{text:?}: give a number of tokens to keep, or 0 or -1 for off"
+        )),
+    }
+}
+
 /// How `run`, `chat`, `logits`, `embed` and `perplexity` run the forward
 /// pass.
 #[derive(Args)]
@@ -179,8 +220,8 @@ struct ForwardArgs {
     /// The forward pass.
     #[arg(long, value_enum, default_value = "jit")]
     engine: EngineArg,
-    /// Worker threads, the caller included.
-    #[arg(long, default_value_t = default_threads())]
+    /// Worker threads, the caller included (at most the cores).
+    #[arg(long, default_value_t = default_threads(), value_parser = threads_arg)]
     threads: usize,
     /// Formats of the fast engine's matrices.
     #[arg(long, value_enum, default_value = "native")]
@@ -193,8 +234,9 @@ struct SamplingArgs {
     /// Temperature; 0 always picks the most likely token.
     #[arg(short = 't', long = "temp", default_value_t = 0.7)]
     temperature: f32,
-    /// Keep only the K most likely tokens (0 = off).
-    #[arg(short = 'k', long, default_value_t = 40)]
+    /// Keep only the K most likely tokens (0 or -1 = off).
+    #[arg(short = 'k', long, default_value_t = 40, value_parser = top_k_arg,
+          allow_negative_numbers = true)]
     top_k: usize,
     /// Keep the most likely tokens up to this total probability (1 = off).
     #[arg(long, default_value_t = 0.95)]
@@ -248,8 +290,9 @@ struct GenerationCli {
     /// A UTF-8 text file: `run`'s prompt (or context for -p), or the document that opens a chat.
     #[arg(short, long)]
     file: Option<PathBuf>,
-    /// Most tokens to generate (per reply in a chat).
-    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    /// Most tokens to generate (per reply in a chat); -1: until the context is full.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256, value_parser = max_new_arg,
+          allow_negative_numbers = true)]
     max_new: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -437,8 +480,8 @@ struct ServeCli {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "PULSAR_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Worker threads of the engine, the caller included.
-    #[arg(long, default_value_t = default_threads())]
+    /// Worker threads of the engine, the caller included (at most the cores).
+    #[arg(long, default_value_t = default_threads(), value_parser = threads_arg)]
     threads: usize,
     /// Formats of the fast engine's matrices.
     #[arg(long, value_enum, default_value = "native")]
@@ -462,6 +505,22 @@ struct ServeCli {
     /// Seconds running requests may go on after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
+    /// Connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, counted from when it opens or
+    /// its previous reply ended (so also how long an idle connection is kept alive).
+    #[arg(long, default_value_t = 5)]
+    header_timeout: u64,
+    /// Seconds a request's body may take to arrive; then 408.
+    #[arg(long, default_value_t = 600)]
+    read_timeout: u64,
+    /// Seconds a write to a client may wait for it to read before the connection is closed.
+    #[arg(long, default_value_t = 600)]
+    write_timeout: u64,
+    /// No log line per request on stderr.
+    #[arg(long)]
+    quiet: bool,
     /// Speculative decoding: ngram drafts from each request's own text, verified in the step it
     /// shares with the other requests; replies are the same as with `off`.
     #[arg(long, value_enum, default_value = "ngram")]
@@ -489,6 +548,13 @@ impl ServeCli {
             prefill_chunk: self.prefill_chunk,
             stall_timeout: std::time::Duration::from_secs(self.stall_timeout),
             grace: std::time::Duration::from_secs(self.grace),
+            limits: pulsar::serve::conn::ConnectionLimits {
+                max_connections: self.max_connections,
+                header_timeout: std::time::Duration::from_secs(self.header_timeout),
+                write_timeout: std::time::Duration::from_secs(self.write_timeout),
+            },
+            read_timeout: std::time::Duration::from_secs(self.read_timeout),
+            quiet: self.quiet,
             speculation: self.spec.into(),
             defaults: self.sampling.config(),
         })
@@ -744,6 +810,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if cli.no_tune {
         commands::disable_launch_tuning();
+    }
+    if cli.verbose {
+        commands::set_verbose();
     }
     commands::set_input_precision(cli.input_bits.into());
     let result = match cli.command {

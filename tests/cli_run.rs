@@ -259,6 +259,76 @@ fn the_m_curve_reports_every_step_size_after_the_context_asked_for() {
     }
 }
 
+/// The machine's cores, as `--threads` counts them.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[test]
+fn threads_above_the_cores_are_capped_with_one_line() {
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw", "--threads", "999"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let cores = cores();
+    let line = format!("--threads 999: this machine has {cores} cores; using {cores}");
+    assert_eq!(stderr.matches(&line).count(), 1, "{stderr}");
+}
+
+#[test]
+fn a_context_above_the_trained_one_is_capped_and_minus_one_means_no_limit() {
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw", "-c", "999999"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("-c 999999: the model was trained for 32768 tokens; using 32768"),
+        "{stderr}"
+    );
+    // -n -1: until the context is full; -k -1: top-k off (llama.cpp's).
+    let out = pulsar(&[
+        "run",
+        "-p",
+        "Once upon a time",
+        "--raw",
+        "-c",
+        "24",
+        "-n",
+        "-1",
+        "-k",
+        "-1",
+        "-t",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("generated"), "{stderr}");
+    let out = pulsar(&["run", "-p", "Hi", "--raw", "-n", "-2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("or -1 for no limit"), "{stderr}");
+}
+
+#[test]
+fn start_up_is_short_and_the_conversion_note_needs_verbose() {
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Before the statistics line: the start-up.
+    let start_up: Vec<&str> = stderr
+        .lines()
+        .take_while(|l| !l.starts_with("pulsar: ["))
+        .collect();
+    assert!(start_up.len() <= 2, "{stderr}");
+    assert!(!stderr.contains("converted"), "{stderr}");
+    let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw", "--verbose"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("were converted"),
+        "the default model's Q4_K/Q6_K matrices are converted at load; with --verbose the \
+         note says so: {stderr}"
+    );
+}
+
 /// A length limit that cuts the reply inside a stop string does not show
 /// the stop string's start: with the base model's dialogue format ("\nUser:"
 /// ends the model's turn), seed 4 and `-n 4` once printed "Hi!\nUser".

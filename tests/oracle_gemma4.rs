@@ -378,7 +378,7 @@ fn short_steps_equal_one_token_steps_bit_for_bit() {
         let mut e = FastEngine::load(&src, kernels, &opts).unwrap();
         e.set_sequences(2).unwrap();
         let vocab = src.config.vocab_size;
-        let mut step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
+        let step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
             let batch = [SeqTokens {
                 seq,
                 tokens,
@@ -396,7 +396,10 @@ fn short_steps_equal_one_token_steps_bit_for_bit() {
             for (t, &token) in run.iter().enumerate() {
                 let alone = step(&mut e, 1, &[token]);
                 let row = &together[t * vocab..(t + 1) * vocab];
-                let same = row.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = row
+                    .iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{model} {format:?}: m = {m}, token {t} differs");
             }
         }

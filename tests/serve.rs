@@ -9,7 +9,7 @@
 
 use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -80,11 +80,44 @@ impl Server {
             );
         };
         assert!(addr.starts_with("127.0.0.1:"), "{line}");
-        Server {
+        let server = Server {
             base: format!("http://{addr}"),
             child,
             stderr,
+        };
+        server.wait_until_loaded();
+        server
+    }
+
+    /// The port is open before the model is loaded; meanwhile every
+    /// answer is 503 "loading" (never a refused connection), then /health
+    /// says 200.
+    fn wait_until_loaded(&self) {
+        let start = Instant::now();
+        loop {
+            let r = client().get(self.url("/health")).send().expect("health");
+            if r.status().as_u16() == 200 {
+                return;
+            }
+            assert_eq!(r.status().as_u16(), 503);
+            let b: Value = r.json().expect("JSON");
+            assert_eq!(b["error"]["code"], "loading", "{b}");
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "not loaded after 120 s; stderr: {}",
+                self.stderr.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// What the server wrote on stderr so far.
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     fn url(&self, path: &str) -> String {
@@ -315,7 +348,7 @@ fn chat_and_completions_reply_in_openai_shapes() {
 
     // Non-streaming chat.
     let body = json!({
-        "model": "anything",
+        "model": "gemma-3-270m-q4_k_m.gguf",
         "messages": user("What is the capital of France?"),
         "temperature": 0,
         "max_tokens": 40,
@@ -2413,4 +2446,448 @@ fn a_template_with_its_own_call_syntax_renders_requests_with_tools() {
         &json!({"messages": user("a \u{FDD0} b"), "tools": conversation["tools"]}),
     );
     assert_error(st, &b, 400, Some("messages[0].content"), &["noncharacter"]);
+}
+
+// Hostile clients (issue 47): bodies that would cost far more than their
+// size, connections that are slow or never read, requests left behind.
+
+/// A raw connection to the server, for clients no HTTP library imitates.
+fn raw_connection(s: &Server) -> std::net::TcpStream {
+    let addr = s.base.trim_start_matches("http://");
+    std::net::TcpStream::connect(addr).expect("connect")
+}
+
+/// A connection whose receive buffer is a few KiB (set before it
+/// connects, so the window it offers stays small): a client that does not
+/// read fills the server's send buffer after little data.
+fn small_window_connection(s: &Server) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let addr: std::net::SocketAddrV4 = s
+        .base
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IPv4 address");
+    let size: libc::c_int = 4096;
+    let peer = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a new socket of this function's own; the option and address
+    // pointers are to locals of the sizes given; once connected, the
+    // descriptor is handed to the TcpStream, which closes it.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let set = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        assert_eq!(set, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+        let connected = libc::connect(
+            fd,
+            (&peer as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(connected, 0, "connect: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// The peak resident memory of a process (`VmHWM`), in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM");
+    kib / 1024.0
+}
+
+/// Waits (at most `limit`) until the server closes `conn`: true when it
+/// did (end of file or a reset), false when it is still open.
+fn closed_within(conn: &mut std::net::TcpStream, limit: Duration) -> bool {
+    use std::io::ErrorKind::{TimedOut, WouldBlock};
+    let start = Instant::now();
+    conn.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("read timeout");
+    let mut buf = [0u8; 4096];
+    while start.elapsed() < limit {
+        match conn.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+#[test]
+fn a_prompt_list_beyond_the_queue_is_refused_before_any_work() {
+    let s = Server::start(&["-c", "256", "--queue", "4"]);
+    // The report's body: 40,000 one-token prompts, 5,000 logit_bias
+    // entries, about 250 KiB; each prompt once got its own parsed copy.
+    let bias: serde_json::Map<String, Value> = (1000..6000)
+        .map(|id| (id.to_string(), json!(1.0)))
+        .collect();
+    let prompts = vec![json!([2]); 40_000];
+    let body = json!({"prompt": prompts, "max_tokens": 1, "logit_bias": bias});
+    let before = peak_rss_mib(s.pid());
+    let (status, b) = s.call("/v1/completions", &body);
+    assert_error(
+        status,
+        &b,
+        400,
+        Some("prompt"),
+        &["40000 prompts", "--queue 4"],
+    );
+    let grown = peak_rss_mib(s.pid()) - before;
+    eprintln!("peak RSS grew by {grown:.0} MiB");
+    assert!(grown < 200.0, "peak RSS grew by {grown:.0} MiB");
+    // Within the queue, the shared settings serve every prompt.
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": [[2], [2, 9]], "n": 2, "max_tokens": 2, "temperature": 0,
+                "logit_bias": bias, "stop": ["\n\n"]}),
+    );
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(4), "{v}");
+    // A bias is checked once, and named when wrong.
+    let (status, b) = s.call(
+        "/v1/completions",
+        &json!({"prompt": ["a", "b"], "logit_bias": {"5": 300}}),
+    );
+    assert_error(status, &b, 400, Some("logit_bias.5"), &["[-100, 100]"]);
+    // Embeddings inputs are counted before they are tokenized.
+    let (status, b) = s.call("/v1/embeddings", &json!({"input": vec!["word"; 5]}));
+    assert_error(status, &b, 400, Some("input"), &["5 inputs", "--queue 4"]);
+}
+
+#[test]
+fn a_slowloris_connection_is_closed_after_the_header_timeout() {
+    let s = Server::start(&["-c", "256", "--header-timeout", "2"]);
+    let mut conn = raw_connection(&s);
+    let mut writer = conn.try_clone().expect("clone");
+    // One byte of a request line every half second, never finishing it.
+    let drip = std::thread::spawn(move || {
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ".repeat(4) {
+            if writer.write_all(&[byte]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    });
+    let start = Instant::now();
+    assert!(
+        closed_within(&mut conn, Duration::from_secs(20)),
+        "still open after 20 s"
+    );
+    eprintln!("slowloris closed after {:?}", start.elapsed());
+    drop(conn);
+    let _ = drip.join();
+    // An idle kept-alive connection closes after the same time.
+    let mut idle = raw_connection(&s);
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("sent");
+    assert!(closed_within(&mut idle, Duration::from_secs(20)));
+    assert_eq!(
+        client()
+            .get(s.url("/health"))
+            .send()
+            .map(|r| r.status().as_u16())
+            .ok(),
+        Some(200)
+    );
+}
+
+#[test]
+fn a_body_shorter_than_its_length_times_out_with_408() {
+    let s = Server::start(&["-c", "256", "--read-timeout", "2"]);
+    let mut conn = raw_connection(&s);
+    conn.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"prompt\": \"Hi\"",
+    )
+    .expect("sent");
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("read timeout");
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !reply.windows(4).any(|w| w == b"\r\n\r\n") {
+        match conn.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => reply.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("no reply within 20 s: {e}"),
+        }
+    }
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+}
+
+#[test]
+fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
+    let s = Server::start(&["-c", "256", "--write-timeout", "2", "--max-body", "8000000"]);
+    // A reply of tens of megabytes, more than the socket buffers hold.
+    let content = "hello ".repeat(1_000_000);
+    let body = json!({"content": content, "with_pieces": true}).to_string();
+    let mut conn = raw_connection(&s);
+    let head = format!(
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).expect("head sent");
+    conn.write_all(body.as_bytes()).expect("body sent");
+    // Once the reply has begun, reads nothing for a while, then
+    // everything that is left.
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("read timeout");
+    let mut reply = vec![0u8; 1024];
+    conn.read_exact(&mut reply).expect("the reply begins");
+    std::thread::sleep(Duration::from_secs(8));
+    let _ = conn.read_to_end(&mut reply);
+    let text = String::from_utf8_lossy(&reply[..reply.len().min(4096)]).to_string();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let length: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no content-length in {text}"));
+    let body_start = reply
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(0, |p| p + 4);
+    let received = reply.len() - body_start;
+    eprintln!("received {received} of {length} bytes");
+    assert!(
+        received < length,
+        "the whole reply ({length} bytes) waited for a client that read nothing"
+    );
+}
+
+#[test]
+fn connections_beyond_the_cap_wait_to_be_accepted() {
+    let s = Server::start(&["-c", "256", "--max-connections", "2"]);
+    let first = raw_connection(&s);
+    let _second = raw_connection(&s);
+    let quick = Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("HTTP client");
+    let r = quick.get(s.url("/health")).send();
+    assert!(
+        r.is_err_and(|e| e.is_timeout()),
+        "a third connection was served"
+    );
+    drop(first);
+    let r = client().get(s.url("/health")).send().expect("health");
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+#[test]
+fn a_stalled_request_frees_all_its_choices_at_once() {
+    let s = Server::start(&["-c", "1024", "--parallel", "2", "--stall-timeout", "5"]);
+    // n = 6 on 2 slots, from a client that never reads; big events
+    // (20 alternatives per token) and a small receive window fill the
+    // socket buffers soon, then each choice's channel.
+    let mut body = endless(900);
+    body["n"] = json!(6);
+    body["logprobs"] = json!(20);
+    let body = body.to_string();
+    let mut conn = small_window_connection(&s);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).expect("head sent");
+    conn.write_all(body.as_bytes()).expect("body sent");
+    let sent = Instant::now();
+    s.wait_metric("pulsar_stalled_total", Duration::from_secs(300), |v| {
+        v >= 1.0
+    });
+    eprintln!("the request stalled {:?} after it was sent", sent.elapsed());
+    // Every choice, running or waiting, ends with the first stall: none
+    // takes a slot to stall again for another 5 s.
+    let start = Instant::now();
+    loop {
+        let m = s.metrics();
+        let (busy, queued) = (
+            metric(&m, "pulsar_slots_busy"),
+            metric(&m, "pulsar_queue_length"),
+        );
+        if busy == 0.0 && queued == 0.0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{busy} slots busy and {queued} choices waiting after the stall"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.metric("pulsar_stalled_total"), 1.0);
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 8}),
+    );
+    assert_eq!(v["object"], "text_completion");
+    drop(conn);
+}
+
+#[test]
+fn queued_requests_of_clients_that_left_free_their_places() {
+    let s = Server::start(&["-c", "4096", "--parallel", "1", "--queue", "2"]);
+    let c = client();
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&endless(3000))
+        .send()
+        .expect("sent");
+    let mut running = Sse::new(r);
+    assert!(running.next_data().is_some());
+    // Two clients wait in the queue, then give up.
+    let mut body = endless(8);
+    body["stream"] = json!(false);
+    let leavers: Vec<_> = (0..2)
+        .map(|_| {
+            let url = s.url("/v1/completions");
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let impatient = Client::builder()
+                    .timeout(Duration::from_secs(3))
+                    .build()
+                    .expect("HTTP client");
+                impatient.post(url).json(&body).send().is_err()
+            })
+        })
+        .collect();
+    s.wait_metric("pulsar_queue_length", Duration::from_secs(30), |v| v == 2.0);
+    for leaver in leavers {
+        assert!(leaver.join().unwrap(), "a queued request was answered");
+    }
+    // Their places are free while the slot is still busy.
+    s.wait_metric("pulsar_queue_length", Duration::from_secs(10), |v| v == 0.0);
+    let waiting = std::thread::spawn({
+        let url = s.url("/v1/completions");
+        move || {
+            client()
+                .post(url)
+                .json(&json!({"prompt": "Hi", "max_tokens": 2}))
+                .send()
+                .expect("sent")
+                .status()
+                .as_u16()
+        }
+    });
+    s.wait_metric("pulsar_queue_length", Duration::from_secs(30), |v| v == 1.0);
+    assert_eq!(s.metric("pulsar_slots_busy"), 1.0);
+    drop(running);
+    drop(c);
+    assert_eq!(waiting.join().unwrap(), 200);
+}
+
+#[test]
+fn a_schema_that_admits_no_value_is_refused() {
+    let s = Server::start(&["-c", "256"]);
+    // `false` was refused before; a schema that refers only to itself
+    // compiled, and its reply was empty with finish_reason "stop".
+    for (schema, words) in [
+        (json!({"$ref": "#"}), "admits no value"),
+        (json!(false), "schema is false"),
+    ] {
+        let (status, b) = s.call(
+            "/v1/chat/completions",
+            &json!({"messages": user("Hi"), "max_tokens": 8,
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "x", "schema": schema}}}),
+        );
+        assert_error(
+            status,
+            &b,
+            400,
+            Some("response_format.json_schema.schema"),
+            &[words],
+        );
+    }
+}
+
+#[test]
+fn unknown_models_get_404_and_each_request_logs_a_line() {
+    let s = Server::start(&["-c", "256"]);
+    let (status, b) = s.call(
+        "/v1/chat/completions",
+        &json!({"model": "gpt-4o", "messages": user("Hi"), "max_tokens": 2}),
+    );
+    assert_error(
+        status,
+        &b,
+        404,
+        Some("model"),
+        &["gpt-4o", "gemma-3-270m-q4_k_m"],
+    );
+    assert_eq!(b["error"]["code"], "model_not_found");
+    let (status, b) = s.call(
+        "/v1/completions",
+        &json!({"model": "other", "prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_error(status, &b, 404, Some("model"), &["other"]);
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"model": "gemma-3-270m-q4_k_m", "prompt": "Hi", "max_tokens": 2}),
+    );
+    let total = v["usage"]["total_tokens"].as_u64().expect("usage");
+    let mut sse = stream(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    );
+    while sse.next_data().is_some() {}
+    drop(sse);
+    // Each line is written when its reply has gone out: the stream's, with
+    // its tokens, at its end.
+    let wanted = [
+        "POST /v1/chat/completions 404 ".to_string(),
+        format!("POST /v1/completions 200 {total} tokens "),
+        "GET /health 200 ".to_string(),
+    ];
+    let logged = |s: &Server| {
+        let stderr = s.stderr();
+        let completions = stderr
+            .lines()
+            .filter(|l| l.starts_with("pulsar serve: POST /v1/completions 200 "))
+            .count();
+        completions == 2 && wanted.iter().all(|w| stderr.contains(w.as_str()))
+    };
+    let start = Instant::now();
+    while !logged(&s) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no log lines {wanted:?} and two for /v1/completions in:\n{}",
+            s.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !s.stderr().contains("/v1/completions 200 - tokens"),
+        "{}",
+        s.stderr()
+    );
+
+    let quiet = Server::start(&["-c", "256", "--quiet"]);
+    quiet.ok("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !quiet.stderr().contains("POST /v1/completions"),
+        "{}",
+        quiet.stderr()
+    );
 }

@@ -187,9 +187,7 @@ pub fn open_engine(
     }
     let opts = dtype.fast_options(threads, context, in_place);
     let formats = FastEngine::weight_formats(&src, &opts)?;
-    if let Some(note) = formats.conversion_note() {
-        eprintln!("pulsar: {note}");
-    }
+    print_conversion_note("pulsar", &formats);
     let config = src.config.clone();
     match JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? {
         Some(kernels) => {
@@ -198,6 +196,26 @@ pub fn open_engine(
             Ok(Box::new(engine))
         }
         None => Ok(Box::new(ReferenceEngine::load(&src)?)),
+    }
+}
+
+/// Set by `--verbose`: start-up notes beyond the model and its speed (how
+/// the weights were converted) are printed.
+static VERBOSE: AtomicBool = AtomicBool::new(false);
+
+/// `--verbose`: print the long start-up notes.
+pub fn set_verbose() {
+    VERBOSE.store(true, Ordering::Relaxed);
+}
+
+/// The note on weights converted at load, on stderr with `prefix`, under
+/// `--verbose` only: it runs to some 300 characters, and start-up should
+/// be a line or two.
+pub fn print_conversion_note(prefix: &str, formats: &crate::engine::fast::WeightFormats) {
+    if VERBOSE.load(Ordering::Relaxed)
+        && let Some(note) = formats.conversion_note()
+    {
+        eprintln!("{prefix}: {note}");
     }
 }
 

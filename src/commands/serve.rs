@@ -36,6 +36,9 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     pub stall_timeout: Duration,
     pub grace: Duration,
+    pub limits: crate::serve::conn::ConnectionLimits,
+    pub read_timeout: Duration,
+    pub quiet: bool,
     pub speculation: Speculation,
     /// Defaults for the settings a request leaves out.
     pub defaults: SamplerConfig,
@@ -59,6 +62,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             args.context
         );
     }
+    if args.limits.max_connections == 0 {
+        bail!("--max-connections 0: the server needs at least one connection");
+    }
     args.defaults.validate()?;
     let started = Instant::now();
     let src = ModelSource::open(&args.model)?;
@@ -75,13 +81,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
     // The model cannot attend further than it was built for.
     let context = args.context.min(src.config.max_context);
+    if context < args.context {
+        eprintln!(
+            "pulsar serve: -c {}: the model was trained for {context} tokens; using {context}",
+            args.context
+        );
+    }
     let opts = args
         .dtype
         .fast_options(args.threads, context, args.in_place);
     let formats = FastEngine::weight_formats(&src, &opts)?;
-    if let Some(note) = formats.conversion_note() {
-        eprintln!("pulsar serve: {note}");
-    }
+    super::print_conversion_note("pulsar serve", &formats);
     // The engine is built on the engine thread, where it then runs.
     let threads = args.threads;
     let embedding_width = src.config.hidden;
@@ -115,6 +125,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         defaults: args.defaults,
         chat_stop_ids,
         completion_stop_ids: end_ids,
+        max_waiting: args.queue,
     };
     eprintln!(
         "pulsar serve: {}, {} slots of {context} tokens",
@@ -134,6 +145,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             prefill_chunk: args.prefill_chunk.max(1),
             stall_timeout: args.stall_timeout,
             grace: args.grace,
+            limits: args.limits,
+            read_timeout: args.read_timeout,
+            quiet: args.quiet,
             speculation: effective_speculation(args.speculation)?,
         },
     )

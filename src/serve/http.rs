@@ -31,8 +31,9 @@ use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Events buffered per request between the engine thread and the client's
@@ -46,6 +47,10 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     pub api_key: Option<String>,
     pub max_body: usize,
+    /// How long a request's body may take to arrive (`--read-timeout`).
+    pub read_timeout: Duration,
+    /// No log line per request (`--quiet`).
+    pub quiet: bool,
     pub next_id: AtomicU64,
     /// `system_fingerprint` of every completion (see `serve::run`).
     pub fingerprint: String,
@@ -70,40 +75,169 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
+/// What the server answers while the model loads: 503 "loading" on every
+/// route, `/health` included (load balancers wait for its 200).
+pub fn loading_router() -> Router {
+    Router::new().fallback(|| async {
+        ApiError {
+            code: Some("loading"),
+            ..ApiError::unavailable("the model is loading; retry in a few seconds", 1)
+        }
+    })
+}
+
 /// Checks the API key (every route but `/health`, which load balancers
-/// probe) and counts responses by route and status.
+/// probe), reads the body within `--read-timeout`, counts responses by
+/// route and status, and logs one line per request.
 async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let started = Instant::now();
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched", MatchedPath::as_str)
         .to_string();
+    let line = (!app.quiet).then(|| LogLine {
+        method: req.method().to_string(),
+        path: req.uri().path().to_string(),
+        status: 0,
+        tokens: None,
+        started,
+    });
     let response = match &app.api_key {
         Some(key) if route != "/health" && !has_key(&req, key) => {
             ApiError::unauthorized().into_response()
         }
-        _ => next.run(req).await,
+        _ => match read_body(&app, req).await {
+            Ok(req) => next.run(req).await,
+            Err(e) => e.into_response(),
+        },
     };
     app.metrics
         .count_request(&route, response.status().as_u16());
-    response
+    match line {
+        Some(mut line) => {
+            line.status = response.status().as_u16();
+            line.tokens = response.extensions().get::<TokenCount>().cloned();
+            // Written when the body has gone out (or the client left).
+            response.map(|body| axum::body::Body::new(LoggedBody { body, _line: line }))
+        }
+        None => response,
+    }
 }
 
+/// The request with its body read whole within `--read-timeout` (and
+/// within `--max-body`): a client that sends less than its
+/// `Content-Length`, or sends it slowly, cannot hold a connection.
+async fn read_body(app: &App, req: Request) -> Result<Request, ApiError> {
+    use http_body_util::BodyExt as _;
+    let (parts, body) = req.into_parts();
+    let read = http_body_util::Limited::new(body, app.max_body).collect();
+    match tokio::time::timeout(app.read_timeout, read).await {
+        Ok(Ok(collected)) => Ok(Request::from_parts(
+            parts,
+            axum::body::Body::from(collected.to_bytes()),
+        )),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ApiError::too_large(app.max_body))
+        }
+        Ok(Err(e)) => Err(ApiError::bad_request(format!(
+            "the request body could not be read: {e}"
+        ))),
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: Some("request_timeout"),
+            ..ApiError::bad_request(format!(
+                "the request body did not arrive within {} s (--read-timeout)",
+                app.read_timeout.as_secs()
+            ))
+        }),
+    }
+}
+
+/// Tokens a reply counted (prompt and completion), for the request's log
+/// line; a stream sets it when its usage is known, at its end.
+#[derive(Clone, Default)]
+pub(super) struct TokenCount(Arc<AtomicUsize>);
+
+impl TokenCount {
+    fn set(&self, tokens: usize) {
+        self.0.store(tokens, Ordering::Relaxed);
+    }
+}
+
+/// One request's line on stderr, written when it is dropped.
+struct LogLine {
+    method: String,
+    path: String,
+    status: u16,
+    tokens: Option<TokenCount>,
+    started: Instant,
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let tokens = match &self.tokens {
+            Some(count) => format!("{} tokens", count.0.load(Ordering::Relaxed)),
+            None => "- tokens".to_string(),
+        };
+        eprintln!(
+            "pulsar serve: {} {} {} {tokens} {} ms",
+            self.method,
+            self.path,
+            self.status,
+            self.started.elapsed().as_millis()
+        );
+    }
+}
+
+/// A response body that writes its request's log line once it is over.
+struct LoggedBody {
+    body: axum::body::Body,
+    /// Held for its `Drop`.
+    _line: LogLine,
+}
+
+impl http_body::Body for LoggedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Whether the request carries the key. Both sides are hashed first and
+/// the digests compared in constant time, so the time taken says nothing
+/// of where, or whether in length, the key and the guess differ.
 fn has_key(req: &Request, key: &str) -> bool {
+    use sha2::{Digest, Sha256};
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    // Compared in time independent of where the strings differ, so the
-    // key cannot be guessed byte by byte from response times.
-    given.is_some_and(|g| {
-        g.len() == key.len()
-            && g.bytes()
-                .zip(key.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    })
+    let Some(given) = given else {
+        return false;
+    };
+    let (a, b) = (
+        Sha256::digest(given.as_bytes()),
+        Sha256::digest(key.as_bytes()),
+    );
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -758,7 +892,9 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
         Kind::Completion => "text_completion",
     };
     let usage = Usage::of_request(&usages, reply.choices_per_prompt).ok_or_else(ended_early)?;
-    Ok(axum::Json(json!({
+    let tokens = TokenCount::default();
+    tokens.set(usage.total_tokens);
+    let mut response = axum::Json(json!({
         "id": reply.id,
         "object": object,
         "created": reply.created,
@@ -767,7 +903,9 @@ async fn whole(reply: Reply, mut events: ChoiceEvents) -> Result<Response, ApiEr
         "choices": choices,
         "usage": reply.usage_value(usage),
     }))
-    .into_response())
+    .into_response();
+    response.extensions_mut().insert(tokens);
+    Ok(response)
 }
 
 pub(super) fn ended_early() -> ApiError {
@@ -811,6 +949,8 @@ struct Streaming {
     native_text: Vec<String>,
     /// Chunks ready to go before anything else.
     queued: VecDeque<SseEvent>,
+    /// The request's tokens, for its log line.
+    tokens: TokenCount,
 }
 
 /// One choice's function-calling reply in a stream.
@@ -1049,6 +1189,9 @@ impl Streaming {
                 Phase::Usage => {
                     self.phase = Phase::Done;
                     let usage = Usage::of_request(&self.usages, self.reply.choices_per_prompt);
+                    if let Some(usage) = usage {
+                        self.tokens.set(usage.total_tokens);
+                    }
                     if let (true, Some(usage)) = (self.reply.include_usage, usage) {
                         let mut chunk = self.reply.chunk(Value::Null);
                         chunk["choices"] = json!([]);
@@ -1082,8 +1225,12 @@ fn sse(reply: Reply, events: ChoiceEvents) -> Response {
         held_logprobs: vec![Vec::new(); count],
         native_text: vec![String::new(); count],
         queued: VecDeque::new(),
+        tokens: TokenCount::default(),
     };
-    sse_response(state)
+    let tokens = state.tokens.clone();
+    let mut response = sse_response(state);
+    response.extensions_mut().insert(tokens);
+    response
 }
 
 /// A reply's stream of server-sent events, one at a time until `None`.
@@ -1142,6 +1289,25 @@ mod tests {
         assert!(e.is_some_and(|e| e.param.is_none() && e.message.contains("not valid JSON")));
         let ok = parse_json::<ChatRequest>(br#"{"messages": [], "frobnicate": {"x": 1}}"#);
         assert!(ok.is_ok());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn while_loading_every_route_answers_503_loading() {
+        use tower::ServiceExt as _;
+        for (method, path) in [("GET", "/health"), ("POST", "/v1/completions")] {
+            let req = Request::builder()
+                .method(method)
+                .uri(path)
+                .body(axum::body::Body::empty())
+                .unwrap_or_default();
+            let response = loading_router().oneshot(req).await;
+            let Ok(response) = response;
+            assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+            assert!(response.headers().contains_key(header::RETRY_AFTER));
+            let body = axum::body::to_bytes(response.into_body(), 1 << 16).await;
+            let body: Value = serde_json::from_slice(&body.unwrap_or_default()).unwrap_or_default();
+            assert_eq!(body["error"]["code"], "loading", "{body}");
+        }
     }
 
     #[test]

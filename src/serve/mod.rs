@@ -23,6 +23,7 @@
 //! sampler, stop strings and constraints; nothing below imports it.
 
 pub mod api;
+pub mod conn;
 pub mod gemma4_calls;
 pub mod http;
 pub mod metrics;
@@ -35,7 +36,6 @@ pub mod tokens;
 pub mod tools;
 
 use anyhow::{Context, Result};
-use axum::serve::ListenerExt as _;
 use metrics::Metrics;
 use request::ServeContext;
 use scheduler::{Queue, Scheduler, SchedulerOptions};
@@ -61,6 +61,12 @@ pub struct ServeOptions {
     pub max_body: usize,
     pub prefill_chunk: usize,
     pub stall_timeout: Duration,
+    /// Connections open at once and their header and write timeouts.
+    pub limits: conn::ConnectionLimits,
+    /// How long a request's body may take to arrive (`--read-timeout`).
+    pub read_timeout: Duration,
+    /// No log line per request (`--quiet`).
+    pub quiet: bool,
     /// How long running requests may go on after Ctrl-C or SIGTERM.
     pub grace: Duration,
     /// Drafting while one request decodes (see `scheduler`).
@@ -116,22 +122,12 @@ pub fn run(
             })
             .context("cannot start the engine thread")?
     };
-    let fingerprint = match ready_rx.recv() {
-        Ok(Ok(fingerprint)) => fingerprint,
-        Ok(Err(e)) => {
-            let _ = engine_thread.join();
-            return Err(e);
-        }
-        Err(_) => {
-            let _ = engine_thread.join();
-            anyhow::bail!("the engine thread failed while loading the model");
-        }
-    };
-
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    // The port is taken before the model loads: clients meanwhile get 503
+    // "loading" (as from llama-server), not a refused connection.
     let bound = runtime
         .block_on(tokio::net::TcpListener::bind((
             opts.host.as_str(),
@@ -141,22 +137,13 @@ pub fn run(
     let listener = match bound {
         Ok(l) => l,
         Err(e) => {
+            // The engine thread ends once its model is loaded.
             queue.drain();
             let _ = engine_thread.join();
             return Err(e);
         }
     };
     let addr = listener.local_addr()?;
-
-    let app = Arc::new(http::App {
-        ctx: ctx.clone(),
-        queue: queue.clone(),
-        metrics,
-        api_key: opts.api_key.clone(),
-        max_body: opts.max_body,
-        next_id: AtomicU64::new(1),
-        fingerprint,
-    });
     // The one line on stdout: scripts and tests read the address from it
     // (with --port 0 the system chose the port).
     println!(
@@ -172,32 +159,55 @@ pub fn run(
     }
 
     let grace = opts.grace;
+    let (routes_tx, routes_rx) = tokio::sync::watch::channel(http::loading_router());
+    let mut load_failure: Option<anyhow::Error> = None;
     let served = runtime.block_on(async {
         let (started_tx, mut started_rx) = tokio::sync::watch::channel(false);
+        let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
         let drain_queue = queue.clone();
         let signal = async move {
-            wait_for_signal().await;
-            eprintln!(
-                "pulsar serve: shutting down: no new requests; running ones get up to {} s",
-                grace.as_secs()
-            );
+            tokio::select! {
+                () = wait_for_signal() => eprintln!(
+                    "pulsar serve: shutting down: no new requests; running ones get up to {} s",
+                    grace.as_secs()
+                ),
+                _ = failed_rx.wait_for(|failed| *failed) => {}
+            }
             drain_queue.drain();
             let _ = started_tx.send(true);
         };
-        // A stream is many small writes (an SSE event per token). With
-        // Nagle's algorithm on, an event written while the one before is
-        // still unacknowledged waits for that ACK, which a client delays by
-        // up to 40 ms: on a kept-alive connection time to first token was
-        // 40-44 ms where a fresh connection's was 8-11 ms (and the official
-        // Python client's 26-30). Latency is what a token stream is for.
-        let listener = listener.tap_io(|stream| {
-            if let Err(e) = stream.set_nodelay(true) {
-                eprintln!(
-                    "pulsar serve: cannot set TCP_NODELAY on a connection ({e}); serving it anyway"
-                );
+        let server = conn::serve(listener, routes_rx, opts.limits, signal);
+        let loaded = async {
+            let ready = tokio::task::spawn_blocking(move || ready_rx.recv()).await;
+            match ready {
+                Ok(Ok(Ok(fingerprint))) => {
+                    let app = Arc::new(http::App {
+                        ctx: ctx.clone(),
+                        queue: queue.clone(),
+                        metrics,
+                        api_key: opts.api_key.clone(),
+                        max_body: opts.max_body,
+                        read_timeout: opts.read_timeout,
+                        quiet: opts.quiet,
+                        next_id: AtomicU64::new(1),
+                        fingerprint,
+                    });
+                    let _ = routes_tx.send(http::router(app));
+                }
+                Ok(Ok(Err(e))) => {
+                    load_failure = Some(e);
+                    let _ = failed_tx.send(true);
+                }
+                _ => {
+                    load_failure = Some(anyhow::anyhow!(
+                        "the engine thread failed while loading the model"
+                    ));
+                    let _ = failed_tx.send(true);
+                }
             }
-        });
-        let server = axum::serve(listener, http::router(app)).with_graceful_shutdown(signal);
+            // Keeps the router alive while the server runs.
+            std::future::pending::<()>().await
+        };
         let abort_queue = queue.clone();
         let watchdog = async move {
             let _ = started_rx.wait_for(|started| *started).await;
@@ -209,10 +219,11 @@ pub fn run(
             tokio::time::sleep(Duration::from_secs(5)).await;
         };
         tokio::select! {
-            r = server => r.context("the HTTP server failed"),
+            () = server => Ok(()),
+            () = loaded => Ok(()),
             () = watchdog => {
                 eprintln!("pulsar serve: some connections stayed open; exiting anyway");
-                Ok(())
+                Ok::<(), anyhow::Error>(())
             }
         }
     });
@@ -220,6 +231,9 @@ pub fn run(
     runtime.shutdown_timeout(Duration::from_secs(1));
     if engine_thread.join().is_err() {
         eprintln!("pulsar serve: the engine thread failed");
+    }
+    if let Some(e) = load_failure {
+        return Err(e);
     }
     served?;
     eprintln!("pulsar serve: stopped");

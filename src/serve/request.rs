@@ -6,11 +6,12 @@ use super::api::{
     ResponseFormat, Sampling,
 };
 use super::native_prompt;
+use super::scheduler::too_many_sequences;
 use super::slot::GenParams;
 use super::tools::{self, CallFormat, ToolCalling};
 use crate::chat_template::ChatTemplate;
 use crate::chat_template::jinja::JinjaTemplate;
-use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler};
+use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, NextTokens};
 use crate::sample::SamplerConfig;
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -43,6 +44,10 @@ pub struct ServeContext {
     /// pieces) and a completion (EOS, `<end_of_turn>`).
     pub chat_stop_ids: Vec<u32>,
     pub completion_stop_ids: Vec<u32>,
+    /// Sequences that may wait for a slot (`--queue`): a request with
+    /// more prompts × choices (or inputs) is refused before it is read
+    /// further.
+    pub max_waiting: usize,
 }
 
 /// One prompt of a request and its settings (`max_tokens` is capped by
@@ -80,6 +85,23 @@ pub struct PreparedEmbeddings {
     pub base64: bool,
 }
 
+/// A request's settings for every prompt of it: the parameters (their
+/// `max_tokens` still to be set per prompt) and the `max_tokens` asked for.
+struct RequestSettings {
+    params: GenParams,
+    max_tokens: Option<u32>,
+}
+
+/// How many prompts (completions) or inputs (embeddings) a request has,
+/// counted without reading them.
+fn prompt_count(prompt: &Prompt) -> usize {
+    match prompt {
+        Prompt::Text(_) | Prompt::Tokens(_) => 1,
+        Prompt::Texts(texts) => texts.len(),
+        Prompt::TokenLists(lists) => lists.len(),
+    }
+}
+
 /// What a reply reports besides its text.
 struct Report {
     /// Log-probabilities with this many alternatives per token.
@@ -114,7 +136,47 @@ fn fresh_seed() -> u64 {
 }
 
 impl ServeContext {
+    /// Refuses a completion whose prompts × choices could never wait in
+    /// the queue together (as `Queue::submit` would, but before any
+    /// prompt is tokenized or any job built).
+    fn check_sequences(&self, prompts: usize, choices: usize) -> Result<(), ApiError> {
+        let sequences = prompts.saturating_mul(choices);
+        if sequences <= self.max_waiting {
+            return Ok(());
+        }
+        let (param, what) = if prompts == 1 {
+            ("n", format!("n = {choices}"))
+        } else {
+            (
+                "prompt",
+                format!("{prompts} prompts with n = {choices} are {sequences} sequences"),
+            )
+        };
+        Err(too_many_sequences(param, &what, self.max_waiting))
+    }
+
+    /// `model`: absent, the served model's id (its file name without
+    /// `.gguf`, as `/v1/models` lists it) or that file name; any other
+    /// name is a 404, as OpenAI answers an unknown model.
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        let Some(name) = model else {
+            return Ok(());
+        };
+        if name == self.model_id || name.strip_suffix(".gguf") == Some(self.model_id.as_str()) {
+            return Ok(());
+        }
+        Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::not_found(format!(
+                "the model `{name}` does not exist; this server has `{}` (or leave model out)",
+                self.model_id
+            ))
+            .with_code("model_not_found")
+        })
+    }
+
     pub fn prepare_chat(&self, req: &ChatRequest) -> Result<Prepared, ApiError> {
+        self.check_model(req.model.as_deref())?;
         let legacy = req.functions.is_some() || req.function_call.is_some();
         let tool_calling = if legacy {
             if req.tools.is_some() || req.tool_choice.is_some() {
@@ -248,6 +310,7 @@ impl ServeContext {
     }
 
     pub fn prepare_completion(&self, req: &CompletionRequest) -> Result<Prepared, ApiError> {
+        self.check_model(req.model.as_deref())?;
         let echo = req.echo == Some(true);
         if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid(
@@ -279,20 +342,23 @@ impl ServeContext {
             ));
         }
         let sampling = req.sampling();
+        // Before any work per prompt: a list that could never wait in the
+        // queue is refused while it costs nothing.
+        let choices_per_prompt = choices(&sampling)?;
+        self.check_sequences(prompt_count(&req.prompt), choices_per_prompt)?;
+        let settings = self.settings(
+            &sampling,
+            Report {
+                top_logprobs: top.map(|n| n as u32),
+                echo,
+            },
+            self.completion_stop_ids.clone(),
+            Vec::new(),
+        )?;
         let constraint = self.constraint(&sampling)?;
         let mut prompts = Vec::new();
         for (field, tokens) in self.token_lists(&req.prompt, "prompt")? {
-            let params = self.params(
-                &sampling,
-                &tokens,
-                &field,
-                Report {
-                    top_logprobs: top.map(|n| n as u32),
-                    echo,
-                },
-                self.completion_stop_ids.clone(),
-                &mut Vec::new(),
-            )?;
+            let params = self.prompt_params(&settings, &tokens, &field)?;
             prompts.push(PreparedPrompt { tokens, params });
         }
         Ok(Prepared {
@@ -300,14 +366,14 @@ impl ServeContext {
             constraint,
             stream: sampling.stream.unwrap_or(false),
             include_usage: include_usage(&sampling),
-            choices: choices(&sampling)?,
+            choices: choices_per_prompt,
             echo,
             tool_calls: None,
             thought_channel: false,
         })
     }
 
-    /// The settings shared by both endpoints, checked.
+    /// The settings shared by both endpoints, checked, for one prompt.
     fn params(
         &self,
         s: &Sampling,
@@ -317,6 +383,20 @@ impl ServeContext {
         stop_ids: Vec<u32>,
         stop_strings: &mut Vec<String>,
     ) -> Result<GenParams, ApiError> {
+        let settings = self.settings(s, report, stop_ids, std::mem::take(stop_strings))?;
+        self.prompt_params(&settings, prompt, prompt_field)
+    }
+
+    /// The settings that do not depend on the prompt, checked once per
+    /// request: a list of prompts shares them (the logit bias and the stop
+    /// strings are not copied per prompt or per choice).
+    fn settings(
+        &self,
+        s: &Sampling,
+        report: Report,
+        stop_ids: Vec<u32>,
+        mut stop_strings: Vec<String>,
+    ) -> Result<RequestSettings, ApiError> {
         let Report { top_logprobs, echo } = report;
         if let Some(n) = top_logprobs
             && n > MAX_TOP_LOGPROBS
@@ -362,30 +442,7 @@ impl ServeContext {
         let frequency = s.frequency_penalty.unwrap_or(0.0);
         check_range("presence_penalty", presence, -2.0, 2.0, "0 = off")?;
         check_range("frequency_penalty", frequency, -2.0, 2.0, "0 = off")?;
-        let mut logit_bias = Vec::new();
-        for (key, &bias) in s.logit_bias.iter().flatten() {
-            let param = format!("logit_bias.{key}");
-            let id: u32 = key.parse().map_err(|_| {
-                ApiError::invalid(&param, format!("logit_bias key {key:?} is not a token id"))
-            })?;
-            if id as usize >= self.tok.vocab_size() {
-                return Err(ApiError::invalid(
-                    &param,
-                    format!(
-                        "token id {id} is outside the vocabulary ({} tokens)",
-                        self.tok.vocab_size()
-                    ),
-                ));
-            }
-            check_range(&param, bias, -100.0, 100.0, "as OpenAI")?;
-            // -100 bans the token outright, as OpenAI documents it.
-            let bias = if bias <= -100.0 {
-                f32::NEG_INFINITY
-            } else {
-                bias
-            };
-            logit_bias.push((id, bias));
-        }
+        let logit_bias = self.logit_bias(s)?;
         let stops = s.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
         if stops.len() > MAX_STOP_STRINGS {
             return Err(ApiError::invalid(
@@ -397,6 +454,73 @@ impl ServeContext {
             ));
         }
         stop_strings.extend(stops.into_iter().filter(|s| !s.is_empty()));
+        let (max_tokens_field, asked) = match (s.max_completion_tokens, s.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", Some(n)),
+            (None, n) => ("max_tokens", n),
+        };
+        // With `echo`, no new token is a request to score the prompt alone.
+        if asked == Some(0) && !echo {
+            return Err(ApiError::invalid(
+                max_tokens_field,
+                format!("{max_tokens_field} must be at least 1 (0 only with echo)"),
+            ));
+        }
+        Ok(RequestSettings {
+            params: GenParams {
+                sampling,
+                seed: s.seed.map_or_else(fresh_seed, |s| s as u64),
+                max_tokens: 0,
+                stop_strings: stop_strings.into(),
+                stop_ids: stop_ids.into(),
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                logit_bias,
+                logprobs: top_logprobs.map(|n| n as usize),
+                trim: false,
+                // The prompt's own log-probabilities come with `echo`.
+                prompt_logprobs: echo && top_logprobs.is_some(),
+            },
+            max_tokens: asked,
+        })
+    }
+
+    /// `logit_bias`, checked: each key a token id of the vocabulary, each
+    /// bias in [-100, 100] (-100 bans the token, as OpenAI documents it).
+    fn logit_bias(&self, s: &Sampling) -> Result<Arc<[(u32, f32)]>, ApiError> {
+        let vocab = self.tok.vocab_size();
+        let mut logit_bias = Vec::with_capacity(s.logit_bias.as_ref().map_or(0, |b| b.len()));
+        for (key, &bias) in s.logit_bias.iter().flatten() {
+            let param = || format!("logit_bias.{key}");
+            let id: u32 = key.parse().map_err(|_| {
+                ApiError::invalid(param(), format!("logit_bias key {key:?} is not a token id"))
+            })?;
+            if id as usize >= vocab {
+                return Err(ApiError::invalid(
+                    param(),
+                    format!("token id {id} is outside the vocabulary ({vocab} tokens)"),
+                ));
+            }
+            if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+                check_range(&param(), bias, -100.0, 100.0, "as OpenAI")?;
+            }
+            let bias = if bias <= -100.0 {
+                f32::NEG_INFINITY
+            } else {
+                bias
+            };
+            logit_bias.push((id, bias));
+        }
+        Ok(logit_bias.into())
+    }
+
+    /// One prompt's settings: the request's, with `max_tokens` capped by
+    /// the room the prompt leaves in a sequence.
+    fn prompt_params(
+        &self,
+        settings: &RequestSettings,
+        prompt: &[u32],
+        prompt_field: &str,
+    ) -> Result<GenParams, ApiError> {
         if prompt.len() >= self.context {
             return Err(ApiError::invalid(
                 prompt_field,
@@ -411,31 +535,9 @@ impl ServeContext {
             .with_code("context_length_exceeded"));
         }
         let room = self.context - prompt.len();
-        let (field, asked) = match (s.max_completion_tokens, s.max_tokens) {
-            (Some(n), _) => ("max_completion_tokens", Some(n)),
-            (None, n) => ("max_tokens", n),
-        };
-        // With `echo`, no new token is a request to score the prompt alone.
-        if asked == Some(0) && !echo {
-            return Err(ApiError::invalid(
-                field,
-                format!("{field} must be at least 1 (0 only with echo)"),
-            ));
-        }
-        let max_tokens = asked.map_or(room, |n| (n as usize).min(room));
         Ok(GenParams {
-            sampling,
-            seed: s.seed.map_or_else(fresh_seed, |s| s as u64),
-            max_tokens,
-            stop_strings: std::mem::take(stop_strings),
-            stop_ids,
-            presence_penalty: presence,
-            frequency_penalty: frequency,
-            logit_bias,
-            logprobs: top_logprobs.map(|n| n as usize),
-            trim: false,
-            // The prompt's own log-probabilities come with `echo`.
-            prompt_logprobs: echo && top_logprobs.is_some(),
+            max_tokens: settings.max_tokens.map_or(room, |n| (n as usize).min(room)),
+            ..settings.params.clone()
         })
     }
 
@@ -461,7 +563,22 @@ impl ServeContext {
                 (ConstraintSpec::JsonSchema(schema), param)
             }
         };
-        self.compile(&spec, param).map(Some)
+        let compiled = self.compile(&spec, param)?;
+        // A schema that no value satisfies (`{"$ref": "#"}`) compiles, and
+        // its reply would be empty with finish_reason "stop": refused
+        // instead, before it takes a slot.
+        match compiled.start().next_tokens() {
+            NextTokens::Allowed(_) => Ok(Some(compiled)),
+            NextTokens::Complete => Err(ApiError::invalid(
+                param,
+                "the schema admits no value (not even an empty reply is JSON): check its \
+                 references and constraints",
+            )),
+            NextTokens::DeadEnd(why) => Err(ApiError::invalid(
+                param,
+                format!("the schema admits no value: {why}"),
+            )),
+        }
     }
 
     /// The reply schema of function calling, compiled. A `response_format`
@@ -625,6 +742,7 @@ impl ServeContext {
         &self,
         req: &EmbeddingRequest,
     ) -> Result<PreparedEmbeddings, ApiError> {
+        self.check_model(req.model.as_deref())?;
         let base64 = match req.encoding_format.as_deref() {
             None | Some("float") => false,
             Some("base64") => true,
@@ -645,6 +763,14 @@ impl ServeContext {
                     "dimensions = {d}: this model's embeddings have {width} values; \
                      leave dimensions out or set it to {width}"
                 ),
+            ));
+        }
+        let count = prompt_count(&req.input);
+        if count > self.max_waiting {
+            return Err(too_many_sequences(
+                "input",
+                &format!("{count} inputs"),
+                self.max_waiting,
             ));
         }
         let inputs = self.token_lists(&req.input, "input")?;

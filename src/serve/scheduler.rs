@@ -110,9 +110,28 @@ enum Mode {
     Abort,
 }
 
+/// A job in the queue, with the request it belongs to: the choices,
+/// prompts or inputs of one request share the number.
+struct Queued {
+    request: u64,
+    job: Job,
+}
+
 struct QueueState {
-    waiting: VecDeque<Job>,
+    waiting: VecDeque<Queued>,
     mode: Mode,
+    /// The number the next request's jobs get.
+    next_request: u64,
+}
+
+impl QueueState {
+    /// Forgets the jobs whose clients went away: they must not hold places
+    /// that a new request could take. Returns how many there were.
+    fn drop_disconnected(&mut self) -> usize {
+        let before = self.waiting.len();
+        self.waiting.retain(|q| !q.job.events.is_closed());
+        before - self.waiting.len()
+    }
 }
 
 /// Requests waiting for a slot, shared by the handlers and the engine
@@ -132,6 +151,7 @@ impl Queue {
             state: Mutex::new(QueueState {
                 waiting: VecDeque::new(),
                 mode: Mode::Running,
+                next_request: 0,
             }),
             wake: Condvar::new(),
             capacity,
@@ -148,7 +168,7 @@ impl Queue {
     pub fn mark_failed(&self) {
         self.failed.store(true, Ordering::Relaxed);
         let mut state = self.lock();
-        for job in state.waiting.drain(..) {
+        for Queued { job, .. } in state.waiting.drain(..) {
             let _ = job.events.try_send(Event::Failed(ApiError::internal(
                 "the server's engine thread failed",
             )));
@@ -173,19 +193,16 @@ impl Queue {
         // or not at all: a reply with some of them missing would be no
         // reply.
         if jobs.len() > self.capacity {
-            return Err(ApiError::invalid(
-                param,
-                format!(
-                    "{what}: more than this server lets wait at once (--queue {}); \
-                     send fewer per request",
-                    self.capacity
-                ),
-            ));
+            return Err(too_many_sequences(param, what, self.capacity));
         }
         let mut state = self.lock();
         if state.mode != Mode::Running {
             return Err(ApiError::unavailable("the server is shutting down", 5));
         }
+        let gone = state.drop_disconnected();
+        self.metrics
+            .disconnects
+            .fetch_add(gone as u64, Ordering::Relaxed);
         if state.waiting.len() + jobs.len() > self.capacity {
             self.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
             return Err(ApiError::unavailable(
@@ -196,7 +213,11 @@ impl Queue {
                 1,
             ));
         }
-        state.waiting.extend(jobs);
+        let request = state.next_request;
+        state.next_request += 1;
+        state
+            .waiting
+            .extend(jobs.into_iter().map(|job| Queued { request, job }));
         self.metrics
             .queue_length
             .store(state.waiting.len(), Ordering::Relaxed);
@@ -220,6 +241,18 @@ impl Queue {
         self.lock().mode = Mode::Abort;
         self.wake.notify_one();
     }
+}
+
+/// The 400 for a request with more jobs (`what`: "n = 20", "100 inputs")
+/// than the queue can ever hold; `param` is the field at fault.
+pub fn too_many_sequences(param: &str, what: &str, capacity: usize) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "{what}: more than this server lets wait at once (--queue {capacity}); \
+             send fewer per request"
+        ),
+    )
 }
 
 pub struct SchedulerOptions {
@@ -256,6 +289,8 @@ struct Active<'t> {
     scores_prompt: Option<usize>,
     /// An embedding job's pooling so far.
     embedding: Option<MeanPool>,
+    /// The request this job is a part of (see [`Queued`]).
+    request: u64,
 }
 
 struct Slot<'t> {
@@ -271,6 +306,7 @@ struct Slot<'t> {
 /// Events a finished request still owes a slow client, delivered after its
 /// slot is freed.
 struct Leftover {
+    request: u64,
     events: mpsc::Sender<Event>,
     outbox: VecDeque<Event>,
     since: Instant,
@@ -409,22 +445,22 @@ impl<'t> Scheduler<'t> {
         let mut state = queue.lock();
         let mode = state.mode;
         if mode != Mode::Running {
-            for job in state.waiting.drain(..) {
+            for Queued { job, .. } in state.waiting.drain(..) {
                 let _ = job.events.try_send(Event::Failed(ApiError::unavailable(
                     "the server is shutting down",
                     5,
                 )));
             }
         }
+        let gone = state.drop_disconnected();
+        self.metrics
+            .disconnects
+            .fetch_add(gone as u64, Ordering::Relaxed);
         while state.waiting.front().is_some() && self.slots.iter().any(|s| s.active.is_none()) {
-            let Some(job) = state.waiting.pop_front() else {
+            let Some(Queued { request, job }) = state.waiting.pop_front() else {
                 break;
             };
-            if job.events.is_closed() {
-                self.metrics.disconnects.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            self.start(job);
+            self.start(job, request);
         }
         self.metrics
             .queue_length
@@ -434,7 +470,7 @@ impl<'t> Scheduler<'t> {
 
     /// Puts a job in the free slot whose cache it can reuse most (the
     /// least recently used among equals).
-    fn start(&mut self, job: Job) {
+    fn start(&mut self, job: Job, request: u64) {
         let Some(index) = self
             .slots
             .iter()
@@ -495,6 +531,7 @@ impl<'t> Scheduler<'t> {
             embedding: job
                 .embed
                 .then(|| MeanPool::new(self.engine.config().hidden)),
+            request,
         });
     }
 
@@ -547,9 +584,13 @@ impl<'t> Scheduler<'t> {
     }
 
     /// Hands each request's events to its channel as far as it has room;
-    /// frees the slots of clients that went away or stopped reading.
+    /// frees the slots of clients that went away or stopped reading. A
+    /// request whose client stopped reading ends whole: every choice of it
+    /// running, waiting or finished (else its choices would stall in turn,
+    /// each holding a slot for the timeout again).
     fn deliver(&mut self) {
         let timeout = self.opts.stall_timeout;
+        let mut stalled: Vec<u64> = Vec::new();
         for slot in &mut self.slots {
             let Some(active) = &mut slot.active else {
                 continue;
@@ -558,13 +599,8 @@ impl<'t> Scheduler<'t> {
                 Flush::Done => active.stalled_since = None,
                 Flush::Full => {
                     let since = *active.stalled_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= timeout {
-                        eprintln!(
-                            "pulsar serve: a client read nothing for {} s; its request was ended",
-                            timeout.as_secs()
-                        );
-                        self.metrics.stalled.fetch_add(1, Ordering::Relaxed);
-                        slot.active = None;
+                    if since.elapsed() >= timeout && !stalled.contains(&active.request) {
+                        stalled.push(active.request);
                     }
                 }
                 Flush::Closed => {
@@ -573,11 +609,57 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        self.leftovers
-            .retain_mut(|left| match flush(&left.events, &mut left.outbox) {
+        self.leftovers.retain_mut(|left| {
+            if stalled.contains(&left.request) {
+                return false;
+            }
+            match flush(&left.events, &mut left.outbox) {
                 Flush::Done | Flush::Closed => false,
-                Flush::Full => left.since.elapsed() < timeout,
-            });
+                Flush::Full => {
+                    let stalls = left.since.elapsed() >= timeout;
+                    if stalls && !stalled.contains(&left.request) {
+                        stalled.push(left.request);
+                    }
+                    !stalls
+                }
+            }
+        });
+        if !stalled.is_empty() {
+            self.end_stalled(&stalled, timeout);
+        }
+    }
+
+    /// Ends the requests whose clients read nothing for `timeout`: their
+    /// slots, their jobs still waiting and what they still owe.
+    fn end_stalled(&mut self, requests: &[u64], timeout: Duration) {
+        eprintln!(
+            "pulsar serve: {} read nothing for {} s; ended",
+            if requests.len() == 1 {
+                "a client".to_string()
+            } else {
+                format!("{} clients", requests.len())
+            },
+            timeout.as_secs()
+        );
+        self.metrics
+            .stalled
+            .fetch_add(requests.len() as u64, Ordering::Relaxed);
+        for slot in &mut self.slots {
+            if slot
+                .active
+                .as_ref()
+                .is_some_and(|a| requests.contains(&a.request))
+            {
+                slot.active = None;
+            }
+        }
+        self.leftovers
+            .retain(|left| !requests.contains(&left.request));
+        let mut state = self.queue.lock();
+        state.waiting.retain(|q| !requests.contains(&q.request));
+        self.metrics
+            .queue_length
+            .store(state.waiting.len(), Ordering::Relaxed);
     }
 
     /// Runs one forward step over every busy slot that has work. Returns
@@ -1005,6 +1087,7 @@ impl<'t> Scheduler<'t> {
         self.publish();
         if let Flush::Full = flush(&active.events, &mut active.outbox) {
             self.leftovers.push(Leftover {
+                request: active.request,
                 events: active.events,
                 outbox: active.outbox,
                 since: Instant::now(),
@@ -1027,6 +1110,7 @@ impl<'t> Scheduler<'t> {
             active.outbox.push_back(Event::Failed(error));
             if let Flush::Full = flush(&active.events, &mut active.outbox) {
                 self.leftovers.push(Leftover {
+                    request: active.request,
                     events: active.events,
                     outbox: active.outbox,
                     since: Instant::now(),

@@ -16,6 +16,7 @@ use crate::speculative::{DraftOffer, Drafter};
 use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::{SPACE_MARK, StreamDecoder, TokenKind, Tokenizer, parse_byte_piece};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// What one request asked for, checked and resolved.
 #[derive(Clone, Debug)]
@@ -24,13 +25,14 @@ pub struct GenParams {
     pub seed: u64,
     /// Already capped by the context left after the prompt.
     pub max_tokens: usize,
-    pub stop_strings: Vec<String>,
-    pub stop_ids: Vec<u32>,
+    /// Shared by every prompt and choice of a request (checked once).
+    pub stop_strings: Arc<[String]>,
+    pub stop_ids: Arc<[u32]>,
     /// OpenAI's penalties, over the tokens generated so far.
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     /// Added to a token's logit; `-inf` bans it.
-    pub logit_bias: Vec<(u32, f32)>,
+    pub logit_bias: Arc<[(u32, f32)]>,
     /// Report log-probabilities, with this many alternatives per token.
     pub logprobs: Option<usize>,
     /// Leave out the white space around the reply (chat: the dialogue
@@ -51,11 +53,11 @@ impl GenParams {
             sampling: SamplerConfig::greedy(),
             seed: 0,
             max_tokens: 0,
-            stop_strings: Vec::new(),
-            stop_ids: Vec::new(),
+            stop_strings: Arc::from([]),
+            stop_ids: Arc::from([]),
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
-            logit_bias: Vec::new(),
+            logit_bias: Arc::from([]),
             logprobs: None,
             trim: false,
             prompt_logprobs: false,
@@ -192,7 +194,7 @@ impl<'t> Generation<'t> {
             sampler: Sampler::new(params.sampling, params.seed),
             constraint,
             decoder: tok.stream_decoder(),
-            stops: StopStrings::new(&params.stop_strings),
+            stops: StopStrings::new(&params.stop_strings[..]),
             trim: ReplyTrim {
                 on: params.trim,
                 at_start: true,
@@ -277,7 +279,7 @@ impl<'t> Generation<'t> {
         // log-softmax of the raw logits, before the logit bias, penalties,
         // constraint mask and temperature that shape the draw.
         let raw = self.params.logprobs.map(|_| logits.to_vec());
-        for &(id, bias) in &self.params.logit_bias {
+        for &(id, bias) in self.params.logit_bias.iter() {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l += bias;
             }
@@ -540,8 +542,8 @@ mod tests {
         GenParams {
             seed: 1,
             max_tokens: 100,
-            stop_strings: vec!["\nUser:".into()],
-            stop_ids: vec![0],
+            stop_strings: Arc::from(["\nUser:".to_string()]),
+            stop_ids: Arc::from([0]),
             ..GenParams::read_only()
         }
     }
@@ -628,7 +630,7 @@ mod tests {
         let tok = tokenizer();
         let mut p = params();
         p.trim = true;
-        p.stop_strings.clear();
+        p.stop_strings = Arc::from([]);
         let mut g = Generation::new(&tok, p, None, &[1], 0);
         let (text, _, _) = run(&mut g, &[8, 2, 8, 3, 4, 8, 0]);
         assert_eq!(text, "He llo");
@@ -638,7 +640,7 @@ mod tests {
     fn logit_bias_and_penalties_move_the_choice() {
         let tok = tokenizer();
         let mut p = params();
-        p.logit_bias = vec![(2, f32::NEG_INFINITY)];
+        p.logit_bias = Arc::from([(2, f32::NEG_INFINITY)]);
         let mut g = Generation::new(&tok, p, None, &[1], 0);
         let mut events = Vec::new();
         let mut logits = pick(2);
