@@ -2314,18 +2314,45 @@ fn shutdown_lets_running_streams_finish_and_exits_zero() {
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
 
-/// The repository's root and the venv's Python (with the official
-/// `openai` package) that `.ci/run` installs.
+/// The repository's root and the venv's Python with the official `openai`
+/// package (pinned in tests/openai_requirements.txt), created the first
+/// time a test needs it, so `cargo test` alone is the test command.
 fn pyenv_python() -> (&'static Path, PathBuf) {
+    static READY: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = root.join("target/pyenv/bin/python");
-    assert!(
-        python.exists(),
-        "{} is missing: run .ci/run (or `python3 -m venv target/pyenv && \
-         target/pyenv/bin/pip install -r tests/openai_requirements.txt`) first",
-        python.display()
-    );
-    (root, python)
+    let python = READY.get_or_init(|| {
+        let venv = root.join("target/pyenv");
+        let python = venv.join("bin/python");
+        let run = |cmd: &mut Command| -> Result<(), String> {
+            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+            match out.status.success() {
+                true => Ok(()),
+                false => Err(format!(
+                    "{cmd:?} failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )),
+            }
+        };
+        if !python.exists() {
+            run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        }
+        // Quick when the pinned package is already there.
+        run(Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(root.join("tests/openai_requirements.txt")))?;
+        Ok(python)
+    });
+    match python {
+        Ok(python) => (root, python.clone()),
+        Err(why) => panic!("cannot set up the openai client's venv in target/pyenv: {why}"),
+    }
 }
 
 /// The official `openai` Python package against the server: chat and
