@@ -193,6 +193,10 @@ fn threads_arg(text: &str) -> Result<usize, String> {
 /// `-n`: a count of tokens, or -1 for no limit but the context (as in
 /// llama.cpp).
 fn max_new_arg(text: &str) -> Result<usize, String> {
+    // Any count a usize holds (generation stops where the context ends).
+    if let Ok(n) = text.parse::<usize>() {
+        return Ok(n);
+    }
     match text.parse::<i64>() {
         Ok(-1) => Ok(usize::MAX),
         Ok(n) if n >= 0 => Ok(n as usize),

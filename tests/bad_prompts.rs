@@ -182,7 +182,8 @@ fn huge_n_predict() {
 fn invalid_numbers() {
     for (flag, value) in [
         ("-n", "ten"),
-        ("-n", "-1"),
+        // -1 means no limit (as in llama.cpp); other negatives mean nothing.
+        ("-n", "-2"),
         ("-n", "1.5"),
         ("-c", "4k"),
         ("-t", "warm"),

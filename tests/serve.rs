@@ -2918,3 +2918,41 @@ fn unknown_models_get_404_and_each_request_logs_a_line() {
         quiet.stderr()
     );
 }
+
+/// A reply cut by `max_tokens` inside a tool call returns finish reason
+/// "length" and never a call whose arguments are not JSON (the report's
+/// `{"city` in `tool_calls`): every returned call parses, whatever the
+/// limit cuts.
+#[test]
+fn tool_calls_cut_by_max_tokens_are_never_malformed() {
+    let s = Server::start(&["-c", "1024"]);
+    let tools = weather_tools();
+    let question = user("What is the weather in Paris, in celsius?");
+    let mut cut_inside_a_call = 0;
+    for max_tokens in [6, 9, 12, 15, 18] {
+        let v = s.ok(
+            "/v1/chat/completions",
+            &json!({"messages": question, "tools": tools, "temperature": 0,
+                    "max_tokens": max_tokens, "tool_choice": "required"}),
+        );
+        let choice = &v["choices"][0];
+        if choice["finish_reason"] != "length" {
+            continue;
+        }
+        if choice["message"]["tool_calls"].is_null() {
+            cut_inside_a_call += 1;
+        }
+        for call in choice["message"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let text = call["function"]["arguments"].as_str().expect("arguments");
+            assert!(
+                serde_json::from_str::<Value>(text).is_ok(),
+                "max_tokens {max_tokens}: arguments {text:?} are not JSON: {v}"
+            );
+        }
+    }
+    assert!(cut_inside_a_call > 0, "no limit cut a call");
+}

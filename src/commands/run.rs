@@ -132,12 +132,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // The model cannot attend further than it was built for, and a -c above
     // that would only size buffers for positions it never reaches.
     let context = args.common.context.min(src.config.max_context);
-    if context < args.common.context {
-        eprintln!(
-            "pulsar: -c {}: the model was trained for {context} tokens; using {context}",
-            args.common.context
-        );
-    }
     if prompt.len() >= context {
         bail!(
             "the prompt has {} tokens but the context holds {context} (-c {}, model maximum {}); shorten the prompt or raise -c",
@@ -151,6 +145,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // the model maximum, not -c).
     let max_new = args.common.max_new.min(context - prompt.len());
     // Said once the prompt is known to fit, so that a refusal stays one line.
+    if context < args.common.context {
+        eprintln!(
+            "pulsar: -c {}: the model was trained for {context} tokens; using {context}",
+            args.common.context
+        );
+    }
     if let Some(choice) = &choice {
         eprintln!("pulsar: {}; --raw for plain completion", choice.describe());
     }

@@ -7,7 +7,7 @@
 
 use crate::model::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::path::Path;
 
 pub fn run(model: &Path, text: &str, bos: bool) -> Result<()> {
@@ -20,13 +20,7 @@ pub fn run(model: &Path, text: &str, bos: bool) -> Result<()> {
 
 /// The tokenizer of a GGUF file or of a Hugging Face folder, alone.
 fn open_tokenizer(path: &Path) -> Result<Tokenizer> {
-    let meta = std::fs::metadata(path).with_context(|| {
-        format!(
-            "{}: cannot read the model path (pass a .gguf file or a Hugging Face folder with -m)",
-            path.display()
-        )
-    })?;
-    if meta.is_dir() {
+    if crate::model::source::is_model_folder(path)? {
         Tokenizer::from_hf_folder(path)
     } else {
         Tokenizer::from_gguf(&GgufFile::open(path)?)

@@ -98,13 +98,7 @@ impl ModelSource {
     /// Opens a `.gguf` file or a Hugging Face folder (config.json plus
     /// model.safetensors or a sharded index).
     pub fn open(path: &Path) -> Result<ModelSource> {
-        let meta = std::fs::metadata(path).with_context(|| {
-            format!(
-                "{}: cannot read the model path (pass a .gguf file or a Hugging Face folder with -m)",
-                path.display()
-            )
-        })?;
-        if meta.is_dir() {
+        if is_model_folder(path)? {
             return Self::open_hf(path);
         }
         // A file from inside a Hugging Face folder would otherwise be
@@ -403,6 +397,19 @@ impl ModelSource {
             Files::Hf { index, .. } => index.contains_key(&name),
         }
     }
+}
+
+/// Whether `-m PATH` names a folder (a Hugging Face model) rather than a
+/// file, with an error that says what `-m` takes when nothing readable is
+/// there.
+pub fn is_model_folder(path: &Path) -> Result<bool> {
+    let meta = std::fs::metadata(path).with_context(|| {
+        format!(
+            "{}: cannot read the model path (pass a .gguf file or a Hugging Face folder with -m)",
+            path.display()
+        )
+    })?;
+    Ok(meta.is_dir())
 }
 
 /// Whether anything, even a broken symbolic link, is at `path`.

@@ -744,9 +744,22 @@ impl Reply {
         if let Some(content) = read.content {
             return (plain(content), reason);
         }
+        // A reply cut by the length limit returns only the calls it
+        // finished: never arguments that are not JSON (OpenAI's rule; a
+        // client would fail to parse them). With none finished, the
+        // choice has no content and finish reason "length".
+        let finished: Vec<&tools::PartialCall> = read
+            .calls
+            .iter()
+            .filter(|c| read.complete || serde_json::from_str::<Value>(&c.arguments).is_ok())
+            .collect();
+        if finished.is_empty() {
+            let message = json!({ "role": "assistant", "content": null, "refusal": null });
+            return (message, reason);
+        }
         if format == CallFormat::FunctionCall {
             // One call at most (the schema allows no more).
-            let call = &read.calls[0];
+            let call = finished[0];
             let message = json!({
                 "role": "assistant",
                 "content": null,
@@ -755,8 +768,7 @@ impl Reply {
             });
             return (message, reason);
         }
-        let calls: Vec<Value> = read
-            .calls
+        let calls: Vec<Value> = finished
             .iter()
             .enumerate()
             .map(|(k, call)| tools::call_value(call, &self.id, choice, k))
