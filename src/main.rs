@@ -34,7 +34,7 @@ struct Cli {
     verbose: bool,
     /// Bits of the inputs to the integer kernels of quantized weights: 8 (one 8-bit level per
     /// value, fastest) or 16 (two 8-bit levels, the value and its rounding error: matches
-    /// `--dtype f16` more closely, for about twice the integer work; see the README).
+    /// `--dtype f16` more closely, for about twice the integer work; see docs/quantized-weights.md).
     #[arg(long, global = true, value_enum, default_value = "8")]
     input_bits: InputBitsArg,
     /// `pulsar` alone chats; these are the chat's flags.
