@@ -5,6 +5,8 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
+pub use super::formats::{Conversion, WeightFormats, multiplied_matrices};
+use super::formats::{converted_bytes, nearest_with_kernel};
 use super::kernels::{GroupAttention, MatKernels, SharedOut, add_block_offsets, merge_key_parts};
 use super::key_split::{KeySplit, attention_units};
 use super::kv_cache::FlatKv;
@@ -15,9 +17,7 @@ use super::q8_input::{InputPrecision, Q8Input};
 use super::step_logits::StepLogits;
 use super::{Engine, LogitsWanted};
 use crate::jit::blocking::{Blocking, ROW_GRANULE};
-use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
 use crate::model::config::ModelConfig;
-use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{ModelWeights, RowTable, matrix_name, matrix_shape, model_matrices};
@@ -86,207 +86,6 @@ struct Part {
     start: usize,
     n: usize,
     exact: bool,
-}
-
-/// The packed format of each of an engine's matrices, decided once per
-/// model.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WeightFormats {
-    /// The 16-bit format of every matrix not kept quantized (the 16-bit
-    /// kernels are planned for one).
-    pub wide: WeightFormat,
-    /// The tied embedding and LM head.
-    pub head: WeightFormat,
-    /// Every other matrix's format (`model::weights::model_matrices`);
-    /// empty when every one is `wide`.
-    pub matrices: HashMap<Role, WeightFormat>,
-    /// Quantized types no kernel family reads yet, converted to the
-    /// nearest one that has one (never silently to FP16).
-    pub converted: Vec<Conversion>,
-}
-
-/// Matrices of one name and file type converted to another format.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Conversion {
-    pub tensor: &'static str,
-    pub from: DType,
-    pub to: WeightFormat,
-    pub count: usize,
-    pub file_bytes: usize,
-    pub bytes: usize,
-}
-
-/// The format a quantized type without a kernel family becomes. Q4_K and
-/// Q5_K: Q5_0 with an offset per 32 values, which moves a value by at most
-/// q times FP16's rounding of its scale (`model::k_quant_as_q5_0`). Q6_K,
-/// whose scales change every 16 values: Q8_0, whose 8-bit grid holds its
-/// values to within half a step of max/127 per 32, far below their own
-/// rounding.
-fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
-    match dtype {
-        DType::Q4K | DType::Q5K => Some(WeightFormat::Q5_0),
-        DType::Q6K => Some(WeightFormat::Q8_0),
-        _ => None,
-    }
-}
-
-/// Bytes a `rows x cols` matrix of file type `dtype` takes as `to`: its
-/// blocks, and the offsets of a K-quant kept as Q5_0.
-fn converted_bytes(dtype: DType, to: WeightFormat, rows: usize, cols: usize) -> usize {
-    let offsets = if to.takes_offsets(dtype) {
-        WeightFormat::offsets_len(rows, cols) * 4
-    } else {
-        0
-    };
-    to.matrix_bytes(rows, cols) + offsets
-}
-
-impl WeightFormats {
-    /// The formats of a shape without a file: `format` for every matrix,
-    /// or for a quantized `format`, that type wherever the rows are whole
-    /// blocks and FP16 elsewhere (the widened panels of prefill are FP16).
-    pub fn for_shape(c: &ModelConfig, format: WeightFormat) -> WeightFormats {
-        if format.is_16bit() {
-            return WeightFormats::uniform(format);
-        }
-        let fit = |k: usize| {
-            if quant_blocks::fits(k) {
-                format
-            } else {
-                WeightFormat::F16
-            }
-        };
-        WeightFormats {
-            wide: WeightFormat::F16,
-            head: fit(c.hidden),
-            matrices: model_matrices(c)
-                .into_iter()
-                .filter(|&(role, _)| role != Role::Embedding)
-                .map(|(role, [_, k])| (role, fit(k)))
-                .collect(),
-            converted: Vec::new(),
-        }
-    }
-
-    /// The same formats with each quantized type in its layout for the
-    /// kernels, whichever layout the file has.
-    pub fn with_layouts(mut self, layouts: &QuantLayouts) -> WeightFormats {
-        let swap = |f: &mut WeightFormat| {
-            if let Some(q) = f.quant() {
-                *f = WeightFormat::of_quant(layouts.of(q));
-            }
-        };
-        swap(&mut self.head);
-        self.matrices.values_mut().for_each(swap);
-        self.converted.iter_mut().for_each(|c| swap(&mut c.to));
-        self
-    }
-
-    /// All matrices in one 16-bit format.
-    pub fn uniform(format: WeightFormat) -> WeightFormats {
-        WeightFormats {
-            wide: format,
-            head: format,
-            matrices: HashMap::new(),
-            converted: Vec::new(),
-        }
-    }
-
-    /// One line naming the converted tensors, types and the size change.
-    pub fn conversion_note(&self) -> Option<String> {
-        if self.converted.is_empty() {
-            return None;
-        }
-        let parts: Vec<String> = self
-            .converted
-            .iter()
-            .map(|c| {
-                let to = if c.to.takes_offsets(c.from) {
-                    "q5_0 with an offset per 32"
-                } else {
-                    c.to.name()
-                };
-                // No "->": "> " is the chat prompt a terminal waits for.
-                format!(
-                    "{} x{} {} to {to} ({:.1} MB to {:.1} MB)",
-                    c.tensor,
-                    c.count,
-                    c.from,
-                    c.file_bytes as f64 / 1e6,
-                    c.bytes as f64 / 1e6
-                )
-            })
-            .collect();
-        Some(format!(
-            "no integer kernel reads these types yet, so they were converted: {}",
-            parts.join(", ")
-        ))
-    }
-
-    /// The format of a matrix.
-    pub fn of(&self, role: Role) -> WeightFormat {
-        match role {
-            Role::Embedding => self.head,
-            _ => self.matrices.get(&role).copied().unwrap_or(self.wide),
-        }
-    }
-
-    /// The quantized matrices by the plan's name, type and K, once each.
-    pub fn quantized(&self, c: &ModelConfig) -> Vec<QuantizedMatrix> {
-        let mut out: Vec<QuantizedMatrix> = Vec::new();
-        for (role, [_, k]) in multiplied_matrices(c) {
-            if let Some(q) = self.of(role).quant() {
-                let m = QuantizedMatrix {
-                    tensor: matrix_name(role),
-                    q,
-                    k,
-                };
-                if !out.contains(&m) {
-                    out.push(m);
-                }
-            }
-        }
-        out
-    }
-
-    /// The plan's names of the matrices kept in the 16-bit format in at
-    /// least one place.
-    pub fn wide_tensors(&self, c: &ModelConfig) -> Vec<&'static str> {
-        let mut out = Vec::new();
-        for (role, _) in multiplied_matrices(c) {
-            let name = matrix_name(role);
-            if self.of(role).is_16bit() && !out.contains(&name) {
-                out.push(name);
-            }
-        }
-        out
-    }
-
-    /// "f16", or "f16 + q8_0 LM head + q5_0 (126 of 126 layer matrices)".
-    pub fn describe(&self) -> String {
-        let mut text = self.wide.name().to_string();
-        if self.head != self.wide {
-            text += &format!(" + {} LM head", self.head.name());
-        }
-        let mut counts: Vec<(WeightFormat, usize)> = Vec::new();
-        for &f in self.matrices.values().filter(|&&f| f != self.wide) {
-            match counts.iter_mut().find(|(g, _)| *g == f) {
-                Some((_, n)) => *n += 1,
-                None => counts.push((f, 1)),
-            }
-        }
-        counts.sort_by_key(|(f, _)| f.name());
-        let total = self.matrices.len();
-        for (f, n) in counts {
-            text += &format!(" + {} ({n} of {total} layer matrices)", f.name());
-        }
-        text
-    }
-}
-
-/// The matrices an engine multiplies by, with their shapes.
-pub fn multiplied_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
-    model_matrices(c)
 }
 
 /// Options for building the fast engine.

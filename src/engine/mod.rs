@@ -4,6 +4,7 @@ pub mod attn_scores;
 pub mod autotune;
 pub mod decode_wsum;
 pub mod fast;
+pub mod formats;
 pub mod jit_kernels;
 pub mod kernels;
 pub mod key_split;
