@@ -58,12 +58,23 @@ impl GenerationStats {
 
     /// One line for stderr after a reply.
     pub fn summary(&self) -> String {
+        self.summary_with_format(0)
+    }
+
+    /// [`GenerationStats::summary`] saying how many of the prompt's tokens
+    /// the chat format added (BOS, turn markers, a preamble), so the count
+    /// matches what the user typed.
+    pub fn summary_with_format(&self, format_tokens: usize) -> String {
         let spec = match &self.spec {
             Some(s) => format!(" | spec: {}", s.describe(self.generated)),
             None => String::new(),
         };
+        let format = match format_tokens {
+            0 => String::new(),
+            n => format!(" ({n} of them the chat format)"),
+        };
         format!(
-            "[prompt {} tok, {:.1} tok/s | generated {} tok, {:.1} tok/s{spec}]",
+            "[prompt {} tok{format}, {:.1} tok/s | generated {} tok, {:.1} tok/s{spec}]",
             self.prompt_tokens,
             self.prefill_tok_s(),
             self.generated,

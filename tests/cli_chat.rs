@@ -231,6 +231,12 @@ fn a_conversation_longer_than_the_context_keeps_going() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(stderr.contains("context is full"), "{stderr}");
+    // It says what the need is made of: the room kept for the reply (-n 40,
+    // less than half of 160) and how much is left.
+    assert!(
+        stderr.contains("40 are kept for the reply: -n 40") && stderr.contains("are left"),
+        "{stderr}"
+    );
     let replies = stats_lines(&stderr).len();
     assert!((1..8).contains(&replies), "{replies} replies: {stderr}");
 }

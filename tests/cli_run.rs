@@ -345,3 +345,33 @@ fn a_limit_inside_a_stop_string_hides_its_start() {
         assert!(!shown.ends_with(&"\nUser:"[..end]), "{text:?}");
     }
 }
+
+/// The prompt's count says how much of it the chat format added, so "hi"
+/// is not reported as a 30-token prompt without a word why; plain
+/// completion has nothing to add.
+#[test]
+fn the_prompt_count_separates_the_chat_format() {
+    let out = pulsar(&["run", "-p", "hi", "-n", "2", "-t", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stats = stderr
+        .lines()
+        .find(|l| l.contains("[prompt "))
+        .expect("stats");
+    let total: usize = stats["pulsar: [prompt ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("prompt count");
+    let format: usize = stats
+        .split(" (")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no chat-format count in {stats}"));
+    assert!(stats.contains("of them the chat format"), "{stats}");
+    // "hi" is one token of the user's; the rest is the format's.
+    assert_eq!(total - format, 1, "{stats}");
+    let raw = pulsar(&["run", "-p", "hi", "-n", "2", "-t", "0", "--raw"]);
+    assert!(!String::from_utf8_lossy(&raw.stderr).contains("chat format)"));
+}

@@ -284,6 +284,16 @@ impl<'a> Session<'a> {
                 );
             }
             Err(why) => {
+                // What the need is made of, in the user's terms: the
+                // message's turn and the room kept for the reply (-n, at
+                // most half the context), against what is left.
+                let reserve = need.saturating_sub(user_turn.len() + self.model_end.len());
+                let left = self.conv.limit().saturating_sub(self.conv.len());
+                let why = format!(
+                    "{why} (this message's turn is {} tokens and {reserve} are kept for the reply: -n {}, at most half the context; {left} are left)",
+                    user_turn.len(),
+                    self.args.common.max_new
+                );
                 // With --context-full stop a full context ends the chat, and
                 // -p has no later turn to go on with; otherwise the user can
                 // shorten the message or /reset.

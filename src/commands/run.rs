@@ -113,6 +113,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         _ => Vec::new(),
     };
     stop_strings.extend(args.common.stop.iter().cloned());
+    // The user's own tokens (prompt and system text), so the stats can say
+    // what the chat format added.
+    let own_tokens = tok.encode(&text, false).len()
+        + args
+            .common
+            .system
+            .as_ref()
+            .map_or(0, |s| tok.encode(s, false).len());
     let prompt = match template {
         Some(t) => tok.encode(
             &t.user_then_model(&text, args.common.system.as_deref(), args.common.think),
@@ -125,6 +133,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
             };
             tok.encode(&text, true)
         }
+    };
+    let format_tokens = match template {
+        Some(_) => prompt.len().saturating_sub(own_tokens),
+        None => 0,
     };
     if args.common.context == 0 {
         bail!("-c 0: the context must hold at least the prompt and one new token");
@@ -221,6 +233,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         decoded.constraint.as_ref(),
         constraint.as_ref(),
     );
-    eprintln!("pulsar: {}", decoded.stats.summary());
+    eprintln!(
+        "pulsar: {}",
+        decoded.stats.summary_with_format(format_tokens)
+    );
     Ok(())
 }
