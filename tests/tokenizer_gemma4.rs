@@ -9,6 +9,7 @@
 //! - malformed `gemma4` GGUFs.
 
 use pulsar::model::gguf::GgufFile;
+use pulsar::model::gguf_write::GgufWriter;
 use pulsar::tokenizer::{TokenKind, Tokenizer};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -315,6 +316,7 @@ fn tokenize_command_reads_a_vocabulary_only_gguf() {
 
 // ---- malformed gemma4 GGUFs ----
 
+/// A metadata value of the tiny vocabularies below.
 enum Meta<'a> {
     Bool(bool),
     Str(&'a str),
@@ -322,49 +324,18 @@ enum Meta<'a> {
     I32s(&'a [i32]),
 }
 
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// A GGUF v3 file with metadata only, ending right after it (as llama.cpp's
-/// vocabulary-only files do).
+/// A GGUF file with metadata only, written by the project's GGUF writer.
 fn write_gguf(path: &Path, kvs: &[(&str, Meta)]) {
-    let mut out = b"GGUF".to_vec();
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&0u64.to_le_bytes());
-    out.extend_from_slice(&(kvs.len() as u64).to_le_bytes());
+    let mut w = GgufWriter::new();
     for (key, value) in kvs {
-        put_str(&mut out, key);
-        let array = |out: &mut Vec<u8>, ty: u32, n: usize| {
-            out.extend_from_slice(&9u32.to_le_bytes());
-            out.extend_from_slice(&ty.to_le_bytes());
-            out.extend_from_slice(&(n as u64).to_le_bytes());
-        };
         match value {
-            Meta::Bool(v) => {
-                out.extend_from_slice(&7u32.to_le_bytes());
-                out.push(*v as u8);
-            }
-            Meta::Str(s) => {
-                out.extend_from_slice(&8u32.to_le_bytes());
-                put_str(&mut out, s);
-            }
-            Meta::Strs(list) => {
-                array(&mut out, 8, list.len());
-                for s in *list {
-                    put_str(&mut out, s);
-                }
-            }
-            Meta::I32s(list) => {
-                array(&mut out, 5, list.len());
-                for v in *list {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-            }
-        }
+            Meta::Bool(v) => w.add_bool(key, *v),
+            Meta::Str(s) => w.add_str(key, s),
+            Meta::Strs(list) => w.add_str_array(key, list),
+            Meta::I32s(list) => w.add_i32_array(key, list),
+        };
     }
-    std::fs::write(path, out).unwrap();
+    w.write(path).expect("write GGUF");
 }
 
 const TINY_PIECES: &[&str] = &[

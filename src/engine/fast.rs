@@ -5,7 +5,7 @@
 //! The math is the reference pass's (same ops, same order of the per-token
 //! steps); only the matrix products and their summation order differ.
 
-pub use super::formats::{Conversion, WeightFormats, multiplied_matrices};
+pub use super::formats::{Conversion, WeightFormats};
 use super::formats::{converted_bytes, nearest_with_kernel};
 use super::kernels::{GroupAttention, MatKernels, SharedOut, add_block_offsets, merge_key_parts};
 use super::key_split::{KeySplit, attention_units};
@@ -782,30 +782,27 @@ impl FastEngine {
         if let Some(table) = &self.weights.per_layer_input {
             let p = c.features.per_layer_input;
             let width = c.n_layers() * p;
-            // The projection of the scaled embeddings; then per token and
-            // layer its norm, plus the token's row of the table (as the
-            // reference's `per_layer_inputs`).
+            // The projection of the scaled embeddings, then per token
+            // combined with its row of the table.
             self.matmul(
                 &table.model_projection,
                 &a.x,
                 &mut a.per_layer_inputs,
                 tokens.len(),
             );
-            let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
-            let token_scale = (p as f32).sqrt();
             let mut row = vec![0.0; width];
             for (&token, inputs) in tokens
                 .iter()
                 .zip(a.per_layer_inputs.chunks_exact_mut(width))
             {
                 table.embedding.row_f32(token as usize, &mut row);
-                for (part, tok) in inputs.chunks_exact_mut(p).zip(row.chunks_exact(p)) {
-                    part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
-                    ops::rms_norm_in_place(part, &table.projection_norm, c.rms_eps);
-                    for (v, &t) in part.iter_mut().zip(tok) {
-                        *v = (*v + t * token_scale) * std::f32::consts::FRAC_1_SQRT_2;
-                    }
-                }
+                ops::combine_per_layer_inputs(
+                    inputs,
+                    &row,
+                    &table.projection_norm,
+                    c.hidden,
+                    c.rms_eps,
+                );
             }
         }
         Ok(())
@@ -934,16 +931,16 @@ impl FastEngine {
             .rms_norm(&a.x, &moe.norm, &mut a.expert_in, c.rms_eps);
         // Per expert: its tokens (rows of the step, in order) and weights.
         let mut routed_to: Vec<Vec<(usize, f32)>> = vec![Vec::new(); shape.experts];
-        let mut logits = vec![0.0; shape.experts];
-        let mut input = vec![0.0; h];
         for (t, x) in a.x.chunks_exact(h).enumerate() {
-            input.copy_from_slice(x);
-            ops::rms_normalize(&mut input, c.rms_eps);
-            for (v, s) in input.iter_mut().zip(&moe.router_input_scale) {
-                *v *= s;
-            }
-            ops::matvec(&moe.router.data, &input, &mut logits);
-            for (e, weight) in ops::route_experts(&logits, shape.top_k, &moe.expert_scale) {
+            let routes = ops::route_token(
+                &moe.router.data,
+                &moe.router_input_scale,
+                &moe.expert_scale,
+                x,
+                shape.top_k,
+                c.rms_eps,
+            );
+            for (e, weight) in routes {
                 routed_to[e].push((t, weight));
             }
         }

@@ -157,7 +157,7 @@ impl WeightFormats {
     /// The quantized matrices by the plan's name, type and K, once each.
     pub fn quantized(&self, c: &ModelConfig) -> Vec<QuantizedMatrix> {
         let mut out: Vec<QuantizedMatrix> = Vec::new();
-        for (role, [_, k]) in multiplied_matrices(c) {
+        for (role, [_, k]) in model_matrices(c) {
             if let Some(q) = self.of(role).quant() {
                 let m = QuantizedMatrix {
                     tensor: matrix_name(role),
@@ -176,7 +176,7 @@ impl WeightFormats {
     /// least one place.
     pub fn wide_tensors(&self, c: &ModelConfig) -> Vec<&'static str> {
         let mut out = Vec::new();
-        for (role, _) in multiplied_matrices(c) {
+        for (role, _) in model_matrices(c) {
             let name = matrix_name(role);
             if self.of(role).is_16bit() && !out.contains(&name) {
                 out.push(name);
@@ -205,9 +205,4 @@ impl WeightFormats {
         }
         text
     }
-}
-
-/// The matrices an engine multiplies by, with their shapes.
-pub fn multiplied_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
-    model_matrices(c)
 }

@@ -75,7 +75,7 @@ pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usiz
             Vec::new()
         } else {
             let mut mats: Vec<(&'static str, usize, usize)> = Vec::new();
-            for (role, [rows, k]) in super::fast::multiplied_matrices(config) {
+            for (role, [rows, k]) in crate::model::weights::model_matrices(config) {
                 let m = (crate::model::weights::matrix_name(role), rows, k);
                 if !mats.contains(&m) {
                     mats.push(m);

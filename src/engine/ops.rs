@@ -56,6 +56,50 @@ pub fn rms_normalize(x: &mut [f32], eps: f32) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// Gemma 4's per-layer inputs of one token, in place: `projected` holds
+/// the projection of its scaled embedding (`[layers x P]`), `token_row`
+/// its row of the per-layer table. Each layer's part becomes
+/// `(norm(projected * hidden^-1/2) + token_row * sqrt(P)) * 2^-1/2`.
+pub fn combine_per_layer_inputs(
+    projected: &mut [f32],
+    token_row: &[f32],
+    norm: &[f32],
+    hidden: usize,
+    eps: f32,
+) {
+    let p = norm.len();
+    let inv_sqrt_hidden = (hidden as f32).powf(-0.5);
+    let token_scale = (p as f32).sqrt();
+    for (part, tok) in projected.chunks_exact_mut(p).zip(token_row.chunks_exact(p)) {
+        part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
+        rms_norm_in_place(part, norm, eps);
+        for (v, &t) in part.iter_mut().zip(tok) {
+            *v = (*v + t * token_scale) * std::f32::consts::FRAC_1_SQRT_2;
+        }
+    }
+}
+
+/// The experts Gemma 4's router sends the residual `x` to, with their
+/// weights: `router` (`[experts, hidden]`, row-major) applied to
+/// `rms(x) * input_scale`, then [`route_experts`].
+pub fn route_token(
+    router: &[f32],
+    input_scale: &[f32],
+    expert_scale: &[f32],
+    x: &[f32],
+    top_k: usize,
+    eps: f32,
+) -> Vec<(usize, f32)> {
+    let mut input = x.to_vec();
+    rms_normalize(&mut input, eps);
+    for (v, s) in input.iter_mut().zip(input_scale) {
+        *v *= s;
+    }
+    let mut logits = vec![0.0; expert_scale.len()];
+    matvec(router, &input, &mut logits);
+    route_experts(&logits, top_k, expert_scale)
+}
+
 /// The experts a router sends a token to, with their weights: the
 /// softmax of `logits`, its `top_k` largest (the lower index first on
 /// ties), renormalised to sum to 1, each times its expert's scale.

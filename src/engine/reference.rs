@@ -296,19 +296,20 @@ fn mlp(gate: &F32Matrix, up: &F32Matrix, down: &F32Matrix, h: &[f32], out: &mut 
 /// The mixture's output for the residual `x` (before the feed-forward's
 /// norm, which the router reads): the routed experts' weighted sum.
 fn experts_step(c: &ModelConfig, moe: &MoeWeights<F32Matrix>, x: &[f32], out: &mut [f32]) {
-    let mut router_input = x.to_vec();
-    ops::rms_normalize(&mut router_input, c.rms_eps);
-    for (v, s) in router_input.iter_mut().zip(&moe.router_input_scale) {
-        *v *= s;
-    }
-    let mut logits = vec![0.0; moe.router.rows];
-    matvec(&moe.router.data, &router_input, &mut logits);
     let top_k = c.features.moe.map_or(0, |m| m.top_k);
+    let routes = ops::route_token(
+        &moe.router.data,
+        &moe.router_input_scale,
+        &moe.expert_scale,
+        x,
+        top_k,
+        c.rms_eps,
+    );
     let mut expert_in = vec![0.0; c.hidden];
     rms_norm(x, &moe.norm, c.rms_eps, &mut expert_in);
     let mut expert_out = vec![0.0; c.hidden];
     out.fill(0.0);
-    for (e, weight) in ops::route_experts(&logits, top_k, &moe.expert_scale) {
+    for (e, weight) in routes {
         let expert = &moe.experts[e];
         mlp(
             &expert.gate,
@@ -335,16 +336,14 @@ pub fn per_layer_inputs(
     let p = c.features.per_layer_input;
     let mut projected = vec![0.0; c.n_layers() * p];
     matvec(&table.model_projection.data, x0, &mut projected);
-    let inv_sqrt_hidden = (c.hidden as f32).powf(-0.5);
-    let token_scale = (p as f32).sqrt();
     let mut row = vec![0.0; c.n_layers() * p];
     table.embedding.row_f32(token as usize, &mut row);
-    for (part, tok) in projected.chunks_exact_mut(p).zip(row.chunks_exact(p)) {
-        part.iter_mut().for_each(|v| *v *= inv_sqrt_hidden);
-        rms_norm_in_place(part, &table.projection_norm, c.rms_eps);
-        for (v, &t) in part.iter_mut().zip(tok) {
-            *v = (*v + t * token_scale) * std::f32::consts::FRAC_1_SQRT_2;
-        }
-    }
+    ops::combine_per_layer_inputs(
+        &mut projected,
+        &row,
+        &table.projection_norm,
+        c.hidden,
+        c.rms_eps,
+    );
     projected
 }

@@ -478,6 +478,13 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     } else {
         None
     };
+    // The converter writes no k = v flag: a global layer with K and no V
+    // takes its values from K.
+    let values_from_keys = (0..n_layers).any(|i| {
+        !sliding[i]
+            && g.tensor_info(&format!("blk.{i}.attn_k.weight")).is_some()
+            && g.tensor_info(&format!("blk.{i}.attn_v.weight")).is_none()
+    });
     let layout = Layout {
         sliding,
         head_dim,
@@ -488,17 +495,8 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         shared_kv_layers: g
             .get_usize(&key("attention.shared_kv_layers"))?
             .unwrap_or(0),
-        // The converter writes no flag: a global layer without a V tensor
-        // takes its values from K.
-        values_from_keys: false,
+        values_from_keys,
     };
-    let mut shapes_layout = layout;
-    let values_from_keys = (0..n_layers).any(|i| {
-        !shapes_layout.sliding[i]
-            && g.tensor_info(&format!("blk.{i}.attn_k.weight")).is_some()
-            && g.tensor_info(&format!("blk.{i}.attn_v.weight")).is_none()
-    });
-    shapes_layout.values_from_keys = values_from_keys;
     let scalars = Scalars {
         vocab_size,
         hidden,
@@ -525,7 +523,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             layer_scalar: true,
         },
     };
-    assemble(scalars, &shapes_layout, path)
+    assemble(scalars, &layout, path)
 }
 
 /// A released Gemma 4 model's text shape (`../shared/oracle/gemma4/shapes.md`),
