@@ -123,15 +123,6 @@ impl FlatKv {
         (head * self.capacity + pos) * self.dims[layer].0
     }
 
-    /// Bytes the cache holds.
-    pub fn bytes(&self) -> usize {
-        self.keys
-            .iter()
-            .chain(&self.values)
-            .map(|v| v.len() * 4)
-            .sum()
-    }
-
     /// Holds `other`'s first `len` positions and nothing after: the same
     /// keys and values, copied (one run per layer and KV head).
     pub fn copy_prefix_from(&mut self, other: &FlatKv, len: usize) {

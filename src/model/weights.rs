@@ -296,10 +296,6 @@ impl RowTable {
         }
     }
 
-    pub fn rows(&self) -> usize {
-        self.shape[0]
-    }
-
     fn bytes(&self) -> &[u8] {
         match &self.storage {
             RowStorage::Owned(bytes) => bytes,
