@@ -39,16 +39,13 @@ pub struct Conversion {
     pub bytes: usize,
 }
 
-/// The format a quantized type without a kernel family becomes. Q4_K and
-/// Q5_K: Q5_0 with an offset per 32 values, which moves a value by at most
-/// q times FP16's rounding of its scale (`model::k_quant_as_q5_0`). Q6_K,
-/// whose scales change every 16 values: Q8_0, whose 8-bit grid holds its
-/// values to within half a step of max/127 per 32, far below their own
-/// rounding.
+/// The format a quantized type without a kernel family becomes. Q5_K:
+/// Q5_0 with an offset per 32 values, which moves a value by at most q
+/// times FP16's rounding of its scale (`model::k_quant_as_q5_0`). (Q4_K
+/// and Q6_K have kernels of their own: `jit::emit::gemm_kquant`.)
 pub(super) fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
     match dtype {
-        DType::Q4K | DType::Q5K => Some(WeightFormat::Q5_0),
-        DType::Q6K => Some(WeightFormat::Q8_0),
+        DType::Q5K => Some(WeightFormat::Q5_0),
         _ => None,
     }
 }

@@ -7,7 +7,8 @@ use super::packed::{OFFSET_BLOCK_ROWS, PackedMatrix};
 use super::q8_input::{Q8Input, dot_i8};
 use crate::jit::blocking::Blocking;
 use crate::jit::kernels::KernelId;
-use crate::model::quant_blocks;
+use crate::model::k_quant_x16;
+use crate::model::quant_blocks::{self, QuantType};
 use std::ops::Range;
 
 /// A row-major `[tokens, stride]` f32 output that several threads write
@@ -399,6 +400,10 @@ pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>
         .format
         .quant()
         .expect("an integer product needs quantized weights");
+    if q.is_k_quant() {
+        // SAFETY: the caller's contract, passed on.
+        return unsafe { gemm_kquant_portable(w, x, rows, y) };
+    }
     let groups = w.cols / quant_blocks::GROUP_COLS;
     for r in rows {
         for t in 0..x.tokens() {
@@ -410,6 +415,58 @@ pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>
             }
             // SAFETY: the caller owns columns `rows` of y.
             unsafe { y.cells(t, r..r + 1)[0] = sum };
+        }
+    }
+}
+
+/// The product of Q4_K or Q6_K weights in 16-row blocks
+/// (`model::k_quant_x16`) and 8-bit inputs in plain Rust: the very f32
+/// operations of the JIT's kernel (`jit::emit::gemm_kquant`), group after
+/// group, so the same bits.
+///
+/// # Safety
+/// No other thread may touch columns `rows` of `y` meanwhile.
+pub unsafe fn gemm_kquant_portable(
+    w: &PackedMatrix,
+    x: &Q8Input,
+    rows: Range<usize>,
+    y: SharedOut,
+) {
+    let data = w.raw();
+    let q = w.format.quant().expect("a K-quant matrix");
+    let groups = w.cols / quant_blocks::GROUP_COLS;
+    for r in rows {
+        for t in 0..x.tokens() {
+            let mut f = 0.0f32;
+            for g in 0..groups {
+                let k = k_quant_x16::group(q, data, r, g, w.cols);
+                let (dx, qx) = x.group(t, g);
+                let half = |h: usize| -> (i32, i32) {
+                    let range = 16 * h..16 * h + 16;
+                    let xs = &qx[range.clone()];
+                    let dot = k.quants[range]
+                        .iter()
+                        .zip(xs)
+                        .map(|(&w, &x)| i32::from(w) * i32::from(x as i8))
+                        .sum();
+                    (dot, xs.iter().map(|&x| i32::from(x as i8)).sum())
+                };
+                let ((dot_a, sum_a), (dot_b, sum_b)) = (half(0), half(1));
+                if q == QuantType::Q4Kx16 {
+                    let scale = k.scales[0] as f32 * k.d;
+                    let min = k.min as f32 * k.dmin;
+                    let scaled_sum = dx * (sum_a + sum_b) as f32;
+                    f = ((dot_a + dot_b) as f32).mul_add(scale * dx, f);
+                    f = (-min).mul_add(scaled_sum, f);
+                } else {
+                    let a = (dot_a - 32 * sum_a) as f32;
+                    let b = (dot_b - 32 * sum_b) as f32;
+                    let v = b.mul_add(k.scales[1] as f32 * k.d, a * (k.scales[0] as f32 * k.d));
+                    f = v.mul_add(dx, f);
+                }
+            }
+            // SAFETY: the caller owns columns `rows` of y.
+            unsafe { y.cells(t, r..r + 1)[0] = f };
         }
     }
 }

@@ -38,6 +38,12 @@ pub enum WeightFormat {
     /// Q5_0 in 16-row blocks (see [`QuantType::Q5_0x16`]): how Q5_0 is
     /// stored where the integer kernels use AVX-512 VNNI.
     Q5_0x16,
+    /// GGUF's Q4_K in 16-row blocks at its own bits (see
+    /// [`QuantType::Q4Kx16`]).
+    Q4Kx16,
+    /// GGUF's Q6_K in 16-row blocks at its own bits (see
+    /// [`QuantType::Q6Kx16`]).
+    Q6Kx16,
 }
 
 impl WeightFormat {
@@ -50,6 +56,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => "q4_0",
             WeightFormat::Q8_0x16 => "q8_0x16",
             WeightFormat::Q5_0x16 => "q5_0x16k",
+            WeightFormat::Q4Kx16 => "q4_k",
+            WeightFormat::Q6Kx16 => "q6_k",
         }
     }
 
@@ -60,6 +68,8 @@ impl WeightFormat {
             WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => DType::Q8_0,
             WeightFormat::Q5_0 | WeightFormat::Q5_0x16 => DType::Q5_0,
             WeightFormat::Q4_0 => DType::Q4_0,
+            WeightFormat::Q4Kx16 => DType::Q4K,
+            WeightFormat::Q6Kx16 => DType::Q6K,
         }
     }
 
@@ -71,6 +81,8 @@ impl WeightFormat {
             WeightFormat::Q4_0 => Some(QuantType::Q4_0),
             WeightFormat::Q8_0x16 => Some(QuantType::Q8_0x16),
             WeightFormat::Q5_0x16 => Some(QuantType::Q5_0x16),
+            WeightFormat::Q4Kx16 => Some(QuantType::Q4Kx16),
+            WeightFormat::Q6Kx16 => Some(QuantType::Q6Kx16),
             _ => None,
         }
     }
@@ -84,6 +96,8 @@ impl WeightFormat {
             DType::QuantRowBlocks(QuantType::Q5_0x16) => Some(WeightFormat::Q5_0x16),
             DType::Q5_0 | DType::QuantRowBlocks(QuantType::Q5_0) => Some(WeightFormat::Q5_0),
             DType::Q4_0 | DType::QuantRowBlocks(QuantType::Q4_0) => Some(WeightFormat::Q4_0),
+            DType::Q4K | DType::QuantRowBlocks(QuantType::Q4Kx16) => Some(WeightFormat::Q4Kx16),
+            DType::Q6K | DType::QuantRowBlocks(QuantType::Q6Kx16) => Some(WeightFormat::Q6Kx16),
             _ => None,
         }
     }
@@ -96,6 +110,8 @@ impl WeightFormat {
             QuantType::Q4_0 => WeightFormat::Q4_0,
             QuantType::Q8_0x16 => WeightFormat::Q8_0x16,
             QuantType::Q5_0x16 => WeightFormat::Q5_0x16,
+            QuantType::Q4Kx16 => WeightFormat::Q4Kx16,
+            QuantType::Q6Kx16 => WeightFormat::Q6Kx16,
         }
     }
 
@@ -128,7 +144,9 @@ impl WeightFormat {
             | WeightFormat::Q5_0
             | WeightFormat::Q4_0
             | WeightFormat::Q8_0x16
-            | WeightFormat::Q5_0x16 => {
+            | WeightFormat::Q5_0x16
+            | WeightFormat::Q4Kx16
+            | WeightFormat::Q6Kx16 => {
                 DType::QuantRowBlocks(self.quant().expect("a quantized format"))
             }
         }
@@ -596,6 +614,9 @@ fn fill_quant_rows(
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q5_0 | QuantType::Q5_0x16 => panic!("a {} tensor cannot become q5_0", t.dtype),
+        QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+            panic!("a {} tensor cannot become {}", t.dtype, q.name())
+        }
     };
     let groups = cols / quant_blocks::GROUP_COLS;
     let mut q5_0_row = vec![

@@ -38,8 +38,8 @@
 //! prefill for a second, unsafe write path.
 
 use crate::jit::emit::gemm_quant::{
-    TILE_GROUP_BYTES, TILE_SCALES_AT, TILE_SUMS_AT, TILE_VNNI_STARTS_AT, TOKENS, tile_bytes,
-    vnni_group_start,
+    TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
+    TILE_VNNI_STARTS_AT, TOKENS, tile_bytes, vnni_group_start,
 };
 use crate::model::quant_blocks::GROUP_COLS;
 
@@ -152,6 +152,16 @@ fn quantize_group(
     cell[TILE_SUMS_AT + lane..][..4].copy_from_slice(&total.to_le_bytes());
     let start = vnni_group_start(total);
     cell[TILE_VNNI_STARTS_AT + lane..][..4].copy_from_slice(&start.to_le_bytes());
+    let scaled_sum = d * total as f32;
+    cell[TILE_SCALED_SUMS_AT + lane..][..4].copy_from_slice(&scaled_sum.to_le_bytes());
+    let first_half: i32 = quants[..GROUP_COLS / 2]
+        .iter()
+        .map(|&q| i32::from(q as i8))
+        .sum();
+    for (half, sum) in [first_half, total - first_half].into_iter().enumerate() {
+        let at = TILE_HALF_STARTS_AT + half * 4 * TOKENS + lane;
+        cell[at..][..4].copy_from_slice(&(-32 * sum).to_le_bytes());
+    }
     token[k + g * 4..][..4].copy_from_slice(&d.to_le_bytes());
     token[k + groups * 4 + g * 4..][..4].copy_from_slice(&total.to_le_bytes());
     d

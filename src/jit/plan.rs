@@ -346,6 +346,8 @@ impl QuantLayouts {
             QuantType::Q8_0 | QuantType::Q8_0x16 => self.q8_0,
             QuantType::Q5_0 | QuantType::Q5_0x16 => self.q5_0,
             QuantType::Q4_0 => QuantType::Q4_0,
+            // One layout each, whose kernel has AVX2 and VNNI forms.
+            k @ (QuantType::Q4Kx16 | QuantType::Q6Kx16) => k,
         }
     }
 }

@@ -256,6 +256,11 @@ const ALLOWED: &[Mnemonic] = {
         Kmovq,
         Vpblendmb,
         Vpternlogd,
+        // The GEMM over Q4_K and Q6_K in 16-row blocks: nibbles masked,
+        // Q6_K's 2-bit fields rotated into place.
+        Vpandd,
+        Vprold,
+        Vprord,
     ]
 };
 

@@ -52,6 +52,10 @@ const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
 /// Q5_0 in 16-row blocks with its high bits as masks: likewise.
 const Q5_0X16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x80;
+/// Q4_K and Q6_K in 16-row blocks (`model::k_quant_x16`): the base plus
+/// the block type's id, their only layout.
+const Q4_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 12;
+const Q6_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 14;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -73,6 +77,8 @@ impl DType {
             Q4_0_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4_0),
             Q8_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q8_0x16),
             Q5_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0x16),
+            Q4_KX16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4Kx16),
+            Q6_KX16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q6Kx16),
             _ => return None,
         })
     }
@@ -116,8 +122,8 @@ impl DType {
             }
             DType::QuantRowBlocks(q) => rows
                 .div_ceil(q.block_rows())
-                .checked_mul(cols / quant_blocks::GROUP_COLS)?
-                .checked_mul(q.group_bytes()),
+                .checked_mul(cols / q.unit_cols())?
+                .checked_mul(q.block_rows() * q.unit_row_bytes()),
             _ => None,
         }
     }
@@ -148,7 +154,7 @@ impl DType {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::F16RowBlocks | DType::BF16RowBlocks => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 32,
-            DType::QuantRowBlocks(_) => quant_blocks::GROUP_COLS,
+            DType::QuantRowBlocks(q) => q.unit_cols(),
             DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
@@ -163,7 +169,7 @@ impl DType {
             DType::Q4_0 => 2 + 16,
             DType::Q5_0 => 2 + 4 + 16,
             // Per row and group: the same bytes as the file's block.
-            DType::QuantRowBlocks(q) => q.file_block_bytes(),
+            DType::QuantRowBlocks(q) => q.unit_row_bytes(),
             DType::Q4K => 2 + 2 + 12 + 128,
             DType::Q5K => 2 + 2 + 12 + 32 + 128,
             DType::Q6K => 128 + 64 + 16 + 2,
@@ -179,9 +185,14 @@ impl DType {
             DType::Q4K | DType::Q5K => &[0, 2],
             DType::Q6K => &[128 + 64 + 16],
             // Per group of a row block (see `scale_unit_bytes`).
-            DType::QuantRowBlocks(QuantType::Q8_0x16 | QuantType::Q5_0x16) => {
-                &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
-            }
+            DType::QuantRowBlocks(
+                QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q6Kx16,
+            ) => &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30],
+            // A super-block's 16 d, then 16 dmin.
+            DType::QuantRowBlocks(QuantType::Q4Kx16) => &[
+                0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+            ],
             DType::QuantRowBlocks(_) => &[0, 2, 4, 6],
             _ => &[],
         }
@@ -191,6 +202,9 @@ impl DType {
     /// another: a block, or a row block's group.
     fn scale_unit_bytes(self) -> usize {
         match self {
+            DType::QuantRowBlocks(q) if q.is_k_quant() => {
+                q.block_rows() * q.unit_row_bytes()
+            }
             DType::QuantRowBlocks(q) => q.group_bytes(),
             _ => self.block_bytes(),
         }
@@ -256,6 +270,8 @@ impl fmt::Display for DType {
             DType::QuantRowBlocks(QuantType::Q4_0) => "Q4_0_R4",
             DType::QuantRowBlocks(QuantType::Q8_0x16) => "Q8_0_R16",
             DType::QuantRowBlocks(QuantType::Q5_0x16) => "Q5_0_R16K",
+            DType::QuantRowBlocks(QuantType::Q4Kx16) => "Q4_K_R16",
+            DType::QuantRowBlocks(QuantType::Q6Kx16) => "Q6_K_R16",
         };
         f.write_str(name)
     }

@@ -9,6 +9,7 @@ pub mod gemma4;
 pub mod gguf;
 pub mod gguf_write;
 pub mod k_quant_as_q5_0;
+pub mod k_quant_x16;
 pub mod presets;
 pub mod quant_blocks;
 pub mod row_blocks;

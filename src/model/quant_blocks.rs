@@ -23,6 +23,7 @@
 //! Repacking is exact: a repacked block dequantizes to the very f32 values
 //! the file's block does.
 
+use super::k_quant_x16;
 use half::f16;
 
 /// Rows per block (as for the 16-bit layout), for every type but
@@ -83,6 +84,12 @@ pub enum QuantType {
     /// row r's value 4c + j), which AVX-512 takes as an opmask (`kmovq`).
     /// 352 bytes per group: the file's 16 x 22.
     Q5_0x16,
+    /// Q4_K's super-blocks in blocks of 16 rows, at the file's bits plus
+    /// its 6-bit scales and mins as bytes (`model::k_quant_x16`).
+    Q4Kx16,
+    /// Q6_K's super-blocks in blocks of 16 rows, the file's bytes
+    /// regrouped (`model::k_quant_x16`).
+    Q6Kx16,
 }
 
 impl QuantType {
@@ -93,6 +100,34 @@ impl QuantType {
             QuantType::Q4_0 => "q4_0",
             QuantType::Q8_0x16 => "q8_0x16",
             QuantType::Q5_0x16 => "q5_0x16k",
+            QuantType::Q4Kx16 => "q4_kx16",
+            QuantType::Q6Kx16 => "q6_kx16",
+        }
+    }
+
+    /// Whether this is a K-quant layout (256-value super-blocks, see
+    /// `model::k_quant_x16`), whose GEMM is `jit::emit::gemm_kquant`.
+    pub fn is_k_quant(self) -> bool {
+        matches!(self, QuantType::Q4Kx16 | QuantType::Q6Kx16)
+    }
+
+    /// Columns of one unit of a row's bytes: a 32-value block, or a
+    /// K-quant's 256-value super-block.
+    pub fn unit_cols(self) -> usize {
+        if self.is_k_quant() {
+            k_quant_x16::SUPER_COLS
+        } else {
+            GROUP_COLS
+        }
+    }
+
+    /// Bytes of one unit ([`QuantType::unit_cols`]) of one row in this
+    /// layout.
+    pub fn unit_row_bytes(self) -> usize {
+        if self.is_k_quant() {
+            k_quant_x16::layout_row_super_bytes(self)
+        } else {
+            self.file_block_bytes()
         }
     }
 
@@ -100,7 +135,10 @@ impl QuantType {
     #[inline]
     pub fn block_rows(self) -> usize {
         match self {
-            QuantType::Q8_0x16 | QuantType::Q5_0x16 => MAX_BLOCK_ROWS,
+            QuantType::Q8_0x16
+            | QuantType::Q5_0x16
+            | QuantType::Q4Kx16
+            | QuantType::Q6Kx16 => MAX_BLOCK_ROWS,
             _ => BLOCK_ROWS,
         }
     }
@@ -118,6 +156,7 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => QuantType::Q8_0,
             QuantType::Q5_0 | QuantType::Q5_0x16 => QuantType::Q5_0,
             QuantType::Q4_0 => QuantType::Q4_0,
+            k => k,
         }
     }
 
@@ -136,6 +175,9 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 7,
             QuantType::Q5_0 | QuantType::Q5_0x16 => 4,
             QuantType::Q4_0 => 3,
+            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+                panic!("{self:?} stores no offset of its own")
+            }
         }
     }
 
@@ -146,6 +188,9 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 32,
             QuantType::Q5_0 | QuantType::Q5_0x16 => 20,
             QuantType::Q4_0 => 16,
+            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+                panic!("{self:?} has super-blocks, not 32-value blocks")
+            }
         }
     }
 
@@ -156,6 +201,8 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => DType::Q8_0,
             QuantType::Q5_0 | QuantType::Q5_0x16 => DType::Q5_0,
             QuantType::Q4_0 => DType::Q4_0,
+            QuantType::Q4Kx16 => DType::Q4K,
+            QuantType::Q6Kx16 => DType::Q6K,
         }
     }
 
@@ -166,16 +213,17 @@ impl QuantType {
     }
 
     /// Bytes of one group of a row block: its rows' scales, then their
-    /// payloads.
+    /// payloads. (A K-quant's groups differ within a super-block; this is
+    /// their average, a whole number.)
     #[inline]
     pub fn group_bytes(self) -> usize {
-        self.block_rows() * self.file_block_bytes()
+        self.block_rows() * self.unit_row_bytes() * GROUP_COLS / self.unit_cols()
     }
 
     /// Bytes of one row block of `cols` columns.
     #[inline]
     pub fn block_bytes(self, cols: usize) -> usize {
-        cols / GROUP_COLS * self.group_bytes()
+        cols / self.unit_cols() * self.block_rows() * self.unit_row_bytes()
     }
 
     /// Bytes a `rows x cols` matrix takes, padding rows included.
@@ -195,6 +243,7 @@ impl QuantType {
             // (`scatter_row`); the row's own payload keeps the file's
             // order.
             QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q5_0x16 => out.copy_from_slice(file),
+            QuantType::Q4Kx16 | QuantType::Q6Kx16 => unreachable!("k_quant_x16 scatters them"),
         }
     }
 
@@ -231,6 +280,9 @@ impl QuantType {
                     };
                     *v = nibble as i8 - 8;
                 }
+            }
+            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+                panic!("{self:?} has super-blocks, not 32-value blocks")
             }
         }
         v
@@ -306,6 +358,11 @@ fn q5_0_pair_word_at(r: usize, g: usize, cols: usize) -> usize {
         + r % BLOCK_ROWS / 2 * 2 * q.payload_bytes()
 }
 
+/// Whether a row of `cols` can be stored in `q`: rows are whole units.
+pub fn fits_type(q: QuantType, cols: usize) -> bool {
+    cols > 0 && cols.is_multiple_of(q.unit_cols())
+}
+
 /// Whether a row of `cols` can be stored: rows are whole blocks.
 pub fn fits(cols: usize) -> bool {
     cols > 0 && cols.is_multiple_of(GROUP_COLS)
@@ -364,6 +421,9 @@ pub const Q5_0X16_MASKS_AT: usize = MAX_BLOCK_ROWS * 2 + 4 * MAX_BLOCK_ROWS * CH
 /// Copies one GGUF row (`cols / 32` file blocks) into row `r` of a matrix
 /// in the layout. Nothing is requantized.
 pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_row: &[u8]) {
+    if q.is_k_quant() {
+        return k_quant_x16::scatter_row(q, data, r, cols, file_row);
+    }
     let mut payload = [0u8; GROUP_COLS];
     for (g, block) in file_row.chunks_exact(q.file_block_bytes()).enumerate() {
         let s = scale_at(q, r, g, cols);
@@ -462,6 +522,9 @@ pub fn group(
 /// Row `r` of a matrix in any layout as the file stores it: per group the
 /// f16 scale, then the file's payload (Q8_0's signed bytes).
 pub fn file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
+    if q.is_k_quant() {
+        return k_quant_x16::file_row(q, data, r, cols);
+    }
     let flip = if q.is_q8_0() { 0x80 } else { 0 };
     let mut out = Vec::with_capacity(cols / GROUP_COLS * q.file_block_bytes());
     for g in 0..cols / GROUP_COLS {
@@ -475,6 +538,9 @@ pub fn file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
 /// Row `r` of a matrix in the layout, dequantized exactly as the file's
 /// blocks dequantize: `f16(d) as f32 * value`.
 pub fn dequant_row(q: QuantType, data: &[u8], r: usize, cols: usize, out: &mut [f32]) {
+    if q.is_k_quant() {
+        return k_quant_x16::dequant_row(q, data, r, cols, out);
+    }
     for (g, part) in out[..cols].chunks_exact_mut(GROUP_COLS).enumerate() {
         let (d, values) = group(q, data, r, g, cols);
         for (o, v) in part.iter_mut().zip(values) {

@@ -288,7 +288,7 @@ fn prefetch_group(ops: &mut Asm, p: &GemmQuantParams) {
 /// 16). (Through the red zone and two `vmaskmovps` of 8 rows each, the
 /// stores took 96 more bytes of code, which the plan's budget lacked.)
 /// Clobbers r9, r10 and k1.
-fn store_pass(ops: &mut Asm) {
+pub(super) fn store_pass(ops: &mut Asm) {
     let done = ops.new_dynamic_label();
     dynasm!(ops
         ; .arch x64

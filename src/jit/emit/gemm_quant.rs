@@ -77,7 +77,14 @@ pub const TILE_SUMS_AT: usize = TILE_SCALES_AT + TOKENS * 4;
 /// Where a tile group's 8 VNNI starting values begin (see
 /// [`vnni_group_start`]).
 pub const TILE_VNNI_STARTS_AT: usize = TILE_SUMS_AT + TOKENS * 4;
-pub const TILE_GROUP_BYTES: usize = TILE_VNNI_STARTS_AT + TOKENS * 4;
+/// Where a tile group's 8 scaled sums begin (f32 `d_x · sum`, what Q4_K's
+/// mins multiply, see `gemm_kquant`).
+pub const TILE_SCALED_SUMS_AT: usize = TILE_VNNI_STARTS_AT + TOKENS * 4;
+/// Where a tile group's Q6_K starting values begin: per token `-32 ·` the
+/// sum of the group's first 16 quants, then 8 of its last 16 (Q6_K's
+/// values are stored plus 32 and its scales change every 16 columns).
+pub const TILE_HALF_STARTS_AT: usize = TILE_SCALED_SUMS_AT + TOKENS * 4;
+pub const TILE_GROUP_BYTES: usize = TILE_HALF_STARTS_AT + 2 * TOKENS * 4;
 
 /// 1.5 * 2^23 as f32 bits. Every integer i with |i| < 2^22 added to these
 /// bits gives the float 1.5 * 2^23 + i exactly, so subtracting 1.5 * 2^23
@@ -126,9 +133,20 @@ pub(super) fn token_call_frame(
         ; shl r12, 2
         ; mov r13, [rsp + NTOK_AT]
     );
-    // The file type's bytes per row (Q8_0's whatever the values' offset):
-    // a 16-row block holds 16 rows' file blocks.
-    block_stride(ops, layout.file_type());
+    if layout.is_k_quant() {
+        // A super-block's bytes per row of the layout, per 256 columns.
+        dynasm!(ops
+            ; .arch x64
+            ; mov rbx, r9
+            ; mov rbp, r9
+            ; shr rbp, 8
+            ; imul rbp, rbp, layout.unit_row_bytes() as i32
+        );
+    } else {
+        // The file type's bytes per row (Q8_0's whatever the values'
+        // offset): a 16-row block holds 16 rows' file blocks.
+        block_stride(ops, layout.file_type());
+    }
     dynasm!(ops
         ; .arch x64
         ; mov r11, r9
@@ -200,7 +218,9 @@ pub(super) fn iced(ops: &mut Asm, build: impl FnOnce(&mut CodeAssembler) -> Resu
 
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy, ntok)`.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    if p.vnni {
+    if p.q.is_k_quant() {
+        super::gemm_kquant::emit(p, name)
+    } else if p.vnni {
         super::gemm_q8_0x16::emit(p, name)
     } else {
         super::gemm_q8_0x16_avx2::emit(p, name)

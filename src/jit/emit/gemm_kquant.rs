@@ -1,0 +1,576 @@
+//! The integer GEMM (and GEMV) for Q4_K and Q6_K in 16-row blocks at the
+//! file's bits ([`QuantType::Q4Kx16`], [`QuantType::Q6Kx16`], laid out by
+//! `model::k_quant_x16`): `y[t, r] = W[r, :] · x[t, :]` for r in `r0..r1`
+//! and t < `ntok` (1..=8), with `gemm_quant`'s call and token tiles.
+//!
+//! The lanes of a vector are rows, as in `gemm_q8_0x16`: a 64-byte run of
+//! the layout is one chunk of 4 columns of 16 rows, and a token's 4 bytes
+//! broadcast from the tile multiply it (`vpdpbusd` with AVX-512 VNNI on 16
+//! rows; `vpmaddubsw` + `vpmaddwd` under AVX2 on 8). The quants are
+//! unsigned (Q4_K 0..15, Q6_K 0..63) and the input's bytes signed, so no
+//! sign trick is needed. Per row, token and group of 32 columns the group
+//! sum is an exact integer; its scaling is:
+//! - Q4_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
+//!   (d_x · Σx)` (the tile's scaled sum), two FMAs;
+//! - Q6_K: the sums of the group's two halves (scales change every 16
+//!   columns) start from the tile's `−32 · Σx` of their half, which takes
+//!   the stored offset of 32 off; then `v = float(a) · (d·sc_a)`, `v +=
+//!   float(b) · (d·sc_b)`, `f += v · d_x`.
+//!
+//! `d·sc` and `dmin·m` are exact in f32 (an f16 times a 6- or 8-bit
+//! integer), so `engine::kernels::gemm_kquant_portable`, doing the same
+//! f32 operations in the same order, gives the same bits.
+//!
+//! Unpacking: Q4_K's run holds chunk n of a pair of groups, low and high
+//! nibbles (an AND, a shift and an AND for both). Q6_K's nibble run n
+//! holds chunk n (low) and n + 4 (high) of a group; their top 2 bits come
+//! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
+//! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
+//! whole run by 2 per chunk, `vprord`; AVX2 shifts 16-bit words, which
+//! the mask 0x30 makes exact), masked and OR-ed onto the nibble.
+//!
+//! With VNNI a call takes one of two forms by its token count: one token
+//! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute
+//! on the tile's zeros and are not stored). Under AVX2 a pass is one token
+//! over 8 rows, the weights of the block read again (from L1 or L2) for
+//! each token and half.
+//!
+//! Registers (VNNI): zmm0..7 the tokens' sums of a pair's first group (or
+//! of a group's first half), zmm16..23 of the second, zmm8..15 their f32
+//! results (stored by `gemm_q8_0x16::store_pass`), zmm24..31 the
+//! unpacking and scaling. General registers as `gemm_quant`'s frame, plus
+//! rax the super-block's scales, r15 the units (pairs or groups) left in
+//! the super-block, rbx the chunk's offset.
+
+use super::gemm_quant::{
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT,
+    TILE_SCALES_AT, TOKENS, block_and_pass_top, iced, token_call_frame,
+};
+use super::{Asm, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg};
+use super::{finish, restore_callee_saved_and_return, save_callee_saved};
+use crate::jback;
+use crate::model::k_quant_x16::{
+    Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_PAIR_BYTES, Q4K_PAIRS_AT, Q4K_RUNS_AT, Q6K_GROUP_BYTES,
+    Q6K_GROUPS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT, RUN_BYTES, SUPER_GROUPS,
+};
+use crate::model::quant_blocks::{CHUNK_BYTES, QuantType};
+use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use iced_x86::IcedError;
+use iced_x86::code_asm::*;
+
+/// Rows per block: the 16 dword lanes of a zmm register.
+pub const ROWS: usize = 16;
+/// A token's 4 bytes of one chunk are 32 bytes apart in the tile.
+const TILE_CHUNK: i32 = (CHUNK_BYTES * TOKENS) as i32;
+const TGB: i32 = TILE_GROUP_BYTES as i32;
+/// `vpternlogd` truth table of `dest | (src2 & src3)`.
+const OR_AND: i32 = 0xF8;
+
+const FIRST: [AsmRegisterZmm; TOKENS] = [zmm0, zmm1, zmm2, zmm3, zmm4, zmm5, zmm6, zmm7];
+const F32_SUMS: [AsmRegisterZmm; TOKENS] = [zmm8, zmm9, zmm10, zmm11, zmm12, zmm13, zmm14, zmm15];
+const F32_SUMS_LOW: [AsmRegisterXmm; TOKENS] =
+    [xmm8, xmm9, xmm10, xmm11, xmm12, xmm13, xmm14, xmm15];
+const SECOND: [AsmRegisterZmm; TOKENS] = [zmm16, zmm17, zmm18, zmm19, zmm20, zmm21, zmm22, zmm23];
+const NIBBLES: AsmRegisterZmm = zmm24;
+const CHUNK_A: AsmRegisterZmm = zmm25;
+const CHUNK_B: AsmRegisterZmm = zmm26;
+const LOW_NIBBLES: AsmRegisterZmm = zmm27;
+const TOP_BITS: AsmRegisterZmm = zmm28;
+const HIGH_A: AsmRegisterZmm = zmm29;
+const HIGH_B: AsmRegisterZmm = zmm30;
+const SPARE: AsmRegisterZmm = zmm31;
+
+/// Bytes of a super-block's header (the rows' f16 scales) and of one
+/// unit of the loop over it (a pair of groups or a group), and the units.
+fn geometry(q: QuantType) -> (i32, i32, i32, usize) {
+    match q {
+        QuantType::Q4Kx16 => (
+            Q4K_PAIRS_AT as i32,
+            Q4K_PAIR_BYTES as i32,
+            (SUPER_GROUPS / 2) as i32,
+            2,
+        ),
+        _ => (
+            Q6K_GROUPS_AT as i32,
+            Q6K_GROUP_BYTES as i32,
+            SUPER_GROUPS as i32,
+            1,
+        ),
+    }
+}
+
+/// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy,
+/// ntok)` (see `gemm_quant`).
+pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    anyhow::ensure!(
+        p.q.is_k_quant(),
+        "kernel {name}: the K-quant GEMM reads Q4Kx16 or Q6Kx16"
+    );
+    if p.vnni {
+        emit_vnni(p, name)
+    } else {
+        emit_avx2(p, name)
+    }
+}
+
+/// The prefetches of one unit, `p.prefetch` (into L1) and `p.l2_prefetch`
+/// (into L2) bytes ahead of r9.
+fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedError> {
+    let (_, unit_bytes, _, _) = geometry(p.q);
+    let lines = (unit_bytes as usize).div_ceil(64) as i32;
+    if p.prefetch > 0 {
+        for line in 0..lines {
+            a.prefetcht0(byte_ptr(r9 + p.prefetch as i32 + 64 * line))?;
+        }
+    }
+    if p.l2_prefetch > 0 {
+        for line in 0..lines {
+            a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
+        }
+    }
+    Ok(())
+}
+
+/// Q4_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
+/// a loop over the 8 nibble runs (rbx 8 per run), then each group's
+/// scaling into the f32 sums.
+fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
+    let run = ops.new_dynamic_label();
+    iced(ops, |a| {
+        for t in 0..tokens {
+            a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
+            a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
+        }
+        a.xor(ebx, ebx)
+    });
+    let top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>run);
+    iced(ops, |a| {
+        a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q4K_RUNS_AT as i32))?;
+        a.vpandd(CHUNK_A, NIBBLES, LOW_NIBBLES)?;
+        a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+        a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vpdpbusd(FIRST[t], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
+            a.vpdpbusd(SECOND[t], NIBBLES, dword_bcst(r10 + rbx * 4 + TGB + x))?;
+        }
+        a.add(ebx, 8)?;
+        a.cmp(ebx, 8 * 8)
+    });
+    jback!(ops, jb, run, top);
+    iced(ops, |a| {
+        for (h, sums) in [FIRST, SECOND].iter().enumerate() {
+            let (scales, mins) = (CHUNK_A, NIBBLES);
+            let h16 = 16 * h as i32;
+            a.vpmovzxbd(scales, xmmword_ptr(r9 + h16))?;
+            a.vcvtdq2ps(scales, scales)?;
+            a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax))?;
+            a.vmulps(scales, scales, CHUNK_B)?;
+            a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32 + h16))?;
+            a.vcvtdq2ps(mins, mins)?;
+            a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax + Q4K_DMIN_AT as i32))?;
+            a.vmulps(mins, mins, CHUNK_B)?;
+            let tile = TGB * h as i32;
+            for t in 0..tokens {
+                let x = 4 * t as i32;
+                a.vcvtdq2ps(sums[t], sums[t])?;
+                a.vmulps(
+                    CHUNK_B,
+                    scales,
+                    dword_bcst(r10 + tile + TILE_SCALES_AT as i32 + x),
+                )?;
+                a.vfmadd231ps(F32_SUMS[t], sums[t], CHUNK_B)?;
+                a.vfnmadd231ps(
+                    F32_SUMS[t],
+                    mins,
+                    dword_bcst(r10 + tile + TILE_SCALED_SUMS_AT as i32 + x),
+                )?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Q6_K, one group (r9) for `tokens` (1 or 8) of the tile (r10): a loop
+/// over the 4 nibble runs (rbx 8 per run), the high-bit runs rotated right
+/// by 2 after each, then the scaling.
+fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
+    let run = ops.new_dynamic_label();
+    iced(ops, |a| {
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vpbroadcastd(FIRST[t], dword_ptr(r10 + TILE_HALF_STARTS_AT as i32 + x))?;
+            a.vpbroadcastd(
+                SECOND[t],
+                dword_ptr(r10 + (TILE_HALF_STARTS_AT + 4 * TOKENS) as i32 + x),
+            )?;
+        }
+        // Chunk n's field at bits 2n..2n+1 of each byte goes to bits 4..5:
+        // rotated left by 4 first, then right by 2 per chunk.
+        a.vprold(HIGH_A, zmmword_ptr(r9 + Q6K_HIGH_AT as i32), 4)?;
+        a.vprold(HIGH_B, zmmword_ptr(r9 + (Q6K_HIGH_AT + RUN_BYTES) as i32), 4)?;
+        a.xor(ebx, ebx)
+    });
+    let top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>run);
+    iced(ops, |a| {
+        a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q6K_NIBBLES_AT as i32))?;
+        a.vpandd(CHUNK_A, HIGH_A, TOP_BITS)?;
+        a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
+        a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+        a.vpandd(CHUNK_B, HIGH_B, TOP_BITS)?;
+        a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vpdpbusd(FIRST[t], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
+            a.vpdpbusd(
+                SECOND[t],
+                CHUNK_B,
+                dword_bcst(r10 + rbx * 4 + 4 * TILE_CHUNK + x),
+            )?;
+        }
+        a.vprord(HIGH_A, HIGH_A, 2)?;
+        a.vprord(HIGH_B, HIGH_B, 2)?;
+        a.add(ebx, 8)?;
+        a.cmp(ebx, 4 * 8)
+    });
+    jback!(ops, jb, run, top);
+    iced(ops, |a| {
+        let (d, first_scales, second_scales) = (HIGH_A, HIGH_B, SPARE);
+        a.vcvtph2ps(d, ymmword_ptr(rax))?;
+        a.vpmovsxbd(first_scales, xmmword_ptr(r9))?;
+        a.vcvtdq2ps(first_scales, first_scales)?;
+        a.vmulps(first_scales, first_scales, d)?;
+        a.vpmovsxbd(second_scales, xmmword_ptr(r9 + ROWS as i32))?;
+        a.vcvtdq2ps(second_scales, second_scales)?;
+        a.vmulps(second_scales, second_scales, d)?;
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
+            a.vcvtdq2ps(SECOND[t], SECOND[t])?;
+            a.vmulps(FIRST[t], FIRST[t], first_scales)?;
+            a.vfmadd231ps(FIRST[t], SECOND[t], second_scales)?;
+            a.vfmadd231ps(
+                F32_SUMS[t],
+                FIRST[t],
+                dword_bcst(r10 + TILE_SCALES_AT as i32 + x),
+            )?;
+        }
+        Ok(())
+    });
+}
+
+/// One form of the VNNI kernel: the whole row block for `tokens`, super-
+/// block by super-block (rax its scales), unit by unit (r15 counting).
+fn pass_vnni(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
+    let (header, unit_bytes, units, unit_groups) = geometry(p.q);
+    let super_block = ops.new_dynamic_label();
+    let unit = ops.new_dynamic_label();
+    let super_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>super_block
+        ; mov rax, r9
+        ; add r9, header
+        ; mov r15d, units
+    );
+    let unit_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>unit);
+    iced(ops, |a| prefetch_unit(a, p));
+    match p.q {
+        QuantType::Q4Kx16 => q4_k_pair_vnni(ops, tokens),
+        _ => q6_k_group_vnni(ops, tokens),
+    }
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, unit_bytes
+        ; add r10, TGB * unit_groups as i32
+        ; dec r15d
+    );
+    jback!(ops, jne, unit, unit_top);
+    dynasm!(ops ; .arch x64 ; cmp r10, r11);
+    jback!(ops, jb, super_block, super_top);
+}
+
+fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    let block = ops.new_dynamic_label();
+    let pass = ops.new_dynamic_label();
+    token_call_frame(&mut ops, p.q, TILE_GROUP_BYTES, done);
+    iced(&mut ops, |a| {
+        a.mov(r10d, 0x0F0F_0F0F)?;
+        a.vpbroadcastd(LOW_NIBBLES, r10d)?;
+        a.mov(r10d, 0x3030_3030)?;
+        a.vpbroadcastd(TOP_BITS, r10d)
+    });
+    let (block_top, _) = block_and_pass_top(&mut ops, block, pass);
+    iced(&mut ops, |a| {
+        // VEX xmm forms clear the whole register, in 4 bytes.
+        for f in F32_SUMS_LOW {
+            a.vpxor(f, xmm0, xmm0)?;
+        }
+        Ok(())
+    });
+    let one_token = ops.new_dynamic_label();
+    let store = ops.new_dynamic_label();
+    cmp_imm8(&mut ops, reg::R13, 1);
+    dynasm!(ops ; .arch x64 ; je =>one_token);
+    pass_vnni(&mut ops, p, TOKENS);
+    dynasm!(ops ; .arch x64 ; jmp =>store ; =>one_token);
+    pass_vnni(&mut ops, p, 1);
+    dynasm!(ops ; .arch x64 ; =>store);
+    super::gemm_q8_0x16::store_pass(&mut ops);
+    next_block_and_return(ops, ROWS, (block, block_top), done, name)
+}
+
+// AVX2: ymm registers, one token and 8 rows (a half block) per pass.
+const Y_SUM: AsmRegisterYmm = ymm0;
+const Y_D: AsmRegisterYmm = ymm1;
+const Y_DMIN: AsmRegisterYmm = ymm2;
+const Y_LOW_NIBBLES: AsmRegisterYmm = ymm3;
+const Y_TOP_BITS: AsmRegisterYmm = ymm4;
+const Y_ONES: AsmRegisterYmm = ymm5;
+const Y_FIRST: AsmRegisterYmm = ymm6;
+const Y_SECOND: AsmRegisterYmm = ymm7;
+const Y_NIBBLES: AsmRegisterYmm = ymm8;
+const Y_A: AsmRegisterYmm = ymm9;
+const Y_B: AsmRegisterYmm = ymm10;
+const Y_X: AsmRegisterYmm = ymm11;
+const Y_HIGH_A: AsmRegisterYmm = ymm12;
+const Y_HIGH_B: AsmRegisterYmm = ymm13;
+const Y_TEMP: AsmRegisterYmm = ymm14;
+const Y_MASK: AsmRegisterYmm = ymm15;
+
+/// Q4_K under AVX2, one pair of groups (r9) for the pass's token (r10)
+/// and half (rbx = 4 x the half): the 8 runs' 16-bit products summed per
+/// group (8 x 2 x 15 x 127 < 2^15), one `vpmaddwd` each, then the
+/// scaling.
+fn q4_k_pair_avx2(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.vpxor(Y_FIRST, Y_FIRST, Y_FIRST)?;
+    a.vpxor(Y_SECOND, Y_SECOND, Y_SECOND)?;
+    for n in 0..8 {
+        let run = (Q4K_RUNS_AT + n * RUN_BYTES) as i32;
+        let x = TILE_CHUNK * n as i32;
+        a.vmovdqu(Y_NIBBLES, ymmword_ptr(r9 + rbx * 8 + run))?;
+        a.vpand(Y_A, Y_NIBBLES, Y_LOW_NIBBLES)?;
+        a.vpsrlw(Y_NIBBLES, Y_NIBBLES, 4)?;
+        a.vpand(Y_NIBBLES, Y_NIBBLES, Y_LOW_NIBBLES)?;
+        a.vpbroadcastd(Y_X, dword_ptr(r10 + x))?;
+        a.vpmaddubsw(Y_A, Y_A, Y_X)?;
+        a.vpaddw(Y_FIRST, Y_FIRST, Y_A)?;
+        a.vpbroadcastd(Y_X, dword_ptr(r10 + TGB + x))?;
+        a.vpmaddubsw(Y_NIBBLES, Y_NIBBLES, Y_X)?;
+        a.vpaddw(Y_SECOND, Y_SECOND, Y_NIBBLES)?;
+    }
+    for (h, sums) in [Y_FIRST, Y_SECOND].into_iter().enumerate() {
+        let h16 = 16 * h as i32;
+        let tile = TGB * h as i32;
+        a.vpmaddwd(sums, sums, Y_ONES)?;
+        a.vcvtdq2ps(sums, sums)?;
+        a.vpmovzxbd(Y_A, qword_ptr(r9 + rbx * 2 + h16))?;
+        a.vcvtdq2ps(Y_A, Y_A)?;
+        a.vmulps(Y_A, Y_A, Y_D)?;
+        a.vbroadcastss(Y_X, dword_ptr(r10 + tile + TILE_SCALES_AT as i32))?;
+        a.vmulps(Y_A, Y_A, Y_X)?;
+        a.vfmadd231ps(Y_SUM, sums, Y_A)?;
+        a.vpmovzxbd(Y_B, qword_ptr(r9 + rbx * 2 + Q4K_MINS_AT as i32 + h16))?;
+        a.vcvtdq2ps(Y_B, Y_B)?;
+        a.vmulps(Y_B, Y_B, Y_DMIN)?;
+        a.vbroadcastss(Y_X, dword_ptr(r10 + tile + TILE_SCALED_SUMS_AT as i32))?;
+        a.vfnmadd231ps(Y_SUM, Y_B, Y_X)?;
+    }
+    Ok(())
+}
+
+/// Q6_K under AVX2, one group (r9) for the pass's token and half: per
+/// nibble run both chunks made (a shift of the high-bit runs, masks, an
+/// OR), multiplied, widened to 32 bits and added to the halves' sums,
+/// which start from the tile's `−32 · Σx`; then the scaling.
+fn q6_k_group_avx2(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.vpbroadcastd(Y_FIRST, dword_ptr(r10 + TILE_HALF_STARTS_AT as i32))?;
+    a.vpbroadcastd(
+        Y_SECOND,
+        dword_ptr(r10 + (TILE_HALF_STARTS_AT + 4 * TOKENS) as i32),
+    )?;
+    a.vmovdqu(Y_HIGH_A, ymmword_ptr(r9 + rbx * 8 + Q6K_HIGH_AT as i32))?;
+    a.vmovdqu(
+        Y_HIGH_B,
+        ymmword_ptr(r9 + rbx * 8 + (Q6K_HIGH_AT + RUN_BYTES) as i32),
+    )?;
+    for n in 0..4 {
+        let run = (Q6K_NIBBLES_AT + n * RUN_BYTES) as i32;
+        a.vmovdqu(Y_NIBBLES, ymmword_ptr(r9 + rbx * 8 + run))?;
+        for (chunk, high, x) in [
+            (Y_A, Y_HIGH_A, TILE_CHUNK * n as i32),
+            (Y_B, Y_HIGH_B, TILE_CHUNK * (n + 4) as i32),
+        ] {
+            // Field n (bits 2n..2n+1) to bits 4..5 of its byte: 16-bit
+            // shifts move other bits across bytes, which the mask drops.
+            let field = match n {
+                0 => a.vpsllw(chunk, high, 4).map(|_| chunk)?,
+                1 => a.vpsllw(chunk, high, 2).map(|_| chunk)?,
+                2 => high,
+                _ => a.vpsrlw(chunk, high, 2).map(|_| chunk)?,
+            };
+            a.vpand(chunk, field, Y_TOP_BITS)?;
+            a.vpand(Y_TEMP, Y_NIBBLES, Y_LOW_NIBBLES)?;
+            a.vpor(chunk, chunk, Y_TEMP)?;
+            a.vpsrlw(Y_NIBBLES, Y_NIBBLES, 4)?;
+            a.vpbroadcastd(Y_X, dword_ptr(r10 + x))?;
+            a.vpmaddubsw(chunk, chunk, Y_X)?;
+            a.vpmaddwd(chunk, chunk, Y_ONES)?;
+        }
+        a.vpaddd(Y_FIRST, Y_FIRST, Y_A)?;
+        a.vpaddd(Y_SECOND, Y_SECOND, Y_B)?;
+    }
+    a.vpmovsxbd(Y_A, qword_ptr(r9 + rbx * 2))?;
+    a.vcvtdq2ps(Y_A, Y_A)?;
+    a.vmulps(Y_A, Y_A, Y_D)?;
+    a.vpmovsxbd(Y_B, qword_ptr(r9 + rbx * 2 + ROWS as i32))?;
+    a.vcvtdq2ps(Y_B, Y_B)?;
+    a.vmulps(Y_B, Y_B, Y_D)?;
+    a.vcvtdq2ps(Y_FIRST, Y_FIRST)?;
+    a.vcvtdq2ps(Y_SECOND, Y_SECOND)?;
+    a.vmulps(Y_FIRST, Y_FIRST, Y_A)?;
+    a.vfmadd231ps(Y_FIRST, Y_SECOND, Y_B)?;
+    a.vbroadcastss(Y_X, dword_ptr(r10 + TILE_SCALES_AT as i32))?;
+    a.vfmadd231ps(Y_SUM, Y_FIRST, Y_X)
+}
+
+/// The AVX2 kernel. Its own block loop keeps the block's weights in r15
+/// and outputs in r14, stepped per block (rdi the block's bytes, rdx
+/// free), so that rbx (4 x the half), rax (the token) and rdx (the units
+/// left in a super-block) serve the passes.
+fn emit_avx2(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
+    let q = p.q;
+    let (header, unit_bytes, units, unit_groups) = geometry(q);
+    let mut ops = new_asm();
+    save_callee_saved(&mut ops);
+    let done = ops.new_dynamic_label();
+    token_call_frame(&mut ops, q, TILE_GROUP_BYTES, done);
+    iced(&mut ops, |a| {
+        for (reg, bits) in [
+            (Y_LOW_NIBBLES, 0x0F0F_0F0F),
+            (Y_TOP_BITS, 0x3030_3030),
+            (Y_ONES, 0x0001_0001),
+        ] {
+            a.mov(eax, bits)?;
+            a.vmovd(xmm15, eax)?;
+            a.vpbroadcastd(reg, xmm15)?;
+        }
+        Ok(())
+    });
+    dynasm!(ops
+        ; .arch x64
+        ; mov r15, rcx
+        ; imul r15, rbp
+        ; add r15, rdi
+        ; lea r14, [rdx + rcx * 4]
+        ; mov rdi, rbp
+        ; shl rdi, 4
+    );
+    let block = ops.new_dynamic_label();
+    let pass = ops.new_dynamic_label();
+    let super_block = ops.new_dynamic_label();
+    let unit = ops.new_dynamic_label();
+    let skip = ops.new_dynamic_label();
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>block
+        ; xor eax, eax
+        ; xor ebx, ebx
+    );
+    let pass_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>pass
+        ; mov r9, r15
+        ; lea r10, [rsi + rax * 4]
+    );
+    iced(&mut ops, |a| a.vxorps(Y_SUM, Y_SUM, Y_SUM));
+    let super_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>super_block);
+    iced(&mut ops, |a| {
+        a.vcvtph2ps(Y_D, xmmword_ptr(r9 + rbx * 4))?;
+        if q == QuantType::Q4Kx16 {
+            a.vcvtph2ps(Y_DMIN, xmmword_ptr(r9 + rbx * 4 + Q4K_DMIN_AT as i32))?;
+        }
+        Ok(())
+    });
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, header
+        ; mov edx, units
+    );
+    let unit_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>unit);
+    iced(&mut ops, |a| {
+        prefetch_unit(a, p)?;
+        match q {
+            QuantType::Q4Kx16 => q4_k_pair_avx2(a),
+            _ => q6_k_group_avx2(a),
+        }
+    });
+    dynasm!(ops
+        ; .arch x64
+        ; add r9, unit_bytes
+        ; add r10, TGB * unit_groups as i32
+        ; dec edx
+    );
+    jback!(ops, jne, unit, unit_top);
+    dynasm!(ops ; .arch x64 ; cmp r10, r11);
+    jback!(ops, jb, super_block, super_top);
+    // Store the half's rows that exist (r8 - rcx - 8 x half, up to 8) at
+    // y + token·ldy + 4·(rcx + 8 x half): lane_index takes rax, so the
+    // token waits in r9.
+    dynasm!(ops
+        ; .arch x64
+        ; mov r9, rax
+        ; mov r10, r8
+        ; sub r10, rcx
+        ; lea rdx, [rbx * 2]
+        ; sub r10, rdx
+        ; test r10, r10
+        ; jle =>skip
+    );
+    lane_index(&mut ops, 14);
+    count_mask(&mut ops, 15, 14, reg::R10);
+    dynasm!(ops
+        ; .arch x64
+        ; mov rax, r9
+        ; imul r9, r12
+        ; add r9, r14
+    );
+    iced(&mut ops, |a| {
+        a.vmaskmovps(ymmword_ptr(r9 + rbx * 8), Y_MASK, Y_SUM)
+    });
+    dynasm!(ops
+        ; .arch x64
+        ; =>skip
+        ; add ebx, 4
+        ; cmp ebx, 8
+    );
+    jback!(ops, jb, pass, pass_top);
+    dynasm!(ops
+        ; .arch x64
+        ; xor ebx, ebx
+        ; inc rax
+        ; cmp rax, r13
+    );
+    jback!(ops, jb, pass, pass_top);
+    dynasm!(ops
+        ; .arch x64
+        ; add r15, rdi
+        ; add r14, BYTE (ROWS * 4) as i8
+        ; add rcx, BYTE ROWS as i8
+        ; cmp rcx, r8
+    );
+    jback!(ops, jb, block, block_top);
+    dynasm!(ops ; .arch x64 ; =>done);
+    restore_callee_saved_and_return(&mut ops);
+    finish(ops, name)
+}
