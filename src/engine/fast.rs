@@ -324,14 +324,25 @@ impl FastEngine {
     /// every other one gets the 16-bit format of
     /// [`FastEngine::weight_format_for`].
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
-        let formats = Self::weight_formats_in_file_layouts(src, opts)?;
-        // Q8_0 in the layout this CPU's kernels read.
-        Ok(formats.with_layouts(&super::jit_kernels::quant_layouts()))
+        // Each quantized type in the layout this CPU's kernels read.
+        let layouts = super::jit_kernels::quant_layouts();
+        let native = Self::weight_formats_in_file_layouts(src, opts, true)?.with_layouts(&layouts);
+        if !native.has_k_quants() || super::jit_kernels::kernels_fit(&src.config, &native) {
+            return Ok(native);
+        }
+        // Q4_K and Q6_K beside three other kernel families (the default
+        // model has Q8_0, Q5_0, Q4_K and Q6_K matrices) are more code than
+        // the plan's budget: they become Q5_0 with offsets and Q8_0, as
+        // before they had kernels of their own.
+        Ok(Self::weight_formats_in_file_layouts(src, opts, false)?.with_layouts(&layouts))
     }
 
+    /// The formats as the file's types have them; with `k_quants_native`
+    /// false, Q4_K and Q6_K converted to the types of the other kernels.
     fn weight_formats_in_file_layouts(
         src: &ModelSource,
         opts: &FastOptions,
+        k_quants_native: bool,
     ) -> Result<WeightFormats> {
         // `--dtype q8_0`: that type wherever the rows are whole blocks,
         // quantized at load; FP16 elsewhere and for prefill's panels.
@@ -347,7 +358,9 @@ impl FastEngine {
                     return Ok(wide);
                 }
                 let t = src.matrix_unscanned(role, &shape)?;
-                if let Some(format) = WeightFormat::native(t.dtype) {
+                if let Some(format) = WeightFormat::native(t.dtype)
+                    .filter(|f| k_quants_native || !f.quant().is_some_and(|q| q.is_k_quant()))
+                {
                     return Ok(format);
                 }
                 let Some(to) = nearest_with_kernel(t.dtype) else {

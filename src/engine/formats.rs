@@ -39,13 +39,18 @@ pub struct Conversion {
     pub bytes: usize,
 }
 
-/// The format a quantized type without a kernel family becomes. Q5_K:
-/// Q5_0 with an offset per 32 values, which moves a value by at most q
-/// times FP16's rounding of its scale (`model::k_quant_as_q5_0`). (Q4_K
-/// and Q6_K have kernels of their own: `jit::emit::gemm_kquant`.)
+/// The format a quantized type becomes where no kernel family reads it
+/// (Q5_K), or where its family does not fit the plan's code budget beside
+/// the model's other types (Q4_K and Q6_K, `jit::emit::gemm_kquant`, on
+/// the default model). Q4_K and Q5_K: Q5_0 with an offset per 32 values,
+/// which moves a value by at most q times FP16's rounding of its scale
+/// (`model::k_quant_as_q5_0`). Q6_K, whose scales change every 16
+/// values: Q8_0, whose 8-bit grid holds its values to within half a step
+/// of max/127 per 32, far below their own rounding.
 pub(super) fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
     match dtype {
-        DType::Q5K => Some(WeightFormat::Q5_0),
+        DType::Q4K | DType::Q5K => Some(WeightFormat::Q5_0),
+        DType::Q6K => Some(WeightFormat::Q8_0),
         _ => None,
     }
 }
@@ -137,10 +142,23 @@ impl WeightFormats {
                 )
             })
             .collect();
-        Some(format!(
-            "no integer kernel reads these types yet, so they were converted: {}",
-            parts.join(", ")
-        ))
+        let over_budget = self
+            .converted
+            .iter()
+            .any(|c| matches!(c.from, DType::Q4K | DType::Q6K));
+        let why = if over_budget {
+            "the Q4_K and Q6_K kernels do not fit the JIT's code budget beside this model's other types"
+        } else {
+            "no integer kernel reads these types yet"
+        };
+        Some(format!("{why}, so they were converted: {}", parts.join(", ")))
+    }
+
+    /// Whether any matrix is kept in a K-quant layout.
+    pub fn has_k_quants(&self) -> bool {
+        std::iter::once(&self.head)
+            .chain(self.matrices.values())
+            .any(|f| f.quant().is_some_and(|q| q.is_k_quant()))
     }
 
     /// The format of a matrix.

@@ -88,6 +88,17 @@ pub fn plan_options(config: &ModelConfig, formats: &WeightFormats, threads: usiz
     }
 }
 
+/// Whether the plan for `config` with `formats` fits the JIT's code
+/// budget on this CPU (true where the JIT does not run: nothing to fit).
+pub fn kernels_fit(config: &ModelConfig, formats: &WeightFormats) -> bool {
+    let caps = CpuCaps::detect();
+    let opts = plan_options(config, formats, 1);
+    if caps.effective_isa(opts.max_isa).is_none() {
+        return true;
+    }
+    crate::jit::plan::plan(&ModelDims::from(config), &caps, &opts).is_ok()
+}
+
 /// `PULSAR_MAX_ISA=avx2` keeps every command's kernels to AVX2 (the
 /// integer GEMMs without VNNI, say), as `tune`/`dump --max-isa` do for a
 /// listing: to compare the two on one machine, or to step around a

@@ -713,9 +713,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             notes.push(format!("{total} B > budget: {op} stays in Rust"));
             dropped.push(op.to_string());
         } else {
+            let each: Vec<String> = kinds
+                .iter()
+                .zip(&sizes)
+                .map(|((k, _), n)| format!("{} {n}", k.name()))
+                .collect();
             bail!(
-                "the matrix kernels alone need {total} bytes, over the {} byte budget",
-                opts.budget
+                "the matrix kernels alone need {total} bytes, over the {} byte budget ({})",
+                opts.budget,
+                each.join(", ")
             );
         }
     }

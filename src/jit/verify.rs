@@ -261,6 +261,7 @@ const ALLOWED: &[Mnemonic] = {
         Vpandd,
         Vprold,
         Vprord,
+        Vmovdqa32,
     ]
 };
 

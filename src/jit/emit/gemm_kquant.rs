@@ -159,36 +159,43 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
         a.cmp(ebx, 8 * 8)
     });
     jback!(ops, jb, run, top);
+    // The two groups' scaling is one copy of the code, run twice: the
+    // second group's sums moved into the first's registers, r9 and r10
+    // stepped to its scales and its tile group (back after the pair).
+    let group = ops.new_dynamic_label();
+    iced(ops, |a| a.mov(ebx, 2));
+    let group_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>group);
     iced(ops, |a| {
-        for (h, sums) in [FIRST, SECOND].iter().enumerate() {
-            let (scales, mins) = (CHUNK_A, NIBBLES);
-            let h16 = 16 * h as i32;
-            a.vpmovzxbd(scales, xmmword_ptr(r9 + h16))?;
-            a.vcvtdq2ps(scales, scales)?;
-            a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax))?;
-            a.vmulps(scales, scales, CHUNK_B)?;
-            a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32 + h16))?;
-            a.vcvtdq2ps(mins, mins)?;
-            a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax + Q4K_DMIN_AT as i32))?;
-            a.vmulps(mins, mins, CHUNK_B)?;
-            let tile = TGB * h as i32;
-            for t in 0..tokens {
-                let x = 4 * t as i32;
-                a.vcvtdq2ps(sums[t], sums[t])?;
-                a.vmulps(
-                    CHUNK_B,
-                    scales,
-                    dword_bcst(r10 + tile + TILE_SCALES_AT as i32 + x),
-                )?;
-                a.vfmadd231ps(F32_SUMS[t], sums[t], CHUNK_B)?;
-                a.vfnmadd231ps(
-                    F32_SUMS[t],
-                    mins,
-                    dword_bcst(r10 + tile + TILE_SCALED_SUMS_AT as i32 + x),
-                )?;
-            }
+        let (scales, mins) = (CHUNK_A, NIBBLES);
+        a.vpmovzxbd(scales, xmmword_ptr(r9))?;
+        a.vcvtdq2ps(scales, scales)?;
+        a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax))?;
+        a.vmulps(scales, scales, CHUNK_B)?;
+        a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32))?;
+        a.vcvtdq2ps(mins, mins)?;
+        a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax + Q4K_DMIN_AT as i32))?;
+        a.vmulps(mins, mins, CHUNK_B)?;
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
+            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + TILE_SCALES_AT as i32 + x))?;
+            a.vfmadd231ps(F32_SUMS[t], FIRST[t], CHUNK_B)?;
+            a.vfnmadd231ps(
+                F32_SUMS[t],
+                mins,
+                dword_bcst(r10 + TILE_SCALED_SUMS_AT as i32 + x),
+            )?;
+            a.vmovdqa32(FIRST[t], SECOND[t])?;
         }
-        Ok(())
+        a.add(r9, ROWS as i32)?;
+        a.add(r10, TGB)?;
+        a.dec(ebx)
+    });
+    jback!(ops, jne, group, group_top);
+    iced(ops, |a| {
+        a.sub(r9, 2 * ROWS as i32)?;
+        a.sub(r10, 2 * TGB)
     });
 }
 
@@ -261,12 +268,16 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     });
 }
 
-/// One form of the VNNI kernel: the whole row block for `tokens`, super-
-/// block by super-block (rax its scales), unit by unit (r15 counting).
-fn pass_vnni(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
+/// The VNNI kernel's loop over the row block, super-block by super-block
+/// (rax its scales), unit by unit (r15 counting), each unit in the form
+/// of the call's token count: one (a decode step) or a pass of 8. The
+/// forms share the prefetches and the loop.
+fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     let (header, unit_bytes, units, unit_groups) = geometry(p.q);
     let super_block = ops.new_dynamic_label();
     let unit = ops.new_dynamic_label();
+    let one_token = ops.new_dynamic_label();
+    let unit_done = ops.new_dynamic_label();
     let super_top = ops.offset();
     dynasm!(ops
         ; .arch x64
@@ -278,12 +289,23 @@ fn pass_vnni(ops: &mut Asm, p: &GemmQuantParams, tokens: usize) {
     let unit_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>unit);
     iced(ops, |a| prefetch_unit(a, p));
-    match p.q {
-        QuantType::Q4Kx16 => q4_k_pair_vnni(ops, tokens),
-        _ => q6_k_group_vnni(ops, tokens),
+    cmp_imm8(ops, reg::R13, 1);
+    dynasm!(ops ; .arch x64 ; je =>one_token);
+    for tokens in [TOKENS, 1] {
+        if tokens == 1 {
+            dynasm!(ops ; .arch x64 ; =>one_token);
+        }
+        match p.q {
+            QuantType::Q4Kx16 => q4_k_pair_vnni(ops, tokens),
+            _ => q6_k_group_vnni(ops, tokens),
+        }
+        if tokens != 1 {
+            dynasm!(ops ; .arch x64 ; jmp =>unit_done);
+        }
     }
     dynasm!(ops
         ; .arch x64
+        ; =>unit_done
         ; add r9, unit_bytes
         ; add r10, TGB * unit_groups as i32
         ; dec r15d
@@ -314,14 +336,7 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         Ok(())
     });
-    let one_token = ops.new_dynamic_label();
-    let store = ops.new_dynamic_label();
-    cmp_imm8(&mut ops, reg::R13, 1);
-    dynasm!(ops ; .arch x64 ; je =>one_token);
-    pass_vnni(&mut ops, p, TOKENS);
-    dynasm!(ops ; .arch x64 ; jmp =>store ; =>one_token);
-    pass_vnni(&mut ops, p, 1);
-    dynasm!(ops ; .arch x64 ; =>store);
+    passes_vnni(&mut ops, p);
     super::gemm_q8_0x16::store_pass(&mut ops);
     next_block_and_return(ops, ROWS, (block, block_top), done, name)
 }
