@@ -70,7 +70,8 @@ fn portable(w: &PackedMatrix, xq: &Q8Input) -> Vec<f32> {
 
 #[test]
 fn the_k_quant_layouts_keep_the_files_bits() {
-    for (q, file_bytes, layout_bytes) in [(QuantType::Q4Kx16, 144, 148), (QuantType::Q6Kx16, 210, 210)]
+    for (q, file_bytes, layout_bytes) in
+        [(QuantType::Q4Kx16, 144, 148), (QuantType::Q6Kx16, 210, 210)]
     {
         let (rows, k) = (37, 768);
         let file = k_quant_file(q, rows, k, 5);

@@ -247,14 +247,20 @@ fn measure_one_quant(
 }
 
 /// The integer GEMMs over 16-row blocks that take single tokens (Q8_0x16's,
-/// the LM head's; with VNNI Q5_0x16's, the layers') at 1, 2, 4 and 8
+/// the LM head's; with VNNI Q5_0x16's, the layers'; Q4_K's and Q6_K's) at
+/// 1, 2, 4 and 8
 /// tokens of one tile, 1 thread: GB/s of weight bytes and each step's cost
 /// against one token's, the m-curve of `bench --m-curve` for each kernel
 /// alone. With `PULSAR_MEASURE_KIB` small enough for L2, it times the
 /// arithmetic.
 pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
-    for q in [QuantType::Q8_0x16, QuantType::Q5_0x16] {
+    for q in [
+        QuantType::Q8_0x16,
+        QuantType::Q5_0x16,
+        QuantType::Q4Kx16,
+        QuantType::Q6Kx16,
+    ] {
         measure_rows_as_lanes_gemm(plan, &set, q)?;
     }
     Ok(())

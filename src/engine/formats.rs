@@ -151,7 +151,10 @@ impl WeightFormats {
         } else {
             "no integer kernel reads these types yet"
         };
-        Some(format!("{why}, so they were converted: {}", parts.join(", ")))
+        Some(format!(
+            "{why}, so they were converted: {}",
+            parts.join(", ")
+        ))
     }
 
     /// Whether any matrix is kept in a K-quant layout.

@@ -488,7 +488,8 @@ impl MatKernels for JitKernels {
                 .bind::<Geglu>(id, width)
                 .run(gate, up, out)
                 .expect("GeGLU sized by the engine"),
-            _ => PortableKernels.geglu(gate, up, out),
+            // SAFETY: the JIT's kernels run only where AVX2 and FMA are.
+            _ => unsafe { super::geglu_avx2::geglu(gate, up, out) },
         }
     }
 

@@ -5,6 +5,7 @@ pub mod autotune;
 pub mod decode_wsum;
 pub mod fast;
 pub mod formats;
+pub mod geglu_avx2;
 pub mod jit_kernels;
 pub mod kernels;
 pub mod key_split;

@@ -185,9 +185,9 @@ impl DType {
             DType::Q4K | DType::Q5K => &[0, 2],
             DType::Q6K => &[128 + 64 + 16],
             // Per group of a row block (see `scale_unit_bytes`).
-            DType::QuantRowBlocks(
-                QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q6Kx16,
-            ) => &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30],
+            DType::QuantRowBlocks(QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q6Kx16) => {
+                &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
+            }
             // A super-block's 16 d, then 16 dmin.
             DType::QuantRowBlocks(QuantType::Q4Kx16) => &[
                 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
@@ -202,9 +202,7 @@ impl DType {
     /// another: a block, or a row block's group.
     fn scale_unit_bytes(self) -> usize {
         match self {
-            DType::QuantRowBlocks(q) if q.is_k_quant() => {
-                q.block_rows() * q.unit_row_bytes()
-            }
+            DType::QuantRowBlocks(q) if q.is_k_quant() => q.block_rows() * q.unit_row_bytes(),
             DType::QuantRowBlocks(q) => q.group_bytes(),
             _ => self.block_bytes(),
         }

@@ -184,9 +184,8 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
                     }
                     for h in 0..2 {
                         for j in 0..CHUNK_BYTES {
-                            let bits = (0..4).fold(0u8, |b, i| {
-                                b | (v[16 * h + 4 * i + j] >> 4) << (2 * i)
-                            });
+                            let bits = (0..4)
+                                .fold(0u8, |b, i| b | (v[16 * h + 4 * i + j] >> 4) << (2 * i));
                             group[Q6K_HIGH_AT + h * RUN_BYTES + CHUNK_BYTES * lane + j] = bits;
                         }
                     }
@@ -337,7 +336,10 @@ mod tests {
 
     #[test]
     fn repacking_keeps_the_file_bits_and_dequantizes_bit_for_bit() {
-        for (q, dtype) in [(QuantType::Q4Kx16, DType::Q4K), (QuantType::Q6Kx16, DType::Q6K)] {
+        for (q, dtype) in [
+            (QuantType::Q4Kx16, DType::Q4K),
+            (QuantType::Q6Kx16, DType::Q6K),
+        ] {
             for (rows, cols) in [(16, 256), (5, 512), (33, 768)] {
                 let file = random_rows(q, rows, cols, rows as u64 * 31 + cols as u64);
                 let row_bytes = cols / SUPER_COLS * row_super_bytes(q);
@@ -397,9 +399,11 @@ mod tests {
                                 if g % 2 == 0 { b & 15 } else { b >> 4 }
                             } else {
                                 let grp = Q6K_GROUPS_AT + g * Q6K_GROUP_BYTES;
-                                let nib = packed[grp + Q6K_NIBBLES_AT + c % 4 * RUN_BYTES + 4 * r + j];
+                                let nib =
+                                    packed[grp + Q6K_NIBBLES_AT + c % 4 * RUN_BYTES + 4 * r + j];
                                 let low = if c < 4 { nib & 15 } else { nib >> 4 };
-                                let high = packed[grp + Q6K_HIGH_AT + c / 4 * RUN_BYTES + 4 * r + j];
+                                let high =
+                                    packed[grp + Q6K_HIGH_AT + c / 4 * RUN_BYTES + 4 * r + j];
                                 low | ((high >> (2 * (c % 4))) & 3) << 4
                             };
                             assert_eq!(got, v, "{q:?} row {r} group {g} chunk {c}");

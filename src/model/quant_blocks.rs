@@ -135,10 +135,9 @@ impl QuantType {
     #[inline]
     pub fn block_rows(self) -> usize {
         match self {
-            QuantType::Q8_0x16
-            | QuantType::Q5_0x16
-            | QuantType::Q4Kx16
-            | QuantType::Q6Kx16 => MAX_BLOCK_ROWS,
+            QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+                MAX_BLOCK_ROWS
+            }
             _ => BLOCK_ROWS,
         }
     }

@@ -43,8 +43,8 @@
 //! the super-block, rbx the chunk's offset.
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT,
-    TILE_SCALES_AT, TOKENS, block_and_pass_top, iced, token_call_frame,
+    GemmQuantParams, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT,
+    TOKENS, block_and_pass_top, iced, token_call_frame,
 };
 use super::{Asm, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg};
 use super::{finish, restore_callee_saved_and_return, save_callee_saved};
@@ -216,7 +216,11 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
         // Chunk n's field at bits 2n..2n+1 of each byte goes to bits 4..5:
         // rotated left by 4 first, then right by 2 per chunk.
         a.vprold(HIGH_A, zmmword_ptr(r9 + Q6K_HIGH_AT as i32), 4)?;
-        a.vprold(HIGH_B, zmmword_ptr(r9 + (Q6K_HIGH_AT + RUN_BYTES) as i32), 4)?;
+        a.vprold(
+            HIGH_B,
+            zmmword_ptr(r9 + (Q6K_HIGH_AT + RUN_BYTES) as i32),
+            4,
+        )?;
         a.xor(ebx, ebx)
     });
     let top = ops.offset();
