@@ -79,6 +79,8 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
         QuantType::Q4_0 => (DType::Q4_0, WeightFormat::Q4_0),
         QuantType::Q8_0x16 => (DType::Q8_0, WeightFormat::Q8_0x16),
         QuantType::Q5_0x16 => (DType::Q5_0, WeightFormat::Q5_0x16),
+        QuantType::Q4Kx16 => (DType::Q4K, WeightFormat::Q4Kx16),
+        QuantType::Q6Kx16 => (DType::Q6K, WeightFormat::Q6Kx16),
     };
     PackedMatrix::convert(
         &TensorView {
