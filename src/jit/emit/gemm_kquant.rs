@@ -116,8 +116,12 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
 /// The prefetches of one unit, `p.prefetch` (into L1) and `p.l2_prefetch`
 /// (into L2) bytes ahead of r9.
 fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedError> {
-    let (_, unit_bytes, _, _) = geometry(p.q);
-    let lines = (unit_bytes as usize).div_ceil(64) as i32;
+    let (header, unit_bytes, units, _) = geometry(p.q);
+    // The units' lines and the super-block header's share: a header
+    // line no unit's prefetches cover is a miss to memory once per
+    // super-block (Q4_K's units are whole lines, so its 64-byte header
+    // was exactly that).
+    let lines = (unit_bytes + (header + units - 1) / units + 63) / 64;
     if p.prefetch > 0 {
         for line in 0..lines {
             a.prefetcht0(byte_ptr(r9 + p.prefetch as i32 + 64 * line))?;
@@ -131,13 +135,33 @@ fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedE
     Ok(())
 }
 
+/// Chains of products per group sum: a call of one token (a decode step,
+/// bound by memory) takes two, the even and the odd chunks, so that its
+/// `vpdpbusd`s do not wait on each other run after run (a group's 8 in one
+/// chain are 8 latencies); a pass of 8 has 8 tokens' chains already.
+fn chains(tokens: usize) -> usize {
+    if tokens == 1 { 2 } else { 1 }
+}
+
+/// Adds the odd chunks' chains (in the second token's registers) to the
+/// even ones'.
+fn join_chains(ops: &mut Asm, chains: usize) {
+    if chains == 2 {
+        iced(ops, |a| {
+            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
+            a.vpaddd(SECOND[0], SECOND[0], SECOND[1])
+        });
+    }
+}
+
 /// Q4_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
 /// a loop over the 8 nibble runs (rbx 8 per run), then each group's
 /// scaling into the f32 sums.
 fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     let run = ops.new_dynamic_label();
+    let chains = chains(tokens);
     iced(ops, |a| {
-        for t in 0..tokens {
+        for t in 0..tokens.max(chains) {
             a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
             a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
         }
@@ -146,19 +170,24 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>run);
     iced(ops, |a| {
-        a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q4K_RUNS_AT as i32))?;
-        a.vpandd(CHUNK_A, NIBBLES, LOW_NIBBLES)?;
-        a.vpsrlw(NIBBLES, NIBBLES, 4)?;
-        a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
-        for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vpdpbusd(FIRST[t], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
-            a.vpdpbusd(SECOND[t], NIBBLES, dword_bcst(r10 + rbx * 4 + TGB + x))?;
+        for c in 0..chains {
+            let (w, x) = ((c * RUN_BYTES) as i32, c as i32 * TILE_CHUNK);
+            a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q4K_RUNS_AT as i32 + w))?;
+            a.vpandd(CHUNK_A, NIBBLES, LOW_NIBBLES)?;
+            a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+            a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
+            for t in 0..tokens {
+                let (first, second) = (FIRST[t + c], SECOND[t + c]);
+                let x = x + 4 * t as i32;
+                a.vpdpbusd(first, CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
+                a.vpdpbusd(second, NIBBLES, dword_bcst(r10 + rbx * 4 + TGB + x))?;
+            }
         }
-        a.add(ebx, 8)?;
+        a.add(ebx, 8 * chains as i32)?;
         a.cmp(ebx, 8 * 8)
     });
     jback!(ops, jb, run, top);
+    join_chains(ops, chains);
     // The two groups' scaling is one copy of the code, run twice: the
     // second group's sums moved into the first's registers, r9 and r10
     // stepped to its scales and its tile group (back after the pair).
@@ -204,6 +233,7 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
 /// by 2 after each, then the scaling.
 fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     let run = ops.new_dynamic_label();
+    let chains = chains(tokens);
     iced(ops, |a| {
         for t in 0..tokens {
             let x = 4 * t as i32;
@@ -212,6 +242,10 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
                 SECOND[t],
                 dword_ptr(r10 + (TILE_HALF_STARTS_AT + 4 * TOKENS) as i32 + x),
             )?;
+        }
+        for c in tokens..chains {
+            a.vpxord(FIRST[c], FIRST[c], FIRST[c])?;
+            a.vpxord(SECOND[c], SECOND[c], SECOND[c])?;
         }
         // Chunk n's field at bits 2n..2n+1 of each byte goes to bits 4..5:
         // rotated left by 4 first, then right by 2 per chunk.
@@ -226,27 +260,34 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>run);
     iced(ops, |a| {
-        a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q6K_NIBBLES_AT as i32))?;
-        a.vpandd(CHUNK_A, HIGH_A, TOP_BITS)?;
-        a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
-        a.vpsrlw(NIBBLES, NIBBLES, 4)?;
-        a.vpandd(CHUNK_B, HIGH_B, TOP_BITS)?;
-        a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
-        for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vpdpbusd(FIRST[t], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
-            a.vpdpbusd(
-                SECOND[t],
-                CHUNK_B,
-                dword_bcst(r10 + rbx * 4 + 4 * TILE_CHUNK + x),
+        for c in 0..chains {
+            let (w, x) = ((c * RUN_BYTES) as i32, c as i32 * TILE_CHUNK);
+            a.vmovdqu32(
+                NIBBLES,
+                zmmword_ptr(r9 + rbx * 8 + Q6K_NIBBLES_AT as i32 + w),
             )?;
+            a.vpandd(CHUNK_A, HIGH_A, TOP_BITS)?;
+            a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
+            a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+            a.vpandd(CHUNK_B, HIGH_B, TOP_BITS)?;
+            a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
+            for t in 0..tokens {
+                let x = x + 4 * t as i32;
+                a.vpdpbusd(FIRST[t + c], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
+                a.vpdpbusd(
+                    SECOND[t + c],
+                    CHUNK_B,
+                    dword_bcst(r10 + rbx * 4 + 4 * TILE_CHUNK + x),
+                )?;
+            }
+            a.vprord(HIGH_A, HIGH_A, 2)?;
+            a.vprord(HIGH_B, HIGH_B, 2)?;
         }
-        a.vprord(HIGH_A, HIGH_A, 2)?;
-        a.vprord(HIGH_B, HIGH_B, 2)?;
-        a.add(ebx, 8)?;
+        a.add(ebx, 8 * chains as i32)?;
         a.cmp(ebx, 4 * 8)
     });
     jback!(ops, jb, run, top);
+    join_chains(ops, chains);
     iced(ops, |a| {
         let (d, first_scales, second_scales) = (HIGH_A, HIGH_B, SPARE);
         a.vcvtph2ps(d, ymmword_ptr(rax))?;
