@@ -569,11 +569,18 @@ impl ServeCli {
 enum Command {
     /// Chat in turns (the default): replies stream, the KV cache is kept between turns.
     Chat(ChatCli),
-    /// Generate text from one prompt; the text goes to stdout as it is made.
+    /// Generate text from one prompt; the text goes to stdout as it is made. Plain completion
+    /// (BOS and the prompt, as llama-completion does) unless --chat.
     Run {
         #[command(flatten)]
         common: GenerationCli,
-        /// Plain completion with BOS, no chat turn format.
+        /// Wrap the prompt in the model's chat format as `pulsar chat` does (the model's own
+        /// template, Gemma's turns, or User:/Assistant: lines for a base model).
+        /// --chat-template and --think imply it.
+        #[arg(long, conflicts_with = "raw")]
+        chat: bool,
+        /// Plain completion with BOS, no chat turn format: the default, kept for scripts that
+        /// name it.
         #[arg(long)]
         raw: bool,
     },
@@ -707,9 +714,9 @@ enum Command {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Chat(chat) => chat.run(),
-        Command::Run { common, raw } => commands::run::run(&commands::run::RunArgs {
+        Command::Run { common, chat, .. } => commands::run::run(&commands::run::RunArgs {
             common: common.resolve()?,
-            raw,
+            chat,
         }),
         Command::Tokenize {
             model,

@@ -198,8 +198,35 @@ fn a_stop_string_split_across_tokens_ends_the_text_unprinted() {
     assert!(stderr.contains("generated 6 tok"), "{stderr}");
 }
 
+/// `run` is plain completion unless `--chat`, as llama-completion is: the
+/// prompt is continued, and no chat format is named.
 #[test]
-fn run_without_raw_uses_the_models_chat_format() {
+fn run_is_plain_completion_by_default() {
+    let out = pulsar(&[
+        "run",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "3",
+        "-t",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("chat format"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout, " the capital of\n", "{stderr}");
+    let both = pulsar(&["run", "-p", "hi", "--chat", "--raw"]);
+    assert!(!both.status.success());
+    assert!(
+        String::from_utf8_lossy(&both.stderr).contains("cannot be used with"),
+        "{}",
+        String::from_utf8_lossy(&both.stderr)
+    );
+}
+
+#[test]
+fn run_with_chat_uses_the_models_chat_format() {
     let out = pulsar(&[
         "run",
         "-p",
@@ -208,6 +235,7 @@ fn run_without_raw_uses_the_models_chat_format() {
         "48",
         "-t",
         "0",
+        "--chat",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -334,7 +362,7 @@ fn start_up_is_short_and_the_conversion_note_needs_verbose() {
 /// ends the model's turn), seed 4 and `-n 4` once printed "Hi!\nUser".
 #[test]
 fn a_limit_inside_a_stop_string_hides_its_start() {
-    let out = pulsar(&["run", "-p", "hi", "-n", "4", "-s", "4"]);
+    let out = pulsar(&["run", "-p", "hi", "-n", "4", "-s", "4", "--chat"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -351,7 +379,7 @@ fn a_limit_inside_a_stop_string_hides_its_start() {
 /// completion has nothing to add.
 #[test]
 fn the_prompt_count_separates_the_chat_format() {
-    let out = pulsar(&["run", "-p", "hi", "-n", "2", "-t", "0"]);
+    let out = pulsar(&["run", "-p", "hi", "-n", "2", "-t", "0", "--chat"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let stats = stderr
@@ -372,6 +400,10 @@ fn the_prompt_count_separates_the_chat_format() {
     assert!(stats.contains("of them the chat format"), "{stats}");
     // "hi" is one token of the user's; the rest is the format's.
     assert_eq!(total - format, 1, "{stats}");
-    let raw = pulsar(&["run", "-p", "hi", "-n", "2", "-t", "0", "--raw"]);
-    assert!(!String::from_utf8_lossy(&raw.stderr).contains("chat format)"));
+    for plain in [&["--raw"][..], &[]] {
+        let mut args = vec!["run", "-p", "hi", "-n", "2", "-t", "0"];
+        args.extend(plain);
+        let raw = pulsar(&args);
+        assert!(!String::from_utf8_lossy(&raw.stderr).contains("chat format)"));
+    }
 }

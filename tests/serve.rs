@@ -483,6 +483,7 @@ fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
     );
     let run = pulsar_cmd(&[
         "run",
+        "--chat",
         "-p",
         question,
         "-n",
@@ -503,6 +504,7 @@ fn greedy_chat_matches_pulsar_run_and_logprobs_are_reported() {
     );
     let run = pulsar_cmd(&[
         "run",
+        "--chat",
         "-p",
         question,
         "--system",

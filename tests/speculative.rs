@@ -124,6 +124,7 @@ fn greedy_text_is_identical_with_and_without_speculation() {
             "quote from a document",
             vec![
                 "run",
+                "--chat",
                 "-f",
                 document,
                 "-p",
@@ -137,6 +138,7 @@ fn greedy_text_is_identical_with_and_without_speculation() {
             "rewrite a code file",
             vec![
                 "run",
+                "--chat",
                 "-f",
                 code,
                 "-p",

@@ -20,6 +20,13 @@ fn pulsar(args: &[&str]) -> Output {
         .arg("-m")
         .arg(model)
         .args(["-t", "0", "-n", MAX_NEW])
+        // The cases are written as questions to a chat model; `--raw`
+        // asks for plain completion instead.
+        .args(if args.contains(&"--raw") {
+            &[][..]
+        } else {
+            &["--chat"][..]
+        })
         .args(args)
         .output()
         .expect("pulsar runs")

@@ -17,8 +17,9 @@ use std::time::Instant;
 
 pub struct RunArgs {
     pub common: GenerationArgs,
-    /// Plain completion with BOS, no chat turn format.
-    pub raw: bool,
+    /// The prompt in the model's chat format (`--chat`); otherwise plain
+    /// completion with BOS. `--chat-template` and `--think` imply it.
+    pub chat: bool,
 }
 
 /// Loads the tokenizer that belongs to a model source.
@@ -83,7 +84,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let load_start = Instant::now();
     let src = ModelSource::open(&args.common.model)?;
     let tok = load_tokenizer(&src)?;
-    let choice = if args.raw {
+    let chat = args.chat || args.common.chat_template.is_some() || args.common.think;
+    let choice = if !chat {
         None
     } else {
         Some(TemplateChoice::for_model(
@@ -96,7 +98,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.common.think && !template.is_some_and(|t| t.can_think()) {
         bail!(
             "--think: the chat format {} has no thinking switch (Gemma 4's has one)",
-            template.map_or("of --raw".to_string(), |t| format!("{:?}", t.name))
+            template.map_or("of plain completion".to_string(), |t| format!(
+                "{:?}",
+                t.name
+            ))
         );
     }
     let stops = match template {
@@ -164,7 +169,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(choice) = &choice {
-        eprintln!("pulsar: {}; --raw for plain completion", choice.describe());
+        eprintln!("pulsar: {}", choice.describe());
     }
     let mut engine = open_engine(
         src,
