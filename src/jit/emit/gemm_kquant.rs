@@ -54,7 +54,7 @@ use crate::model::k_quant_x16::{
     Q6K_GROUPS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT, RUN_BYTES, SUPER_GROUPS,
 };
 use crate::model::quant_blocks::{CHUNK_BYTES, QuantType};
-use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use dynasmrt::{AssemblyOffset, DynamicLabel, DynasmApi, DynasmLabelApi, dynasm};
 use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
@@ -318,7 +318,7 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
 /// of the call's token count: one (a decode step) or a pass of 8. The
 /// forms share the prefetches and the loop.
 fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
-    let (header, unit_bytes, units, unit_groups) = geometry(p.q);
+    let (header, _, units, _) = geometry(p.q);
     let super_block = ops.new_dynamic_label();
     let unit = ops.new_dynamic_label();
     let one_token = ops.new_dynamic_label();
@@ -348,12 +348,32 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
             dynasm!(ops ; .arch x64 ; jmp =>unit_done);
         }
     }
+    dynasm!(ops ; .arch x64 ; =>unit_done);
+    next_unit(
+        ops,
+        p.q,
+        reg::R15,
+        (unit, unit_top),
+        (super_block, super_top),
+    );
+}
+
+/// The end of a unit: r9 and r10 to the next unit of the block and of the
+/// tile, back to `unit` while `count` (a 32-bit register) has units left
+/// in the super-block, then to `super_block` while the tile has one.
+fn next_unit(
+    ops: &mut Asm,
+    q: QuantType,
+    count: u8,
+    (unit, unit_top): (DynamicLabel, AssemblyOffset),
+    (super_block, super_top): (DynamicLabel, AssemblyOffset),
+) {
+    let (_, unit_bytes, _, unit_groups) = geometry(q);
     dynasm!(ops
         ; .arch x64
-        ; =>unit_done
         ; add r9, unit_bytes
         ; add r10, TGB * unit_groups as i32
-        ; dec r15d
+        ; dec Rd(count)
     );
     jback!(ops, jne, unit, unit_top);
     dynasm!(ops ; .arch x64 ; cmp r10, r11);
@@ -506,7 +526,7 @@ fn q6_k_group_avx2(a: &mut CodeAssembler) -> Result<(), IcedError> {
 /// left in a super-block) serve the passes.
 fn emit_avx2(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
-    let (header, unit_bytes, units, unit_groups) = geometry(q);
+    let (header, _, units, _) = geometry(q);
     let mut ops = new_asm();
     save_callee_saved(&mut ops);
     let done = ops.new_dynamic_label();
@@ -575,15 +595,13 @@ fn emit_avx2(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
             _ => q6_k_group_avx2(a),
         }
     });
-    dynasm!(ops
-        ; .arch x64
-        ; add r9, unit_bytes
-        ; add r10, TGB * unit_groups as i32
-        ; dec edx
+    next_unit(
+        &mut ops,
+        q,
+        reg::RDX,
+        (unit, unit_top),
+        (super_block, super_top),
     );
-    jback!(ops, jne, unit, unit_top);
-    dynasm!(ops ; .arch x64 ; cmp r10, r11);
-    jback!(ops, jb, super_block, super_top);
     // Store the half's rows that exist (r8 - rcx - 8 x half, up to 8) at
     // y + token·ldy + 4·(rcx + 8 x half): lane_index takes rax, so the
     // token waits in r9.
