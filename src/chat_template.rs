@@ -232,7 +232,7 @@ impl TemplateChoice {
             None => (
                 ChatTemplate::dialogue(),
                 format!(
-                    "the model ships no chat template and its name {:?} does not mark it instruction-tuned",
+                    "no chat template shipped, and {:?} is not named as instruction-tuned",
                     names.first().map_or("", String::as_str)
                 ),
             ),
@@ -293,14 +293,13 @@ impl TemplateChoice {
         })
     }
 
-    /// The first line a chat or a templated run prints.
+    /// The first line a chat or a templated run prints: the format and
+    /// why, short (start-up is a line or two); `--chat-template --help`
+    /// lists the built-in names.
     pub fn describe(&self) -> String {
         format!(
-            "chat format {:?} ({}): {}; --chat-template {}|FILE overrides",
-            self.template.name,
-            self.template.about,
-            self.why,
-            ChatTemplate::built_in_names().replace(", ", "|")
+            "chat format {:?}: {}; --chat-template NAME|FILE to change",
+            self.template.name, self.why,
         )
     }
 }
