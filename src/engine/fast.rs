@@ -18,6 +18,7 @@ use super::step_logits::StepLogits;
 use super::{Engine, LogitsWanted};
 use crate::jit::blocking::{Blocking, ROW_GRANULE};
 use crate::model::config::ModelConfig;
+use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::{ModelWeights, RowTable, matrix_name, matrix_shape, model_matrices};
@@ -326,7 +327,8 @@ impl FastEngine {
     pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
         // Each quantized type in the layout this CPU's kernels read.
         let layouts = super::jit_kernels::quant_layouts();
-        let native = Self::weight_formats_in_file_layouts(src, opts, true)?.with_layouts(&layouts);
+        let native = Self::weight_formats_in_file_layouts(src, opts, layouts.k_quants_native)?
+            .with_layouts(&layouts);
         if !native.has_k_quants() || super::jit_kernels::kernels_fit(&src.config, &native) {
             return Ok(native);
         }
@@ -358,8 +360,10 @@ impl FastEngine {
                     return Ok(wide);
                 }
                 let t = src.matrix_unscanned(role, &shape)?;
+                // A file already in the K-quant layouts (`pulsar convert`)
+                // keeps them whatever the choice: nothing converts back.
                 if let Some(format) = WeightFormat::native(t.dtype)
-                    .filter(|f| k_quants_native || !f.quant().is_some_and(|q| q.is_k_quant()))
+                    .filter(|_| k_quants_native || !matches!(t.dtype, DType::Q4K | DType::Q6K))
                 {
                     return Ok(format);
                 }
