@@ -3,7 +3,9 @@
 //! plain-Rust product of the same arithmetic bit for bit, and that product
 //! against the exact one within the bound of the input's 8-bit rounding.
 
-use half::f16;
+mod common;
+
+use common::k_quant_file;
 use pulsar::engine::kernels::{SharedOut, gemm_kquant_portable};
 use pulsar::engine::packed::{PackedMatrix, WeightFormat};
 use pulsar::engine::q8_input::Q8Input;
@@ -13,29 +15,6 @@ use pulsar::jit::kernels::{GemmQuant, KernelSet};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::dtype::{DType, TensorView};
 use pulsar::model::quant_blocks::QuantType;
-
-/// A made-up K-quant tensor (GGUF bytes): random quants, scales and mins,
-/// super-block scales of weights' size.
-fn k_quant_file(q: QuantType, rows: usize, cols: usize, seed: u32) -> Vec<u8> {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        s >> 8
-    };
-    let bytes = if q == QuantType::Q4Kx16 { 144 } else { 210 };
-    let mut out = vec![0u8; rows * cols / 256 * bytes];
-    for block in out.chunks_exact_mut(bytes) {
-        block.iter_mut().for_each(|b| *b = next() as u8);
-        let mut scale = || f16::from_f32((next() % 1000) as f32 * 2e-6 + 1e-5).to_le_bytes();
-        if q == QuantType::Q4Kx16 {
-            block[0..2].copy_from_slice(&scale());
-            block[2..4].copy_from_slice(&scale());
-        } else {
-            block[208..210].copy_from_slice(&scale());
-        }
-    }
-    out
-}
 
 fn inputs(tokens: usize, k: usize) -> Vec<f32> {
     (0..tokens * k)

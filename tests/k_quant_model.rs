@@ -6,33 +6,10 @@
 
 mod common;
 
-use half::f16;
+use common::k_quant_file;
 use pulsar::engine::packed::WeightFormat;
 use pulsar::model::dtype::DType;
 use pulsar::model::quant_blocks::QuantType;
-
-/// A made-up K-quant tensor (GGUF bytes): random quants, scales and mins,
-/// super-block scales of weights' size.
-fn k_quant_file(q: QuantType, rows: usize, cols: usize, seed: u32) -> Vec<u8> {
-    let mut s = seed;
-    let mut next = || {
-        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        s >> 8
-    };
-    let bytes = if q == QuantType::Q4Kx16 { 144 } else { 210 };
-    let mut out = vec![0u8; rows * cols / 256 * bytes];
-    for block in out.chunks_exact_mut(bytes) {
-        block.iter_mut().for_each(|b| *b = next() as u8);
-        let mut scale = || f16::from_f32((next() % 1000) as f32 * 2e-6 + 1e-5).to_le_bytes();
-        if q == QuantType::Q4Kx16 {
-            block[0..2].copy_from_slice(&scale());
-            block[2..4].copy_from_slice(&scale());
-        } else {
-            block[208..210].copy_from_slice(&scale());
-        }
-    }
-    out
-}
 
 /// A Gemma 3 model of random K-quant weights whose every K is a multiple of
 /// 256 (hidden 256, 4 heads of 64, FFN 512, 2 layers, vocab 512): the Q/K/V
