@@ -23,7 +23,8 @@ request mix against it; given with --pulsar, pulsar runs first, then a pause
 
 Soak: --soak SECONDS runs a mixed load against a pulsar server for that long
 (streaming and whole chat and completion requests, prompt batches,
-embeddings, function calls and Responses API requests, from several threads, some closed mid-stream, oversized and malformed bodies, a /health probe every
+embeddings, function calls and Responses API requests, from several threads, some closed mid-stream, oversized and malformed bodies, a hostile client
+(slowloris headers, a stream it never reads, bodies cut short), a /health probe every
 second, the server's RSS every few seconds), prints a report and exits 1 if
 a check failed.
 
@@ -615,6 +616,7 @@ class Tally:
         self.bad_statuses = collections.defaultdict(collections.Counter)
         self.bad_expected = {}
         self.bad_shape = collections.Counter()  # error body not OpenAI's {"error": {...}}
+        self.hostile = collections.defaultdict(collections.Counter)  # kind -> how it ended
 
     def add(self, counter, kind, n=1):
         with self.lock:
@@ -881,6 +883,68 @@ def bad_body_worker(server, deadline, seed, tally):
         time.sleep(rng.uniform(1.0, 3.0))
 
 
+# What a hostile client does, mixed into the soak (`hostile_worker`), and
+# what the server must do about it.
+HOSTILE_KINDS = ("slowloris", "stalled_reader", "cut_body")
+
+
+def hostile_once(root, kind, rng):
+    """One hostile connection; returns how it ended, as a short word."""
+    host, port = host_of(root).rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=90)
+    try:
+        if kind == "slowloris":
+            # Headers one byte every 2 s: the server's header timeout (5 s
+            # by default) must close the connection long before they end.
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            started = time.monotonic()
+            for b in head:
+                try:
+                    sock.sendall(bytes([b]))
+                except OSError:
+                    return "closed by server"
+                sock.settimeout(2.0)
+                try:
+                    if sock.recv(4096) == b"":
+                        return "closed by server"
+                    return "answered"
+                except socket.timeout:
+                    pass
+                except OSError:
+                    return "closed by server"
+                if time.monotonic() - started > 60:
+                    return "still open after 60 s"
+            return "still open after 60 s"
+        if kind == "stalled_reader":
+            # A streaming request whose reply is never read for 20 s, then
+            # the connection dropped.
+            body = json.dumps({"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+                               "max_tokens": 256, "stream": True}).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(20)
+            return "dropped by us"
+        # cut_body: a body shorter than its Content-Length, then gone.
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi")
+        time.sleep(rng.uniform(0.1, 2.0))
+        return "dropped by us"
+    except OSError as e:
+        return f"error {type(e).__name__}"
+    finally:
+        sock.close()
+
+
+def hostile_worker(server, deadline, seed, tally):
+    rng = random.Random(seed)
+    while time.monotonic() < deadline:
+        kind = rng.choice(HOSTILE_KINDS)
+        outcome = hostile_once(server.root, kind, rng)
+        with tally.lock:
+            tally.hostile[kind][outcome] += 1
+        time.sleep(rng.uniform(1.0, 3.0))
+
+
 def soak(server, args):
     if server.pid is None:
         raise SystemExit("--soak needs the server's pid (start it with --pulsar, or give --server-pid)")
@@ -908,10 +972,13 @@ def soak(server, args):
     workers.append(
         threading.Thread(target=bad_body_worker, args=(server, deadline, args.seed * 100 + 99, tally), daemon=True)
     )
+    workers.append(
+        threading.Thread(target=hostile_worker, args=(server, deadline, args.seed * 100 + 98, tally), daemon=True)
+    )
     for w in workers:
         w.start()
     print(
-        f"soak: {seconds:.0f} s, {clients} client threads + 1 bad-body thread, pid {pid}, "
+        f"soak: {seconds:.0f} s, {clients} client threads + 1 bad-body thread + 1 hostile thread, pid {pid}, "
         f"RSS before load {rss_before / 1024:.1f} MiB",
         file=sys.stderr,
     )
@@ -990,6 +1057,17 @@ def report_soak(args, seconds, warmup, clients, tally, health, rss, rss_before, 
     bad_sent = sum(tally.sent[k] for k in tally.bad_statuses)
     check(bad_sent > 0 and bad_unexpected == 0, f"refused bodies: {bad_sent} sent, {bad_unexpected} with an unexpected status")
     check(sum(tally.bad_shape.values()) == 0, f"error bodies in OpenAI's shape: {sum(tally.bad_shape.values())} not")
+    print()
+
+    print("| hostile kind | connections | how they ended |")
+    print("|---|---|---|")
+    for kind in HOSTILE_KINDS:
+        seen = tally.hostile[kind]
+        text = ", ".join(f"{o}: {n}" for o, n in sorted(seen.items()))
+        print(f"| {kind} | {sum(seen.values())} | {text} |")
+    slow = tally.hostile["slowloris"]
+    check(sum(slow.values()) > 0 and slow.get("closed by server", 0) == sum(slow.values()),
+          f"slowloris connections closed by the server: {slow.get('closed by server', 0)} of {sum(slow.values())}")
     print()
 
     lat = [s[2] for s in health if s[1] is not None]
