@@ -294,11 +294,16 @@ impl TemplateChoice {
     }
 
     /// The first line a chat or a templated run prints: the format and
-    /// why, short (start-up is a line or two); `--chat-template --help`
-    /// lists the built-in names.
-    pub fn describe(&self) -> String {
+    /// why, short (start-up is a line or two); with `verbose` also what
+    /// the format is.
+    pub fn describe(&self, verbose: bool) -> String {
+        let about = if verbose {
+            format!(" ({})", self.template.about)
+        } else {
+            String::new()
+        };
         format!(
-            "chat format {:?}: {}; --chat-template NAME|FILE to change",
+            "chat format {:?}{about}: {}; --chat-template NAME|FILE to change",
             self.template.name, self.why,
         )
     }

@@ -159,9 +159,14 @@ fn a_model_that_ships_a_template_or_is_named_it_gets_gemma_turns() {
     let base = chosen(&hf_folder(root, "tiny-base-plain", false), None);
     assert_eq!(base.template.name, "dialogue");
     assert!(
-        base.describe().contains("no chat template"),
+        base.describe(false).contains("no chat template"),
         "{}",
-        base.describe()
+        base.describe(false)
+    );
+    assert!(
+        base.describe(true).contains("for base models"),
+        "--verbose says what the format is: {}",
+        base.describe(true)
     );
 
     let named = chosen(&hf_folder(root, "tiny-2b-it", false), None);

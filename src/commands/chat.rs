@@ -160,7 +160,7 @@ impl<'a> Session<'a> {
         let src = ModelSource::open(&args.common.model)?;
         let tok = load_tokenizer(&src)?;
         let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
-        eprintln!("pulsar: {}", choice.describe());
+        eprintln!("pulsar: {}", choice.describe(super::verbose()));
         let encoder = TurnEncoder::with_thinking(
             choice.template,
             args.common.system.as_deref(),

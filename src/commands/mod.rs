@@ -208,11 +208,16 @@ pub fn set_verbose() {
     VERBOSE.store(true, Ordering::Relaxed);
 }
 
+/// Whether `--verbose` asked for the long start-up notes.
+pub fn verbose() -> bool {
+    VERBOSE.load(Ordering::Relaxed)
+}
+
 /// The note on weights converted at load, on stderr with `prefix`, under
 /// `--verbose` only: it runs to some 300 characters, and start-up should
 /// be a line or two.
 pub fn print_conversion_note(prefix: &str, formats: &crate::engine::fast::WeightFormats) {
-    if VERBOSE.load(Ordering::Relaxed)
+    if verbose()
         && let Some(note) = formats.conversion_note()
     {
         eprintln!("{prefix}: {note}");

@@ -169,7 +169,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(choice) = &choice {
-        eprintln!("pulsar: {}", choice.describe());
+        eprintln!("pulsar: {}", choice.describe(super::verbose()));
     }
     let mut engine = open_engine(
         src,

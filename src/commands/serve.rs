@@ -70,7 +70,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let src = ModelSource::open(&args.model)?;
     let tok = load_tokenizer(&src)?;
     let choice = TemplateChoice::for_model(&src, &tok, args.chat_template.as_deref())?;
-    eprintln!("pulsar serve: {}", choice.describe());
+    eprintln!("pulsar serve: {}", choice.describe(super::verbose()));
     let end_ids = generate::stop_ids(&tok);
     // The chat's stop ids add the template's stop pieces.
     let chat_stop_ids = TurnEncoder::new(choice.template.clone(), None, None)?.stop_ids(&tok);

@@ -435,11 +435,14 @@ pub unsafe fn gemm_kquant_portable(
     let data = w.raw();
     let q = w.format.quant().expect("a K-quant matrix");
     let groups = w.cols / quant_blocks::GROUP_COLS;
+    // Each row's groups unpacked once for every token; each token's sum
+    // goes group after group, as the kernel's does.
+    let mut sums = vec![0.0f32; x.tokens()];
     for r in rows {
-        for t in 0..x.tokens() {
-            let mut f = 0.0f32;
-            for g in 0..groups {
-                let k = k_quant_x16::group(q, data, r, g, w.cols);
+        sums.fill(0.0);
+        for g in 0..groups {
+            let k = k_quant_x16::group(q, data, r, g, w.cols);
+            for (t, f) in sums.iter_mut().enumerate() {
                 let (dx, qx) = x.group(t, g);
                 let half = |h: usize| -> (i32, i32) {
                     let range = 16 * h..16 * h + 16;
@@ -456,15 +459,17 @@ pub unsafe fn gemm_kquant_portable(
                     let scale = k.scales[0] as f32 * k.d;
                     let min = k.min as f32 * k.dmin;
                     let scaled_sum = dx * (sum_a + sum_b) as f32;
-                    f = ((dot_a + dot_b) as f32).mul_add(scale * dx, f);
-                    f = (-min).mul_add(scaled_sum, f);
+                    *f = ((dot_a + dot_b) as f32).mul_add(scale * dx, *f);
+                    *f = (-min).mul_add(scaled_sum, *f);
                 } else {
                     let a = (dot_a - 32 * sum_a) as f32;
                     let b = (dot_b - 32 * sum_b) as f32;
                     let v = b.mul_add(k.scales[1] as f32 * k.d, a * (k.scales[0] as f32 * k.d));
-                    f = v.mul_add(dx, f);
+                    *f = v.mul_add(dx, *f);
                 }
             }
+        }
+        for (t, &f) in sums.iter().enumerate() {
             // SAFETY: the caller owns columns `rows` of y.
             unsafe { y.cells(t, r..r + 1)[0] = f };
         }
