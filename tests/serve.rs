@@ -2958,3 +2958,68 @@ fn tool_calls_cut_by_max_tokens_are_never_malformed() {
     }
     assert!(cut_inside_a_call > 0, "no limit cut a call");
 }
+
+/// The report's reply: asked for the weather, the model calls
+/// `get_weather`, then `get_time` again and again until `max_tokens`.
+/// An identical repeated call ends the reply, which returns the distinct
+/// calls with finish reason "tool_calls", long before the limit; streamed,
+/// the same calls and no others.
+#[test]
+fn an_identical_repeated_tool_call_ends_the_reply() {
+    let s = Server::start(&["-c", "1024"]);
+    let tools = weather_tools();
+    let body = json!({"messages": user("What is the weather in Paris, in celsius?"),
+                      "tools": tools, "tool_choice": "required", "temperature": 0,
+                      "max_tokens": 200});
+    let v = s.ok("/v1/chat/completions", &body);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = checked_calls(&choice["message"], &tools);
+    assert!(
+        calls.len() >= 2,
+        "the case needs a reply of several calls: {v}"
+    );
+    for (k, call) in calls.iter().enumerate() {
+        assert!(
+            !calls[..k].contains(call),
+            "call {k} repeats an earlier one: {v}"
+        );
+    }
+    let generated = v["usage"]["completion_tokens"].as_u64().unwrap_or(200);
+    assert!(generated < 100, "generation went on after the repeat: {v}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream(&s, "/v1/chat/completions", &streamed).all();
+    let mut sent: Vec<(String, String)> = Vec::new();
+    for delta in chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+    {
+        let k = delta["index"].as_u64().expect("index") as usize;
+        if k == sent.len() {
+            sent.push((
+                delta["function"]["name"].as_str().expect("name").into(),
+                String::new(),
+            ));
+        }
+        let arguments = delta["function"]["arguments"].as_str().unwrap_or_default();
+        sent[k].1.push_str(arguments);
+    }
+    let whole: Vec<(String, String)> = choice["message"]["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            let f = &c["function"];
+            (
+                f["name"].as_str().unwrap_or_default().into(),
+                f["arguments"].as_str().unwrap_or_default().into(),
+            )
+        })
+        .collect();
+    assert_eq!(sent, whole, "{chunks:?}");
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{last}");
+}

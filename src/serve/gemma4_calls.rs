@@ -58,6 +58,27 @@ fn read_calls(text: &str) -> Option<NativeReply> {
     })
 }
 
+/// Where the first call that repeats an earlier one begins (the same name
+/// and arguments), in a reply read so far; calls not yet closed are not
+/// compared. The reply ends there ([`super::tools::RepeatWatch`]).
+pub fn repeat_start(text: &str) -> Option<usize> {
+    let mut seen: Vec<NativeCall> = Vec::new();
+    let mut at = 0;
+    while let Some(open) = text[at..].find(CALL_OPEN) {
+        let start = at + open;
+        let body_at = start + CALL_OPEN.len();
+        let end = text[body_at..].find(CALL_CLOSE)?;
+        if let Some(call) = read_call(&text[body_at..body_at + end]) {
+            if seen.contains(&call) {
+                return Some(start);
+            }
+            seen.push(call);
+        }
+        at = body_at + end + CALL_CLOSE.len();
+    }
+    None
+}
+
 /// `call:NAME{ARGS}`.
 fn read_call(body: &str) -> Option<NativeCall> {
     let body = body.trim().strip_prefix("call:")?;
@@ -245,6 +266,22 @@ mod tests {
             assert!(reply.calls.is_empty(), "{text}: {reply:?}");
             assert_eq!(reply.content, text);
         }
+    }
+
+    #[test]
+    fn a_repeated_call_is_found_where_it_begins() {
+        let a = "<|tool_call>call:a{x:1}<tool_call|>";
+        let b = "<|tool_call>call:b{x:1}<tool_call|>";
+        let a_again = "<|tool_call>call:a{ x:1 }<tool_call|>";
+        assert_eq!(repeat_start(&format!("{a}{b}")), None);
+        let text = format!("{a}{b}{a_again}{b}");
+        assert_eq!(repeat_start(&text), Some(a.len() + b.len()));
+        // An open call is not compared yet; other arguments are no repeat.
+        assert_eq!(repeat_start(&format!("{a}<|tool_call>call:a{{x:1}}")), None);
+        assert_eq!(
+            repeat_start(&format!("{a}<|tool_call>call:a{{x:2}}<tool_call|>")),
+            None
+        );
     }
 
     #[test]

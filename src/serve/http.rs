@@ -748,8 +748,10 @@ impl Reply {
         // finished: never arguments that are not JSON (OpenAI's rule; a
         // client would fail to parse them). With none finished, the
         // choice has no content and finish reason "length".
-        let finished: Vec<&tools::PartialCall> = read
-            .calls
+        // An identical repeated call ended the reply: it and what follows
+        // are left out.
+        let made = read.first_repeat().unwrap_or(read.calls.len());
+        let finished: Vec<&tools::PartialCall> = read.calls[..made]
             .iter()
             .filter(|c| read.complete || serde_json::from_str::<Value>(&c.arguments).is_ok())
             .collect();
@@ -791,6 +793,8 @@ impl Reply {
         text: &str,
         reason: Option<&str>,
     ) -> (Value, Option<String>) {
+        // An identical repeated call ended the reply: it is left out.
+        let text = &text[..gemma4_calls::repeat_start(text).unwrap_or(text.len())];
         let read = gemma4_calls::read_reply(text);
         if read.calls.is_empty() {
             let message = json!({ "role": "assistant", "content": read.content, "refusal": null });
@@ -981,7 +985,7 @@ fn tool_reason(
     reason: Option<&str>,
     format: CallFormat,
 ) -> Option<String> {
-    if read.complete && !read.calls.is_empty() {
+    if read.ends_in_calls() {
         Some(match format {
             CallFormat::ToolCalls | CallFormat::Native => "tool_calls".to_string(),
             CallFormat::FunctionCall => "function_call".to_string(),
@@ -1135,7 +1139,8 @@ impl Streaming {
                         self.prompt_logprobs[i].extend(lp);
                     }
                     Some((i, Some(Event::Delta { text, logprobs })))
-                        if let Some(format) = self.reply.tool_calls =>
+                        if let Some(format) =
+                            self.reply.tool_calls.filter(|&f| f != CallFormat::Native) =>
                     {
                         self.tool_streams[i].reply.push(&text);
                         self.tool_streams[i].logprobs.extend(logprobs);

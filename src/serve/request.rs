@@ -296,6 +296,7 @@ impl ServeContext {
                 tokens: prompt,
                 params: GenParams {
                     trim: true,
+                    calls: tool_calls,
                     ..params
                 },
             }],
@@ -479,6 +480,7 @@ impl ServeContext {
                 trim: false,
                 // The prompt's own log-probabilities come with `echo`.
                 prompt_logprobs: echo && top_logprobs.is_some(),
+                calls: None,
             },
             max_tokens: asked,
         })

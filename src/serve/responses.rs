@@ -449,7 +449,9 @@ impl Shape {
         if let Some(content) = &read.content {
             return vec![self.message_item(0, content, &[], "completed")];
         }
-        read.calls
+        // An identical repeated call ended the reply: it is left out.
+        let made = read.first_repeat().unwrap_or(read.calls.len());
+        read.calls[..made]
             .iter()
             .enumerate()
             .map(|(k, call)| self.call_item(k, call, k, "completed"))

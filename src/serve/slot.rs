@@ -9,6 +9,7 @@
 //! made-up logits.
 
 use super::api::{ApiError, TokenLogprob, TopLogprob, Usage};
+use super::tools::{CallFormat, RepeatWatch};
 use crate::constrain::mask::mask_logits;
 use crate::constrain::{ConstraintState, NextTokens};
 use crate::sample::{Sampler, SamplerConfig};
@@ -43,6 +44,9 @@ pub struct GenParams {
     /// `logprobs`): every prompt position's logits are computed, none is
     /// taken from a cache.
     pub prompt_logprobs: bool,
+    /// A function-calling reply in this call format ends at its first
+    /// repeated call ([`RepeatWatch`]).
+    pub calls: Option<CallFormat>,
 }
 
 impl GenParams {
@@ -61,6 +65,7 @@ impl GenParams {
             logprobs: None,
             trim: false,
             prompt_logprobs: false,
+            calls: None,
         }
     }
 }
@@ -164,6 +169,7 @@ pub struct Generation<'t> {
     decoder: StreamDecoder<'t>,
     stops: StopStrings,
     trim: ReplyTrim,
+    repeat_watch: Option<RepeatWatch>,
     /// Prompt and generated tokens, for the repetition penalty.
     history: Vec<u32>,
     /// How often each generated token came, for OpenAI's penalties.
@@ -200,6 +206,7 @@ impl<'t> Generation<'t> {
                 at_start: true,
                 held: String::new(),
             },
+            repeat_watch: params.calls.map(RepeatWatch::new),
             history: prompt.to_vec(),
             counts: HashMap::new(),
             generated: 0,
@@ -326,6 +333,11 @@ impl<'t> Generation<'t> {
         let piece = self.decoder.push(next);
         if self.show(&piece, out) {
             return self.finish_stopped(out);
+        }
+        if let Some(watch) = &mut self.repeat_watch
+            && watch.push(&piece)
+        {
+            return self.finish(FinishReason::Stop, out);
         }
         if self.generated >= self.params.max_tokens {
             return self.finish(FinishReason::Length, out);

@@ -19,6 +19,7 @@
 use super::api::{
     ApiError, FunctionDefinition, LegacyFunctionCall, Message, NamedFunction, Tool, ToolChoice,
 };
+use super::gemma4_calls;
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::sync::OnceLock;
@@ -330,6 +331,9 @@ fn function_of(tool: &Tool, i: usize) -> Result<Function, ApiError> {
 pub struct PartialCall {
     pub name: String,
     pub arguments: String,
+    /// The arguments are a whole JSON value (nothing more is written to
+    /// them).
+    pub finished: bool,
 }
 
 /// What a reply under [`ToolCalling::schema`] says so far. It is read
@@ -350,6 +354,67 @@ impl PartialReply {
     /// first name, or not in the format): the client gets the text.
     pub fn is_unread(&self) -> bool {
         self.calls.is_empty() && self.content.is_none()
+    }
+
+    /// The first finished call that repeats an earlier one (the same name,
+    /// the arguments written the same way). A small model that repeats a
+    /// call tends to repeat it until the length limit, so the first repeat
+    /// ends the reply and is left out of it.
+    pub fn first_repeat(&self) -> Option<usize> {
+        (1..self.calls.len()).find(|&k| {
+            let call = &self.calls[k];
+            call.finished && self.calls[..k].contains(call)
+        })
+    }
+
+    /// The reply is over as calls: whole, or ended by a repeated call.
+    pub fn ends_in_calls(&self) -> bool {
+        !self.calls.is_empty() && (self.complete || self.first_repeat().is_some())
+    }
+
+    /// Call `k` is still being written as a copy of an earlier call (its
+    /// arguments so far begin that one's): a stream holds it back until it
+    /// differs, so that a repeat never reaches the client.
+    fn may_repeat(&self, k: usize) -> bool {
+        let call = &self.calls[k];
+        !call.finished
+            && self.calls[..k]
+                .iter()
+                .any(|c| c.name == call.name && c.arguments.starts_with(&call.arguments))
+    }
+}
+
+/// Watches a function-calling reply as it is generated for the first
+/// repeated call ([`PartialReply::first_repeat`], or Gemma 4's own syntax
+/// [`gemma4_calls::repeat_start`]), so that generation ends there.
+#[derive(Debug)]
+pub struct RepeatWatch {
+    format: CallFormat,
+    text: String,
+}
+
+impl RepeatWatch {
+    pub fn new(format: CallFormat) -> RepeatWatch {
+        RepeatWatch {
+            format,
+            text: String::new(),
+        }
+    }
+
+    /// Adds a piece of the reply; true once the reply repeats a call.
+    pub fn push(&mut self, piece: &str) -> bool {
+        self.text.push_str(piece);
+        // A call ends with `}` (JSON) or `<tool_call|>`: only then can a
+        // repeat have been completed, so the reply is read again only then.
+        if !piece.contains(['}', '>']) {
+            return false;
+        }
+        match self.format {
+            CallFormat::Native => gemma4_calls::repeat_start(&self.text).is_some(),
+            CallFormat::ToolCalls | CallFormat::FunctionCall => {
+                read_partial(&self.text).first_repeat().is_some()
+            }
+        }
     }
 }
 
@@ -402,6 +467,7 @@ impl Cursor<'_> {
                     reply.calls.push(PartialCall {
                         name,
                         arguments: self.text[start..self.at].to_string(),
+                        finished: done,
                     });
                     if !done {
                         return None;
@@ -613,7 +679,13 @@ impl ReplyStream {
     pub fn advance(&mut self, ended: bool) -> (PartialReply, Vec<Growth>) {
         let read = read_partial(&self.text);
         let mut grown = Vec::new();
-        for (k, call) in read.calls.iter().enumerate() {
+        // Calls from a repeat on are never sent, nor one that may still
+        // turn out to be a repeat.
+        let repeat = read.first_repeat().unwrap_or(read.calls.len());
+        for (k, call) in read.calls[..repeat].iter().enumerate() {
+            if read.may_repeat(k) {
+                break;
+            }
             if k == self.calls_started {
                 self.calls_started += 1;
                 self.arguments_sent.push(0);
@@ -840,11 +912,13 @@ mod tests {
             vec![
                 PartialCall {
                     name: "weather".into(),
-                    arguments: r#"{"city": "Par\"is", "n": [1, 2.5]}"#.into()
+                    arguments: r#"{"city": "Par\"is", "n": [1, 2.5]}"#.into(),
+                    finished: true,
                 },
                 PartialCall {
                     name: "time".into(),
-                    arguments: "{}".into()
+                    arguments: "{}".into(),
+                    finished: true,
                 },
             ]
         );
@@ -923,5 +997,75 @@ mod tests {
         stream.push("not JSON");
         assert!(stream.advance(false).1.is_empty());
         assert_eq!(stream.advance(true).1, [Growth::Content("not JSON".into())]);
+    }
+
+    /// The report's reply: one call, then another repeated until the
+    /// length limit. The first repeat ends the reply: the watch says so
+    /// when it is written, whole and streamed replies leave it out, and a
+    /// stream never starts a call that is still a copy of an earlier one.
+    #[test]
+    fn a_repeated_call_ends_the_reply_and_is_left_out() {
+        let weather =
+            r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}"#;
+        let time = r#"{"name": "get_time", "arguments": {"city": "Paris"}}"#;
+        let time_elsewhere = r#"{"name": "get_time", "arguments": {"city": "Rome"}}"#;
+        let text =
+            format!(r#"{{"tool_calls": [{weather}, {time}, {time_elsewhere}, {time}, {time}"#);
+        let read = read_partial(&text);
+        assert_eq!(read.first_repeat(), Some(3));
+        assert!(read.ends_in_calls() && !read.complete);
+        let mut watch = RepeatWatch::new(CallFormat::ToolCalls);
+        let mut stream = ReplyStream::default();
+        let mut grown = Vec::new();
+        let mut ended_at = None;
+        for (i, piece) in text.as_bytes().chunks(2).enumerate() {
+            let piece = std::str::from_utf8(piece).unwrap_or_default();
+            stream.push(piece);
+            grown.extend(stream.advance(false).1);
+            if watch.push(piece) {
+                ended_at = Some(i * 2 + piece.len());
+                break;
+            }
+        }
+        let repeat_end = text.find(time).unwrap_or(0) + time.len();
+        // Its arguments' last brace (the call's own comes after).
+        let repeat_end = text[repeat_end..]
+            .find(time)
+            .map(|at| repeat_end + at + time.len() - 1);
+        assert_eq!(
+            ended_at, repeat_end,
+            "the watch ends the reply as the repeat's arguments close"
+        );
+        grown.extend(stream.advance(true).1);
+        let started: Vec<&Growth> = grown
+            .iter()
+            .filter(|g| matches!(g, Growth::CallStarted(_)))
+            .collect();
+        assert_eq!(
+            started,
+            [
+                &Growth::CallStarted(0),
+                &Growth::CallStarted(1),
+                &Growth::CallStarted(2)
+            ]
+        );
+        let sent: String = grown
+            .iter()
+            .filter_map(|g| match g {
+                Growth::Arguments(2, piece) => Some(piece.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent, r#"{"city": "Rome"}"#);
+        assert!(
+            !grown.iter().any(|g| matches!(g, Growth::Arguments(3.., _))),
+            "{grown:?}"
+        );
+        // Calls with other arguments, or cut, are no repeat.
+        let cut = format!(
+            r#"{{"tool_calls": [{time}, {{"name": "get_time", "arguments": {{"city": "Paris""#
+        );
+        assert_eq!(read_partial(&cut).first_repeat(), None);
+        assert!(read_partial(&cut).may_repeat(1));
     }
 }
