@@ -422,7 +422,8 @@ fn tiny_samples(
             drafted += s.drafted;
             accepted += s.accepted;
         }
-        out.push(history[TINY_PROMPT.len()..].to_vec());
+        // The last token, right at the limit, is chosen but not fed.
+        out.push([&history[TINY_PROMPT.len()..], &decoded.unfed[..]].concat());
     }
     (out, drafted, accepted)
 }

@@ -153,6 +153,9 @@ pub fn reply(
         conv.take_back(before + cut.tokens_before);
         conv.push(&tok.encode_untrusted(&cut.text_between, false));
     }
+    // The reply's last token when the limit came right after it: fed with
+    // the end of turn.
+    conv.push(&decoded.unfed);
     conv.push(settings.model_end);
     conv.sync(engine, LogitsWanted::Last)?;
 

@@ -127,6 +127,25 @@ impl MaskLookahead {
         result
     }
 
+    /// Computes the next mask now and keeps it for
+    /// [`MaskLookahead::next_tokens`] (the server computes those of a
+    /// step's sequences on a helper thread while the step runs).
+    pub fn compute_ahead(&mut self) {
+        if self.ahead.is_some() {
+            return;
+        }
+        let start = Instant::now();
+        let next = self.state.next_tokens();
+        self.report.masks += 1;
+        self.report.mask_secs += start.elapsed().as_secs_f64();
+        self.ahead = Some(next);
+    }
+
+    /// Why the constraint reached a dead end, once it did.
+    pub fn dead_end(&self) -> Option<&str> {
+        self.report.dead_end.as_deref()
+    }
+
     /// How many leading tokens of a draft the constraint accepts from
     /// here (see [`ConstraintState::allowed_prefix`]); counted as time on
     /// the decode path.

@@ -474,22 +474,7 @@ impl Usage {
     }
 }
 
-/// One alternative in `top_logprobs`.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct TopLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-}
-
-/// One generated token's log-probability (chat's `logprobs.content[i]`).
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    pub top_logprobs: Vec<TopLogprob>,
-}
+pub use crate::generate::logprobs::{TokenLogprob, TopLogprob};
 
 /// The legacy completions `logprobs` object for some tokens.
 pub fn completion_logprobs(tokens: &[TokenLogprob], text_offset_start: usize) -> Value {

@@ -60,7 +60,7 @@ fn read_calls(text: &str) -> Option<NativeReply> {
 
 /// Where the first call that repeats an earlier one begins (the same name
 /// and arguments), in a reply read so far; calls not yet closed are not
-/// compared. The reply ends there ([`super::tools::RepeatWatch`]).
+/// compared. The reply ends there ([`super::tools::CallFormat::repeat_check`]).
 pub fn repeat_start(text: &str) -> Option<usize> {
     let mut seen: Vec<NativeCall> = Vec::new();
     let mut at = 0;

@@ -296,7 +296,7 @@ impl ServeContext {
                 tokens: prompt,
                 params: GenParams {
                     trim: true,
-                    calls: tool_calls,
+                    check: tool_calls.map(CallFormat::repeat_check),
                     ..params
                 },
             }],
@@ -480,7 +480,7 @@ impl ServeContext {
                 trim: false,
                 // The prompt's own log-probabilities come with `echo`.
                 prompt_logprobs: echo && top_logprobs.is_some(),
-                calls: None,
+                check: None,
             },
             max_tokens: asked,
         })

@@ -10,10 +10,10 @@
 //! # Speculative decoding
 //! With `--spec ngram` each request's drafter offers a draft from the
 //! request's own text, and the step returns every row's logits of the
-//! requests that drafted: each row is sampled in turn, and a drafted token
-//! is confirmed when the draw equals it (the standard rule for a
-//! deterministic draft, as in `generate::decode`); the first miss ends the
-//! row walk and the unconfirmed drafts leave that request's cache.
+//! requests that drafted: each request's [`Generation::judge`] walks its
+//! rows, confirming drafts by the one rule `pulsar run` uses; the first
+//! miss ends the walk and the unconfirmed drafts leave that request's
+//! cache.
 //! - A request decoding alone drafts as `generate` does: its policy weighs
 //!   the jump from a one-token step to a batched one against its own
 //!   acceptance and timings.
@@ -52,15 +52,18 @@
 //!   leaving at least one bulk run to feed; for a short prompt, a cache fed
 //!   wholly token by token.
 
-use super::api::ApiError;
+use super::api::{ApiError, Usage};
 use super::metrics::Metrics;
-use super::slot::{Event, GenParams, Generation, Outcome, prompt_logprobs};
-use crate::constrain::{CompiledConstraint, NextTokens};
+use super::slot::{Event, GenParams};
+use crate::constrain::CompiledConstraint;
 use crate::embedding::MeanPool;
 use crate::engine::fast::{EXACT_STEP_MAX_TOKENS, FastEngine, SeqTokens};
 use crate::engine::{Engine, LogitsWanted};
+use crate::generate::logprobs::prompt_logprobs;
+use crate::generate::{Generation, Judged, Outcome, Piece};
+use crate::sample::Sampler;
 use crate::speculative::policy::{BatchStepTimes, batch_draft_lens};
-use crate::speculative::{DraftOffer, Drafter, Speculation};
+use crate::speculative::{DraftOffer, Speculation};
 use crate::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -69,15 +72,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
-/// What stepping a generation over a step's rows gave.
+/// What judging a generation's rows of a step gave.
 struct Sampled {
-    outcome: Outcome,
-    /// For the client.
-    events: Vec<Event>,
+    judged: Judged,
+    /// Text for the client.
+    pieces: Vec<Piece>,
     /// Tokens generated.
     tokens: usize,
-    /// Drafted tokens confirmed (each already in the cache).
-    confirmed: usize,
 }
 
 /// The shortest bulk run: one token more than an exact one.
@@ -273,12 +274,11 @@ struct Active<'t> {
     fed: usize,
     /// The prompt goes in one exact run (it is short).
     exact_prompt: bool,
+    /// Prompt tokens taken from a cache rather than fed.
+    cached_tokens: usize,
     generation: Generation<'t>,
     /// The token sampled last, to feed in the next step.
     next: Option<u32>,
-    drafter: Option<Drafter>,
-    /// Tokens drafted after `next` in the step in flight.
-    drafts: Vec<u32>,
     events: mpsc::Sender<Event>,
     outbox: VecDeque<Event>,
     stalled_since: Option<Instant>,
@@ -509,15 +509,15 @@ impl<'t> Scheduler<'t> {
         self.metrics
             .cached_prompt_tokens
             .fetch_add(reuse as u64, Ordering::Relaxed);
-        let constraint = job.constraint.as_deref().map(CompiledConstraint::start);
-        let generation = Generation::new(self.tok, job.params, constraint, &job.prompt, reuse);
-        let drafter = match self.opts.speculation {
-            Speculation::Ngram(options) => Some(Drafter::new(&job.prompt, options)),
-            Speculation::Off => None,
-        };
+        let sampler = Sampler::new(job.params.sampling, job.params.seed);
+        let mut generation = Generation::new(self.tok, job.params, sampler, &job.prompt)
+            .with_speculation(self.opts.speculation);
+        if let Some(constraint) = job.constraint.as_deref() {
+            // Masks are computed ahead by the step itself (`look_ahead`).
+            generation = generation.with_constraint(constraint.start(), false);
+        }
         slot.active = Some(Active {
-            drafter,
-            drafts: Vec::new(),
+            cached_tokens: reuse,
             exact_prompt: job.prompt.len() < MIN_BULK,
             fed: reuse,
             prompt: job.prompt,
@@ -576,7 +576,7 @@ impl<'t> Scheduler<'t> {
             slot.cached = active.prompt[..len].to_vec();
             slot.bulk_len = from_bulk.min(len);
             active.fed = len;
-            active.generation.add_cached(gained);
+            active.cached_tokens += gained;
             self.metrics
                 .cached_prompt_tokens
                 .fetch_add(gained as u64, Ordering::Relaxed);
@@ -747,29 +747,24 @@ impl<'t> Scheduler<'t> {
         let slots = &mut self.slots;
         // The next masks depend only on the tokens taken so far, so they
         // are computed on a helper thread while the forward pass runs.
-        let (result, mut masks) = std::thread::scope(|scope| {
-            let states: Vec<_> = slots
+        let result = std::thread::scope(|scope| {
+            let constrained: Vec<&mut Generation> = slots
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| wants_mask.contains(i))
-                .filter_map(|(i, s)| {
-                    let state = s.active.as_mut()?.generation.constraint_mut()?;
-                    Some((i, state))
-                })
+                .filter_map(|(_, s)| Some(&mut s.active.as_mut()?.generation))
+                .filter(|g| g.has_constraint())
                 .collect();
-            let helper = (!states.is_empty()).then(|| {
-                scope.spawn(move || {
-                    states
-                        .into_iter()
-                        .map(|(i, state)| (i, state.next_tokens()))
-                        .collect::<Vec<_>>()
-                })
+            let helper = (!constrained.is_empty()).then(|| {
+                scope.spawn(move || constrained.into_iter().for_each(Generation::look_ahead))
             });
             let result = engine.forward_batch_logits(&batch);
             // A helper that panicked leaves the masks to be computed in
             // line, where the panic is caught per request.
-            let masks = helper.and_then(|h| h.join().ok()).unwrap_or_default();
-            (result, masks)
+            if let Some(helper) = helper {
+                let _ = helper.join();
+            }
+            result
         });
         let micros = started.elapsed().as_micros() as u64;
         let tokens: usize = plan.iter().map(|(_, t, ..)| t.len()).sum();
@@ -793,7 +788,7 @@ impl<'t> Scheduler<'t> {
         // Bookkeeping first, then every slot that got logits picks its
         // next token: each on one of the engine's threads (the sampler
         // scans the whole vocabulary, about a millisecond), in parallel.
-        let mut work: Vec<(usize, &mut [f32], Option<NextTokens>)> = Vec::new();
+        let mut work: Vec<(usize, &mut [f32])> = Vec::new();
         // (slot, tokens fed) per request in the step.
         let fed: Vec<(usize, usize)> = plan.iter().map(|(i, t, ..)| (*i, t.len())).collect();
         let mut embedded = Vec::new();
@@ -831,11 +826,7 @@ impl<'t> Scheduler<'t> {
                 logits = &mut std::mem::take(&mut logits)[len - width..];
             }
             if wanted.is_some() {
-                let allowed = masks
-                    .iter()
-                    .position(|(m, _)| *m == i)
-                    .map(|at| masks.swap_remove(at).1);
-                work.push((i, logits, allowed));
+                work.push((i, logits));
             }
         }
         for i in embedded {
@@ -849,36 +840,55 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &mut slot.active else {
                 continue;
             };
-            let drafts = std::mem::take(&mut active.drafts);
             match result {
                 Some(sampled) => {
-                    if !drafts.is_empty() {
+                    let Judged {
+                        outcome,
+                        confirmed,
+                        drafted,
+                    } = sampled.judged;
+                    if drafted > 0 {
                         // The drafts after the last confirmed one leave
-                        // the cache; the drafter learns how it went.
-                        let unconfirmed = drafts.len() - sampled.confirmed;
-                        let keep = slot.cached.len() - unconfirmed;
+                        // the cache.
+                        let keep = slot.cached.len() - (drafted - confirmed);
                         self.engine.truncate_sequence(slot.seq, keep);
                         slot.cached.truncate(keep);
-                        if let Some(d) = &mut active.drafter {
-                            d.verified(sampled.confirmed);
-                        }
                         self.metrics
                             .drafted_tokens
-                            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+                            .fetch_add(drafted as u64, Ordering::Relaxed);
                         self.metrics
                             .accepted_tokens
-                            .fetch_add(sampled.confirmed as u64, Ordering::Relaxed);
+                            .fetch_add(confirmed as u64, Ordering::Relaxed);
                     }
                     // A step this request had alone times a step of its
                     // size, which the draft policy fits its cost model to.
-                    if let (Some(d), [(_, m)]) = (&mut active.drafter, fed.as_slice()) {
-                        d.step_done(*m, micros as f64 * 1e-6);
+                    if let [(_, m)] = fed.as_slice() {
+                        active.generation.step_done(*m, micros as f64 * 1e-6);
                     }
-                    active.outbox.extend(sampled.events);
+                    active
+                        .outbox
+                        .extend(sampled.pieces.into_iter().map(|p| Event::Delta {
+                            text: p.text,
+                            logprobs: p.logprobs,
+                        }));
                     generated += sampled.tokens;
-                    match sampled.outcome {
+                    match outcome {
                         Outcome::Feed(next) => active.next = Some(next),
-                        Outcome::Finished(_) => self.finish(i),
+                        Outcome::Finished(reason) => {
+                            if let Some(why) = active.generation.dead_end() {
+                                eprintln!("pulsar serve: generation stopped: {why}");
+                            }
+                            let usage = Usage::new(
+                                active.prompt.len(),
+                                active.cached_tokens,
+                                active.generation.generated(),
+                            );
+                            active.outbox.push_back(Event::Done {
+                                reason: reason.finish_reason(),
+                                usage,
+                            });
+                            self.finish(i);
+                        }
                     }
                 }
                 None => {
@@ -891,39 +901,29 @@ impl<'t> Scheduler<'t> {
         true
     }
 
-    /// Steps each listed slot's generation with its logits, spread over
-    /// the engine's threads. Returns per slot the outcome, the events and
-    /// the tokens generated, or `None` where the step panicked.
-    fn sample_all(
-        &mut self,
-        work: Vec<(usize, &mut [f32], Option<NextTokens>)>,
-    ) -> Vec<(usize, Option<Sampled>)> {
+    /// Judges each listed slot's rows with its generation, spread over
+    /// the engine's threads. Returns per slot what it gave, or `None`
+    /// where judging panicked.
+    fn sample_all(&mut self, work: Vec<(usize, &mut [f32])>) -> Vec<(usize, Option<Sampled>)> {
         struct Item<'a, 't, 'l> {
             generation: &'a mut Generation<'t>,
             /// One row per token fed: the sampled one, then each draft.
             logits: &'l mut [f32],
-            allowed: Option<NextTokens>,
-            drafts: &'a [u32],
             result: Option<Sampled>,
         }
-        let mut inputs: Vec<Option<(&mut [f32], Option<NextTokens>)>> =
-            (0..self.slots.len()).map(|_| None).collect();
-        for (i, logits, allowed) in work {
-            inputs[i] = Some((logits, allowed));
+        let mut inputs: Vec<Option<&mut [f32]>> = (0..self.slots.len()).map(|_| None).collect();
+        for (i, logits) in work {
+            inputs[i] = Some(logits);
         }
         let (indices, items): (Vec<usize>, Vec<Mutex<Item>>) = self
             .slots
             .iter_mut()
             .zip(inputs)
             .enumerate()
-            .filter_map(|(i, (slot, input))| {
-                let (logits, allowed) = input?;
-                let active = slot.active.as_mut()?;
+            .filter_map(|(i, (slot, logits))| {
                 let item = Item {
-                    generation: &mut active.generation,
-                    logits,
-                    allowed,
-                    drafts: &active.drafts,
+                    generation: &mut slot.active.as_mut()?.generation,
+                    logits: logits?,
                     result: None,
                 };
                 Some((i, Mutex::new(item)))
@@ -936,26 +936,14 @@ impl<'t> Scheduler<'t> {
             // it ends that request, not the server.
             item.result = catch_unwind(AssertUnwindSafe(|| {
                 let before = item.generation.generated();
-                let mut events = Vec::new();
-                let mut allowed = item.allowed.take();
-                let width = item.logits.len() / (1 + item.drafts.len());
-                let mut confirmed = 0;
-                // Row j holds the logits after the j-th drafted token: walk
-                // on while each draw confirms the next draft.
-                let outcome = loop {
-                    let row = &mut item.logits[confirmed * width..(confirmed + 1) * width];
-                    match item.generation.step(row, allowed.take(), &mut events) {
-                        Outcome::Feed(token) if item.drafts.get(confirmed) == Some(&token) => {
-                            confirmed += 1;
-                        }
-                        outcome => break outcome,
-                    }
-                };
+                let mut pieces = Vec::new();
+                let judged = item
+                    .generation
+                    .judge(item.logits, &|| false, &mut |p| pieces.push(p));
                 Sampled {
-                    outcome,
-                    events,
+                    judged,
+                    pieces,
                     tokens: item.generation.generated() - before,
-                    confirmed,
                 }
             }))
             .ok();
@@ -987,13 +975,9 @@ impl<'t> Scheduler<'t> {
         let Some(active) = &mut slot.active else {
             return Vec::new();
         };
-        let Some(drafter) = &mut active.drafter else {
-            return Vec::new();
-        };
         // After the next token and the draft, the cache must still fit.
         let room = capacity.saturating_sub(slot.cached.len() + 1);
-        active.drafts = active.generation.draft(drafter, room);
-        active.drafts.clone()
+        active.generation.draft(room).to_vec()
     }
 
     /// Drafts for every request of a decode step of several, their
@@ -1007,11 +991,8 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &mut slot.active else {
                 continue;
             };
-            let Some(drafter) = &mut active.drafter else {
-                continue;
-            };
             let room = capacity.saturating_sub(slot.cached.len() + 1);
-            if let Some(offer) = active.generation.offer_draft(drafter, room) {
+            if let Some(offer) = active.generation.offer_draft(room) {
                 offers.push((at, offer));
             }
         }
@@ -1039,16 +1020,13 @@ impl<'t> Scheduler<'t> {
             let Some(active) = &mut self.slots[*i].active else {
                 continue;
             };
-            let Some(drafter) = &mut active.drafter else {
-                continue;
-            };
-            active.drafts = drafter.take(offer, k);
-            if !active.drafts.is_empty() {
-                tokens.extend_from_slice(&active.drafts);
+            let drafts = active.generation.take_draft(offer, k);
+            if !drafts.is_empty() {
+                tokens.extend_from_slice(drafts);
                 *wanted = Some(LogitsWanted::All);
                 self.metrics
                     .batch_drafted_tokens
-                    .fetch_add(active.drafts.len() as u64, Ordering::Relaxed);
+                    .fetch_add(drafts.len() as u64, Ordering::Relaxed);
             }
         }
     }

@@ -20,6 +20,7 @@ use super::api::{
     ApiError, FunctionDefinition, LegacyFunctionCall, Message, NamedFunction, Tool, ToolChoice,
 };
 use super::gemma4_calls;
+use crate::generate::ReplyCheck;
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::sync::OnceLock;
@@ -58,6 +59,23 @@ pub enum CallFormat {
     /// The model's own call syntax (Gemma 4's, [`super::gemma4_calls`]),
     /// sent as `message.tool_calls`.
     Native,
+}
+
+impl CallFormat {
+    /// The check that ends a reply in this format at its first repeated
+    /// call ([`PartialReply::first_repeat`], [`gemma4_calls::repeat_start`]).
+    /// A call ends with `}` (JSON) or `<tool_call|>`: only a piece with
+    /// one can complete a repeat, so the reply is read again only then.
+    pub fn repeat_check(self) -> ReplyCheck {
+        match self {
+            CallFormat::Native => {
+                |reply, newest| newest.contains('>') && gemma4_calls::repeat_start(reply).is_some()
+            }
+            CallFormat::ToolCalls | CallFormat::FunctionCall => {
+                |reply, newest| newest.contains('}') && read_partial(reply).first_repeat().is_some()
+            }
+        }
+    }
 }
 
 /// A request's tools, when it lets the model call them.
@@ -381,40 +399,6 @@ impl PartialReply {
             && self.calls[..k]
                 .iter()
                 .any(|c| c.name == call.name && c.arguments.starts_with(&call.arguments))
-    }
-}
-
-/// Watches a function-calling reply as it is generated for the first
-/// repeated call ([`PartialReply::first_repeat`], or Gemma 4's own syntax
-/// [`gemma4_calls::repeat_start`]), so that generation ends there.
-#[derive(Debug)]
-pub struct RepeatWatch {
-    format: CallFormat,
-    text: String,
-}
-
-impl RepeatWatch {
-    pub fn new(format: CallFormat) -> RepeatWatch {
-        RepeatWatch {
-            format,
-            text: String::new(),
-        }
-    }
-
-    /// Adds a piece of the reply; true once the reply repeats a call.
-    pub fn push(&mut self, piece: &str) -> bool {
-        self.text.push_str(piece);
-        // A call ends with `}` (JSON) or `<tool_call|>`: only then can a
-        // repeat have been completed, so the reply is read again only then.
-        if !piece.contains(['}', '>']) {
-            return false;
-        }
-        match self.format {
-            CallFormat::Native => gemma4_calls::repeat_start(&self.text).is_some(),
-            CallFormat::ToolCalls | CallFormat::FunctionCall => {
-                read_partial(&self.text).first_repeat().is_some()
-            }
-        }
     }
 }
 
@@ -1014,7 +998,7 @@ mod tests {
         let read = read_partial(&text);
         assert_eq!(read.first_repeat(), Some(3));
         assert!(read.ends_in_calls() && !read.complete);
-        let mut watch = RepeatWatch::new(CallFormat::ToolCalls);
+        let check = CallFormat::ToolCalls.repeat_check();
         let mut stream = ReplyStream::default();
         let mut grown = Vec::new();
         let mut ended_at = None;
@@ -1022,7 +1006,7 @@ mod tests {
             let piece = std::str::from_utf8(piece).unwrap_or_default();
             stream.push(piece);
             grown.extend(stream.advance(false).1);
-            if watch.push(piece) {
+            if check(&text[..i * 2 + piece.len()], piece) {
                 ended_at = Some(i * 2 + piece.len());
                 break;
             }
@@ -1034,7 +1018,7 @@ mod tests {
             .map(|at| repeat_end + at + time.len() - 1);
         assert_eq!(
             ended_at, repeat_end,
-            "the watch ends the reply as the repeat's arguments close"
+            "the check ends the reply as the repeat's arguments close"
         );
         grown.extend(stream.advance(true).1);
         let started: Vec<&Growth> = grown

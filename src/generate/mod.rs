@@ -1,19 +1,25 @@
-//! The generation loop shared by `pulsar run` and `pulsar chat`: prefill the
-//! prompt, then sample, stream and feed tokens until a stop token, the token
-//! limit, the context's end, an interrupt or, under an output constraint,
-//! the constraint's end. With speculation each step also feeds drafted
-//! tokens, which the following samples confirm or reject
-//! ([`crate::speculative`]); everything else is the same loop.
+//! Generation: one sequence's reply ([`Generation`], the only place a
+//! token is chosen or a draft judged) and the driver `pulsar run` and
+//! `pulsar chat` run it with ([`generate`], [`decode`]): prefill the prompt,
+//! then feed each chosen token (and with speculation the tokens drafted
+//! after it) until the reply ends. The server's scheduler drives many
+//! generations at once over the same type.
 
-use crate::constrain::lookahead::{ConstraintReport, MaskLookahead, overlap_from_env};
-use crate::constrain::mask::mask_logits;
-use crate::constrain::{CompiledConstraint, NextTokens};
+pub mod logprobs;
+mod sequence;
+mod stdout;
+
+pub use sequence::{GenParams, Generation, Judged, Outcome, Piece, ReplyCheck};
+pub use stdout::StdoutStream;
+
+use crate::constrain::CompiledConstraint;
+use crate::constrain::lookahead::{ConstraintReport, overlap_from_env};
 use crate::engine::{Engine, LogitsWanted};
 use crate::sample::Sampler;
-use crate::speculative::{self, Drafter, SpecStats, Speculation, Verdict};
-use crate::stop_strings::{Scan, StopStrings};
+use crate::speculative::{SpecStats, Speculation};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +40,35 @@ pub enum StopReason {
     /// No token could continue the text under the output constraint; the
     /// reason is in [`Decoded::constraint`].
     ConstraintDeadEnd,
+    /// The reply's [`ReplyCheck`] ended it.
+    Check,
+}
+
+/// How the OpenAI API names the end of a reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token, a stop string, a complete output constraint.
+    Stop,
+    /// The token limit, or the end of the context.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+impl StopReason {
+    pub fn finish_reason(self) -> FinishReason {
+        match self {
+            StopReason::Limit | StopReason::ContextFull => FinishReason::Length,
+            _ => FinishReason::Stop,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -133,7 +168,7 @@ pub fn generate(
 /// the KV cache (chat) can take back what was fed past it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StopCut {
-    /// How many of the fed tokens lie wholly before the stop string.
+    /// How many of the reply's tokens lie wholly before the stop string.
     pub tokens_before: usize,
     /// Text between those tokens' end and the stop string (part of a token
     /// that also began the stop string; usually empty).
@@ -148,14 +183,19 @@ pub struct Decoded {
     pub cut: Option<StopCut>,
     /// How the output constraint went, when there was one.
     pub constraint: Option<ConstraintReport>,
+    /// Reply tokens chosen but not fed: the last one, when the limit or
+    /// the context's end came right after it (nothing would read its
+    /// logits). A stop token or the token that completed a stop string is
+    /// in neither list.
+    pub unfed: Vec<u32>,
 }
 
 /// The decoding half of [`generate`], for a caller that fed the prompt
 /// itself (chat feeds it in pieces with progress): starts from `logits`,
 /// those of the last token in the engine, which `history` must end with.
 /// `req.prompt` is not fed; the stats count no prompt. On return the
-/// engine holds exactly `history`: drafted tokens that were not taken are
-/// gone from its cache.
+/// engine holds exactly `history`, extended with the reply's fed tokens:
+/// drafted tokens that were not taken are gone from its cache.
 pub fn decode(
     engine: &mut dyn Engine,
     tok: &Tokenizer,
@@ -165,144 +205,54 @@ pub fn decode(
     history: &mut Vec<u32>,
     emit: &mut dyn FnMut(&str),
 ) -> Result<Decoded> {
-    let mut decoder = tok.stream_decoder();
-    let mut stops = StopStrings::new(req.stop_strings);
-    // The decoded text and where each generated token's text ends in it,
-    // to map a stop string's offset back to tokens.
-    let mut text = String::new();
-    let mut token_ends = Vec::new();
-    let mut cut_at = None;
+    let params = GenParams {
+        sampling: *sampler.config(),
+        max_tokens: req.max_new,
+        stop_strings: Arc::from(req.stop_strings),
+        stop_ids: Arc::from(req.stop_ids),
+        ..GenParams::read_only()
+    };
+    // The sampler goes on to the next reply (chat): it is lent to this one.
+    let lent = std::mem::replace(sampler, Sampler::new(params.sampling, 0));
+    let base = engine.position();
+    let mut generation = Generation::new(tok, params, lent, history)
+        .with_speculation(req.speculation)
+        .with_context_left(engine.capacity().saturating_sub(base));
+    if let Some(constraint) = req.constraint {
+        generation = generation.with_constraint(constraint.start(), overlap_from_env());
+    }
     let start = Instant::now();
-    let mut generated = 0;
-    let mut show = |piece: String, text: &mut String, emit: &mut dyn FnMut(&str)| {
-        text.push_str(&piece);
-        match stops.push(&piece) {
-            Scan::Go(shown) => {
-                emit(&shown);
-                None
-            }
-            Scan::Stop { text: shown, at } => {
-                emit(&shown);
-                Some(at)
-            }
-        }
-    };
-    let mut lookahead = req
-        .constraint
-        .map(|c| MaskLookahead::new(c.start(), overlap_from_env()));
-    let mut drafter = match req.speculation {
-        Speculation::Ngram(options) => Some(Drafter::new(history, options)),
-        Speculation::Off => None,
-    };
-    // The last step's logits, one row per fed token: the sampled token's,
-    // then one per drafted token. `drafts[i]` was fed after row i's token,
-    // so row i + 1 holds the logits after it.
-    let width = logits.len();
+    let mut show = |piece: Piece| emit(&piece.text);
+    // Reply tokens in the engine's cache: confirmed drafts are, the rest
+    // of a step's drafts are taken back before the next step.
+    let mut fed = 0;
     let mut rows = logits;
-    let mut row = 0;
-    let mut drafts: Vec<u32> = Vec::new();
-    // Drafted tokens of the last step that the sampler confirmed.
-    let mut taken = 0;
-    // Tokens of the sequence in the cache: `history`'s length. The engine
-    // may hold drafted tokens beyond it that are not judged yet.
-    let mut cached = engine.position();
-    let stop = loop {
-        if generated >= req.max_new {
-            break StopReason::Limit;
-        }
-        if (req.interrupted)() {
-            break StopReason::Interrupted;
-        }
-        let logits = &mut rows[row * width..(row + 1) * width];
-        if let Some(lookahead) = &mut lookahead {
-            match lookahead.next_tokens() {
-                NextTokens::Complete => break StopReason::ConstraintComplete,
-                NextTokens::DeadEnd(why) => {
-                    lookahead.record_dead_end(why);
-                    break StopReason::ConstraintDeadEnd;
-                }
-                NextTokens::Allowed(mask) => {
-                    let masking = Instant::now();
-                    mask_logits(logits, &mask);
-                    lookahead.add_wait(masking.elapsed().as_secs_f64());
-                }
-            }
-        }
-        let window = sampler.config().repeat_last_n.min(history.len());
-        let dist = sampler.distribution(logits, &history[history.len() - window..]);
-        let (next, confirmed) = match drafts.get(row) {
-            Some(&draft) => match speculative::verify(dist, draft) {
-                Verdict::Accepted => {
-                    taken += 1;
-                    (draft, true)
-                }
-                Verdict::Rejected(other) => (other, false),
-            },
-            None => (dist.draw(), false),
+    let width = rows.len();
+    let looped = loop {
+        let judged = generation.judge(&mut rows, req.interrupted, &mut show);
+        fed += judged.confirmed;
+        let Outcome::Feed(next) = judged.outcome else {
+            break Ok(judged.outcome);
         };
-        if req.stop_ids.contains(&next) {
-            break StopReason::StopToken(next);
-        }
-        if let Some(lookahead) = &mut lookahead
-            && let Err(why) = lookahead.take(next)
-        {
-            lookahead.record_dead_end(why);
-            break StopReason::ConstraintDeadEnd;
-        }
-        generated += 1;
-        cut_at = show(decoder.push(next), &mut text, emit);
-        token_ends.push(text.len());
-        if cut_at.is_some() {
-            break StopReason::StopString;
-        }
-        if cached >= engine.capacity() {
-            break StopReason::ContextFull;
-        }
-        history.push(next);
-        cached += 1;
-        if confirmed {
-            // Fed with the last step; its logits are the next row.
-            row += 1;
-            continue;
-        }
-        if let Some(d) = &mut drafter {
-            d.verified(taken);
-        }
-        // Forget the drafted tokens that were not taken, then feed the
-        // sampled token and a new draft after it.
-        engine.truncate(cached - 1);
-        drafts = match &mut drafter {
-            // Tokens past -n would never be used, and the step must fit
-            // in the context.
-            Some(d) => {
-                let room = (req.max_new - generated).min(engine.capacity() - cached);
-                match &mut lookahead {
-                    Some(lookahead) => {
-                        d.draft_within(history, room, |draft| lookahead.allowed_prefix(draft))
-                    }
-                    None => d.draft(history, room),
-                }
-            }
-            None => Vec::new(),
-        };
-        let mut fed = Vec::with_capacity(1 + drafts.len());
-        fed.push(next);
-        fed.extend_from_slice(&drafts);
-        let wanted = if drafts.is_empty() {
-            LogitsWanted::Last
-        } else {
+        engine.truncate(base + fed);
+        // After the chosen token and its draft the cache must still fit.
+        let room = engine.capacity().saturating_sub(base + fed + 1);
+        let mut step = vec![next];
+        step.extend_from_slice(generation.draft(room));
+        let wanted = if step.len() > 1 {
             LogitsWanted::All
+        } else {
+            LogitsWanted::Last
         };
-        let step = Instant::now();
+        let began = Instant::now();
         // The last step's logits are read: this step writes over them.
         engine.reuse_logits(std::mem::take(&mut rows));
-        let mut forward = || engine.forward(&fed, wanted);
-        rows = match &mut lookahead {
-            Some(lookahead) => lookahead.alongside(forward)?,
-            None => forward()?,
+        rows = match generation.alongside(|| engine.forward(&step, wanted)) {
+            Ok(rows) => rows,
+            Err(e) => break Err(e),
         };
         let rows_wanted = if wanted == LogitsWanted::All {
-            fed.len()
+            step.len()
         } else {
             1
         };
@@ -312,39 +262,30 @@ pub fn decode(
                 rows.len()
             );
         }
-        if let Some(d) = &mut drafter {
-            d.step_done(fed.len(), step.elapsed().as_secs_f64());
-        }
-        row = 0;
-        taken = 0;
+        generation.step_done(step.len(), began.elapsed().as_secs_f64());
+        fed += 1;
     };
-    // Drafted tokens fed past the end of the text leave the cache.
-    engine.truncate(cached);
-    if let Some(d) = &mut drafter {
-        d.abandon(taken);
-    }
-    let mut stop = stop;
-    if cut_at.is_none() {
-        // Bytes of an unfinished character, then whatever was held back
-        // as a possible start of a stop string.
-        cut_at = show(decoder.finish(), &mut text, emit);
-        if cut_at.is_some() {
-            stop = StopReason::StopString;
-        } else if stop == StopReason::Limit {
-            // The start of a stop string the limit cut stays hidden.
-            stops.discard();
-        } else {
-            emit(&stops.finish());
+    // Drafted tokens fed past the end of the reply leave the cache.
+    engine.truncate(base + fed);
+    let stop = match looped? {
+        Outcome::Finished(reason) => reason,
+        Outcome::Feed(_) => StopReason::Interrupted,
+    };
+    let reply = generation.reply_tokens();
+    history.extend_from_slice(&reply[..fed]);
+    let unfed = match stop {
+        StopReason::Limit | StopReason::ContextFull | StopReason::Interrupted => {
+            reply[fed..].to_vec()
         }
-    }
-    let cut = cut_at.map(|at| {
-        let tokens_before = token_ends.iter().take_while(|&&end| end <= at).count();
-        let from = tokens_before.checked_sub(1).map_or(0, |i| token_ends[i]);
-        StopCut {
-            tokens_before,
-            text_between: text[from..at].to_string(),
-        }
-    });
+        // The token that completed a stop string (or a check) is not part
+        // of the reply's tokens to keep.
+        _ => Vec::new(),
+    };
+    let generated = generation.generated();
+    let cut = generation.stop_cut();
+    let spec = generation.spec_stats();
+    let (sampler_back, constraint) = generation.into_parts();
+    *sampler = sampler_back;
     Ok(Decoded {
         stats: GenerationStats {
             prompt_tokens: 0,
@@ -352,90 +293,12 @@ pub fn decode(
             generated,
             decode_secs: start.elapsed().as_secs_f64(),
             stop,
-            spec: drafter.map(|d| d.stats()),
+            spec,
         },
         cut,
-        constraint: lookahead.map(MaskLookahead::into_report),
+        constraint,
+        unfed,
     })
-}
-
-/// Generated text to stdout, flushed piece by piece so it appears as it is
-/// made. A write error (a closed pipe) is kept, not raised mid-generation,
-/// and reported by [`StdoutStream::finish`].
-pub struct StdoutStream {
-    out: std::io::StdoutLock<'static>,
-    error: Option<std::io::Error>,
-    /// A reply: white space at its start and end is not shown.
-    trim: bool,
-    /// Nothing but white space has come yet.
-    at_start: bool,
-    /// White space held back until more text follows it.
-    held_space: String,
-}
-
-impl Default for StdoutStream {
-    fn default() -> Self {
-        StdoutStream {
-            out: std::io::stdout().lock(),
-            error: None,
-            trim: false,
-            at_start: true,
-            held_space: String::new(),
-        }
-    }
-}
-
-impl StdoutStream {
-    /// A stream for a reply, which leaves out the white space around it:
-    /// after the dialogue format's `Assistant:` the model's first token is a
-    /// space, and before the `\nUser:` that ends it comes a line break.
-    pub fn reply() -> Self {
-        StdoutStream {
-            trim: true,
-            ..StdoutStream::default()
-        }
-    }
-
-    pub fn write(&mut self, piece: &str) {
-        if !self.trim {
-            self.write_out(piece);
-            return;
-        }
-        let piece = if self.at_start {
-            piece.trim_start()
-        } else {
-            piece
-        };
-        let body = piece.trim_end();
-        if !body.is_empty() {
-            self.at_start = false;
-            let space = std::mem::take(&mut self.held_space);
-            self.write_out(&space);
-            self.write_out(body);
-        }
-        self.held_space.push_str(&piece[body.len()..]);
-    }
-
-    fn write_out(&mut self, piece: &str) {
-        use std::io::Write;
-        if piece.is_empty() {
-            return;
-        }
-        if self.error.is_none()
-            && let Err(e) = self
-                .out
-                .write_all(piece.as_bytes())
-                .and_then(|_| self.out.flush())
-        {
-            self.error = Some(e);
-        }
-    }
-
-    /// Ends the text with `end` (e.g. a newline) and reports any write error.
-    pub fn finish(mut self, end: &str) -> std::io::Result<()> {
-        self.write_out(end);
-        self.error.map_or(Ok(()), Err)
-    }
 }
 
 #[cfg(test)]
