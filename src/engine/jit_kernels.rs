@@ -120,21 +120,11 @@ fn max_isa_from_env() -> Isa {
 }
 
 /// The layouts quantized matrices take for this CPU's kernels (and
-/// `PULSAR_MAX_ISA`), see `jit::plan::QuantLayouts`.
+/// `PULSAR_MAX_ISA`), see `jit::plan::QuantLayouts`. Whether K-quants keep
+/// kernels of their own is the CPU's choice here; the format decision
+/// (`engine::formats`) applies `PULSAR_K_QUANTS` on top.
 pub fn quant_layouts() -> crate::jit::plan::QuantLayouts {
-    let mut layouts =
-        crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), max_isa_from_env());
-    // `PULSAR_K_QUANTS=native|convert` overrides the CPU's choice (to
-    // measure one against the other, or run the AVX2 kernel).
-    const VAR: &str = "PULSAR_K_QUANTS";
-    match std::env::var(VAR).as_deref() {
-        Err(std::env::VarError::NotPresent) => {}
-        Ok("native") => layouts.k_quants_native = true,
-        Ok("convert") => layouts.k_quants_native = false,
-        Ok(other) => eprintln!("pulsar: {VAR}={other}: expected native or convert; ignored"),
-        Err(e) => eprintln!("pulsar: {VAR}: {e}; ignored"),
-    }
-    layouts
+    crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), max_isa_from_env())
 }
 
 pub struct JitKernels {
