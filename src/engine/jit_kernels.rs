@@ -17,7 +17,7 @@ use crate::jit::kernels::{
     AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
     Softmax, UnpackQuant,
 };
-use crate::jit::plan::PlanOptions;
+use crate::jit::plan::{Plan, PlanOptions};
 use crate::model::config::ModelConfig;
 use crate::model::quant_blocks::{self, QuantType};
 use anyhow::{Result, bail};
@@ -255,24 +255,37 @@ impl JitKernels {
     /// prefetch distances).
     pub fn with_options(config: &ModelConfig, opts: PlanOptions) -> Result<Option<JitKernels>> {
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
-            Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
-                ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
-                set: kernels,
-                // The highest any kernel uses (VNNI's integer kernels are
-                // AVX-512's; the rest AVX2).
-                isa: plan
-                    .kernels
-                    .iter()
-                    .map(|k| k.isa)
-                    .max()
-                    .unwrap_or(Isa::Avx2),
-                blocking: plan.blocking.clone(),
-            })),
+            Backend::Jit { plan, kernels } => Ok(Some(Self::assemble(config, &plan, kernels)?)),
             Backend::Reference { reason } => {
                 eprintln!("pulsar: {reason}");
                 Ok(None)
             }
         }
+    }
+
+    /// Emits, verifies and maps the kernels of `plan`, made for `config`
+    /// on this CPU with kernels up to `max_isa`: the plan is complete
+    /// before any code is generated (see `engine::fast::open`).
+    pub fn from_plan(config: &ModelConfig, plan: &Plan, max_isa: Isa) -> Result<JitKernels> {
+        let kernels = KernelSet::build(plan, &CpuCaps::detect(), max_isa)?;
+        Self::assemble(config, plan, kernels)
+    }
+
+    /// The engine's view of a plan's verified kernels.
+    fn assemble(config: &ModelConfig, plan: &Plan, kernels: KernelSet) -> Result<JitKernels> {
+        Ok(JitKernels {
+            ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
+            set: kernels,
+            // The highest any kernel uses (VNNI's integer kernels are
+            // AVX-512's; the rest AVX2).
+            isa: plan
+                .kernels
+                .iter()
+                .map(|k| k.isa)
+                .max()
+                .unwrap_or(Isa::Avx2),
+            blocking: plan.blocking.clone(),
+        })
     }
 
     /// Like [`JitKernels::for_this_cpu`], but a CPU without the JIT's

@@ -6,8 +6,9 @@
 //! steps); only the matrix products and their summation order differ.
 //!
 //! By concern: this module holds the engine, its options and the
-//! single-sequence [`Engine`] calls; `open` loads an engine's weights;
-//! `forward` runs one step's layers;
+//! single-sequence [`Engine`] calls; `open` opens an engine (formats
+//! decided once, the kernel plan complete before code is generated, the
+//! weights loaded, launch tuning); `forward` runs one step's layers;
 //! `matmul` schedules the matrix products over the pool; `attention` holds
 //! prefill's and decode's attention; `batch` the calls over several
 //! sequences at once.
@@ -19,6 +20,7 @@ mod matmul;
 mod open;
 
 pub use super::formats::{Conversion, WeightFormats};
+pub use open::{EngineOptions, EnginePlan, LaunchTuning, OpenReport, Opened};
 
 use super::kernels::MatKernels;
 use super::kv_cache::FlatKv;
