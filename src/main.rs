@@ -232,6 +232,18 @@ struct ForwardArgs {
     dtype: RunDtypeArg,
 }
 
+impl ForwardArgs {
+    fn engine_args(&self, in_place: bool, flags: commands::SharedFlags) -> commands::EngineArgs {
+        commands::EngineArgs {
+            kind: self.engine.into(),
+            threads: self.threads,
+            dtype: self.dtype.into(),
+            in_place,
+            flags,
+        }
+    }
+}
+
 /// Sampling flags shared by `run` and `chat`.
 #[derive(Args)]
 struct SamplingArgs {
@@ -376,7 +388,7 @@ impl GenerationCli {
         })
     }
 
-    fn resolve(self) -> anyhow::Result<commands::GenerationArgs> {
+    fn resolve(self, flags: commands::SharedFlags) -> anyhow::Result<commands::GenerationArgs> {
         let constraint = self.constraint()?;
         Ok(commands::GenerationArgs {
             model: commands::resolve_model(self.model.as_deref())?,
@@ -391,10 +403,7 @@ impl GenerationCli {
             think: self.think,
             show_thinking: self.show_thinking,
             stop: self.stop,
-            engine: self.forward.engine.into(),
-            threads: self.forward.threads,
-            in_place: self.mmap,
-            dtype: self.forward.dtype.into(),
+            engine: self.forward.engine_args(self.mmap, flags),
             constraint,
             speculation: self.spec.into(),
         })
@@ -412,9 +421,9 @@ struct ChatCli {
 }
 
 impl ChatCli {
-    fn run(self) -> anyhow::Result<()> {
+    fn run(self, flags: commands::SharedFlags) -> anyhow::Result<()> {
         commands::chat::run(&commands::chat::ChatArgs {
-            common: self.common.resolve()?,
+            common: self.common.resolve(flags)?,
             policy: self.context_full.into(),
         })
     }
@@ -446,8 +455,9 @@ struct DumpCli {
     dtype: RunDtypeArg,
 }
 
-impl From<DumpCli> for commands::dump::DumpArgs {
-    fn from(d: DumpCli) -> commands::dump::DumpArgs {
+impl DumpCli {
+    fn args(self, flags: commands::SharedFlags) -> commands::dump::DumpArgs {
+        let d = self;
         commands::dump::DumpArgs {
             model: d.model,
             shape: d.shape,
@@ -456,6 +466,7 @@ impl From<DumpCli> for commands::dump::DumpArgs {
             max_isa: d.max_isa,
             threads: d.threads,
             dtype: d.dtype.into(),
+            flags,
         }
     }
 }
@@ -535,7 +546,7 @@ struct ServeCli {
 }
 
 impl ServeCli {
-    fn run(self) -> anyhow::Result<()> {
+    fn run(self, flags: commands::SharedFlags) -> anyhow::Result<()> {
         commands::serve::run(commands::serve::ServeArgs {
             model: commands::resolve_model(self.model.as_deref())?,
             host: self.host,
@@ -561,6 +572,7 @@ impl ServeCli {
             quiet: self.quiet,
             speculation: self.spec.into(),
             defaults: self.sampling.config(),
+            flags,
         })
     }
 }
@@ -711,11 +723,11 @@ enum Command {
     },
 }
 
-fn run(command: Command) -> anyhow::Result<()> {
+fn run(command: Command, flags: commands::SharedFlags) -> anyhow::Result<()> {
     match command {
-        Command::Chat(chat) => chat.run(),
+        Command::Chat(chat) => chat.run(flags),
         Command::Run { common, chat, .. } => commands::run::run(&commands::run::RunArgs {
-            common: common.resolve()?,
+            common: common.resolve(flags)?,
             chat,
         }),
         Command::Tokenize {
@@ -740,9 +752,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             prompt: prompt.as_deref(),
             all,
             output: &output,
-            engine: forward.engine.into(),
-            threads: forward.threads,
-            dtype: forward.dtype.into(),
+            engine: forward.engine_args(false, flags),
         }),
         Command::Embed {
             model,
@@ -753,9 +763,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             model: &commands::resolve_model(model.as_deref())?,
             prompt: prompt.as_deref(),
             file: file.as_deref(),
-            engine: forward.engine.into(),
-            threads: forward.threads,
-            dtype: forward.dtype.into(),
+            engine: forward.engine_args(false, flags),
         }),
         Command::Perplexity {
             model,
@@ -772,15 +780,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             chunks,
             save_logits,
             kl_base,
-            engine: forward.engine.into(),
-            threads: forward.threads,
-            dtype: forward.dtype.into(),
+            engine: forward.engine_args(false, flags),
         }),
-        Command::Serve(serve) => serve.run(),
-        Command::Dump(a) => commands::dump::run_dump_command(&a.into()),
+        Command::Serve(serve) => serve.run(flags),
+        Command::Dump(a) => commands::dump::run_dump_command(&a.args(flags)),
         Command::Tune { common, measure } => {
             commands::dump::run_tune_command(&commands::dump::TuneArgs {
-                common: common.into(),
+                common: common.args(flags),
                 measure,
             })
         }
@@ -800,12 +806,16 @@ fn run(command: Command) -> anyhow::Result<()> {
             mmap,
             m_curve,
             m_curve_context,
-        } => commands::bench_command(
+        } => commands::bench::run_command(
             model.as_deref(),
             shape.as_deref(),
-            dtype.into(),
-            threads,
-            mmap,
+            &commands::EngineArgs {
+                kind: EngineKind::Jit,
+                threads,
+                dtype: dtype.into(),
+                in_place: mmap,
+                flags,
+            },
             &commands::bench::BenchArgs {
                 prompt_tokens: pp,
                 generate_tokens: tg,
@@ -819,16 +829,14 @@ fn run(command: Command) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if cli.no_tune {
-        commands::disable_launch_tuning();
-    }
-    if cli.verbose {
-        commands::set_verbose();
-    }
-    commands::set_input_precision(cli.input_bits.into());
+    let flags = commands::SharedFlags {
+        verbose: cli.verbose,
+        no_tune: cli.no_tune,
+        input_precision: cli.input_bits.into(),
+    };
     let result = match cli.command {
-        Some(command) => run(command),
-        None => cli.chat.run(),
+        Some(command) => run(command, flags),
+        None => cli.chat.run(flags),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

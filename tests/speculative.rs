@@ -698,8 +698,16 @@ fn kv_rollback_equals_a_recompute_on_the_real_model() {
     let path = pulsar::model::fetch::default_model_path().expect("default model");
     let make = || {
         let src = ModelSource::open(&path).expect("opens");
-        commands::open_engine(src, EngineKind::Jit, 2, 1024, false, Dtype::Native)
+        let args = commands::EngineArgs {
+            kind: EngineKind::Jit,
+            threads: 2,
+            dtype: Dtype::Native,
+            in_place: false,
+            flags: commands::SharedFlags::default(),
+        };
+        commands::open_engine(src, &args, 1024)
             .expect("engine loads")
+            .engine
     };
     let mut used = make();
     let mut fresh = make();

@@ -2,11 +2,17 @@
 //! bandwidth over the same number of bytes measured in the same run, so a
 //! decode rate is always stated against the ceiling it is chasing.
 
-use crate::engine::fast::FastEngine;
+use super::{EngineArgs, jit_kernels, open_fast_engine, print_notes, resolve_model};
+use crate::engine::fast::{FastEngine, OpenReport};
 use crate::engine::membench::read_bandwidth;
+use crate::engine::synthetic;
 use crate::engine::{Engine, LogitsWanted};
-use anyhow::Result;
+use crate::model::presets;
+use crate::model::source::ModelSource;
+use anyhow::{Result, bail};
 use serde::Serialize;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub struct BenchArgs {
@@ -59,10 +65,13 @@ fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Measures `engine` (`model`, in `weights_dtype`); `tuning` says what its
+/// launch tuning did.
 pub fn run(
     engine: &mut FastEngine,
     model: &str,
     weights_dtype: &str,
+    tuning: &str,
     args: &BenchArgs,
 ) -> Result<BenchReport> {
     let vocab = engine.config().vocab_size;
@@ -112,10 +121,62 @@ pub fn run(
         decode_gbs,
         decode_bw_fraction: decode_gbs / read_bw,
         wake_latency_ns: wake.as_secs_f64() * 1e9,
-        tuning: super::tuning_note().trim_start_matches(", ").to_string(),
+        tuning: tuning.to_string(),
         m_curve,
         m_curve_context: args.m_curve_context,
     })
+}
+
+/// `pulsar bench`: a real model, or a known shape on random weights.
+pub fn run_command(
+    model: Option<&Path>,
+    shape: Option<&str>,
+    engine_args: &EngineArgs,
+    args: &BenchArgs,
+) -> Result<()> {
+    let mut context = args.prompt_tokens + args.generate_tokens + 2;
+    if args.m_curve {
+        // The m-curve's cached context and its largest step.
+        context = context.max(args.m_curve_context + M_CURVE_MAX);
+    }
+    let (mut engine, name, report) = match shape {
+        Some(name) => {
+            let Some(config) = presets::shape(name) else {
+                bail!(
+                    "unknown shape {name:?}; known shapes: {}",
+                    presets::SHAPES.join(", ")
+                );
+            };
+            eprintln!("bench: making random {name} weights");
+            let (dtype, threads) = (engine_args.dtype, engine_args.threads);
+            let opts = dtype.fast_options(threads, context, engine_args.in_place);
+            let formats = dtype.shape_formats(&config);
+            let weights = synthetic::random_weights(&config, &formats, 1);
+            let kernels = jit_kernels(&config, formats, threads)?;
+            let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
+            let input_precision = engine_args.flags.input_precision;
+            engine.set_input_precision(input_precision);
+            // Random weights are not tuned.
+            let report = OpenReport {
+                tuning: String::new(),
+                input_precision,
+            };
+            (engine, format!("{name} (random weights)"), report)
+        }
+        None => {
+            let path = resolve_model(model)?;
+            let mut options = engine_args.options(context)?;
+            // The conversion note is part of what bench reports.
+            options.verbose = true;
+            let plan = FastEngine::plan(Arc::new(ModelSource::open(&path)?), &options)?;
+            print_notes("bench", &plan);
+            let (engine, report) = open_fast_engine(plan, "pulsar bench")?;
+            (engine, path.display().to_string(), report)
+        }
+    };
+    let dtype = format!("{}{}", engine.formats().describe(), report.input_note());
+    let report = run(&mut engine, &name, &dtype, &report.tuning, args)?;
+    print(&report, args.json)
 }
 
 /// Largest step of the m-curve.

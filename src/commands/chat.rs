@@ -44,7 +44,7 @@ fn validate(args: &ChatArgs) -> Result<()> {
     if args.common.max_new == 0 {
         bail!("-n must be at least 1 token");
     }
-    if args.common.threads == 0 {
+    if args.common.engine.threads == 0 {
         bail!("--threads must be at least 1");
     }
     if let Some(p) = &args.common.prompt
@@ -160,7 +160,10 @@ impl<'a> Session<'a> {
         let src = ModelSource::open(&args.common.model)?;
         let tok = load_tokenizer(&src)?;
         let choice = TemplateChoice::for_model(&src, &tok, args.common.chat_template.as_deref())?;
-        eprintln!("pulsar: {}", choice.describe(super::verbose()));
+        eprintln!(
+            "pulsar: {}",
+            choice.describe(args.common.engine.flags.verbose)
+        );
         let encoder = TurnEncoder::with_thinking(
             choice.template,
             args.common.system.as_deref(),
@@ -179,17 +182,11 @@ impl<'a> Session<'a> {
         };
         let spinner = ProgressBar::new_spinner().with_message(format!(
             "preparing the {} engine (converting weights)",
-            args.common.engine.name()
+            args.common.engine.kind.name()
         ));
         spinner.enable_steady_tick(Duration::from_millis(120));
-        let mut engine = open_engine(
-            src,
-            args.common.engine,
-            args.common.threads,
-            args.common.context,
-            args.common.in_place,
-            args.common.dtype,
-        )?;
+        let opened = open_engine(src, &args.common.engine, args.common.context)?;
+        let mut engine = opened.engine;
         spinner.finish_and_clear();
         let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
 
@@ -204,9 +201,9 @@ impl<'a> Session<'a> {
             "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {}{})",
             args.common.model.display(),
             start.elapsed().as_secs_f64(),
-            args.common.engine.name(),
+            args.common.engine.kind.name(),
             args.common.seed,
-            super::engine_note()
+            opened.note
         );
         let mut conv = Conversation::new(encoder.prefix(&tok), limit);
         if conv.len() + 1 > limit {

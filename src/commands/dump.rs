@@ -3,7 +3,7 @@
 
 use super::tune_measure;
 use crate::engine::autotune;
-use crate::engine::fast::{FastEngine, WeightFormats};
+use crate::engine::fast::{EngineOptions, FastEngine, LaunchTuning, WeightFormats};
 use crate::engine::jit_kernels::plan_options;
 use crate::fs_atomic::write_atomic;
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -41,6 +41,9 @@ pub struct DumpArgs {
     pub threads: usize,
     /// The formats the engine would keep the matrices in.
     pub dtype: super::Dtype,
+    /// `--input-bits` (part of a stored tuning's key) and the other
+    /// shared flags.
+    pub flags: super::SharedFlags,
 }
 
 #[derive(Debug, Clone)]
@@ -275,12 +278,13 @@ fn write_out(dir: &Path, kernels: &[Compiled]) -> Result<()> {
 fn launch_tuning_report(
     src: ModelSource,
     formats: &WeightFormats,
-    dtype: super::Dtype,
+    args: &DumpArgs,
     threads: usize,
     measure: bool,
 ) -> Result<()> {
     let config = src.config.clone();
-    let key = autotune::tuning_key(&config, formats, threads, super::input_precision());
+    let inputs = args.flags.input_precision;
+    let key = autotune::tuning_key(&config, formats, threads, inputs);
     let dir = super::tuning_dir()?;
     let path = autotune::entry_path(&dir, &key);
     let mut out = String::new();
@@ -318,15 +322,27 @@ fn launch_tuning_report(
     if !measure {
         return Ok(());
     }
-    // Room for the full search's prefill.
-    let opts = dtype.fast_options(threads, autotune::PREFILL_TOKENS + 8, false);
-    let kernels = super::jit_kernels(&config, formats.clone(), threads)?;
-    let mut engine = FastEngine::load(&std::sync::Arc::new(src), kernels, &opts)?;
-    engine.set_input_precision(super::input_precision());
+    // The engine a run opens, with room for the full search's prefill and
+    // no launch tuning of its own.
+    let options = EngineOptions {
+        load: args
+            .dtype
+            .fast_options(threads, autotune::PREFILL_TOKENS + 8, false),
+        input_precision: inputs,
+        tuning: LaunchTuning::Off {
+            why: "the full search measures".into(),
+        },
+        verbose: false,
+    };
+    let plan = FastEngine::plan(std::sync::Arc::new(src), &options)?;
+    let formats = plan.formats().clone();
+    let key = autotune::tuning_key(&config, &formats, threads, inputs);
+    let path = autotune::entry_path(&dir, &key);
+    let (mut engine, _) = super::open_fast_engine(plan, "pulsar tune --measure")?;
     let entry = autotune::measure(
         &mut engine,
         &config,
-        formats,
+        &formats,
         key,
         None,
         autotune::FULL_ROUNDS,
@@ -421,7 +437,7 @@ pub fn run_tune_command(args: &TuneArgs) -> Result<()> {
     )?;
     write_stdout(&out)?;
     if let Some((src, formats)) = model {
-        launch_tuning_report(src, &formats, args.common.dtype, plan.threads, args.measure)?;
+        launch_tuning_report(src, &formats, &args.common, plan.threads, args.measure)?;
     }
     if args.measure {
         tune_measure::measure_gemv(&plan, &caps, args.common.max_isa)?;

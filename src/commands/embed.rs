@@ -2,7 +2,7 @@
 //! printed as a JSON list of floats.
 
 use super::run::load_tokenizer;
-use super::{Dtype, EngineKind, open_engine};
+use super::{EngineArgs, open_engine};
 use crate::embedding::embed;
 use crate::model::source::ModelSource;
 use anyhow::{Context, Result, bail};
@@ -14,9 +14,8 @@ pub struct EmbedArgs<'a> {
     pub prompt: Option<&'a str>,
     /// A file whose text is embedded instead of `prompt`.
     pub file: Option<&'a Path>,
-    pub engine: EngineKind,
-    pub threads: usize,
-    pub dtype: Dtype,
+    /// The engine, its threads and formats, and the shared flags.
+    pub engine: EngineArgs,
 }
 
 pub fn run(args: &EmbedArgs<'_>) -> Result<()> {
@@ -38,14 +37,7 @@ pub fn run(args: &EmbedArgs<'_>) -> Result<()> {
             tokens.len()
         );
     }
-    let mut engine = open_engine(
-        src,
-        args.engine,
-        args.threads,
-        tokens.len(),
-        false,
-        args.dtype,
-    )?;
+    let mut engine = open_engine(src, &args.engine, tokens.len())?.engine;
     let vector = embed(engine.as_mut(), &tokens)?;
     eprintln!(
         "embed: {} tokens, {} values (mean of the final hidden states, length 1)",

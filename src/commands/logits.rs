@@ -1,7 +1,7 @@
 //! `pulsar logits`: raw logits of a token sequence, for comparing engines.
 
 use super::run::load_tokenizer;
-use super::{Dtype, EngineKind, open_engine};
+use super::{EngineArgs, open_engine};
 use crate::engine::LogitsWanted;
 use crate::fs_atomic::write_atomic;
 use crate::model::source::ModelSource;
@@ -15,9 +15,8 @@ pub struct LogitsArgs<'a> {
     pub prompt: Option<&'a str>,
     pub all: bool,
     pub output: &'a Path,
-    pub engine: EngineKind,
-    pub threads: usize,
-    pub dtype: Dtype,
+    /// The engine, its threads and formats, and the shared flags.
+    pub engine: EngineArgs,
 }
 
 pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
@@ -33,14 +32,7 @@ pub fn run(args: &LogitsArgs<'_>) -> Result<()> {
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {bad} is outside the vocabulary (size {vocab})");
     }
-    let mut engine = open_engine(
-        src,
-        args.engine,
-        args.threads,
-        tokens.len(),
-        false,
-        args.dtype,
-    )?;
+    let mut engine = open_engine(src, &args.engine, tokens.len())?.engine;
     let wanted = if args.all {
         LogitsWanted::All
     } else {

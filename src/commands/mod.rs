@@ -15,26 +15,25 @@ pub mod tune_measure;
 use crate::constrain::lookahead::ConstraintReport;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
-use crate::engine::autotune;
-use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
+use crate::engine::fast::{
+    EngineOptions, EnginePlan, FastEngine, FastOptions, LaunchTuning, OpenReport, Opened,
+    WeightFormats,
+};
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
 use crate::engine::packed::WeightFormat;
 use crate::engine::q8_input::InputPrecision;
 use crate::engine::reference::ReferenceEngine;
-use crate::engine::synthetic;
 use crate::generate::StopReason;
 use crate::model::config::ModelConfig;
+use crate::model::fetch;
 use crate::model::source::ModelSource;
-use crate::model::{fetch, presets};
 use crate::sample::SamplerConfig;
 use crate::speculative::Speculation;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The model named with `-m`, else the default model.
 pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
@@ -65,13 +64,8 @@ pub struct GenerationArgs {
     pub show_thinking: bool,
     /// `--stop TEXT`: text that ends generation, never printed.
     pub stop: Vec<String>,
-    pub engine: EngineKind,
-    pub threads: usize,
-    /// Use 16-bit weights in place from the mapped file (see
-    /// [`FastOptions::in_place`]).
-    pub in_place: bool,
-    /// The formats the fast engine keeps its matrices in.
-    pub dtype: Dtype,
+    /// The engine, its threads and formats, and the shared flags.
+    pub engine: EngineArgs,
     /// `--json`, `--json-schema`, `--regex` or `--grammar`: what every
     /// reply must be.
     pub constraint: Option<ConstraintSpec>,
@@ -171,150 +165,120 @@ impl Dtype {
     }
 }
 
-/// Builds the chosen engine for an opened model. A CPU the JIT cannot
-/// serve gets the reason on stderr and the reference engine; a kernel that
-/// fails verification stops the program.
-pub fn open_engine(
-    src: ModelSource,
-    kind: EngineKind,
-    threads: usize,
-    context: usize,
-    in_place: bool,
-    dtype: Dtype,
-) -> Result<Box<dyn Engine>> {
-    if kind == EngineKind::Reference {
-        return Ok(Box::new(ReferenceEngine::load(&src)?));
+/// The flags every command takes (`--verbose`, `--no-tune`,
+/// `--input-bits`), passed down from `main` rather than kept in process
+/// globals.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedFlags {
+    /// `--verbose`: print the long start-up notes too (how the weights
+    /// were converted, what the chat format is).
+    pub verbose: bool,
+    /// `--no-tune`: run the analytic plan, measure nothing.
+    pub no_tune: bool,
+    /// `--input-bits`: how the integer kernels' inputs are quantized.
+    pub input_precision: InputPrecision,
+}
+
+impl SharedFlags {
+    /// Whether launch tuning runs, and the folder it stores tunings in.
+    pub fn tuning(&self) -> Result<LaunchTuning> {
+        Ok(if self.no_tune {
+            LaunchTuning::Off {
+                why: "--no-tune".into(),
+            }
+        } else {
+            LaunchTuning::Stored { dir: tuning_dir()? }
+        })
     }
-    let opts = dtype.fast_options(threads, context, in_place);
-    let formats = FastEngine::weight_formats(&src, &opts)?;
-    print_conversion_note("pulsar", &formats);
-    let config = src.config.clone();
-    match JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? {
-        Some(kernels) => {
-            let mut engine = FastEngine::load(&Arc::new(src), Box::new(kernels), &opts)?;
-            prepare_loaded_engine(&mut engine, &config, &formats)?;
-            Ok(Box::new(engine))
+}
+
+/// The flags that choose and shape a command's engine.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineArgs {
+    pub kind: EngineKind,
+    pub threads: usize,
+    /// The formats the fast engine keeps its matrices in.
+    pub dtype: Dtype,
+    /// Use 16-bit weights in place from the mapped file (see
+    /// [`FastOptions::in_place`]).
+    pub in_place: bool,
+    pub flags: SharedFlags,
+}
+
+impl EngineArgs {
+    /// The fast engine's options, with room for `context` tokens per
+    /// sequence.
+    pub fn options(&self, context: usize) -> Result<EngineOptions> {
+        Ok(EngineOptions {
+            load: self
+                .dtype
+                .fast_options(self.threads, context, self.in_place),
+            input_precision: self.flags.input_precision,
+            tuning: self.flags.tuning()?,
+            verbose: self.flags.verbose,
+        })
+    }
+}
+
+/// An engine a command opened, and what opening it did.
+pub struct OpenedEngine {
+    pub engine: Box<dyn Engine>,
+    /// ", tuning reused" and the like, to end the "loaded …" line with;
+    /// empty for the reference engine.
+    pub note: String,
+}
+
+/// Builds the chosen engine for an opened model, with room for `context`
+/// tokens. A CPU the JIT cannot serve gets the reason on stderr and the
+/// reference engine; a kernel that fails verification stops the program.
+pub fn open_engine(src: ModelSource, args: &EngineArgs, context: usize) -> Result<OpenedEngine> {
+    let reference = |src: &ModelSource| -> Result<OpenedEngine> {
+        Ok(OpenedEngine {
+            engine: Box::new(ReferenceEngine::load(src)?),
+            note: String::new(),
+        })
+    };
+    if args.kind == EngineKind::Reference {
+        return reference(&src);
+    }
+    let plan = FastEngine::plan(Arc::new(src), &args.options(context)?)?;
+    print_notes("pulsar", &plan);
+    let src = plan.source().clone();
+    match plan.open()? {
+        Opened::Fast { engine, report } => Ok(OpenedEngine {
+            engine,
+            note: report.loaded_note(),
+        }),
+        Opened::NoJit { reason } => {
+            eprintln!("pulsar: {reason}");
+            reference(&src)
         }
-        None => Ok(Box::new(ReferenceEngine::load(&src)?)),
     }
 }
 
-/// Set by `--verbose`: start-up notes beyond the model and its speed (how
-/// the weights were converted) are printed.
-static VERBOSE: AtomicBool = AtomicBool::new(false);
-
-/// `--verbose`: print the long start-up notes.
-pub fn set_verbose() {
-    VERBOSE.store(true, Ordering::Relaxed);
+/// Opens the planned fast engine, for a command that has no use for the
+/// reference engine: a CPU the JIT cannot serve is an error naming
+/// `command`, after the reason on stderr.
+pub fn open_fast_engine(plan: EnginePlan, command: &str) -> Result<(FastEngine, OpenReport)> {
+    match plan.open()? {
+        Opened::Fast { engine, report } => Ok((*engine, report)),
+        Opened::NoJit { reason } => {
+            eprintln!("pulsar: {reason}");
+            bail!("{command} needs the JIT engine, which this CPU cannot run (see above)")
+        }
+    }
 }
 
-/// Whether `--verbose` asked for the long start-up notes.
-pub fn verbose() -> bool {
-    VERBOSE.load(Ordering::Relaxed)
-}
-
-/// The note on weights converted at load, on stderr with `prefix`, under
-/// `--verbose` only: it runs to some 300 characters, and start-up should
-/// be a line or two.
-pub fn print_conversion_note(prefix: &str, formats: &crate::engine::fast::WeightFormats) {
-    if verbose()
-        && let Some(note) = formats.conversion_note()
-    {
+/// A plan's start-up notes on stderr, each after `prefix`.
+pub fn print_notes(prefix: &str, plan: &EnginePlan) {
+    for note in plan.notes() {
         eprintln!("{prefix}: {note}");
     }
-}
-
-/// Set by `--no-tune`: engines run the analytic plan, nothing is measured.
-static NO_TUNE: AtomicBool = AtomicBool::new(false);
-
-/// `--no-tune`: skip launch tuning in this process.
-pub fn disable_launch_tuning() {
-    NO_TUNE.store(true, Ordering::Relaxed);
 }
 
 /// Where launch tunings are stored: `tuning/` in the cache folder.
 pub fn tuning_dir() -> Result<PathBuf> {
     Ok(fetch::cache_dir()?.join("tuning"))
-}
-
-/// What this process's launch tuning did, for the "loaded" line (no line
-/// of its own: scripts and tests count stderr lines).
-static TUNING_NOTE: Mutex<String> = Mutex::new(String::new());
-
-/// ", tuning reused" or ", tuning measured in 310 ms" (empty before any
-/// fast engine was tuned), to end a "loaded …" line with.
-pub fn tuning_note() -> String {
-    TUNING_NOTE.lock().map(|n| n.clone()).unwrap_or_default()
-}
-
-/// What was set up for this process's fast engine, for the "loaded …"
-/// lines: the input precision where it is not the default, then
-/// `tuning_note` (empty before any fast engine was readied).
-pub fn engine_note() -> String {
-    let tuning = tuning_note();
-    if tuning.is_empty() {
-        return tuning;
-    }
-    format!("{}{tuning}", input_note())
-}
-
-/// Set by `--input-bits 16`: engines quantize the integer kernels'
-/// inputs in two 8-bit levels.
-static TWO_INPUT_LEVELS: AtomicBool = AtomicBool::new(false);
-
-/// `--input-bits`: how every fast engine of this process quantizes the
-/// integer kernels' inputs.
-pub fn set_input_precision(precision: InputPrecision) {
-    TWO_INPUT_LEVELS.store(precision == InputPrecision::TwoLevels, Ordering::Relaxed);
-}
-
-/// ", inputs in two 8-bit levels" under `--input-bits 16`, else empty: for
-/// the "loaded …" lines.
-pub fn input_note() -> &'static str {
-    match input_precision() {
-        InputPrecision::Bits8 => "",
-        InputPrecision::TwoLevels => ", inputs in two 8-bit levels",
-    }
-}
-
-/// This process's input precision (`--input-bits`).
-pub fn input_precision() -> InputPrecision {
-    if TWO_INPUT_LEVELS.load(Ordering::Relaxed) {
-        InputPrecision::TwoLevels
-    } else {
-        InputPrecision::Bits8
-    }
-}
-
-/// Readies a freshly loaded engine with this process's flags: the input
-/// precision (`--input-bits`), then launch tuning, which reuses a stored
-/// tuning when there is one for this CPU, model, formats, threads and
-/// binary. `tuning_note` says what it did. Call before feeding it.
-pub fn prepare_loaded_engine(
-    engine: &mut FastEngine,
-    config: &ModelConfig,
-    formats: &WeightFormats,
-) -> Result<()> {
-    engine.set_input_precision(input_precision());
-    let note = if NO_TUNE.load(Ordering::Relaxed) {
-        ", no tuning (--no-tune)".to_string()
-    } else {
-        match autotune::tune_at_launch(engine, config, formats, &tuning_dir()?)? {
-            autotune::Outcome::Reused { .. } => ", tuning reused".to_string(),
-            autotune::Outcome::Measured { entry, stored, .. } => {
-                let stored = match stored {
-                    Ok(()) => String::new(),
-                    Err(e) => format!(" (not stored: {e:#})"),
-                };
-                format!(", tuning measured in {:.0} ms{stored}", entry.spent_ms)
-            }
-            autotune::Outcome::Skipped { reason } => format!(", no tuning ({reason})"),
-        }
-    };
-    if let Ok(mut n) = TUNING_NOTE.lock() {
-        *n = note;
-    }
-    Ok(())
 }
 
 /// The JIT's kernels for this model on this CPU.
@@ -326,54 +290,6 @@ pub fn jit_kernels(
     Ok(Box::new(JitKernels::build(config, formats, threads)?))
 }
 
-/// `pulsar bench`: a real model, or a known shape on random weights.
-pub fn bench_command(
-    model: Option<&Path>,
-    shape: Option<&str>,
-    dtype: Dtype,
-    threads: usize,
-    in_place: bool,
-    args: &bench::BenchArgs,
-) -> Result<()> {
-    let mut context = args.prompt_tokens + args.generate_tokens + 2;
-    if args.m_curve {
-        // The m-curve's cached context and its largest step.
-        context = context.max(args.m_curve_context + bench::M_CURVE_MAX);
-    }
-    let opts = dtype.fast_options(threads, context, in_place);
-    let (mut engine, name) = match shape {
-        Some(name) => {
-            let Some(config) = presets::shape(name) else {
-                bail!(
-                    "unknown shape {name:?}; known shapes: {}",
-                    presets::SHAPES.join(", ")
-                );
-            };
-            eprintln!("bench: making random {name} weights");
-            let formats = dtype.shape_formats(&config);
-            let weights = synthetic::random_weights(&config, &formats, 1);
-            let kernels = jit_kernels(&config, formats, threads)?;
-            let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
-            engine.set_input_precision(input_precision());
-            (engine, format!("{name} (random weights)"))
-        }
-        None => {
-            let path = resolve_model(model)?;
-            let src = Arc::new(ModelSource::open(&path)?);
-            let formats = FastEngine::weight_formats(&src, &opts)?;
-            if let Some(note) = formats.conversion_note() {
-                eprintln!("bench: {note}");
-            }
-            let kernels = jit_kernels(&src.config, formats.clone(), threads)?;
-            let mut engine = FastEngine::load(&src, kernels, &opts)?;
-            prepare_loaded_engine(&mut engine, &src.config, &formats)?;
-            (engine, path.display().to_string())
-        }
-    };
-    let dtype = format!("{}{}", engine.formats().describe(), input_note());
-    let report = bench::run(&mut engine, &name, &dtype, args)?;
-    bench::print(&report, args.json)
-}
 /// The output constraint's compiler, indexing the vocabulary on a helper
 /// thread (about a second for Gemma's vocabulary) while the model loads.
 pub struct ConstraintBuild {

@@ -2,7 +2,7 @@
 //! KL divergence from a base run saved with `--save-logits`.
 
 use super::run::{load_tokenizer, read_text_file};
-use super::{Dtype, EngineKind, open_engine};
+use super::{EngineArgs, open_engine};
 use crate::model::source::ModelSource;
 use crate::perplexity::base_file::{
     BaseHeader, BaseLogits, BasePosition, BaseWriter, DEFAULT_TOP_K, mismatch,
@@ -26,9 +26,8 @@ pub struct PerplexityArgs {
     pub chunks: Option<usize>,
     pub save_logits: Option<PathBuf>,
     pub kl_base: Option<PathBuf>,
-    pub engine: EngineKind,
-    pub threads: usize,
-    pub dtype: Dtype,
+    /// The engine, its threads and formats, and the shared flags.
+    pub engine: EngineArgs,
 }
 
 pub fn run(args: &PerplexityArgs) -> Result<()> {
@@ -79,20 +78,14 @@ pub fn run(args: &PerplexityArgs) -> Result<()> {
         None => None,
     };
     let bos = tokenizer.bos_id();
-    let mut engine = open_engine(
-        src,
-        args.engine,
-        args.threads,
-        plan.n_ctx,
-        false,
-        args.dtype,
-    )?;
+    let opened = open_engine(src, &args.engine, plan.n_ctx)?;
+    let mut engine = opened.engine;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine{}); {} tokens, {} windows of {}, {} scored each",
         args.model.display(),
         load_start.elapsed().as_secs_f64(),
-        args.engine.name(),
-        super::engine_note(),
+        args.engine.kind.name(),
+        opened.note,
         tokens.len(),
         plan.windows,
         plan.n_ctx,

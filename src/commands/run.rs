@@ -169,24 +169,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     if let Some(choice) = &choice {
-        eprintln!("pulsar: {}", choice.describe(super::verbose()));
+        let verbose = args.common.engine.flags.verbose;
+        eprintln!("pulsar: {}", choice.describe(verbose));
     }
-    let mut engine = open_engine(
-        src,
-        args.common.engine,
-        args.common.threads,
-        context,
-        args.common.in_place,
-        args.common.dtype,
-    )?;
+    let opened = open_engine(src, &args.common.engine, context)?;
+    let mut engine = opened.engine;
     let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
     eprintln!(
         "pulsar: loaded {} in {:.2} s ({} engine, seed {}{})",
         args.common.model.display(),
         load_start.elapsed().as_secs_f64(),
-        args.common.engine.name(),
+        args.common.engine.kind.name(),
         args.common.seed,
-        super::engine_note()
+        opened.note
     );
 
     let mut sampler = Sampler::new(args.common.sampling, args.common.seed);

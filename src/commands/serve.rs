@@ -2,12 +2,11 @@
 //! constraint compiler, then hands them to the server (`crate::serve`).
 
 use super::run::load_tokenizer;
-use super::{Dtype, effective_speculation};
+use super::{Dtype, EngineArgs, EngineKind, SharedFlags, effective_speculation};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
 use crate::constrain::{GrammarCompiler, VocabBytes};
 use crate::engine::fast::FastEngine;
-use crate::engine::jit_kernels::JitKernels;
 use crate::generate;
 use crate::model::source::ModelSource;
 use crate::sample::SamplerConfig;
@@ -42,6 +41,8 @@ pub struct ServeArgs {
     pub speculation: Speculation,
     /// Defaults for the settings a request leaves out.
     pub defaults: SamplerConfig,
+    /// `--verbose`, `--no-tune`, `--input-bits`.
+    pub flags: SharedFlags,
 }
 
 /// The name `/v1/models` lists: the file (or folder) name without `.gguf`.
@@ -70,7 +71,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let src = ModelSource::open(&args.model)?;
     let tok = load_tokenizer(&src)?;
     let choice = TemplateChoice::for_model(&src, &tok, args.chat_template.as_deref())?;
-    eprintln!("pulsar serve: {}", choice.describe(super::verbose()));
+    eprintln!("pulsar serve: {}", choice.describe(args.flags.verbose));
     let end_ids = generate::stop_ids(&tok);
     // The chat's stop ids add the template's stop pieces.
     let chat_stop_ids = TurnEncoder::new(choice.template.clone(), None, None)?.stop_ids(&tok);
@@ -87,27 +88,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
             args.context
         );
     }
-    let opts = args
-        .dtype
-        .fast_options(args.threads, context, args.in_place);
-    let formats = FastEngine::weight_formats(&src, &opts)?;
-    super::print_conversion_note("pulsar serve", &formats);
-    // The engine is built on the engine thread, where it then runs.
-    let threads = args.threads;
+    let engine_args = EngineArgs {
+        kind: EngineKind::Jit,
+        threads: args.threads,
+        dtype: args.dtype,
+        in_place: args.in_place,
+        flags: args.flags,
+    };
     let embedding_width = src.config.hidden;
-    let src = Arc::new(src);
+    let plan = FastEngine::plan(Arc::new(src), &engine_args.options(context)?)?;
+    super::print_notes("pulsar serve", &plan);
+    // The engine is built on the engine thread, where it then runs.
     let engine = move || -> Result<FastEngine> {
-        let Some(kernels) = JitKernels::for_this_cpu(&src.config, formats.clone(), threads)? else {
-            bail!("pulsar serve needs the JIT engine, which this CPU cannot run (see above)");
-        };
-        let mut engine = FastEngine::load(&src, Box::new(kernels), &opts)?;
-        super::prepare_loaded_engine(&mut engine, &src.config, &formats)?;
+        let (engine, report) = super::open_fast_engine(plan, "pulsar serve")?;
         eprintln!(
             "pulsar serve: loaded the model in {:.2} s ({}, {} threads{})",
             started.elapsed().as_secs_f64(),
             engine.formats().describe(),
             engine.threads(),
-            super::engine_note(),
+            report.loaded_note(),
         );
         Ok(engine)
     };

@@ -27,7 +27,7 @@ use super::{Engine, LogitsWanted};
 use crate::fs_atomic::write_atomic;
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::CpuCaps;
-use crate::jit::plan::QUANT_PREFETCH_BYTES;
+use crate::jit::plan::{PlanOptions, QUANT_PREFETCH_BYTES};
 use crate::model::config::ModelConfig;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -110,18 +110,22 @@ pub struct Entry {
     pub spent_ms: f64,
 }
 
-/// How the tuning of one launch went.
-pub enum Outcome {
-    /// A stored entry for this key was applied.
-    Reused { path: PathBuf, entry: Entry },
-    /// Measured now (and stored at `path`, unless storing failed).
-    Measured {
+/// What a launch does about tuning, decided before its kernels are
+/// generated (`engine::fast::open`).
+pub enum LaunchStep {
+    /// Nothing measured or applied: the analytic plan runs, for `reason`.
+    Skip { reason: String },
+    /// The entry stored for this launch's key: its kernel choices go into
+    /// the plan ([`plan_with`]), its blocking onto the loaded engine
+    /// ([`apply_blocking`]).
+    Reuse { path: PathBuf, entry: Entry },
+    /// Nothing usable is stored: measured on the loaded engine
+    /// ([`measure_at_launch`]) and stored at `path` in `dir`.
+    Measure {
+        key: String,
+        dir: PathBuf,
         path: PathBuf,
-        entry: Entry,
-        stored: Result<()>,
     },
-    /// Nothing measured or applied: the analytic plan runs.
-    Skipped { reason: String },
 }
 
 /// Everything a tuning depends on, as text: the CPU (brand and features),
@@ -183,9 +187,14 @@ pub fn load_entry(path: &Path, key: &str) -> Result<Option<Entry>> {
     Ok((entry.key == key).then_some(entry))
 }
 
+/// The plan options with a tuning's kernel choices (the quantized GEMVs'
+/// prefetch distance), so the kernels are generated tuned.
+pub fn plan_with(opts: &mut PlanOptions, tuned: &Tuned) {
+    opts.quant_prefetch = tuned.quant_prefetch;
+}
+
 /// Applies a tuning to an engine: the kernels with its prefetch distance,
-/// its shared rows and, when the full search measured them, its prefill
-/// step and widened panel.
+/// then its blocking ([`apply_blocking`]).
 pub fn apply(
     engine: &mut FastEngine,
     config: &ModelConfig,
@@ -196,6 +205,13 @@ pub fn apply(
     if let Err((_, why)) = engine.replace_kernels(kernels) {
         anyhow::bail!("internal error: tuned kernels refused: {why}");
     }
+    apply_blocking(engine, tuned);
+    Ok(())
+}
+
+/// A tuning's blocking on an engine: its shared rows and, when the full
+/// search measured them, its prefill step and widened panel.
+pub fn apply_blocking(engine: &mut FastEngine, tuned: &Tuned) {
     let current = engine.blocking().clone();
     let blocking = Blocking {
         shared_rows_bytes: tuned.shared_rows_bytes,
@@ -206,7 +222,6 @@ pub fn apply(
         ..current
     };
     engine.set_blocking(blocking);
-    Ok(())
 }
 
 fn kernels_with_prefetch(
@@ -223,44 +238,66 @@ fn kernels_with_prefetch(
     }
 }
 
-/// The tuning for this engine: the stored entry when there is one for its
-/// key, else a measurement within [`LAUNCH_BUDGET`], stored atomically.
-/// Either way the engine ends up running with it.
-pub fn tune_at_launch(
+/// The launch step of an engine of `config` with `formats`, `threads` and
+/// `inputs` whose sequences hold `context` tokens, with tunings stored in
+/// `dir`: reuse the entry stored for its key, else measure. Beside it a
+/// line for stderr when a stored entry cannot be read (it is measured
+/// again and replaced).
+pub fn launch_step(
+    config: &ModelConfig,
+    formats: &WeightFormats,
+    threads: usize,
+    inputs: InputPrecision,
+    context: usize,
+    dir: &Path,
+) -> (LaunchStep, Option<String>) {
+    // The measurement runs a cached token and a two-token step after it.
+    if context < MEASURE_POSITIONS {
+        let reason = format!("a context under {MEASURE_POSITIONS} tokens");
+        return (LaunchStep::Skip { reason }, None);
+    }
+    let key = tuning_key(config, formats, threads, inputs);
+    let path = entry_path(dir, &key);
+    let (entry, warning) = match load_entry(&path, &key) {
+        Ok(entry) => (entry, None),
+        Err(e) => (
+            None,
+            Some(format!("ignoring a tuning entry: {e:#}; measuring again")),
+        ),
+    };
+    let step = match entry {
+        Some(entry) => LaunchStep::Reuse { path, entry },
+        None => LaunchStep::Measure {
+            key,
+            dir: dir.to_path_buf(),
+            path,
+        },
+    };
+    (step, warning)
+}
+
+/// A launch's measurement ([`LaunchStep::Measure`]): the candidates timed
+/// on the loaded engine within [`LAUNCH_BUDGET`], the winner applied, and
+/// the entry stored atomically at `path` inside `dir`. Returns the entry
+/// and whether storing it worked (a read-only cache folder costs the next
+/// launch a measurement, nothing more).
+pub fn measure_at_launch(
     engine: &mut FastEngine,
     config: &ModelConfig,
     formats: &WeightFormats,
+    key: String,
     dir: &Path,
-) -> Result<Outcome> {
-    // The measurement runs a cached token and a two-token step after it.
-    if engine.capacity() < MEASURE_POSITIONS {
-        return Ok(Outcome::Skipped {
-            reason: format!("a context under {MEASURE_POSITIONS} tokens"),
-        });
-    }
-    let key = tuning_key(config, formats, engine.threads(), engine.input_precision());
-    let path = entry_path(dir, &key);
-    match load_entry(&path, &key) {
-        Ok(Some(entry)) => {
-            apply(engine, config, formats, &entry.tuned)?;
-            return Ok(Outcome::Reused { path, entry });
-        }
-        Ok(None) => {}
-        Err(e) => eprintln!("pulsar: ignoring a tuning entry: {e:#}; measuring again"),
-    }
+    path: &Path,
+) -> Result<(Entry, Result<()>)> {
     let entry = measure(engine, config, formats, key, Some(LAUNCH_BUDGET), 1)?;
     let stored = std::fs::create_dir_all(dir)
         .with_context(|| format!("creating {}", dir.display()))
         .and_then(|()| {
             let text = serde_json::to_string_pretty(&entry)?;
-            write_atomic(&path, text.as_bytes())
+            write_atomic(path, text.as_bytes())
         });
     apply(engine, config, formats, &entry.tuned)?;
-    Ok(Outcome::Measured {
-        path,
-        entry,
-        stored,
-    })
+    Ok((entry, stored))
 }
 
 /// Measures every candidate on the engine's real calls, round after round

@@ -1,14 +1,23 @@
 //! The packed format of each of an engine's matrices, decided once per
 //! model: the 16-bit format, the quantized types kept as they are, and
 //! the types converted to the nearest one a kernel family reads.
+//!
+//! The decision ([`FastEngine::weight_formats`]) is made here and nowhere
+//! else: opening an engine, `pulsar convert` and `pulsar dump` all ask it,
+//! so the formats a listing shows are the formats a run loads. It is also
+//! the one reader of `PULSAR_K_QUANTS`, the documented override of whether
+//! Q4_K and Q6_K keep kernels of their own.
 
+use super::fast::{FastEngine, FastOptions};
+use super::jit_kernels::{kernels_fit, quant_layouts};
 use super::packed::WeightFormat;
 use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
 use crate::model::config::ModelConfig;
 use crate::model::dtype::DType;
 use crate::model::quant_blocks;
-use crate::model::source::Role;
-use crate::model::weights::{matrix_name, model_matrices};
+use crate::model::source::{LayerRole, ModelSource, Role};
+use crate::model::weights::{matrix_name, matrix_shape, model_matrices};
+use anyhow::Result;
 use std::collections::HashMap;
 
 /// The packed format of each of an engine's matrices, decided once per
@@ -64,6 +73,135 @@ pub(super) fn converted_bytes(dtype: DType, to: WeightFormat, rows: usize, cols:
         0
     };
     to.matrix_bytes(rows, cols) + offsets
+}
+
+/// Where the format decision lives; see the module notes.
+impl FastEngine {
+    /// The packed format of each matrix, decided once: with `native`, a
+    /// matrix the file stores in a type a kernel family reads stays in it;
+    /// every other one gets the 16-bit format of
+    /// [`FastEngine::weight_format_for`]. Q4_K and Q6_K keep kernels of
+    /// their own where this CPU's kernels favour it (or `PULSAR_K_QUANTS`
+    /// says so) and those kernels fit the plan's code budget beside the
+    /// model's other types; otherwise they are converted.
+    pub fn weight_formats(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormats> {
+        // Each quantized type in the layout this CPU's kernels read.
+        let layouts = quant_layouts();
+        let k_quants_native = k_quants_override().unwrap_or(layouts.k_quants_native);
+        let native = Self::weight_formats_in_file_layouts(src, opts, k_quants_native)?
+            .with_layouts(&layouts);
+        if !native.has_k_quants() || kernels_fit(&src.config, &native) {
+            return Ok(native);
+        }
+        // Q4_K and Q6_K beside three other kernel families (the default
+        // model has Q8_0, Q5_0, Q4_K and Q6_K matrices) are more code than
+        // the plan's budget: they become Q5_0 with offsets and Q8_0, as
+        // before they had kernels of their own.
+        Ok(Self::weight_formats_in_file_layouts(src, opts, false)?.with_layouts(&layouts))
+    }
+
+    /// The formats as the file's types have them; with `k_quants_native`
+    /// false, Q4_K and Q6_K converted to the types of the other kernels.
+    fn weight_formats_in_file_layouts(
+        src: &ModelSource,
+        opts: &FastOptions,
+        k_quants_native: bool,
+    ) -> Result<WeightFormats> {
+        // `--dtype q8_0`: that type wherever the rows are whole blocks,
+        // quantized at load; FP16 elsewhere and for prefill's panels.
+        if let Some(format) = opts.format.filter(|f| !f.is_16bit()) {
+            return Ok(WeightFormats::for_shape(&src.config, format));
+        }
+        let wide = Self::weight_format_for(src, opts)?;
+        let c = &src.config;
+        let mut converted: Vec<Conversion> = Vec::new();
+        let mut keep =
+            |role: Role, name: &'static str, shape: [usize; 2]| -> Result<WeightFormat> {
+                if !opts.native || !quant_blocks::fits(shape[1]) {
+                    return Ok(wide);
+                }
+                let t = src.matrix_unscanned(role, &shape)?;
+                // A file already in the K-quant layouts (`pulsar convert`)
+                // keeps them whatever the choice: nothing converts back.
+                if let Some(format) = WeightFormat::native(t.dtype)
+                    .filter(|_| k_quants_native || !matches!(t.dtype, DType::Q4K | DType::Q6K))
+                {
+                    return Ok(format);
+                }
+                let Some(to) = nearest_with_kernel(t.dtype) else {
+                    return Ok(wide);
+                };
+                let bytes = converted_bytes(t.dtype, to, shape[0], shape[1]);
+                match converted
+                    .iter_mut()
+                    .find(|c| c.tensor == name && c.from == t.dtype)
+                {
+                    Some(c) => {
+                        c.count += 1;
+                        c.file_bytes += t.bytes.len();
+                        c.bytes += bytes;
+                    }
+                    None => converted.push(Conversion {
+                        tensor: name,
+                        from: t.dtype,
+                        to,
+                        count: 1,
+                        file_bytes: t.bytes.len(),
+                        bytes,
+                    }),
+                }
+                Ok(to)
+            };
+        let head = keep(Role::Embedding, "output(lm_head)", [c.vocab_size, c.hidden])?;
+        let mut matrices = HashMap::new();
+        for (role, shape) in model_matrices(c) {
+            if role != Role::Embedding {
+                matrices.insert(role, keep(role, matrix_name(role), shape)?);
+            }
+        }
+        Ok(WeightFormats {
+            wide,
+            head,
+            matrices,
+            converted,
+        })
+    }
+
+    /// The one packed format all matrices get (the kernels are planned for
+    /// one): the requested one, else BF16 for a BF16 checkpoint (lossless)
+    /// and FP16 for everything else, judged by the first layer's Q.
+    pub fn weight_format_for(src: &ModelSource, opts: &FastOptions) -> Result<WeightFormat> {
+        if let Some(f) = opts.format.filter(|f| f.is_16bit()) {
+            return Ok(f);
+        }
+        let c = &src.config;
+        let q = src.tensor_unscanned(
+            Role::Layer(0, LayerRole::Q),
+            &matrix_shape(Role::Layer(0, LayerRole::Q), c),
+        )?;
+        Ok(WeightFormat::default_for(q.dtype))
+    }
+}
+
+/// `PULSAR_K_QUANTS=native|convert`: whether Q4_K and Q6_K keep kernels of
+/// their own, overriding the CPU's choice (to measure one against the
+/// other, or run the AVX2 kernel); `None` when unset or unreadable (said
+/// on stderr).
+fn k_quants_override() -> Option<bool> {
+    const VAR: &str = "PULSAR_K_QUANTS";
+    match std::env::var(VAR).as_deref() {
+        Err(std::env::VarError::NotPresent) => None,
+        Ok("native") => Some(true),
+        Ok("convert") => Some(false),
+        Ok(other) => {
+            eprintln!("pulsar: {VAR}={other}: expected native or convert; ignored");
+            None
+        }
+        Err(e) => {
+            eprintln!("pulsar: {VAR}: {e}; ignored");
+            None
+        }
+    }
 }
 
 impl WeightFormats {

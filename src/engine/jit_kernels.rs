@@ -17,7 +17,7 @@ use crate::jit::kernels::{
     AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
     Softmax, UnpackQuant,
 };
-use crate::jit::plan::PlanOptions;
+use crate::jit::plan::{Plan, PlanOptions};
 use crate::model::config::ModelConfig;
 use crate::model::quant_blocks::{self, QuantType};
 use anyhow::{Result, bail};
@@ -120,21 +120,11 @@ fn max_isa_from_env() -> Isa {
 }
 
 /// The layouts quantized matrices take for this CPU's kernels (and
-/// `PULSAR_MAX_ISA`), see `jit::plan::QuantLayouts`.
+/// `PULSAR_MAX_ISA`), see `jit::plan::QuantLayouts`. Whether K-quants keep
+/// kernels of their own is the CPU's choice here; the format decision
+/// (`engine::formats`) applies `PULSAR_K_QUANTS` on top.
 pub fn quant_layouts() -> crate::jit::plan::QuantLayouts {
-    let mut layouts =
-        crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), max_isa_from_env());
-    // `PULSAR_K_QUANTS=native|convert` overrides the CPU's choice (to
-    // measure one against the other, or run the AVX2 kernel).
-    const VAR: &str = "PULSAR_K_QUANTS";
-    match std::env::var(VAR).as_deref() {
-        Err(std::env::VarError::NotPresent) => {}
-        Ok("native") => layouts.k_quants_native = true,
-        Ok("convert") => layouts.k_quants_native = false,
-        Ok(other) => eprintln!("pulsar: {VAR}={other}: expected native or convert; ignored"),
-        Err(e) => eprintln!("pulsar: {VAR}: {e}; ignored"),
-    }
-    layouts
+    crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), max_isa_from_env())
 }
 
 pub struct JitKernels {
@@ -265,24 +255,37 @@ impl JitKernels {
     /// prefetch distances).
     pub fn with_options(config: &ModelConfig, opts: PlanOptions) -> Result<Option<JitKernels>> {
         match select_backend(&ModelDims::from(config), &CpuCaps::detect(), &opts)? {
-            Backend::Jit { plan, kernels } => Ok(Some(JitKernels {
-                ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
-                set: kernels,
-                // The highest any kernel uses (VNNI's integer kernels are
-                // AVX-512's; the rest AVX2).
-                isa: plan
-                    .kernels
-                    .iter()
-                    .map(|k| k.isa)
-                    .max()
-                    .unwrap_or(Isa::Avx2),
-                blocking: plan.blocking.clone(),
-            })),
+            Backend::Jit { plan, kernels } => Ok(Some(Self::assemble(config, &plan, kernels)?)),
             Backend::Reference { reason } => {
                 eprintln!("pulsar: {reason}");
                 Ok(None)
             }
         }
+    }
+
+    /// Emits, verifies and maps the kernels of `plan`, made for `config`
+    /// on this CPU with kernels up to `max_isa`: the plan is complete
+    /// before any code is generated (see `engine::fast::open`).
+    pub fn from_plan(config: &ModelConfig, plan: &Plan, max_isa: Isa) -> Result<JitKernels> {
+        let kernels = KernelSet::build(plan, &CpuCaps::detect(), max_isa)?;
+        Self::assemble(config, plan, kernels)
+    }
+
+    /// The engine's view of a plan's verified kernels.
+    fn assemble(config: &ModelConfig, plan: &Plan, kernels: KernelSet) -> Result<JitKernels> {
+        Ok(JitKernels {
+            ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
+            set: kernels,
+            // The highest any kernel uses (VNNI's integer kernels are
+            // AVX-512's; the rest AVX2).
+            isa: plan
+                .kernels
+                .iter()
+                .map(|k| k.isa)
+                .max()
+                .unwrap_or(Isa::Avx2),
+            blocking: plan.blocking.clone(),
+        })
     }
 
     /// Like [`JitKernels::for_this_cpu`], but a CPU without the JIT's

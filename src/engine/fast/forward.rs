@@ -1,0 +1,484 @@
+//! One step of the fast engine's forward pass over its rows: the
+//! embedding, each layer's attention block, feed-forward block (with a
+//! mixture of experts beside it) and per-layer input, the final norm, and
+//! the logits of the rows that want them. Reads like the reference pass.
+
+use super::{FastEngine, Part};
+use crate::engine::kernels::SharedOut;
+use crate::engine::ops;
+use crate::engine::packed::PackedMatrix;
+use crate::engine::pool::split_range;
+use crate::model::config::ModelConfig;
+use anyhow::{Result, bail};
+
+/// One step's activations, row-major `[tokens, width]`. Kept by the
+/// engine and resized per step, never shrunk: sized once for a prefill
+/// chunk, a decode step reuses the same memory. Where layers differ in
+/// shape, each buffer is sized for the widest and a layer uses the front.
+#[derive(Default)]
+pub(super) struct Activations {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    /// Gemma 4: every layer's per-layer input, `[tokens, layers x P]`.
+    per_layer_inputs: Vec<f32>,
+    /// Gemma 4: a layer's per-layer gate, `[tokens, P]`.
+    per_layer_gate: Vec<f32>,
+    /// Gemma 4's mixture: the experts' input and their weighted sum.
+    expert_in: Vec<f32>,
+    routed: Vec<f32>,
+}
+
+impl Activations {
+    /// Sets every buffer to `n` tokens' rows (contents are overwritten
+    /// before they are read).
+    pub(super) fn size_for(&mut self, c: &ModelConfig, n: usize) {
+        let (q_dim, kv_dim, ffn) = (c.max_q_width(), c.max_kv_width(), c.max_ffn_width());
+        let p = c.features.per_layer_input;
+        let moe_rows = if c.features.moe.is_some() {
+            c.hidden
+        } else {
+            0
+        };
+        for (buf, width) in [
+            (&mut self.x, c.hidden),
+            (&mut self.normed, c.hidden),
+            (&mut self.q, q_dim),
+            (&mut self.k, kv_dim),
+            (&mut self.v, kv_dim),
+            (&mut self.attn, q_dim),
+            (&mut self.proj, c.hidden),
+            (&mut self.gate, ffn),
+            (&mut self.up, ffn),
+            (&mut self.act, ffn),
+            (&mut self.per_layer_inputs, c.n_layers() * p),
+            (&mut self.per_layer_gate, p),
+            (&mut self.expert_in, moe_rows),
+            (&mut self.routed, moe_rows),
+        ] {
+            buf.resize(n * width, 0.0);
+        }
+    }
+}
+
+/// What a step's layers share: its parts, where each begins, how many
+/// leading rows are exact, and the RoPE angles of every row's position.
+struct Step<'a> {
+    parts: &'a [Part],
+    first_rows: Vec<usize>,
+    exact: usize,
+    /// One table per distinct RoPE of the model's layers (base, scale, head
+    /// size and pairs rotated; a model has one or two): `(cos, sin)` per row.
+    rope_tables: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Each layer's index into `rope_tables`.
+    rope_table_of: Vec<usize>,
+}
+
+impl<'a> Step<'a> {
+    fn new(c: &ModelConfig, parts: &'a [Part]) -> Step<'a> {
+        let first_rows = parts
+            .iter()
+            .scan(0, |row, p| {
+                *row += p.n;
+                Some(*row - p.n)
+            })
+            .collect();
+        let positions: Vec<usize> = parts.iter().flat_map(|p| p.start..p.start + p.n).collect();
+        let mut keys: Vec<(f32, f32, usize, usize)> = Vec::new();
+        let mut rope_tables = Vec::new();
+        let rope_table_of = c
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let s = c.shape(i);
+                let key = (l.rope_base, l.rope_scale, s.head_dim, s.rotated_pairs);
+                keys.iter().position(|k| *k == key).unwrap_or_else(|| {
+                    let angles = positions
+                        .iter()
+                        .map(|&pos| ops::rope_angles_partial(pos, key.2, key.0, key.1, key.3))
+                        .collect();
+                    keys.push(key);
+                    rope_tables.push(angles);
+                    rope_tables.len() - 1
+                })
+            })
+            .collect();
+        Step {
+            parts,
+            first_rows,
+            exact: parts.iter().filter(|p| p.exact).map(|p| p.n).sum(),
+            rope_tables,
+            rope_table_of,
+        }
+    }
+
+    fn angles_of_layer(&self, li: usize) -> &[(Vec<f32>, Vec<f32>)] {
+        &self.rope_tables[self.rope_table_of[li]]
+    }
+}
+
+impl FastEngine {
+    /// Runs one step over the rows of `parts` (their tokens in `tokens`, in
+    /// order, exact parts first) and returns the final-norm output of each
+    /// row. Every part's tokens follow its sequence's cached ones. Reads
+    /// like the reference pass: embed, then per layer an attention block
+    /// and a feed-forward block, then the final norm.
+    pub(super) fn forward_parts(&mut self, parts: &[Part], tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        debug_assert_eq!(parts.iter().map(|p| p.n).sum::<usize>(), n);
+        debug_assert!(parts.iter().skip_while(|p| p.exact).all(|p| !p.exact));
+        let step = Step::new(&self.config, parts);
+        // The activations live in the engine between steps (sized once for
+        // the largest step); taken out here so the blocks can borrow the
+        // engine while writing them.
+        let mut acts = std::mem::take(&mut self.activations);
+        acts.size_for(&self.config, n);
+        let result = self.embed(tokens, &mut acts).map(|()| {
+            for li in 0..self.config.n_layers() {
+                self.attention_block(li, &step, &mut acts);
+                self.feed_forward_block(li, step.exact, &mut acts);
+                self.per_layer_input_block(li, step.exact, &mut acts);
+            }
+            self.kernels.rms_norm_in_place(
+                &mut acts.x,
+                &self.weights.final_norm,
+                self.config.rms_eps,
+            );
+            acts.x.clone()
+        });
+        self.activations = acts;
+        if result.is_ok() {
+            for p in parts {
+                self.seqs[p.seq].len = p.start + p.n;
+            }
+        }
+        result
+    }
+
+    /// Each token's scaled embedding row into `x`, and with per-layer
+    /// inputs each token's input to every layer.
+    fn embed(&self, tokens: &[u32], a: &mut Activations) -> Result<()> {
+        let c = &self.config;
+        let scale = (c.hidden as f32).sqrt();
+        for (&token, row) in tokens.iter().zip(a.x.chunks_exact_mut(c.hidden)) {
+            if token as usize >= c.vocab_size {
+                bail!(
+                    "token id {token} is outside the vocabulary (size {})",
+                    c.vocab_size
+                );
+            }
+            self.weights.embedding.row_f32(token as usize, row);
+            row.iter_mut().for_each(|v| *v *= scale);
+        }
+        if let Some(table) = &self.weights.per_layer_input {
+            let p = c.features.per_layer_input;
+            let width = c.n_layers() * p;
+            // The projection of the scaled embeddings, then per token
+            // combined with its row of the table.
+            self.matmul(
+                &table.model_projection,
+                &a.x,
+                &mut a.per_layer_inputs,
+                tokens.len(),
+            );
+            let mut row = vec![0.0; width];
+            for (&token, inputs) in tokens
+                .iter()
+                .zip(a.per_layer_inputs.chunks_exact_mut(width))
+            {
+                table.embedding.row_f32(token as usize, &mut row);
+                ops::combine_per_layer_inputs(
+                    inputs,
+                    &row,
+                    &table.projection_norm,
+                    c.hidden,
+                    c.rms_eps,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `li`'s attention: norm, q/k/v, q/k norms and RoPE, the new
+    /// keys and values into each sequence's cache (unless the layer reads
+    /// an earlier layer's), attention per part, the output projection and
+    /// the residual.
+    fn attention_block(&mut self, li: usize, step: &Step, a: &mut Activations) {
+        let c = &self.config;
+        let shape = c.shape(li);
+        let n = a.x.len() / c.hidden;
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let q_dim = c.n_heads * shape.head_dim;
+        let w = &self.weights.layers[li];
+        self.kernels
+            .rms_norm(&a.x, &w.attn_norm, &mut a.normed, c.rms_eps);
+        let (q, k, v) = (
+            &mut a.q[..n * q_dim],
+            &mut a.k[..n * kv_dim],
+            &mut a.v[..n * kv_dim],
+        );
+        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = vec![(&w.q, &a.normed, q)];
+        if let Some(wk) = &w.k {
+            jobs.push((wk, &a.normed, k));
+        }
+        if let Some(wv) = &w.v {
+            jobs.push((wv, &a.normed, v));
+        }
+        self.matmuls(jobs, step.exact);
+        let keeps_kv = w.k.is_some();
+        if keeps_kv && w.v.is_none() {
+            // k = v: the values are the raw keys, before K's norm and RoPE.
+            a.v[..n * kv_dim].copy_from_slice(&a.k[..n * kv_dim]);
+        }
+        self.prepare_queries_keys(
+            li,
+            step.angles_of_layer(li),
+            &mut a.q[..n * q_dim],
+            keeps_kv.then_some(&mut a.k[..n * kv_dim]),
+            keeps_kv.then_some(&mut a.v[..n * kv_dim]),
+        );
+        if keeps_kv {
+            for (p, &row) in step.parts.iter().zip(&step.first_rows) {
+                for t in 0..p.n {
+                    let r = (row + t) * kv_dim..(row + t + 1) * kv_dim;
+                    self.seqs[p.seq].store(li, p.start + t, &a.k[r.clone()], &a.v[r]);
+                }
+            }
+        }
+        // The exact parts come first: their tokens attend alone, all in one
+        // parallel section.
+        let exact_tokens: Vec<(usize, usize)> = step
+            .parts
+            .iter()
+            .filter(|p| p.exact)
+            .flat_map(|p| (0..p.n).map(|t| (p.seq, p.start + t)))
+            .collect();
+        let exact_rows = exact_tokens.len() * q_dim;
+        if !exact_tokens.is_empty() {
+            let (q, out) = (&a.q[..exact_rows], &mut a.attn[..exact_rows]);
+            self.decode_attention(li, &exact_tokens, q, out);
+        }
+        for (p, &row) in step.parts.iter().zip(&step.first_rows) {
+            if !p.exact {
+                let rows = row * q_dim..(row + p.n) * q_dim;
+                let (q, out) = (&a.q[rows.clone()], &mut a.attn[rows]);
+                self.attention(p.seq, li, p.start, q, out, p.n);
+            }
+        }
+        let w = &self.weights.layers[li];
+        self.matmul(&w.o, &a.attn[..n * q_dim], &mut a.proj, step.exact);
+        self.residual_add(&mut a.x, &mut a.proj, w.attn_post_norm.as_deref());
+    }
+
+    /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down, with a
+    /// mixture the experts beside it, and the residual.
+    fn feed_forward_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let w = &self.weights.layers[li];
+        let n = a.x.len() / c.hidden;
+        let width = c.shape(li).ffn_width;
+        self.kernels
+            .rms_norm(&a.x, &w.ffn_norm, &mut a.normed, c.rms_eps);
+        self.matmuls(
+            vec![
+                (&w.gate, &a.normed, &mut a.gate[..n * width]),
+                (&w.up, &a.normed, &mut a.up[..n * width]),
+            ],
+            exact,
+        );
+        self.geglu(
+            &a.gate[..n * width],
+            &a.up[..n * width],
+            &mut a.act[..n * width],
+            n,
+        );
+        self.matmul(&w.down, &a.act[..n * width], &mut a.proj, exact);
+        if let Some(moe) = &w.moe {
+            self.kernels
+                .rms_norm_in_place(&mut a.proj, &moe.dense_post_norm, c.rms_eps);
+            self.experts_block(li, exact, a);
+            self.kernels
+                .rms_norm_in_place(&mut a.routed, &moe.experts_post_norm, c.rms_eps);
+            for (p, r) in a.proj.iter_mut().zip(&a.routed) {
+                *p += r;
+            }
+        }
+        self.residual_add(&mut a.x, &mut a.proj, w.ffn_post_norm.as_deref());
+    }
+
+    /// The mixture of layer `li` for every row of `a.x` into `a.routed`:
+    /// each token's experts chosen by the router (in Rust: a few dozen
+    /// dot products), then the tokens grouped by expert so each chosen
+    /// expert's rows are read once for the step, all experts' products in
+    /// one parallel section per stage.
+    fn experts_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let (Some(moe), Some(shape)) = (&self.weights.layers[li].moe, c.features.moe) else {
+            return;
+        };
+        let (h, width) = (c.hidden, shape.width);
+        let n = a.x.len() / h;
+        self.kernels
+            .rms_norm(&a.x, &moe.norm, &mut a.expert_in, c.rms_eps);
+        // Per expert: its tokens (rows of the step, in order) and weights.
+        let mut routed_to: Vec<Vec<(usize, f32)>> = vec![Vec::new(); shape.experts];
+        for (t, x) in a.x.chunks_exact(h).enumerate() {
+            let routes = ops::route_token(
+                &moe.router.data,
+                &moe.router_input_scale,
+                &moe.expert_scale,
+                x,
+                shape.top_k,
+                c.rms_eps,
+            );
+            for (e, weight) in routes {
+                routed_to[e].push((t, weight));
+            }
+        }
+        let used: Vec<usize> = (0..shape.experts)
+            .filter(|&e| !routed_to[e].is_empty())
+            .collect();
+        // Each used expert's inputs gathered, and room for its products.
+        let gathered: Vec<Vec<f32>> = used
+            .iter()
+            .map(|&e| {
+                routed_to[e]
+                    .iter()
+                    .flat_map(|&(t, _)| a.expert_in[t * h..(t + 1) * h].iter().copied())
+                    .collect()
+            })
+            .collect();
+        let exact_of = |e: usize| routed_to[e].iter().filter(|&&(t, _)| t < exact).count();
+        let rows_of = |e: usize| routed_to[e].len();
+        let mut gates: Vec<Vec<f32>> = used
+            .iter()
+            .map(|&e| vec![0.0; rows_of(e) * width])
+            .collect();
+        let mut ups: Vec<Vec<f32>> = gates.clone();
+        // One section for every expert's gate and up. Each job's exact
+        // tokens lead its input, as `matmuls` wants; all jobs share the
+        // smallest count (tokens past it go through the GEMM, which only
+        // 16-bit weights distinguish).
+        let jobs_exact = used.iter().map(|&e| exact_of(e)).min().unwrap_or(0);
+        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = Vec::new();
+        for (((&e, x), g), u) in used.iter().zip(&gathered).zip(&mut gates).zip(&mut ups) {
+            let expert = &moe.experts[e];
+            jobs.push((&expert.gate, x, g));
+            jobs.push((&expert.up, x, u));
+        }
+        self.matmuls(jobs, jobs_exact);
+        let mut acts: Vec<Vec<f32>> = gates
+            .iter()
+            .zip(&ups)
+            .map(|(g, u)| {
+                let mut out = vec![0.0; g.len()];
+                self.kernels.geglu(g, u, &mut out);
+                out
+            })
+            .collect();
+        let mut outs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0.0; rows_of(e) * h]).collect();
+        let jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = used
+            .iter()
+            .zip(&mut acts)
+            .zip(&mut outs)
+            .map(|((&e, x), y)| (&moe.experts[e].down, &x[..], &mut y[..]))
+            .collect();
+        self.matmuls(jobs, jobs_exact);
+        // Each token's sum in expert order, whatever else shares the step.
+        a.routed[..n * h].fill(0.0);
+        for (&e, out) in used.iter().zip(&outs) {
+            for (&(t, weight), y) in routed_to[e].iter().zip(out.chunks_exact(h)) {
+                for (r, v) in a.routed[t * h..(t + 1) * h].iter_mut().zip(y) {
+                    *r += weight * v;
+                }
+            }
+        }
+    }
+
+    /// Gemma 4's per-layer input of layer `li`, added to the residual:
+    /// `post_norm(projection(gelu(gate(x)) * input))`, then the layer's
+    /// scale on the whole stream.
+    fn per_layer_input_block(&self, li: usize, exact: usize, a: &mut Activations) {
+        let c = &self.config;
+        let w = &self.weights.layers[li];
+        if let Some(ple) = &w.per_layer_input {
+            let p = c.features.per_layer_input;
+            let n = a.x.len() / c.hidden;
+            let width = c.n_layers() * p;
+            self.matmul(&ple.gate, &a.x, &mut a.per_layer_gate[..n * p], exact);
+            for (t, gate) in a.per_layer_gate[..n * p].chunks_exact_mut(p).enumerate() {
+                let input = &a.per_layer_inputs[t * width + li * p..t * width + (li + 1) * p];
+                for (g, &i) in gate.iter_mut().zip(input) {
+                    *g = ops::gelu_tanh(*g) * i;
+                }
+            }
+            self.matmul(
+                &ple.projection,
+                &a.per_layer_gate[..n * p],
+                &mut a.proj,
+                exact,
+            );
+            self.residual_add(&mut a.x, &mut a.proj, Some(&ple.post_norm));
+        }
+        if w.output_scale != 1.0 {
+            let s = w.output_scale;
+            a.x.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
+    /// GeGLU of `n` token rows, split over the pool when there are several.
+    fn geglu(&self, gate: &[f32], up: &[f32], act: &mut [f32], n: usize) {
+        let kern = &*self.kernels;
+        if n == 1 {
+            return kern.geglu(gate, up, act);
+        }
+        let width = act.len() / n;
+        let out = SharedOut::new(act, width);
+        let threads = self.pool.threads();
+        self.pool.run(|tid| {
+            let (t0, t1) = split_range(n, threads, tid, 1);
+            let rows = t0 * width..t1 * width;
+            // SAFETY: token rows t0..t1 belong to this thread alone.
+            let part = unsafe { out.rows_mut(t0..t1) };
+            kern.geglu(&gate[rows.clone()], &up[rows], part);
+        });
+    }
+
+    /// x += post_norm(delta), row by row.
+    fn residual_add(&self, x: &mut [f32], delta: &mut [f32], post_norm: Option<&[f32]>) {
+        if let Some(nw) = post_norm {
+            self.kernels
+                .rms_norm_in_place(delta, nw, self.config.rms_eps);
+        }
+        for (a, b) in x.iter_mut().zip(delta.iter()) {
+            *a += b;
+        }
+    }
+
+    /// Logits of each row; the first `exact` as decode computes them.
+    pub(super) fn logits_of(&self, normed_rows: &[f32], exact: usize) -> Vec<f32> {
+        let c = &self.config;
+        let n = normed_rows.len() / c.hidden * c.vocab_size;
+        // Every value is written by the LM head's product, so a recycled
+        // buffer's old values need no zeroing; only growth is zeroed.
+        let mut logits =
+            std::mem::take(&mut *self.spare_logits.lock().unwrap_or_else(|e| e.into_inner()));
+        logits.truncate(n);
+        logits.resize(n, 0.0);
+        self.matmul(&self.weights.embedding, normed_rows, &mut logits, exact);
+        if let Some(cap) = c.final_softcap {
+            for l in &mut logits {
+                *l = ops::softcap(*l, cap);
+            }
+        }
+        logits
+    }
+}
