@@ -14,7 +14,10 @@ use super::request::{Prepared, ServeContext};
 use super::scheduler::{Job, Queue};
 use super::slot::{Event, GenParams};
 use super::tokens::{DetokenizeRequest, TokenizeRequest};
-use super::tools::{self, CallFormat, Growth};
+use super::tools::CallFormat;
+use super::tools::reply::{
+    Growth, PartialCall, PartialReply, ReplyStream, call_value, native_call_value, read_partial,
+};
 use crate::chat::thinking::{self, Part, ThoughtSplitter};
 use axum::Router;
 use axum::body::Bytes;
@@ -438,7 +441,7 @@ struct Reply {
     /// `echo`: each prompt's text, which its choices' texts start with.
     echo: Option<Vec<String>>,
     /// Function calling: each choice's text is a reply object, read back
-    /// ([`tools::read_partial`]) into calls or content.
+    /// ([`read_partial`]) into calls or content.
     tool_calls: Option<CallFormat>,
     /// Gemma 4's thought channel goes out as `reasoning_content`, as
     /// llama-server sends it.
@@ -736,7 +739,7 @@ impl Reply {
         if format == CallFormat::Native {
             return self.native_message(choice, &text, reason);
         }
-        let read = tools::read_partial(&text);
+        let read = read_partial(&text);
         let reason = tool_reason(&read, reason, format);
         if read.is_unread() {
             return (plain(text), reason);
@@ -751,7 +754,7 @@ impl Reply {
         // An identical repeated call ended the reply: it and what follows
         // are left out.
         let made = read.first_repeat().unwrap_or(read.calls.len());
-        let finished: Vec<&tools::PartialCall> = read.calls[..made]
+        let finished: Vec<&PartialCall> = read.calls[..made]
             .iter()
             .filter(|c| read.complete || serde_json::from_str::<Value>(&c.arguments).is_ok())
             .collect();
@@ -773,7 +776,7 @@ impl Reply {
         let calls: Vec<Value> = finished
             .iter()
             .enumerate()
-            .map(|(k, call)| tools::call_value(call, &self.id, choice, k))
+            .map(|(k, call)| call_value(call, &self.id, choice, k))
             .collect();
         let message = json!({
             "role": "assistant",
@@ -804,7 +807,7 @@ impl Reply {
             .calls
             .iter()
             .enumerate()
-            .map(|(k, c)| tools::native_call_value(&c.name, &c.arguments, &self.id, choice, k))
+            .map(|(k, c)| native_call_value(&c.name, &c.arguments, &self.id, choice, k))
             .collect();
         let content = (!read.content.is_empty()).then_some(read.content);
         let message = json!({
@@ -972,7 +975,7 @@ struct Streaming {
 /// One choice's function-calling reply in a stream.
 #[derive(Default)]
 struct ToolStream {
-    reply: tools::ReplyStream,
+    reply: ReplyStream,
     /// Log-probabilities of tokens whose text has not gone out yet.
     logprobs: Vec<TokenLogprob>,
 }
@@ -980,11 +983,7 @@ struct ToolStream {
 /// A function-calling reply's finish reason: `tool_calls` (or the
 /// deprecated `function_call`) when it is whole and calls, else the
 /// generation's own (`length` for one cut short).
-fn tool_reason(
-    read: &tools::PartialReply,
-    reason: Option<&str>,
-    format: CallFormat,
-) -> Option<String> {
+fn tool_reason(read: &PartialReply, reason: Option<&str>, format: CallFormat) -> Option<String> {
     if read.ends_in_calls() {
         Some(match format {
             CallFormat::ToolCalls | CallFormat::Native => "tool_calls".to_string(),
@@ -1021,19 +1020,14 @@ impl Streaming {
     /// the reply is over, so text that cannot be read goes out as it is.
     /// Log-probabilities wait for the next chunk that carries anything.
     /// Returns the reply as read.
-    fn send_tool_deltas(
-        &mut self,
-        i: usize,
-        ended: bool,
-        format: CallFormat,
-    ) -> tools::PartialReply {
+    fn send_tool_deltas(&mut self, i: usize, ended: bool, format: CallFormat) -> PartialReply {
         let (read, grown) = self.tool_streams[i].reply.advance(ended);
         let deltas: Vec<Value> = grown
             .into_iter()
             .map(|growth| match (growth, format) {
                 // A reply in the model's own syntax is read whole, not here.
                 (Growth::CallStarted(k), CallFormat::ToolCalls | CallFormat::Native) => {
-                    let mut start = tools::call_value(&read.calls[k], &self.reply.id, i, k);
+                    let mut start = call_value(&read.calls[k], &self.reply.id, i, k);
                     start["function"]["arguments"] = json!("");
                     start["index"] = json!(k);
                     json!({ "tool_calls": [start] })

@@ -20,7 +20,9 @@ use super::http::{
     sse_response, unix_now,
 };
 use super::slot::Event;
-use super::tools::{self, Growth, PartialReply, ReplyStream};
+use super::tools::reply::{
+    Growth, PartialCall, PartialReply, ReplyStream, call_value, read_partial,
+};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -425,8 +427,8 @@ impl Shape {
         format!("fc_{}_{index}", self.id.trim_start_matches("resp_"))
     }
 
-    fn call_item(&self, index: usize, call: &tools::PartialCall, k: usize, status: &str) -> Value {
-        let chat_call = tools::call_value(call, &self.id, 0, k);
+    fn call_item(&self, index: usize, call: &PartialCall, k: usize, status: &str) -> Value {
+        let chat_call = call_value(call, &self.id, 0, k);
         json!({
             "type": "function_call",
             "id": self.call_item_id(index),
@@ -442,7 +444,7 @@ impl Shape {
         if !self.tool_calls {
             return vec![self.message_item(0, text, logprobs, "completed")];
         }
-        let read = tools::read_partial(text);
+        let read = read_partial(text);
         if read.is_unread() {
             return vec![self.message_item(0, text, &[], "completed")];
         }
