@@ -10,37 +10,40 @@
 //! `response.incomplete`). Nothing is stored: `previous_response_id` is
 //! refused, and a client sends the whole conversation in `input`.
 
-use super::api::{
+use super::choices::{ChoiceEvents, ended_early, enqueue};
+use super::{AppState, SseSource, off_the_async_threads, parse_json, sse_response, unix_now};
+use crate::serve::api::{
     ApiError, CalledFunction, ChatRequest, Content, ContentPart, FunctionDefinition,
     JsonSchemaFormat, Message, MessageToolCall, NamedFunction, ResponseFormat, ResponsesInput,
     ResponsesRequest, ResponsesToolChoice, TokenLogprob, Tool, ToolChoice, Usage,
 };
-use super::http::{
-    App, ChoiceEvents, SseSource, ended_early, enqueue, off_the_async_threads, parse_json,
-    sse_response, unix_now,
-};
-use super::slot::Event;
-use super::tools::reply::{
+use crate::serve::slot::Event;
+use crate::serve::tools::reply::{
     Growth, PartialCall, PartialReply, ReplyStream, call_value, read_partial,
 };
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
+use axum::routing::post;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+pub(super) fn routes() -> Router<AppState> {
+    Router::new().route("/v1/responses", post(create))
+}
+
 /// The handler of `POST /v1/responses`.
-pub async fn create(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn create(State(app): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(app, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn respond(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn respond(app: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, prepared) = off_the_async_threads(&app, body, |ctx, body| {
         let request: ResponsesRequest = parse_json(body)?;
         let chat = chat_request(&request)?;
