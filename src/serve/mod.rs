@@ -4,11 +4,11 @@
 //! - [`api`]: request and response bodies, the error shape;
 //! - [`request`]: a body turned into a job (prompt tokens, checked
 //!   settings, compiled `response_format`);
-//! - [`http`]: axum routes, middleware, JSON replies and SSE streams;
-//! - [`responses`]: `/v1/responses`, served as the chat request it amounts
-//!   to;
-//! - [`tokens`]: `/tokenize` and `/detokenize` (llama-server's shapes);
-//! - [`tools`]: function calling, as a schema on the reply;
+//! - [`http`]: the axum app (state, middleware, JSON and SSE plumbing) and
+//!   one module per endpoint family: chat and legacy completions, the
+//!   Responses API, embeddings, models, tokens, health and metrics;
+//! - [`tools`]: function calling, as a schema on the reply, and the reply
+//!   read back into calls;
 //! - [`scheduler`]: the engine thread, batching every busy slot into one
 //!   forward step;
 //! - [`slot`]: one request's generation, stepped by the scheduler;
@@ -29,10 +29,8 @@ pub mod http;
 pub mod metrics;
 pub mod native_prompt;
 pub mod request;
-pub mod responses;
 pub mod scheduler;
 pub mod slot;
-pub mod tokens;
 pub mod tools;
 
 use anyhow::{Context, Result};

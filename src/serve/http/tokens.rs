@@ -4,9 +4,40 @@
 //! side). Both run on tokio's blocking pool like the completions' parsing:
 //! a long text takes milliseconds to tokenize.
 
-use super::api::ApiError;
-use super::request::ServeContext;
+use super::{AppState, off_the_async_threads, parse_json};
+use crate::serve::api::ApiError;
+use crate::serve::request::ServeContext;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
 use serde::{Deserialize, Serialize};
+
+pub(super) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+}
+
+async fn tokenize(State(app): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let work =
+        |ctx: &ServeContext, body: &[u8]| Ok(ctx.tokenize(&parse_json::<TokenizeRequest>(body)?));
+    match off_the_async_threads(&app, body, work).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(app): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let work =
+        |ctx: &ServeContext, body: &[u8]| ctx.detokenize(&parse_json::<DetokenizeRequest>(body)?);
+    match off_the_async_threads(&app, body, work).await {
+        Ok(reply) => axum::Json(reply).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
 
 /// `POST /tokenize`.
 #[derive(Debug, Deserialize)]

@@ -10,35 +10,40 @@
 //! `response.incomplete`). Nothing is stored: `previous_response_id` is
 //! refused, and a client sends the whole conversation in `input`.
 
-use super::api::{
+use super::choices::{ChoiceEvents, ended_early, enqueue};
+use super::{AppState, SseSource, off_the_async_threads, parse_json, sse_response, unix_now};
+use crate::serve::api::{
     ApiError, CalledFunction, ChatRequest, Content, ContentPart, FunctionDefinition,
     JsonSchemaFormat, Message, MessageToolCall, NamedFunction, ResponseFormat, ResponsesInput,
     ResponsesRequest, ResponsesToolChoice, TokenLogprob, Tool, ToolChoice, Usage,
 };
-use super::http::{
-    App, ChoiceEvents, SseSource, ended_early, enqueue, off_the_async_threads, parse_json,
-    sse_response, unix_now,
+use crate::serve::slot::Event;
+use crate::serve::tools::reply::{
+    Growth, PartialCall, PartialReply, ReplyStream, call_value, read_partial,
 };
-use super::slot::Event;
-use super::tools::{self, Growth, PartialReply, ReplyStream};
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
+use axum::routing::post;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+pub(super) fn routes() -> Router<AppState> {
+    Router::new().route("/v1/responses", post(create))
+}
+
 /// The handler of `POST /v1/responses`.
-pub async fn create(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn create(State(app): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(app, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn respond(app: Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn respond(app: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, prepared) = off_the_async_threads(&app, body, |ctx, body| {
         let request: ResponsesRequest = parse_json(body)?;
         let chat = chat_request(&request)?;
@@ -425,8 +430,8 @@ impl Shape {
         format!("fc_{}_{index}", self.id.trim_start_matches("resp_"))
     }
 
-    fn call_item(&self, index: usize, call: &tools::PartialCall, k: usize, status: &str) -> Value {
-        let chat_call = tools::call_value(call, &self.id, 0, k);
+    fn call_item(&self, index: usize, call: &PartialCall, k: usize, status: &str) -> Value {
+        let chat_call = call_value(call, &self.id, 0, k);
         json!({
             "type": "function_call",
             "id": self.call_item_id(index),
@@ -442,7 +447,7 @@ impl Shape {
         if !self.tool_calls {
             return vec![self.message_item(0, text, logprobs, "completed")];
         }
-        let read = tools::read_partial(text);
+        let read = read_partial(text);
         if read.is_unread() {
             return vec![self.message_item(0, text, &[], "completed")];
         }
