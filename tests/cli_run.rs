@@ -335,6 +335,8 @@ fn a_context_above_the_trained_one_is_capped_and_minus_one_means_no_limit() {
     assert!(stderr.contains("or -1 for no limit"), "{stderr}");
 }
 
+/// Types still converted at load say so in a few words on the "loaded"
+/// line (issue 46); the tensors and sizes need `--verbose`.
 #[test]
 fn start_up_is_short_and_the_conversion_note_needs_verbose() {
     let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw"]);
@@ -346,7 +348,15 @@ fn start_up_is_short_and_the_conversion_note_needs_verbose() {
         .take_while(|l| !l.starts_with("pulsar: ["))
         .collect();
     assert!(start_up.len() <= 2, "{stderr}");
-    assert!(!stderr.contains("converted"), "{stderr}");
+    assert!(!stderr.contains("were converted"), "{stderr}");
+    let loaded = start_up
+        .iter()
+        .find(|l| l.starts_with("pulsar: loaded"))
+        .unwrap_or_else(|| panic!("no loaded line: {stderr}"));
+    assert!(
+        loaded.contains("Q4_K and Q6_K converted, +") && loaded.len() < 200,
+        "{loaded}"
+    );
     let out = pulsar(&["run", "-p", "Hi", "-n", "2", "--raw", "--verbose"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");

@@ -722,6 +722,19 @@ fn types_without_a_kernel_become_the_nearest_that_has_one() {
     let note = formats
         .conversion_note()
         .expect("the default model has Q4_K and Q6_K");
+    // In a few words for the "loaded" line: the types and the growth.
+    let grown: usize = formats
+        .converted
+        .iter()
+        .map(|c| c.bytes - c.file_bytes)
+        .sum();
+    assert_eq!(
+        formats.conversion_brief(),
+        Some(format!(
+            "Q4_K and Q6_K converted, +{:.1} MB",
+            grown as f64 / 1e6
+        ))
+    );
     for needle in [
         "attn_output x18 Q4_K to q5_0 with an offset per 32",
         "ffn_down x9 Q4_K to q5_0 with an offset per 32",

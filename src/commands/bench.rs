@@ -160,6 +160,7 @@ pub fn run_command(
             let report = OpenReport {
                 tuning: String::new(),
                 input_precision,
+                converted: None,
             };
             (engine, format!("{name} (random weights)"), report)
         }

@@ -295,6 +295,31 @@ impl WeightFormats {
         ))
     }
 
+    /// The conversion in a few words, for the "loaded" line: the file's
+    /// types that were converted and what it cost ("Q4_K and Q6_K
+    /// converted, +8.8 MB"); `--verbose` names the tensors.
+    pub fn conversion_brief(&self) -> Option<String> {
+        if self.converted.is_empty() {
+            return None;
+        }
+        let mut types: Vec<String> = Vec::new();
+        for c in &self.converted {
+            let name = c.from.to_string();
+            if !types.contains(&name) {
+                types.push(name);
+            }
+        }
+        let names = match types.as_slice() {
+            [one] => one.clone(),
+            [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+            [] => return None,
+        };
+        let grown: usize = self.converted.iter().map(|c| c.bytes).sum();
+        let file: usize = self.converted.iter().map(|c| c.file_bytes).sum();
+        let change = (grown as f64 - file as f64) / 1e6;
+        Some(format!("{names} converted, {change:+.1} MB"))
+    }
+
     /// Whether any matrix is kept in a K-quant layout.
     pub fn has_k_quants(&self) -> bool {
         std::iter::once(&self.head)

@@ -100,6 +100,9 @@ pub struct OpenReport {
     pub tuning: String,
     /// How the integer kernels' inputs are quantized.
     pub input_precision: InputPrecision,
+    /// The file's types that were converted, in a few words
+    /// ([`WeightFormats::conversion_brief`]).
+    pub converted: Option<String>,
 }
 
 impl OpenReport {
@@ -114,7 +117,11 @@ impl OpenReport {
     /// The input precision where it is not the default, then the tuning:
     /// ", tuning reused", to end a "loaded …" line with.
     pub fn loaded_note(&self) -> String {
-        format!("{}, {}", self.input_note(), self.tuning)
+        let converted = self
+            .converted
+            .as_ref()
+            .map_or(String::new(), |c| format!(", {c}"));
+        format!("{}{converted}, {}", self.input_note(), self.tuning)
     }
 }
 
@@ -301,6 +308,7 @@ impl EnginePlan {
             report: OpenReport {
                 tuning,
                 input_precision: self.input_precision,
+                converted: self.formats.conversion_brief(),
             },
         })
     }
