@@ -3,19 +3,17 @@
 //! A step over `1 + k` tokens (the sampled token and `k` drafted ones)
 //! costs `t(1) · (1 + a + b·k)` for `k ≥ 1`: `a` is what any batched step
 //! costs beyond a one-token one, `b` the extra cost of each further token
-//! (`bench --m-curve` on the default model: with AVX-512 VNNI a step over 2
-//! tokens 1.06-1.10x a one-token step, over 8 1.42-1.56x; with AVX2 alone
-//! 1.14-1.17x and 2.02-2.16x, its byte products costing more). If each
-//! drafted token is accepted with probability `α` given that the ones
-//! before it were, the step yields `1 + α + … + α^k = (1 − α^(k+1)) / (1 −
-//! α)` tokens. The policy picks the `k` that maximizes tokens per unit of
-//! time, `(1 − α^(k+1)) / ((1 − α)(1 + a + b·k))`, or 0 (no draft: a plain
-//! one-token step) when no `k` beats 1.
+//! (on the default model a step over 8 tokens costs about 1.5x a one-token
+//! step with AVX-512 VNNI and about 2x with AVX2 alone, whose byte products
+//! cost more). If each drafted token is accepted with probability `α`
+//! given that the ones before it were, the step yields `1 + α + … + α^k =
+//! (1 − α^(k+1)) / (1 − α)` tokens. The policy picks the `k` that
+//! maximizes tokens per unit of time, `(1 − α^(k+1)) / ((1 − α)(1 + a +
+//! b·k))`, or 0 (no draft: a plain one-token step) when no `k` beats 1.
 //!
-//! A model through the origin (`a = 0`), as first written, fitted a slope
-//! of about 0.3 to those steps: it priced long drafts at twice their cost
-//! and drafted one or two tokens at a time, 1.22 tokens per step on the
-//! quote task at temperature 0.7 (`tools/bench_spec.py`).
+//! The fixed part `a` matters: a line through the origin fitted to those
+//! steps prices long drafts at about twice their cost and drafts one or two
+//! tokens at a time.
 //!
 //! `α` is estimated per length of the n-gram match that produced the draft
 //! (a 1-token match is a much weaker hint than an 8-token one), from recent
