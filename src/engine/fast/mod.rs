@@ -117,8 +117,7 @@ pub struct FastOptions {
     /// and layout (a `pulsar convert` file) in place (zero-copy) instead of
     /// copying them into the huge-page arena. In place loads faster and
     /// shares the page cache, but decode from 4 KiB page-cache pages
-    /// measured slower (270M at F16, 1 thread: 46.6-51.0 against 51.3-56.2
-    /// tok/s; with row-major weights it was 33.9 against 45).
+    /// measured about 10% slower.
     pub in_place: bool,
 }
 
