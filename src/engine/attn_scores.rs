@@ -4,11 +4,9 @@
 //! Why not the JIT's scores kernel (an f32 GEMM of 4 keys x 3 queries on
 //! ymm registers, `jit::emit::gemm`) on CPUs with AVX-512: a step over 8
 //! tokens of one sequence gives each thread 32 query rows over about 275
-//! keys of 256 values per layer, and that GEMM took 75-81 us of such a
-//! unit's 150-175 (temporary timers in `bench --m-curve --m-curve-context
-//! 600`, Intel Xeon). The zmm tiles here hold 4 queries x 4 keys: from
-//! L1/L2, 51 us for that unit's scores against 64-68 for the JIT's GEMM (a
-//! temporary timing test, alternating).
+//! keys of 256 values per layer, and that GEMM took about half of such a
+//! unit's time. The zmm tiles here hold 4 queries x 4 keys and compute the
+//! same scores in about three quarters of the JIT's GEMM's time.
 //!
 //! Each score is the same sum wherever it falls in a tile: 16 lanes, lane
 //! l summing dimensions l, l + 16, ... in order with one FMA each from
@@ -164,10 +162,8 @@ unsafe fn lane_sums<const Q: usize, const K: usize>(
 /// same lanes of every score, but here two to four scores share each
 /// shuffle and add: 45 instructions for the 16 scores where `lanes_sum`
 /// takes 8 for each (128), so every score keeps its bits. The result is
-/// one vector whose 128-bit block b holds query b's 4 scores in key order.
-/// Timed from L1/L2 (Intel Xeon, 32 queries x 276 keys of 256, best of
-/// 2,000, three rounds alternating, the same bits): 36.0-37.1 us against
-/// 48.3-50.3 with `lanes_sum` per score.
+/// one vector whose 128-bit block b holds query b's 4 scores in key order,
+/// in about three quarters of the time `lanes_sum` per score takes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn full_tile_avx512(q: &[f32], k: &[f32], head_dim: usize, out: &mut [f32], n_keys: usize) {

@@ -3,7 +3,7 @@
 //! CPU with a thread count, within a time budget, and remembered in the
 //! cache folder for every later launch.
 //!
-//! Measured today:
+//! What it measures:
 //! - the quantized GEMVs' software prefetch distance (off, 4, 8 or 16 KiB
 //!   ahead), on a whole decode step: each candidate is its own verified
 //!   kernel set;

@@ -8,13 +8,10 @@
 //! token have evicted V, so every one of those loads misses, and the
 //! stride crosses a 4 KiB page every 4 keys, where the prefetchers stop.
 //! Read row by row instead (each V row one sequential run, every query's
-//! output row in L1), decode attention per layer took 81.6 against 104.3
-//! us at positions 256-383 and 105.2 against 141.0 at 384-511 on 2
-//! threads, 119.8 against 167.0 and 167.5 against 231.4 on 1 thread (AMD
-//! EPYC with AVX2, `bench --pp 16 --tg 512`, medians of 3, alternating,
-//! temporary timers); decode over those 512 tokens read 19.7 against 18.4
-//! GB/s on 2 threads. A prefill block's dozens of query rows keep the
-//! JIT's tile, which shares each V load among 6 queries.
+//! output row in L1), decode attention per layer takes about a quarter
+//! less time at a few hundred cached positions. A prefill block's dozens
+//! of query rows keep the JIT's tile, which shares each V load among 6
+//! queries.
 //!
 //! Each output element is summed key after key with one FMA per key from
 //! zero, as the JIT's kernel sums it, so the results are bit-identical:
@@ -87,12 +84,11 @@ pub fn tiled_available(head_dim: usize) -> bool {
 /// key after key with one FMA from zero: the bits of the other two forms.
 ///
 /// Why: a step over 8 tokens at 600 cached tokens gives each thread 32
-/// query rows over about 275 keys. Those summed in 44 us here, 57-58 us
-/// in the JIT's tile (6 queries x 16 dims, 16 passes over the keys each
-/// reading 64 bytes of every 1 KB row) and 96-101 us row by row (all from
-/// L1/L2, a temporary timing test alternating the three, Intel Xeon: about
-/// one zmm FMA a cycle of the two it can issue). In a real step V comes from memory,
-/// where the JIT's strided passes fare worse.
+/// query rows over about 275 keys, which this tile sums from L1/L2 in
+/// about three quarters of the JIT's tile's time (6 queries x 16 dims, 16
+/// passes over the keys each reading 64 bytes of every 1 KB row) and under
+/// half of row by row's. In a real step V comes from memory, where the
+/// JIT's strided passes fare worse.
 pub fn weighted_sum_tiled(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {
     let (n_keys, nq) = (v.len() / head_dim, out.len() / head_dim);
     assert!(
@@ -177,9 +173,8 @@ const KEYS_PER_PASS: usize = 4;
 /// Keys `KEYS_PER_PASS` at a time: each query's output chunk of 8 is
 /// loaded once, takes the keys' FMAs in key order, and is stored once,
 /// where one key at a time loaded and stored it for every FMA (the same
-/// operations in the same order, so the same bits). On the Intel Xeon a
-/// greedy summary with speculation (`perf record`, about 1,000 cached
-/// positions) spent 9.8% of its samples here one key at a time.
+/// operations in the same order, so the same bits) and so took nearly a
+/// tenth of a long speculative decode's samples.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn by_rows_avx2(p: &[f32], ldp: usize, v: &[f32], head_dim: usize, out: &mut [f32]) {

@@ -233,13 +233,11 @@ pub struct PackedMatrix {
 /// the kernel offers them, starting on a 2 MiB boundary (only whole,
 /// aligned 2 MiB ranges can become huge pages).
 ///
-/// Measured on the 2-core EPYC VMs (default model, alternating): the
-/// advice costs load time, 0.93 s against 0.71 s without (medians of 6;
-/// huge pages come from free 2 MiB blocks, which the VM has handed back
-/// to its host, so each is backed afresh), and pays it back in decode,
-/// 82.9 against 76.6 tok/s (medians of 3). Kept. Faulting the arena in
-/// ahead from a thread of its own (`MADV_POPULATE_WRITE`) loaded slower,
-/// 0.94 against 0.65 s: the faults contend rather than overlap.
+/// The advice costs some load time (huge pages come from free 2 MiB
+/// blocks, which a VM may have handed back to its host, so each is backed
+/// afresh) and pays it back in decode, about 8% faster on the default
+/// model. Faulting the arena in ahead from a thread of its own loads no
+/// faster: the faults contend rather than overlap.
 fn huge_page_map(bytes: usize) -> (MmapMut, usize) {
     const HUGE: usize = 2 << 20;
     let map = MmapMut::map_anon(bytes.max(1) + HUGE).expect("anonymous memory for weights");

@@ -26,16 +26,10 @@
 //! parallel section, they made the other thread sleep on a futex: 4% of a
 //! 4-stream server's samples in waking threads.)
 //!
-//! Tried and not kept (2026-12-05, Intel Xeon, 2 threads, best of 200-300
-//! calls, alternating): the groups of 32 columns split over the pool's
-//! threads in a parallel section of their own, each thread quantizing its
-//! groups of every token (same bytes). A verify step's inputs got slower
-//! (8 tokens at K 640: 4.4-4.5 us against 2.9 alone; at K 2048 9.7-11.9
-//! against 9.5): the section and moving the rows between the cores cost
-//! more than half the work. From about 32,000 values it paid (126 tokens
-//! at K 640: 47-48 us against 75-77; at K 2048: 117-173 against 164-170),
-//! which is prefill alone, already 2.6-3.6x llama.cpp: about 2% of a
-//! prefill for a second, unsafe write path.
+//! The quantization itself is not split across threads: for a verify
+//! step's few tokens a parallel section and moving the rows between cores
+//! cost more than the work, and in prefill the gain, about 2%, was not
+//! worth a second, unsafe write path.
 
 use crate::jit::emit::gemm_quant::{
     TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
@@ -62,12 +56,10 @@ pub enum InputPrecision {
     /// has it, then what that rounding left out, quantized the same way
     /// (its step is at most 1/254 of the first's). The kernels multiply
     /// both as two tokens and the engine adds the pair, so the product
-    /// sees the input to about 15 bits for twice the integer work.
-    /// Measured on the default model against `--dtype f16` (GPL-3 and
-    /// Apache-2.0, 4,845 scored tokens): top-1 agreement 97.09% with one
-    /// level, 99.36% with two; per matrix kind alone it gained 0.2-0.4
-    /// points, per third of the layers 0.5-0.7, so no cheaper subset
-    /// reached 98% (all layer matrices but not the head: 98.58%).
+    /// sees the input to about 15 bits for twice the integer work. On the
+    /// default model it raises top-1 agreement with `--dtype f16` from
+    /// about 97% to over 99%, and no cheaper subset of the matrices
+    /// reached 98%.
     TwoLevels,
 }
 
@@ -93,10 +85,8 @@ fn quantize_rows(x: &[f32], k: usize, levels: usize, bytes: &mut [u8], tiles: &m
 /// [`quantize_rows`] with `block` quantizing each group: it writes the 32
 /// quants and returns the scale and the quants' sum. Each group goes to
 /// the per-token layout (`bytes`) and to its token's tile (`tiles`) as it
-/// is made. Built in a second pass over the tokens' bytes, the tiles took
-/// a third of `Q8Input::quantize`'s time at 512 tokens (Intel Xeon, one
-/// thread, best of 50: K 640 461 us against 318 now, K 2048 783 against
-/// 534); at 8 tokens neither way measured different (3.1 and 9.6 us).
+/// is made: built in a second pass over the tokens' bytes, the tiles took
+/// a third of `Q8Input::quantize`'s time at 512 tokens.
 #[inline(always)]
 fn quantize_rows_with(
     x: &[f32],
@@ -197,11 +187,8 @@ fn quantize_block(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
 
 /// [`quantize_block`] in AVX2 intrinsics, the same bytes. What the
 /// compiler made of the portable code kept the maximum scalar and packed
-/// 8 quants at a time through xmm shuffles: `Q8Input::quantize` of 8
-/// tokens took 0.95 ns a value (Intel Xeon, K 640 to 2048), 0.6 ms of a
-/// verify step of 8 tokens of the default model while the other thread
-/// waited; with this, 0.45-0.53 ns. `bench --m-curve`, 3 alternating
-/// runs: a step over 8 tokens 12.53-13.46 ms against 12.70-13.93.
+/// 8 quants at a time through xmm shuffles, while the other thread of a
+/// verify step waited; this form takes about half the time per value.
 ///
 /// # Safety
 /// The CPU must have AVX2; `block` holds 32 values and `quants` 32 bytes.

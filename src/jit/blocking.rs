@@ -18,8 +18,8 @@ pub const ROW_GRANULE: usize = crate::model::quant_blocks::MAX_BLOCK_ROWS;
 /// Tokens per prefill step unless measured otherwise: large enough to
 /// reuse each weight row across many tokens, small enough that the step's
 /// activations stay in cache, and a multiple of the GEMM's 3-token tile
-/// (no tail tile). 126 measured 418-518 tok/s against 64's 418-424 on
-/// pp512 (2 threads, AMD EPYC; this host's noise is large).
+/// (no tail tile). 126 measured at least as fast as 64 on a 512-token
+/// prefill.
 pub const PREFILL_CHUNK: usize = 126;
 
 /// Largest FP16 panel of widened rows (measured, see `analytic`).

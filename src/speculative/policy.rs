@@ -3,19 +3,17 @@
 //! A step over `1 + k` tokens (the sampled token and `k` drafted ones)
 //! costs `t(1) · (1 + a + b·k)` for `k ≥ 1`: `a` is what any batched step
 //! costs beyond a one-token one, `b` the extra cost of each further token
-//! (`bench --m-curve` on the default model: with AVX-512 VNNI a step over 2
-//! tokens 1.06-1.10x a one-token step, over 8 1.42-1.56x; with AVX2 alone
-//! 1.14-1.17x and 2.02-2.16x, its byte products costing more). If each
-//! drafted token is accepted with probability `α` given that the ones
-//! before it were, the step yields `1 + α + … + α^k = (1 − α^(k+1)) / (1 −
-//! α)` tokens. The policy picks the `k` that maximizes tokens per unit of
-//! time, `(1 − α^(k+1)) / ((1 − α)(1 + a + b·k))`, or 0 (no draft: a plain
-//! one-token step) when no `k` beats 1.
+//! (on the default model a step over 8 tokens costs about 1.5x a one-token
+//! step with AVX-512 VNNI and about 2x with AVX2 alone, whose byte products
+//! cost more). If each drafted token is accepted with probability `α`
+//! given that the ones before it were, the step yields `1 + α + … + α^k =
+//! (1 − α^(k+1)) / (1 − α)` tokens. The policy picks the `k` that
+//! maximizes tokens per unit of time, `(1 − α^(k+1)) / ((1 − α)(1 + a +
+//! b·k))`, or 0 (no draft: a plain one-token step) when no `k` beats 1.
 //!
-//! A model through the origin (`a = 0`), as first written, fitted a slope
-//! of about 0.3 to those steps: it priced long drafts at twice their cost
-//! and drafted one or two tokens at a time, 1.22 tokens per step on the
-//! quote task at temperature 0.7 (`tools/bench_spec.py`).
+//! The fixed part `a` matters: a line through the origin fitted to those
+//! steps prices long drafts at about twice their cost and drafts one or two
+//! tokens at a time.
 //!
 //! `α` is estimated per length of the n-gram match that produced the draft
 //! (a 1-token match is a much weaker hint than an 8-token one), from recent
@@ -92,14 +90,11 @@ impl StepCost {
 
 /// A step size timed at least this often is priced by its own mean time
 /// rather than by the fitted line. The integer GEMM has one form for 2 to
-/// 4 tokens and a costlier one for 5 to 8 (`jit::emit::gemm_q8_0x16`;
-/// two passes of 4 before 2026-12-05), so the real cost is a staircase
-/// that no line follows: on the default model with AVX-512 VNNI, `bench
-/// --m-curve` 1.30x at m = 2, 1.43x at 4, then 1.85x at 5. A line through
-/// those priced the fifth token of a 4-stream server step at a quarter of
-/// what it costs, so shared steps drafted past the pass: 4 streams served
-/// 208.9 tok/s with drafts against 226.9 with `--spec off`
-/// (`tools/serve_load.py --levels 1,4 --requests 2 --rounds 3`).
+/// 4 tokens and a costlier one for 5 to 8 (`jit::emit::gemm_q8_0x16`),
+/// so the real cost is a staircase that no line follows: a line through
+/// it priced the fifth token of a 4-stream server step at a quarter of
+/// what it costs, so shared steps drafted past the 4-token form and
+/// served fewer tokens a second than without drafts.
 const MEASURED_WEIGHT: f64 = 4.0;
 
 /// The slope is measured against the time of a one-token step, which
@@ -338,13 +333,9 @@ impl BatchStepTimes {
     /// infinite (no drafts) before two sizes have been timed. Steps of 2, 3 and 4 requests without drafts, and a lone
     /// request's drafted steps, time the sizes a server meets anyway.
     ///
-    /// (Starting from the prior curve instead, whose `b / (1 + a + b · (m
-    /// − 1))` is 0.03 at m = 4, drafted 1-3 tokens per request into 4
-    /// streams' first steps, where AVX2 alone measured 0.17-0.25: 4
-    /// streams of the default model 139.3, 152.2 and 160.2 tok/s against
-    /// 163.3, 152.3 and 153.4 without batched drafts, p95 time between
-    /// tokens 42 against 33 ms; `tools/serve_load.py --levels 4
-    /// --requests 3 --rounds 2`, alternating.)
+    /// (Infinite rather than the prior curve's value, which prices a token
+    /// at m = 4 at a sixth or less of what AVX2 alone measures: its drafts
+    /// into a server's first steps cost throughput and latency.)
     pub fn marginal(&self, m: usize) -> f64 {
         // Both sizes timed often enough: their own means (the line misses
         // the GEMM's steps, see MEASURED_WEIGHT).
@@ -383,14 +374,10 @@ impl BatchStepTimes {
 /// must yield. The price is the forward step's time alone; the rows'
 /// logits and sampling, and the wait a longer step imposes on every other
 /// stream in it, come on top. Priced at 1x, drafts in shared steps gave
-/// the default model no throughput (AVX2 alone, `tools/serve_load.py
-/// --levels 2,4 --requests 3 --rounds 2`, three alternating pairs: 4
-/// streams median 144.6 against 153.9 tok/s without them, 2 streams 123.1
-/// against 108.8, all within the runs' spread) and 6-14 ms more p95 time
-/// between tokens (40-46 against 32-34 ms at 4 streams). At 2x, AVX2's
-/// 0.17-0.25 per token leaves only drafts close to certain, while an
-/// engine whose small batches cost little still drafts what is likely
-/// confirmed.
+/// the default model no throughput under AVX2 alone and a longer p95 time
+/// between tokens. At 2x, AVX2's cost of about a fifth of a 4-token step
+/// per token leaves only drafts close to certain, while an engine whose
+/// small batches cost little still drafts what is likely confirmed.
 pub const BATCH_DRAFT_MARGIN: f64 = 2.0;
 
 /// How many drafted tokens each sequence of a server step verifies, when

@@ -117,8 +117,7 @@ pub struct FastOptions {
     /// and layout (a `pulsar convert` file) in place (zero-copy) instead of
     /// copying them into the huge-page arena. In place loads faster and
     /// shares the page cache, but decode from 4 KiB page-cache pages
-    /// measured slower (270M at F16, 1 thread: 46.6-51.0 against 51.3-56.2
-    /// tok/s; with row-major weights it was 33.9 against 45).
+    /// measured about 10% slower.
     pub in_place: bool,
 }
 
@@ -355,10 +354,8 @@ impl Engine for FastEngine {
     }
 
     /// Without it a verify step of 8 tokens wrote its 8 MiB of logits into
-    /// a fresh buffer, zeroed first, every time. `bench --m-curve` (Intel
-    /// Xeon, 3 alternating runs), a step over 8 tokens against a one-token
-    /// step: 1.57-1.69x with a fresh buffer, 1.49-1.57x with the buffer
-    /// reused; over 16 tokens 2.76-2.99x against 2.49-2.66x.
+    /// a fresh buffer, zeroed first, every time: reusing the buffer takes
+    /// about 6% off a step over 8 tokens and 10% off one over 16.
     fn reuse_logits(&self, logits: Vec<f32>) {
         self.keep_logits_buffer(logits);
     }

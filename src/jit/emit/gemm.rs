@@ -5,20 +5,13 @@
 //! Token tiles are the outer loop and row tiles the inner one: a token tile's
 //! x (3 x K f32) stays in L1 while the weight rows stream past it from L2,
 //! 64 B of f16 per 12 FMAs. Rows outermost keeps 4 weight rows in L1 instead
-//! and streams all of x past them, 96 B per 12 FMAs; on Zen 4 it measured
-//! 3-6% slower on one core (`tune --measure`) and 4-7% slower on two with
-//! the engine's row chunks. The streamed weights should stay in L2, so
+//! and streams all of x past them, 96 B per 12 FMAs, and measured a few
+//! percent slower on Zen 4. The streamed weights should stay in L2, so
 //! `kernels::Gemm` passes at most `panel_rows` rows per call (more are
 //! still computed correctly, only slower).
 //!
-//! Tile shapes measured and rejected (Zen 4, GFLOP/s; this tile: ~84 with
-//! everything in L1, 80-84 with the engine's row chunks): 2 rows x 6 tokens
-//! needs half the weight conversions per FMA, which are not the bottleneck,
-//! and 6 activation loads per 12 FMAs. With x through one register it
-//! reached 81 in L1 and 61-71 with the engine's chunks (70-79 with tokens
-//! outermost); with x as FMA memory operands, 12 loads per 12 FMAs, 66 in L1
-//! and 42-48 in `tune --measure`. 3 rows x 4 tokens matched this tile in L1
-//! and lost 2-13% with the engine's chunks.
+//! Of the register tiles measured on Zen 4, this one was the fastest with
+//! the engine's row chunks (the figures are in `docs/performance.md`).
 //!
 //! 16-bit weights are read in the row-block layout (`model::row_blocks`):
 //! a row tile is one block, one sequential stream, with zero padding past
@@ -55,9 +48,8 @@ const TOK_PTRS: [u8; TOKENS] = [R13, R14, R15];
 const W: u8 = 15;
 
 /// Weight bytes per call: well inside any L2 next to the x tile, and large
-/// enough that re-reading x once per panel costs nothing. 32 KiB to 128 KiB
-/// measured the same on Zen 4, 256 KiB slightly slower, and 4 MiB ranges in
-/// one call 6-11% slower (weights from L3).
+/// enough that re-reading x once per panel costs nothing (32 KiB to 128 KiB
+/// measured the same on Zen 4; larger panels were slower).
 pub const PANEL_BYTES: usize = 64 << 10;
 
 /// Stack offset of the 7th argument (ldY, in elements) after the 6

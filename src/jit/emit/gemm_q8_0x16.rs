@@ -16,53 +16,31 @@
 //! and high nibbles of one 64-byte run, each with a 64-bit mask of its
 //! high bits: 5 instructions make both chunks' bytes (`load_chunk_pair`),
 //! so Q5_0 needs no unpacking pass into a panel before its products and
-//! no GEMV of its own. Against the Q5_0 GEMV plus the unpacked panels'
-//! GEMM it replaced (Intel Xeon, `bench --m-curve`, 3 alternating runs): a
-//! step over 4 tokens 1.25-1.28x a one-token step where it was 1.37-1.48x.
+//! no GEMV of its own (a step over 4 tokens costs about 1.27x a one-token
+//! step, where the Q5_0 GEMV and unpacked panels it replaced cost 1.4x).
 //!
 //! The chunks 0..3 sums start from the tile's `vnni_group_start`
 //! (`1.5 * 2^23` as bits, less `sum_x << 7`), so the correction and the
 //! conversion are one `vsubps` of 1.5 * 2^23, exact: per group of 4 tokens
 //! 40 vector instructions became 32 plus the scaling.
 //!
-//! What bounds the arithmetic (Intel Xeon model 207, 2026-12-05, timed
-//! with a C loop of zmm `vpdpbusd`s in inline asm, 1 to 16 chains): a
-//! `vpdpbusd` takes 6 cycles and two issue per cycle (ports 0 and 5, which
-//! the FMAs, `vpaddd` and the unpacking share), so 8 chains reach 1.33 a
-//! cycle and 16 chains 2 (0.244 against 0.164 ns each). A group of 8
-//! tokens is 64 `vpdpbusd`, 24 scaling instructions and, for Q5_0x16, 20
-//! of unpacking: from L2 it runs at 16.5 GB/s of Q5_0x16 weights a core,
-//! within 15% of what the two ports allow and about the 13-16 GB/s a core
-//! streams from memory with both cores reading; Q8_0x16 has twice that
-//! slack. So in a step over 8 tokens the Q5_0 products take about as
-//! long as the weights take to arrive, and only a perfect overlap would
-//! hide them; two chains per token would not help, as the ports, not the
-//! chains' latency, are what is left (they would add a `vpaddd` a token).
+//! What bounds the arithmetic is issue, not latency: `vpdpbusd` issues on
+//! two ports (0 and 5, which the FMAs, `vpaddd` and the unpacking share),
+//! and a group of 8 tokens (64 `vpdpbusd`, 24 scaling instructions and,
+//! for Q5_0x16, 20 of unpacking) runs from L2 close to what those ports
+//! allow, about the rate at which a core streams weights from memory.
+//! More chains per token would only add a `vpaddd` a token.
 //!
 //! A call reads each 16-row block once, in one of three forms that its
 //! token count picks per group: one token (a decode step: a loop of two
 //! rounds of chunk pairs, 2 chains), 2 to 4 (straight-line, two chains per
 //! token; fewer than 4 compute the absent ones from the tile's zeros and
 //! store nothing for them) and 5 to 8 (a loop of two rounds, one chain
-//! per token). Q5_0x16 had the pass of 8 first: `bench --m-curve`, 3 runs
-//! alternating with two passes of 4, a step over 8 tokens 1.40-1.49x a
-//! one-token step against 1.51-1.63x, over 5 1.34-1.42x against
-//! 1.42-1.51x, prefill 512 1225, 1393, 1207 tok/s against 1010, 1200,
-//! 1309. Measured from L2, one thread, 128 x 640 (ns per 4 rows x 32
-//! columns; the 4-row GEMM with (row, token) lanes it replaced in
-//! brackets), with a loop of two rounds of chunks: 8 tokens 3.8 (5.4), 4
-//! tokens 2.0 (3.3), 2 tokens 1.9 (3.3), 1 token 1.0 (3.3); see
-//! `group_step` for the straight-line form.
-//!
-//! Tried and not kept: groups outside and passes inside, the 8 tokens' f32
-//! sums on the stack so that one group step serves both passes, to let
-//! memory stream during a second pass too. From memory, one thread, 8
-//! tokens then cost 1.28x one token instead of 1.38x (Q8_0x16) and 1.34x
-//! instead of 1.46x (Q5_0x16); but the sums' round trip through memory
-//! slowed the arithmetic (from L2, Q8_0x16: 4 tokens 44-47 against 53-55
-//! GB/s, 1 token 70-74 against 82-84), and the engine's `bench --m-curve`
-//! showed no gain at 8 tokens (1.82-1.83x against 1.78-1.81x) and a loss at
-//! 4 (1.32-1.38x against 1.24-1.26x).
+//! per token). One pass over 5 to 8 tokens, rather than two passes of 4,
+//! unpacks Q5_0x16's chunks once for all of them and keeps memory
+//! streaming while the products run; see `group_step` for the
+//! straight-line form. The figures behind these choices are in
+//! `docs/performance.md`.
 //!
 //! Rows: r0 a multiple of 16; the last block may be partial (its padding
 //! rows are zeros). Stores are masked (k1) to the rows that exist.

@@ -6,15 +6,14 @@
 //!
 //! Why rows as lanes under AVX2 too: the 4-row GEMM this replaced put 8
 //! tokens in a vector's lanes and paid for all 8 whatever the step's
-//! count, so a step over 2 tokens of the default model cost 1.89-2.06x a
-//! one-token step and one over 8 2.14-2.42x (`bench --m-curve`, AMD EPYC
-//! with AVX2 only); now 1.10-1.17x and 2.02-2.33x. Here a vector's 8 dword
-//! lanes are 8 rows: a chunk (4 columns) of 8 rows is one 32-byte load,
-//! shared by every token, and each token costs its own products only: a
-//! broadcast of its 4 bytes, `vpmaddubsw` + `vpmaddwd` and an add per 8
-//! rows x 4 columns. So the work grows with the tokens present, not with
-//! the tile's 8 slots. An 8-token step stays bound by these products (72%
-//! of its samples in this kernel): AVX2 has no cheaper byte dot product.
+//! count, so a step over 2 tokens cost about twice a one-token step (now
+//! about 1.15x). Here a vector's 8 dword lanes are 8 rows: a chunk (4
+//! columns) of 8 rows is one 32-byte load, shared by every token, and each
+//! token costs its own products only: a broadcast of its 4 bytes,
+//! `vpmaddubsw` + `vpmaddwd` and an add per 8 rows x 4 columns. So the
+//! work grows with the tokens present, not with the tile's 8 slots. An
+//! 8-token step stays bound by these products: AVX2 has no cheaper byte
+//! dot product.
 //!
 //! Q8_0x16's stored bytes are q + 128 (VNNI's unsigned operand);
 //! `vpmaddubsw` on them would saturate (255 x 127 pairs), so each chunk is
@@ -23,10 +22,11 @@
 //! multiply as they are (at most 2 x 31 x 128 a pair, so two chunks'
 //! pair sums add up in 16 bits before one `vpmaddwd`) and lose their
 //! offset from the group sum, `sum - (sum_x << shift)`: 3 multiplications
-//! per token per 2 chunks instead of 4 (and 6 with the sign trick), which
-//! a prompt's steps (58% of their products in Q5_0) need: through the sign trick a prefill measured 432-482 tok/s against
-//! 500-568 for the 4-row GEMM before, with its own offset 415-508 against
-//! 451-468 (alternating, 4 runs). Either way the group sum is the exact
+//! per token per 2 chunks instead of 4 (and 6 with the sign trick). A
+//! prompt's steps, whose products are mostly Q5_0 in the default model,
+//! need that: through the sign trick a prefill was slower than with the
+//! 4-row GEMM before, with the panel's own offset about as fast (figures
+//! in `docs/performance.md`). Either way the group sum is the exact
 //! integer of VNNI's form, scaled as there: `f += float(sum) * (d_w *
 //! d_x)`.
 //!

@@ -22,10 +22,7 @@
 //!   each.
 //!
 //! (A 4-row layout with the tokens as lanes came before: it paid for a
-//! tile's 8 token slots whatever the count, so under AVX2 a step over 2
-//! tokens of the default model cost 2.06x a one-token step, 1.10x with
-//! rows as lanes; with VNNI, from L2, 4 tokens 3.3 against 2.0 ns per 4
-//! rows x 32 columns.)
+//! tile's 8 token slots whatever the count.)
 //!
 //! The input comes as a token tile (`engine::q8_input`): per group of 32
 //! columns, the 8 tokens' quants interleaved 4 at a time (32 bytes hold

@@ -2,13 +2,12 @@
 //! the row-block layout (`model::row_blocks`): 16-bit weights, 4 rows per
 //! block, each 8-column group of the 4 rows one 64-byte line.
 //!
-//! The 4 rows of a block share every activation load (measured +65% over
-//! one row at a time) and are read as one sequential stream, which the
-//! hardware prefetcher follows without help: with plain rows of 1-4 KiB, 4
-//! short interleaved streams per block needed a tuned software prefetch to
-//! stream well, and a row-block stream matched a plain memory read (2
-//! threads, 512 MiB, rows of 640: 30.4-36.5 GB/s against 27.8-35.9 for the
-//! read and 31.6-35.5 for prefetched plain rows).
+//! The 4 rows of a block share every activation load (about 1.65x the
+//! speed of one row at a time) and are read as one sequential stream,
+//! which the hardware prefetcher follows without help: plain rows of 1-4
+//! KiB, 4 short interleaved streams per block, needed a tuned software
+//! prefetch to stream well, while a row-block stream reads as fast as a
+//! plain memory read.
 //!
 //! K, the block size and the tail are immediates. r0 must be a multiple of
 //! 4; the last block may be partial, its padding rows are zeros in memory

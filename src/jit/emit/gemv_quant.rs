@@ -67,10 +67,8 @@ pub struct GemvQuantParams {
     /// Bytes ahead of each group to prefetch (0: none). Unlike the 16-bit
     /// GEMV, which streams at the read bandwidth on the hardware
     /// prefetcher alone, these kernels spend more time per byte and the
-    /// prefetcher falls behind: 256 MiB on 2 threads of a Xeon read at
-    /// 13.0-13.2 GB/s (Q8_0) and 8.1-10.0 (Q5_0) without, 18.4-20.0 and
-    /// 17.4-17.9 with 8 KiB, against 15.5-16.7 for the 16-bit GEMV
-    /// (`pulsar tune --measure`); 4 KiB gained less, 16 KiB no more.
+    /// prefetcher falls behind; prefetching 8 KiB ahead let them read
+    /// faster than the 16-bit GEMV on a Xeon.
     pub prefetch: usize,
     /// Q8_0's products with AVX-512 VNNI's `vpdpbusd` (its EVEX form on
     /// ymm registers): 3 instructions a row instead of 5.
@@ -165,13 +163,9 @@ pub(super) fn pair_constants(ops: &mut Asm, q: QuantType, r: PairRegs) {
 ///
 /// Why pairs: one row at a time, the Q5_0 GEMV was bound by its
 /// instructions (the same rate from L2 as from DRAM), at 8 instructions a
-/// row to unpack (10 before the nibbles and high bits were broadcast from
-/// memory: 9.9-10.2 against 11.5-11.6 GB/s from L2). A pair takes 10 for
-/// both rows and its products 4 instead of 2 x 2, and the GEMV now reads at
-/// the plain read's rate on one thread: 14.0-14.3 against 9.8 GB/s from
-/// DRAM (`pulsar tune --measure`, AMD EPYC with AVX2, alternating); decode
-/// of the default model 47.08 against 42.74 tok/s on one thread, 79.02
-/// against 72.06 on two (medians of 3, `bench --pp 512 --tg 128`).
+/// row to unpack. A pair takes 10 for both rows and its products 4
+/// instead of 2 x 2, and the GEMV reads at the plain read's rate on one
+/// thread (about 1.45x the one-row form's from DRAM).
 pub(super) fn unpack_pair(
     ops: &mut Asm,
     q: QuantType,
@@ -451,11 +445,10 @@ pub fn emit(p: &GemvQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
 /// Q5_0's high bits), but one block's group also paid for x's loads, the
 /// 4 rows' fold (2 `vphaddd`, an extract and an unpack), the offset's
 /// correction, the scales, the loop and its own convert and FMA, about as
-/// many again: from L2 the Q4_0 GEMV ran at 19.3 GB/s, and 21.7 with
-/// its fold alone taken out (`PULSAR_MEASURE_KIB=256 pulsar tune
-/// --measure`, gemma-2b). Two blocks share x's loads, the correction and
-/// the loop, and 3 `vphaddd` fold their 8 rows into one vector, which the
-/// scales, the convert and the FMA then take whole.
+/// many again (the fold alone cost about a tenth of the Q4_0 GEMV's speed
+/// from L2). Two blocks share x's loads, the correction and the loop, and
+/// 3 `vphaddd` fold their 8 rows into one vector, which the scales, the
+/// convert and the FMA then take whole.
 ///
 /// The fold leaves the rows in the order [0 2 4 6 | 1 3 5 7] (pairs'
 /// first rows low, second rows high), so the scales are shuffled into it

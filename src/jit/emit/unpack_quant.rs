@@ -4,10 +4,9 @@
 //! Why: the GEMM multiplies each chunk of 4 columns of its rows by every
 //! token of a tile. Q8_0's stored bytes are ready for it; Q5_0's and
 //! Q4_0's had to be unpacked into bytes first, in every tile's pass, which
-//! made their GEMM 1.6x Q8_0's per group (14.4 against 8.7 ns per 4 rows x
-//! 32 columns x 8 tokens, one thread, from L2, with the earlier 4-row
-//! layout). Unpacked once per panel of rows, the unpacking is shared by
-//! every tile of a prefill chunk (16 tiles for 126 tokens).
+//! made their GEMM 1.6x Q8_0's per group (with the earlier 4-row layout).
+//! Unpacked once per panel of rows, the unpacking is shared by every tile
+//! of a prefill chunk (16 tiles for 126 tokens).
 //!
 //! `into` says which offset the bytes carry: Q8_0's (s + 128, Q8_0x16's
 //! stored form, so that with VNNI one GEMM serves every type), or the

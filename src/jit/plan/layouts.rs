@@ -21,11 +21,9 @@ pub struct QuantLayouts {
     /// Q4_K and Q6_K at the file's bits (`emit::gemm_kquant`) rather than
     /// converted to Q5_0 with offsets and Q8_0: with VNNI. Under AVX2 the
     /// kernel's passes of one token over 8 rows were slower than the
-    /// converted path on a Gemma 3 4B Q4_K_M file (AMD EPYC, 2 threads,
-    /// `PULSAR_MAX_ISA=avx2 bench --pp 64 --tg 16`: prefill 22.2 against
-    /// 43.8 tok/s, decode 8.38 against 9.47 though it reads 2,524 MB a
-    /// token against 3,443), so there they stay converted unless
-    /// `PULSAR_K_QUANTS=native` asks.
+    /// converted path (prefill at half its speed, decode slower though it
+    /// reads about a quarter fewer bytes), so there they stay converted
+    /// unless `PULSAR_K_QUANTS=native` asks.
     pub k_quants_native: bool,
 }
 

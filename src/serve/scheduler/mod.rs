@@ -21,11 +21,9 @@
 //!   together (`policy::batch_draft_lens`): the drafted tokens that yield
 //!   most, while each yields twice what it costs against what a token
 //!   adds to such steps here (`BatchStepTimes`, fitted to this server's
-//!   decode steps). Under AVX2 alone, where a token adds 0.17-0.25 of a
-//!   4-token step, only drafts close to certain meet that (a 2- and
-//!   4-stream benchmark run drafted 54 tokens in shared steps; of all 56
-//!   drafted, 52 were confirmed); an engine whose small batches cost
-//!   little feeds more.
+//!   decode steps). Under AVX2 alone, where a token adds about a fifth of
+//!   a 4-token step, only drafts close to certain meet that; an engine
+//!   whose small batches cost little feeds more.
 //! - A step that feeds a prompt chunk carries no drafts.
 //!
 //! Handlers never wait on this thread: they put jobs in the [`Queue`] (a
@@ -38,9 +36,8 @@
 //! - a run of at most `EXACT_STEP_MAX_TOKENS` tokens of one sequence is
 //!   computed exactly as one-token steps (the engine's guarantee), and a
 //!   longer run in bulk, where each token's result does not depend on how
-//!   the run was cut into chunks or what else is in the step (measured on
-//!   the default model when this was written: chunkings 64+64+22, 50x3,
-//!   17+64+69 and 126+24 of 150 tokens gave the same bits);
+//!   the run was cut into chunks or what else is in the step
+//!   (`tests/batched_steps.rs` checks both);
 //! - so a prompt of more than `EXACT_STEP_MAX_TOKENS` tokens is always fed
 //!   in bulk runs of more than that many tokens, a shorter one in one exact
 //!   run, and generated tokens one at a time (exact);
