@@ -222,37 +222,19 @@ fn prefetch_group(ops: &mut Asm, p: &GemmQuantParams) {
     let q = p.q;
     iced(ops, |a| {
         if p.prefetch > 0 {
-            // The group's bytes ahead (Q8_0x16 9 lines, Q5_0x16 6), before
-            // its rounds: a round covers a share of the chunks, not of the
-            // group's bytes (the masks come last). Spread over the rounds
-            // as `rbx * 8 + 64 line` they missed 96 of Q8_0x16's 544
-            // bytes a group (decode 103.2, 112.1, 95.8 tok/s in the runs
-            // with it, 130.0, 131.7, 98.6 after, in another window).
+            // The whole group's lines, before its rounds: a round covers
+            // a share of the chunks, not of the bytes, so prefetches spread
+            // over the rounds missed some of each group.
             for line in 0..q.group_bytes().div_ceil(64) as i32 {
                 a.prefetcht0(byte_ptr(r9 + p.prefetch as i32 + 64 * line))?;
             }
         }
         if p.l2_prefetch > 0 {
-            // A pass over 4 tokens runs 32 `vpdpbusd` per group, and a
-            // step's products and its reads added up rather than
-            // overlapped (likely: the reorder buffer fills with products,
-            // so the L1 prefetch 8 KiB ahead issues too late for memory's
-            // latency under load, and L1's few fill buffers cap what is in
-            // flight). The same lines 32 KiB ahead into L2 as well: `bench
-            // --m-curve`, Intel Xeon (AVX-512 VNNI), 3 alternating runs, a
-            // step over 2 tokens 1.03-1.06x a one-token step (1.15-1.21x
-            // without), over 4 1.12-1.13x (1.25-1.28x), over 8 1.54-1.55x
-            // (1.71-1.74x). 16 KiB ahead gave 1.10-1.18x at 4 and
-            // 1.55-1.67x at 8, 24 KiB 1.10-1.15x and 1.54-1.64x, 48 KiB
-            // 1.15-1.26x at 4; the L2 lines in place of the L1 ones,
-            // 1.17-1.21x at 4. The one-token form had the L1 lines alone
-            // while each form had its own copy of the prefetches (no room
-            // in the budget); with them shared it has both, and decode got
-            // faster: `bench --no-tune --pp 16 --tg 128`, 6 alternating
-            // pairs, 131.4, 128.1, 129.0, 127.9, 147.6, 150.3 tok/s against
-            // 126.2, 124.0, 104.8, 113.6, 125.2, 135.2 (`tune --measure`,
-            // Q5_0x16 one token, 2 threads: 29.8, 29.8, 26.7 GB/s against
-            // 23.6, 25.0, 25.2).
+            // A pass over several tokens fills the reorder buffer with
+            // products, so the L1 prefetch alone issues too late for
+            // memory's latency under load; the same lines further ahead
+            // into L2 let reads and products overlap. Both forms share
+            // these prefetches (one copy in the code budget).
             for line in 0..q.group_bytes().div_ceil(64) as i32 {
                 a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
             }
@@ -329,25 +311,13 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         }
         Ok(())
     });
-    // A call of one token (a decode step) takes a loop of its own: the
-    // 4-token loop's 3 idle tokens made a step of the default model 15%
-    // slower. A call of 5 to 8 tokens takes one pass of 8: Q5_0x16's
-    // chunks are unpacked once for all 8 tokens, and the block's weights
-    // are read in one pass while its products run, where two passes of 4
-    // left memory idle during the second (`tune --measure`, Q8_0x16 at
-    // K 640 from memory, 2 threads, a call over 8 tokens against one over
-    // 1, five runs each, alternating: 0.98, 1.13, 1.34, 1.13, 1.25x with
-    // the pass of 8, 1.25, 1.32, 1.37, 1.33, 1.28x with two passes of 4).
-    //
-    // Every call is thus one pass, whose form the group's token count
-    // picks after the group's prefetches: one copy of the prefetches and
-    // of the step to the next group serves the three forms (a form each,
-    // with the group loop inside it, took 718 bytes more and did not fit
-    // the plan's budget with both types' passes of 8). The two compares
-    // a group cost nothing measurable next to its 8 to 64 `vpdpbusd`
-    // (`PULSAR_MEASURE_KIB=256 tune --measure`, Q5_0x16 from L2, one
-    // thread, three runs each: 1 token 45.9-46.0 GB/s against 44.8-47.0
-    // before, 8 tokens 16.4-16.5 against 15.8-16.8).
+    // A call of one token (a decode step) takes a loop of its own (the
+    // 4-token loop's idle tokens slowed decode); a call of 2 to 8 tokens
+    // one pass of 8, which unpacks Q5_0x16's chunks once for all tokens
+    // and keeps memory busy while its products run. The group's token
+    // count picks the form after the group's prefetches, so one copy of
+    // the prefetches and of the step to the next group serves all forms
+    // (a form each did not fit the plan's budget).
     let group = ops.new_dynamic_label();
     let one_token = ops.new_dynamic_label();
     let eight_tokens = ops.new_dynamic_label();
