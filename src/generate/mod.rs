@@ -228,11 +228,12 @@ pub fn decode(
     let mut fed = 0;
     let mut rows = logits;
     let width = rows.len();
-    let looped = loop {
+    let looped: Result<StopReason> = loop {
         let judged = generation.judge(&mut rows, req.interrupted, &mut show);
         fed += judged.confirmed;
-        let Outcome::Feed(next) = judged.outcome else {
-            break Ok(judged.outcome);
+        let next = match judged.outcome {
+            Outcome::Feed(next) => next,
+            Outcome::Finished(reason) => break Ok(reason),
         };
         engine.truncate(base + fed);
         // After the chosen token and its draft the cache must still fit.
@@ -257,19 +258,23 @@ pub fn decode(
             1
         };
         if rows.len() != rows_wanted * width {
-            anyhow::bail!(
+            break Err(anyhow::anyhow!(
                 "internal error: the engine returned {} logits for {rows_wanted} rows of {width}",
                 rows.len()
-            );
+            ));
         }
         generation.step_done(step.len(), began.elapsed().as_secs_f64());
         fed += 1;
     };
     // Drafted tokens fed past the end of the reply leave the cache.
     engine.truncate(base + fed);
-    let stop = match looped? {
-        Outcome::Finished(reason) => reason,
-        Outcome::Feed(_) => StopReason::Interrupted,
+    let stop = match looped {
+        Ok(stop) => stop,
+        Err(e) => {
+            // The sampler goes back also when the step failed.
+            *sampler = generation.into_parts().0;
+            return Err(e);
+        }
     };
     let reply = generation.reply_tokens();
     history.extend_from_slice(&reply[..fed]);
