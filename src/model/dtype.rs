@@ -218,15 +218,40 @@ impl DType {
         if offsets.is_empty() {
             return None;
         }
-        let ((i, k), scale) = bytes
-            .chunks_exact(self.scale_unit_bytes())
-            .enumerate()
-            .find_map(|(i, unit)| {
-                offsets.iter().enumerate().find_map(|(k, &at)| {
-                    let v = half::f16::from_le_bytes([unit[at], unit[at + 1]]);
-                    (!v.is_finite()).then_some(((i, k), v.to_f32()))
+        let unit_bytes = self.scale_unit_bytes();
+        let first_in = |from: usize, part: &[u8]| {
+            part.chunks_exact(unit_bytes)
+                .enumerate()
+                .find_map(|(i, unit)| {
+                    offsets.iter().enumerate().find_map(|(k, &at)| {
+                        let v = half::f16::from_le_bytes([unit[at], unit[at + 1]]);
+                        (!v.is_finite()).then_some(((from + i, k), v.to_f32()))
+                    })
                 })
-            })?;
+        };
+        // The scan is the first read of a tensor's pages in the mapped
+        // file (a 4B model's 2.5 GB): large tensors are split over the
+        // cores, and the first bad unit of the first part that has one is
+        // the tensor's first.
+        let units = bytes.len() / unit_bytes;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let ((i, k), scale) = if threads < 2 || bytes.len() < PARALLEL_SCAN_BYTES {
+            first_in(0, bytes)
+        } else {
+            let per = units.div_ceil(threads);
+            std::thread::scope(|scope| {
+                let parts: Vec<_> = bytes
+                    .chunks(per * unit_bytes)
+                    .enumerate()
+                    .map(|(n, part)| scope.spawn(move || first_in(n * per, part)))
+                    .collect();
+                // A part's thread cannot panic (slicing within its own
+                // chunk), so a join error is treated as nothing found.
+                parts
+                    .into_iter()
+                    .find_map(|part| part.join().ok().flatten())
+            })
+        }?;
         let block = match self {
             // Group i of the row blocks holds row (i / groups) * 4 + k's
             // block i % groups.
@@ -248,6 +273,10 @@ impl DType {
         (elems / self.block_elems()).checked_mul(self.block_bytes())
     }
 }
+
+/// Tensors of at least this many bytes have their scales scanned on
+/// several threads ([`DType::first_bad_scale`]).
+const PARALLEL_SCAN_BYTES: usize = 8 << 20;
 
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -364,6 +393,23 @@ mod tests {
         }
         // Types without block scales are not scanned.
         assert_eq!(DType::F16.first_bad_scale(&[0xff; 8], 4), None);
+    }
+
+    /// A tensor large enough to be scanned on several threads reports the
+    /// first bad block of the whole tensor, whichever part holds it.
+    #[test]
+    fn a_large_tensor_scanned_in_parts_reports_its_first_bad_block() {
+        let dtype = DType::Q8_0;
+        let count = PARALLEL_SCAN_BYTES / dtype.block_bytes() + 1000;
+        let good = blocks(dtype, count);
+        assert_eq!(dtype.first_bad_scale(&good, 256), None);
+        let bad = half::f16::NAN.to_le_bytes();
+        let mut bytes = good;
+        let (early, late) = (count / 3, count - 2);
+        bytes[late * dtype.block_bytes()..][..2].copy_from_slice(&bad);
+        assert_eq!(dtype.first_bad_scale(&bytes, 256).map(|b| b.0), Some(late));
+        bytes[early * dtype.block_bytes()..][..2].copy_from_slice(&bad);
+        assert_eq!(dtype.first_bad_scale(&bytes, 256).map(|b| b.0), Some(early));
     }
 
     /// In quantized row blocks a group holds 4 rows' scales: a bad one is
