@@ -26,6 +26,9 @@ pub type HiddenTrace = Vec<Vec<Vec<f32>>>;
 
 impl ReferenceEngine {
     pub fn load(src: &ModelSource) -> Result<ReferenceEngine> {
+        if src.config.family == crate::model::config::Family::Gemma3n {
+            bail!("the reference engine does not run Gemma 3n yet");
+        }
         let weights = ModelWeights::load(src, |_, t| {
             let m = F32Matrix::from_view(&t);
             t.release_pages();

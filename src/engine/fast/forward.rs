@@ -194,7 +194,7 @@ impl FastEngine {
                 .iter()
                 .zip(a.per_layer_inputs.chunks_exact_mut(width))
             {
-                table.embedding.row_f32(token as usize, &mut row);
+                table.embedding.row_f32(c.per_layer_row(token), &mut row);
                 ops::combine_per_layer_inputs(
                     inputs,
                     &row,
