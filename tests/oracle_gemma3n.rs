@@ -15,11 +15,122 @@
 
 mod common;
 
+use common::*;
+use pulsar::engine::reference::ReferenceEngine;
+use pulsar::engine::{Engine, LogitsWanted};
+use pulsar::model::config::Family;
 use pulsar::model::source::ModelSource;
 use std::path::{Path, PathBuf};
 
 fn gemma3n_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gemma3n")
+}
+
+/// The fixture's input ids and expected logits. Python wrote the GGUF
+/// twin's metadata into reference.json with its `-Infinity` (the
+/// sparsity scale of layers without a cut), which is not JSON: read as
+/// null.
+fn expected(reference: &str, weights: &str) -> (Vec<u32>, Vec<f32>) {
+    let dir = gemma3n_dir().join(reference);
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let text = text
+        .replace("-Infinity", "null")
+        .replace("Infinity", "null");
+    let meta: serde_json::Value = serde_json::from_str(&text).expect("reference.json");
+    let input = ids(&meta["input_ids"]);
+    let logits = read_f32(&dir.join(format!("logits_{weights}weights.bin")));
+    (input, logits)
+}
+
+/// The reference engine on `model` against `reference`'s logits of
+/// `weights` within `tolerance`, and with f32 weights each layer's stream
+/// 0 and the final norm's output within `state_tolerance`.
+fn check_reference(
+    model: &str,
+    reference: &str,
+    weights: &str,
+    tolerance: f32,
+    state_tolerance: f32,
+) {
+    let (input, want) = expected(reference, weights);
+    let src = ModelSource::open(&gemma3n_dir().join(model)).expect("fixture opens");
+    assert_eq!(src.config.family, Family::Gemma3n);
+    let (vocab, hidden) = (src.config.vocab_size, src.config.hidden);
+    let n_layers = src.config.n_layers();
+    let mut engine = ReferenceEngine::load(&src).expect("weights load");
+    let (logits, trace) = engine.forward_traced(&input).expect("forward");
+    if weights == "f32" {
+        let dir = gemma3n_dir().join(reference);
+        // [layers + 1, streams, tokens, hidden]: stream 0 of each index.
+        let states = read_f32(&dir.join("hidden_states_f32weights.bin"));
+        let streams = states.len() / ((n_layers + 1) * input.len() * hidden);
+        assert_eq!(
+            states.len(),
+            (n_layers + 1) * streams * input.len() * hidden
+        );
+        let finals = read_f32(&dir.join("final_hidden_f32weights.bin"));
+        assert_eq!(trace[0].len(), n_layers + 2);
+        let mut worst_state = 0.0f32;
+        for state in 0..n_layers + 2 {
+            let mut worst = 0.0f32;
+            for (pos, snapshots) in trace.iter().enumerate() {
+                let expect = if state <= n_layers {
+                    let at = ((state * streams) * input.len() + pos) * hidden;
+                    &states[at..at + hidden]
+                } else {
+                    &finals[pos * hidden..(pos + 1) * hidden]
+                };
+                worst = worst.max(max_abs_diff(&snapshots[state], expect).0);
+            }
+            worst_state = worst_state.max(worst);
+            assert!(
+                worst <= state_tolerance,
+                "{model}: hidden state {state} (0 = embedding, last = final norm) differs by {worst}"
+            );
+        }
+        println!("{model}: reference engine, max abs hidden-state diff {worst_state:e}");
+    }
+    assert_eq!(logits.len(), input.len() * vocab);
+    let (diff, at) = max_abs_diff(&logits, &want);
+    println!("{model}: reference engine, max abs logit diff {diff:e}");
+    assert!(
+        diff <= tolerance,
+        "{model}: logits differ by {diff} at position {}, token {}",
+        at / vocab,
+        at % vocab
+    );
+}
+
+#[test]
+fn reference_hf_f32() {
+    check_reference("tiny-gemma3n-f32", "tiny-gemma3n-ref", "f32", 1e-4, 2e-5);
+}
+
+#[test]
+fn reference_hf_bf16() {
+    check_reference("tiny-gemma3n-bf16", "tiny-gemma3n-ref", "bf16", 1e-4, 0.0);
+}
+
+#[test]
+fn reference_llamacpp_shape_hf_f32() {
+    check_reference(
+        "tiny-gemma3n-llamacpp-f32",
+        "tiny-gemma3n-llamacpp-ref",
+        "f32",
+        5e-4,
+        2e-4,
+    );
+}
+
+#[test]
+fn reference_gguf() {
+    check_reference(
+        "tiny-gemma3n-llamacpp-f32.gguf",
+        "tiny-gemma3n-llamacpp-ref",
+        "f32",
+        5e-4,
+        2e-4,
+    );
 }
 
 /// The HF folder and llama.cpp's GGUF of the same model give the same
@@ -74,9 +185,26 @@ fn the_description_follows_the_config() {
 /// row 0, as transformers maps them: the fixture's input has four.
 #[test]
 fn ids_past_the_per_layer_table_read_row_0() {
+    let (input, _) = expected("tiny-gemma3n-ref", "f32");
+    assert!(input.iter().filter(|&&t| t >= 192).count() >= 4);
     let c = ModelSource::open(&gemma3n_dir().join("tiny-gemma3n-f32"))
         .unwrap()
         .config;
     assert_eq!(c.per_layer_row(200), 0);
     assert_eq!(c.per_layer_row(191), 191);
+}
+
+/// One token at a time through the KV cache (sliding windows, KV
+/// sharing) computes what the whole sequence at once does.
+#[test]
+fn the_reference_engine_steps_as_it_runs() {
+    let (input, want) = expected("tiny-gemma3n-ref", "f32");
+    let src = ModelSource::open(&gemma3n_dir().join("tiny-gemma3n-f32")).unwrap();
+    let mut engine = ReferenceEngine::load(&src).unwrap();
+    let mut logits = engine.forward(&input[..7], LogitsWanted::All).unwrap();
+    for &t in &input[7..] {
+        logits.extend(engine.forward(&[t], LogitsWanted::All).unwrap());
+    }
+    let (diff, _) = max_abs_diff(&logits, &want);
+    assert!(diff <= 1e-4, "logits differ by {diff}");
 }
