@@ -163,9 +163,6 @@ impl FastEngine {
         if opts.context == 0 {
             bail!("the context size must be at least 1 token");
         }
-        if config.features.altup.is_some() || config.features.laurel_rank > 0 {
-            bail!("the fast engine does not run Gemma 3n yet; use --engine reference");
-        }
         if let Err(why) = resolve_kernels(&*kernels, &mut weights) {
             bail!("internal error: {why}; the plan was made for other weight formats");
         }
