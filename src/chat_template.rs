@@ -393,6 +393,8 @@ mod tests {
             "gemma-2b-it",
             "Gemma 3 270m It",
             "gemma-3-270m-it-Q4_K_M.gguf",
+            "gemma-3n-E2B-it-Q4_K_M.gguf",
+            "Gemma 3n E4B It",
             "Llama-3-8B-Instruct",
         ] {
             assert!(marks_instruction_tuned(name), "{name}");
@@ -401,6 +403,7 @@ mod tests {
             "gemma-3-270m-q4_k_m.gguf",
             "Gemma 3 270m",
             "gemma-2b",
+            "gemma-3n-E4B",
             "italian-model",
             "split",
         ] {

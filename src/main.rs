@@ -319,7 +319,7 @@ struct GenerationCli {
     /// (Gemma 1–3 have no system role).
     #[arg(long)]
     system: Option<String>,
-    /// Turn format: `gemma` (Gemma 1–3 instruction-tuned), `gemma4`, `dialogue` (User:/Assistant:
+    /// Turn format: `gemma` (Gemma 1–3 and 3n instruction-tuned), `gemma4`, `dialogue` (User:/Assistant:
     /// lines, for base models), a JSON file like templates/gemma.json or a Jinja file
     /// (.jinja). Default: the template the model ships, else gemma4 or gemma by its vocabulary
     /// when its name marks it instruction-tuned (-it), else dialogue.
@@ -435,7 +435,7 @@ struct DumpCli {
     /// Model .gguf, HF folder or a bare HF config.json (shape only); default: the cached gemma-3-270m
     #[arg(short = 'm', long = "model")]
     model: Option<PathBuf>,
-    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b; FP16 unless --dtype says otherwise)
+    /// Plan for a known shape instead of a model (gemma-2b, gemma3-270m, gemma3n-e2b, gemma3n-e4b, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b; FP16 unless --dtype says otherwise)
     #[arg(long, conflicts_with = "model")]
     shape: Option<String>,
     /// Write KERNEL.bin and KERNEL.asm for every kernel into this directory
@@ -691,7 +691,7 @@ enum Command {
         /// Model (default: Gemma 3 270M).
         #[arg(short, long, conflicts_with = "shape")]
         model: Option<PathBuf>,
-        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
+        /// Benchmark a known shape on random weights instead (gemma-2b, gemma3-270m, gemma3n-e2b, gemma3n-e4b, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
         #[arg(long)]
         shape: Option<String>,
         /// Formats of the matrices (random weights: native means f16).

@@ -90,6 +90,7 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
         Family::Gemma4 => "gemma4",
+        Family::Gemma3n => "gemma3n",
     };
     let key = |k: &str| format!("{arch}.{k}");
     w.add_str("general.architecture", arch);
@@ -161,9 +162,14 @@ pub enum Target {
 pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let target = target.unwrap_or(Target::Native);
     let src = ModelSource::open(input)?;
-    if src.config.family == Family::Gemma4 {
+    let unwritten = match src.config.family {
+        Family::Gemma4 => Some("Gemma 4"),
+        Family::Gemma3n => Some("Gemma 3n"),
+        _ => None,
+    };
+    if let Some(name) = unwritten {
         bail!(
-            "{}: `pulsar convert` does not write Gemma 4 models yet; run the GGUF file or HF folder directly",
+            "{}: `pulsar convert` does not write {name} models yet; run the GGUF file or HF folder directly",
             input.display()
         );
     }

@@ -117,6 +117,100 @@ pub fn route_experts(logits: &[f32], top_k: usize, expert_scale: &[f32]) -> Vec<
         .collect()
 }
 
+/// Gemma 3n's AltUp router on one stream `v`: `tanh(router · (rms(v) ⊙
+/// input_scale))`, one weight per stream (`router` is `[streams, hidden]`
+/// row-major; `input_scale` holds the router norm times `1 / hidden`).
+pub fn altup_route(router: &[f32], input_scale: &[f32], v: &[f32], eps: f32) -> Vec<f32> {
+    let mut input = vec![0.0; v.len()];
+    rms_norm(v, input_scale, eps, &mut input);
+    let mut m = vec![0.0; router.len() / v.len()];
+    matvec(router, &input, &mut m);
+    m.iter_mut().for_each(|w| *w = w.tanh());
+    m
+}
+
+/// AltUp's prediction, in place on one token's streams (`[streams][hidden]`):
+/// stream j becomes `s_j + Σ_k C[j,k] s_k`, where `C` (`[streams,
+/// streams]`, row-major) is the prediction coefficients `predict`
+/// (`[streams², streams]`) applied to the router's weights `m`.
+pub fn altup_predict(streams: &mut [f32], hidden: usize, predict: &[f32], m: &[f32]) {
+    let n = m.len();
+    let mut coefs = vec![0.0; n * n];
+    matvec(predict, m, &mut coefs);
+    let old = streams.to_vec();
+    for (j, out) in streams.chunks_exact_mut(hidden).enumerate() {
+        for (k, s) in old.chunks_exact(hidden).enumerate() {
+            let c = coefs[j * n + k];
+            for (o, &v) in out.iter_mut().zip(s) {
+                *o += c * v;
+            }
+        }
+    }
+}
+
+/// AltUp's correction, in place on one token's predicted streams: with
+/// `x` what the layer made of the active stream's prediction, stream j
+/// gains `(correct · m + 1)_j · (x - prediction_active)` (`correct` is
+/// `[streams, streams]`, `m` the router's weights for `x`).
+pub fn altup_correct(
+    streams: &mut [f32],
+    hidden: usize,
+    correct: &[f32],
+    m: &[f32],
+    x: &[f32],
+    active: usize,
+) {
+    let mut coefs = vec![0.0; m.len()];
+    matvec(correct, m, &mut coefs);
+    let innovation: Vec<f32> = x
+        .iter()
+        .zip(&streams[active * hidden..(active + 1) * hidden])
+        .map(|(x, p)| x - p)
+        .collect();
+    for (s, c) in streams.chunks_exact_mut(hidden).zip(&coefs) {
+        let c = c + 1.0;
+        for (v, d) in s.iter_mut().zip(&innovation) {
+            *v += c * d;
+        }
+    }
+}
+
+/// The root mean square of `x`, without an epsilon.
+pub fn rms(x: &[f32]) -> f32 {
+    (dot(x, x) / x.len() as f32).sqrt()
+}
+
+/// Rescales `y` in place to the root mean square `target` (AltUp's
+/// streams beside stream 0): `y · target / sqrt(max(mean(y²), 1e-5))`.
+pub fn match_rms(y: &mut [f32], target: f32) {
+    let mean_sq = (dot(y, y) / y.len() as f32).max(1e-5);
+    let scale = target / mean_sq.sqrt();
+    y.iter_mut().for_each(|v| *v *= scale);
+}
+
+/// Gemma 3n's activation sparsity on one token's gate pre-activations:
+/// `relu(g - (mean(g) + cut · std(g)))`, the population statistics over
+/// the row (the mean and variance summed in f64).
+pub fn gaussian_top_k(g: &mut [f32], cut: f32) {
+    let n = g.len() as f64;
+    let mean = g.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let var = g
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let cutoff = (mean + var.sqrt() * f64::from(cut)) as f32;
+    g.iter_mut().for_each(|v| *v = (*v - cutoff).max(0.0));
+}
+
+/// Gemma 3n's residual after attention with LAuReL beside it:
+/// `x = (x + attn + laurel) / √2`.
+pub fn laurel_residual(x: &mut [f32], attn: &[f32], laurel: &[f32]) {
+    for ((v, a), l) in x.iter_mut().zip(attn).zip(laurel) {
+        *v = (*v + a + l) * std::f32::consts::FRAC_1_SQRT_2;
+    }
+}
+
 /// GELU, tanh approximation (what Gemma was trained with, whatever its
 /// config calls it).
 pub fn gelu_tanh(x: f32) -> f32 {

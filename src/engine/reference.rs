@@ -9,7 +9,7 @@ use super::{Engine, LogitsWanted};
 use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
 use crate::model::weights::{
-    F32Matrix, LayerWeights, ModelWeights, MoeWeights, PerLayerInputTable,
+    AltUpStreams, F32Matrix, LayerWeights, ModelWeights, MoeWeights, PerLayerInputTable,
 };
 use anyhow::{Result, bail};
 
@@ -21,7 +21,8 @@ pub struct ReferenceEngine {
 
 /// Per-position snapshots of the residual stream, in the oracle's layout:
 /// `[layers + 2][hidden]` per token: the scaled embedding, the stream after
-/// each layer, and the final norm's output.
+/// each layer, and the final norm's output. With AltUp (Gemma 3n), the
+/// stream after each layer is stream 0.
 pub type HiddenTrace = Vec<Vec<Vec<f32>>>;
 
 impl ReferenceEngine {
@@ -77,11 +78,19 @@ impl ReferenceEngine {
                 .per_layer_input
                 .as_ref()
                 .map(|table| per_layer_inputs(c, table, token, &x));
+            let mut streams = self.weights.altup.as_ref().map(|a| altup_streams(a, &x));
             let p = c.features.per_layer_input;
             for (i, layer) in self.weights.layers.iter().enumerate() {
                 let input = inputs.as_ref().map(|all| &all[i * p..(i + 1) * p]);
-                layer_step(c, i, layer, &mut self.kv, pos, &mut x, input);
-                snapshots.push(x.clone());
+                let kv = &mut self.kv;
+                layer_step(c, i, layer, kv, pos, &mut x, streams.as_deref_mut(), input);
+                snapshots.push(match &streams {
+                    Some(s) => s[..c.hidden].to_vec(),
+                    None => x.clone(),
+                });
+            }
+            if let (Some(a), Some(s)) = (&self.weights.altup, &streams) {
+                x = altup_merge(a, s);
             }
             self.kv.advance();
             rms_norm_in_place(&mut x, &self.weights.final_norm, c.rms_eps);
@@ -148,7 +157,12 @@ impl Engine for ReferenceEngine {
 /// One transformer block for the token at `pos`, updating the residual
 /// stream `x` in place and appending this position's K and V to the cache
 /// (unless the layer reads an earlier layer's). `per_layer_input` is this
-/// layer's part of the token's per-layer input (Gemma 4), if any.
+/// layer's part of the token's per-layer input (Gemma 3n and 4), if any.
+///
+/// With AltUp (Gemma 3n) the residual is `streams` (`[streams][hidden]`):
+/// the block runs on the active stream's prediction in `x`, then corrects
+/// every stream with what it added; `x` is scratch between layers.
+#[allow(clippy::too_many_arguments)]
 fn layer_step(
     c: &ModelConfig,
     layer_index: usize,
@@ -156,12 +170,37 @@ fn layer_step(
     kv: &mut KvCache,
     pos: usize,
     x: &mut [f32],
+    mut streams: Option<&mut [f32]>,
     per_layer_input: Option<&[f32]>,
 ) {
     let shape = c.shape(layer_index);
     let hd = shape.head_dim;
+    let h = c.hidden;
+    let active = c.features.altup.map_or(0, |a| a.active);
+    if let (Some(a), Some(s)) = (&w.altup, streams.as_deref_mut()) {
+        let m = ops::altup_route(
+            &a.router.data,
+            &a.router_input_scale,
+            &s[active * h..(active + 1) * h],
+            c.rms_eps,
+        );
+        ops::altup_predict(s, h, &a.predict.data, &m);
+        x.copy_from_slice(&s[active * h..(active + 1) * h]);
+    }
     let mut normed = vec![0.0; c.hidden];
     rms_norm(x, &w.attn_norm, c.rms_eps, &mut normed);
+    // LAuReL: h + norm(right(left(h))) beside attention.
+    let laurel = w.laurel.as_ref().map(|l| {
+        let mut mid = vec![0.0; l.left.rows];
+        matvec(&l.left.data, &normed, &mut mid);
+        let mut out = vec![0.0; c.hidden];
+        matvec(&l.right.data, &mid, &mut out);
+        rms_norm_in_place(&mut out, &l.post_norm, c.rms_eps);
+        for (o, n) in out.iter_mut().zip(&normed) {
+            *o += n;
+        }
+        out
+    });
 
     let mut q = vec![0.0; c.n_heads * hd];
     matvec(&w.q.data, &normed, &mut q);
@@ -240,14 +279,26 @@ fn layer_step(
     if let Some(n) = &w.attn_post_norm {
         rms_norm_in_place(&mut projected, n, c.rms_eps);
     }
-    for (xi, a) in x.iter_mut().zip(&projected) {
-        *xi += a;
+    match &laurel {
+        Some(l) => ops::laurel_residual(x, &projected, l),
+        None => {
+            for (xi, a) in x.iter_mut().zip(&projected) {
+                *xi += a;
+            }
+        }
     }
 
     // Feed-forward: down(gelu(gate(h)) * up(h)), and with a mixture the
     // experts' weighted sum beside it.
     rms_norm(x, &w.ffn_norm, c.rms_eps, &mut normed);
-    mlp(&w.gate, &w.up, &w.down, &normed, &mut projected);
+    mlp(
+        &w.gate,
+        &w.up,
+        &w.down,
+        &normed,
+        shape.sparsity_cut,
+        &mut projected,
+    );
     if let Some(moe) = &w.moe {
         rms_norm_in_place(&mut projected, &moe.dense_post_norm, c.rms_eps);
         let mut routed = vec![0.0; c.hidden];
@@ -264,16 +315,46 @@ fn layer_step(
         *xi += f;
     }
 
+    if let (Some(a), Some(s)) = (&w.altup, streams.as_deref_mut()) {
+        let m = ops::altup_route(&a.router.data, &a.router_input_scale, x, c.rms_eps);
+        ops::altup_correct(s, h, &a.correct.data, &m, x, active);
+    }
+
     if let (Some(ple), Some(input)) = (&w.per_layer_input, per_layer_input) {
+        // The gate reads the residual; with AltUp the corrected active
+        // stream, times its scale.
+        let gate_input: Vec<f32> = match (&streams, &w.altup) {
+            (Some(s), Some(a)) => {
+                let stream = &s[active * h..(active + 1) * h];
+                match &a.correct_output_scale {
+                    Some(scale) => stream.iter().zip(scale).map(|(v, s)| v * s).collect(),
+                    None => stream.to_vec(),
+                }
+            }
+            _ => x.to_vec(),
+        };
         let mut gate = vec![0.0; input.len()];
-        matvec(&ple.gate.data, x, &mut gate);
+        matvec(&ple.gate.data, &gate_input, &mut gate);
         for (g, &p) in gate.iter_mut().zip(input) {
             *g = ops::gelu_tanh(*g) * p;
         }
         matvec(&ple.projection.data, &gate, &mut projected);
         rms_norm_in_place(&mut projected, &ple.post_norm, c.rms_eps);
-        for (xi, p) in x.iter_mut().zip(&projected) {
-            *xi += p;
+        match streams {
+            // Every stream but 0 (transformers and llama.cpp name stream 0,
+            // not the active one).
+            Some(s) => {
+                for stream in s.chunks_exact_mut(h).skip(1) {
+                    for (v, p) in stream.iter_mut().zip(&projected) {
+                        *v += p;
+                    }
+                }
+            }
+            None => {
+                for (xi, p) in x.iter_mut().zip(&projected) {
+                    *xi += p;
+                }
+            }
         }
     }
     if w.output_scale != 1.0 {
@@ -281,11 +362,58 @@ fn layer_step(
     }
 }
 
-/// `out = down(gelu(gate(h)) * up(h))`.
-fn mlp(gate: &F32Matrix, up: &F32Matrix, down: &F32Matrix, h: &[f32], out: &mut [f32]) {
+/// AltUp's streams of a token from its scaled embedding `x0`
+/// (`[streams][hidden]`): stream 0 is `x0`, stream k its k-th projection
+/// rescaled to the RMS of `x0`.
+fn altup_streams(a: &AltUpStreams<F32Matrix>, x0: &[f32]) -> Vec<f32> {
+    let h = x0.len();
+    let target = ops::rms(x0);
+    let mut streams = vec![0.0; (a.projections.len() + 1) * h];
+    streams[..h].copy_from_slice(x0);
+    for (p, s) in a.projections.iter().zip(streams[h..].chunks_exact_mut(h)) {
+        matvec(&p.data, x0, s);
+        ops::match_rms(s, target);
+    }
+    streams
+}
+
+/// The residual AltUp's streams leave for the final norm: the mean of
+/// stream 0 and each other stream's unembedding, rescaled to the RMS of
+/// stream 0.
+fn altup_merge(a: &AltUpStreams<F32Matrix>, streams: &[f32]) -> Vec<f32> {
+    let n = a.unembed.len() + 1;
+    let h = streams.len() / n;
+    let first = &streams[..h];
+    let target = ops::rms(first);
+    let mut sum = first.to_vec();
+    let mut t = vec![0.0; h];
+    for (u, s) in a.unembed.iter().zip(streams[h..].chunks_exact(h)) {
+        matvec(&u.data, s, &mut t);
+        ops::match_rms(&mut t, target);
+        for (acc, v) in sum.iter_mut().zip(&t) {
+            *acc += v;
+        }
+    }
+    sum.iter_mut().for_each(|v| *v /= n as f32);
+    sum
+}
+
+/// `out = down(gelu(gate(h)) * up(h))`, with Gemma 3n's activation
+/// sparsity cutting `gate(h)` first where the layer has it.
+fn mlp(
+    gate: &F32Matrix,
+    up: &F32Matrix,
+    down: &F32Matrix,
+    h: &[f32],
+    sparsity_cut: Option<f32>,
+    out: &mut [f32],
+) {
     let mut g = vec![0.0; gate.rows];
     let mut u = vec![0.0; up.rows];
     matvec(&gate.data, h, &mut g);
+    if let Some(cut) = sparsity_cut {
+        ops::gaussian_top_k(&mut g, cut);
+    }
     matvec(&up.data, h, &mut u);
     for (g, u) in g.iter_mut().zip(&u) {
         *g = ops::gelu_tanh(*g) * u;
@@ -316,6 +444,7 @@ fn experts_step(c: &ModelConfig, moe: &MoeWeights<F32Matrix>, x: &[f32], out: &m
             &expert.up,
             &expert.down,
             &expert_in,
+            None,
             &mut expert_out,
         );
         for (o, v) in out.iter_mut().zip(&expert_out) {
@@ -337,7 +466,7 @@ pub fn per_layer_inputs(
     let mut projected = vec![0.0; c.n_layers() * p];
     matvec(&table.model_projection.data, x0, &mut projected);
     let mut row = vec![0.0; c.n_layers() * p];
-    table.embedding.row_f32(token as usize, &mut row);
+    table.embedding.row_f32(c.per_layer_row(token), &mut row);
     ops::combine_per_layer_inputs(
         &mut projected,
         &row,

@@ -7,8 +7,8 @@ use crate::model::config::ModelConfig;
 use crate::model::dtype::{DType, TensorView};
 use crate::model::source::{ExpertRole, LayerRole, Role};
 use crate::model::weights::{
-    F32Matrix, LayerWeights, Mlp, ModelWeights, MoeWeights, PerLayerInputTable,
-    PerLayerInputWeights, RowTable, has_layer_matrix, matrix_shape,
+    AltUpStreams, AltUpWeights, F32Matrix, LaurelWeights, LayerWeights, Mlp, ModelWeights,
+    MoeWeights, PerLayerInputTable, PerLayerInputWeights, RowTable, has_layer_matrix, matrix_shape,
 };
 
 /// splitmix64: a tiny, fast, well-mixed generator; quality needs are low.
@@ -78,6 +78,19 @@ fn random_rows([rows, cols]: [usize; 2], seed: u64) -> RowTable {
     })
 }
 
+/// A small f32 matrix of values uniform in ±0.5 (routers, AltUp's
+/// coefficients).
+fn random_small(rows: usize, cols: usize, seed: u64) -> F32Matrix {
+    let mut state = seed;
+    F32Matrix {
+        rows,
+        cols,
+        data: (0..rows * cols)
+            .map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect(),
+    }
+}
+
 /// Random weights for `c` in `formats`, deterministic in `seed`: every
 /// matrix the config calls for (per-layer shapes, per-layer inputs and
 /// experts included), norms of ones, scales of one.
@@ -110,30 +123,32 @@ pub fn random_weights(
             projection: m(LayerRole::PleProjection),
             post_norm: ones(c.hidden),
         });
-        let moe = c.features.moe.map(|shape| {
-            let mut values = 0u64;
-            let router = (0..shape.experts * c.hidden)
-                .map(|_| (splitmix(&mut values) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                .collect();
-            MoeWeights {
-                router: F32Matrix {
-                    rows: shape.experts,
-                    cols: c.hidden,
-                    data: router,
-                },
-                router_input_scale: ones(c.hidden),
-                expert_scale: ones(shape.experts),
-                norm: ones(c.hidden),
-                dense_post_norm: ones(c.hidden),
-                experts_post_norm: ones(c.hidden),
-                experts: (0..shape.experts)
-                    .map(|e| Mlp {
-                        gate: mat(Role::Expert(i, e, ExpertRole::Gate)),
-                        up: mat(Role::Expert(i, e, ExpertRole::Up)),
-                        down: mat(Role::Expert(i, e, ExpertRole::Down)),
-                    })
-                    .collect(),
-            }
+        let laurel = (c.features.laurel_rank > 0).then(|| LaurelWeights {
+            left: m(LayerRole::LaurelLeft),
+            right: m(LayerRole::LaurelRight),
+            post_norm: ones(c.hidden),
+        });
+        let altup = c.features.altup.map(|a| AltUpWeights {
+            router: random_small(a.streams, c.hidden, 1),
+            router_input_scale: vec![1.0 / c.hidden as f32; c.hidden],
+            predict: random_small(a.streams * a.streams, a.streams, 2),
+            correct: random_small(a.streams, a.streams, 3),
+            correct_output_scale: a.correct_scale.then(|| ones(c.hidden)),
+        });
+        let moe = c.features.moe.map(|shape| MoeWeights {
+            router: random_small(shape.experts, c.hidden, 0),
+            router_input_scale: ones(c.hidden),
+            expert_scale: ones(shape.experts),
+            norm: ones(c.hidden),
+            dense_post_norm: ones(c.hidden),
+            experts_post_norm: ones(c.hidden),
+            experts: (0..shape.experts)
+                .map(|e| Mlp {
+                    gate: mat(Role::Expert(i, e, ExpertRole::Gate)),
+                    up: mat(Role::Expert(i, e, ExpertRole::Up)),
+                    down: mat(Role::Expert(i, e, ExpertRole::Down)),
+                })
+                .collect(),
         });
         layers.push(LayerWeights {
             q,
@@ -151,6 +166,8 @@ pub fn random_weights(
             k_norm: (c.has_qk_norm() && c.keeps_kv(i)).then(|| ones(hd)),
             per_layer_input,
             moe,
+            altup,
+            laurel,
             output_scale: 1.0,
         });
     }
@@ -159,10 +176,19 @@ pub fn random_weights(
         model_projection: mat(Role::PerLayerModelProjection),
         projection_norm: ones(c.features.per_layer_input),
     });
+    let altup = c.features.altup.map(|a| AltUpStreams {
+        projections: (0..a.streams - 1)
+            .map(|k| mat(Role::AltUpProjection(k)))
+            .collect(),
+        unembed: (0..a.streams - 1)
+            .map(|k| mat(Role::AltUpUnembed(k)))
+            .collect(),
+    });
     ModelWeights {
         embedding: mat(Role::Embedding),
         final_norm: ones(c.hidden),
         layers,
         per_layer_input,
+        altup,
     }
 }

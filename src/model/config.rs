@@ -22,10 +22,16 @@ pub enum Family {
     /// models add per-layer inputs, KV sharing or a mixture of experts
     /// ([`Features`]).
     Gemma4,
+    /// Gemma 3n text (E2B, E4B): Gemma 4's block (RMSNorm by `w`, scale 1,
+    /// V norm, per-layer inputs, KV sharing) with AltUp's parallel
+    /// streams, the LAuReL residual and activation sparsity
+    /// ([`Features::altup`], [`Features::laurel_rank`],
+    /// [`LayerShape::sparsity_cut`]).
+    Gemma3n,
 }
 
 /// The shape of one layer where a family lets layers differ.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerShape {
     pub head_dim: usize,
     pub n_kv_heads: usize,
@@ -43,6 +49,23 @@ pub struct LayerShape {
     /// V is the K projection's output (before K's norm and RoPE): the
     /// layer has no V projection (`attention_k_eq_v`).
     pub values_from_keys: bool,
+    /// Gemma 3n's activation sparsity: `Some(c)` cuts the feed-forward's
+    /// gate pre-activations to `relu(g - (mean(g) + c * std(g)))` over the
+    /// layer's width (a Gaussian top-k; `c` is the standard normal
+    /// quantile of the fraction cut).
+    pub sparsity_cut: Option<f32>,
+}
+
+/// Gemma 3n's AltUp: the residual is `streams` parallel vectors; each
+/// layer computes on the `active` one, predicts the others from it and
+/// corrects them with what the layer added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AltUp {
+    pub streams: usize,
+    pub active: usize,
+    /// The per-layer input's gate reads the active stream times a stored
+    /// scale (`altup_correct_scale`).
+    pub correct_scale: bool,
 }
 
 /// A mixture-of-experts feed-forward beside the dense one.
@@ -83,6 +106,15 @@ pub struct Features {
     pub value_norm: bool,
     /// Each layer ends by scaling the residual stream by a stored scalar.
     pub layer_scalar: bool,
+    /// Rows of the per-layer token table (with per-layer inputs): ids past
+    /// it read row 0, as transformers maps them (Gemma 3n's table leaves
+    /// out the multimodal tokens at the end of the vocabulary).
+    pub per_layer_vocab: usize,
+    /// Gemma 3n: the residual as parallel streams ([`AltUp`]).
+    pub altup: Option<AltUp>,
+    /// Gemma 3n's LAuReL: a low-rank branch of this rank beside attention
+    /// (0 = none).
+    pub laurel_rank: usize,
 }
 
 /// How one layer attends.
@@ -139,6 +171,7 @@ impl ModelConfig {
                 rotated_pairs: self.head_dim / 2,
                 kv_layer: i,
                 values_from_keys: false,
+                sparsity_cut: None,
             },
         }
     }
@@ -177,13 +210,27 @@ impl ModelConfig {
     pub fn has_post_norms(&self) -> bool {
         matches!(
             self.family,
-            Family::Gemma2 | Family::Gemma3 | Family::Gemma4
+            Family::Gemma2 | Family::Gemma3 | Family::Gemma4 | Family::Gemma3n
         )
     }
 
-    /// Gemma 3 and 4 normalize each query and key head before RoPE.
+    /// Gemma 3, 3n and 4 normalize each query and key head before RoPE.
     pub fn has_qk_norm(&self) -> bool {
-        matches!(self.family, Family::Gemma3 | Family::Gemma4)
+        matches!(
+            self.family,
+            Family::Gemma3 | Family::Gemma4 | Family::Gemma3n
+        )
+    }
+
+    /// The row of the per-layer token table a token reads: its own, or
+    /// row 0 past the table's end (transformers' mapping).
+    pub fn per_layer_row(&self, token: u32) -> usize {
+        let t = token as usize;
+        if t < self.features.per_layer_vocab {
+            t
+        } else {
+            0
+        }
     }
 
     /// Checks the relations the forward pass relies on.
@@ -261,6 +308,11 @@ impl ModelConfig {
                     s.head_dim
                 );
             }
+            if let Some(cut) = s.sparsity_cut
+                && !cut.is_finite()
+            {
+                bail!("{o}: layer {i}'s activation sparsity multiplier {cut} is not finite");
+            }
             if s.kv_layer > i {
                 bail!(
                     "{o}: layer {i} cannot share the keys of the later layer {}",
@@ -291,6 +343,36 @@ impl ModelConfig {
                 m.top_k,
                 m.width
             );
+        }
+        let f = &self.features;
+        if f.per_layer_input > 0 && (f.per_layer_vocab == 0 || f.per_layer_vocab > self.vocab_size)
+        {
+            bail!(
+                "{o}: a per-layer token table of {} rows for a vocabulary of {}",
+                f.per_layer_vocab,
+                self.vocab_size
+            );
+        }
+        if let Some(a) = f.altup
+            && !(2..=16).contains(&a.streams)
+        {
+            bail!(
+                "{o}: AltUp with {} streams (Pulsar runs 2 to 16)",
+                a.streams
+            );
+        }
+        if let Some(a) = f.altup
+            && a.active != 0
+        {
+            // transformers and llama.cpp both hard-code stream 0 where the
+            // per-layer input and the final merge read the streams.
+            bail!(
+                "{o}: AltUp active stream {} has no agreed meaning; only 0 is supported",
+                a.active
+            );
+        }
+        if f.laurel_rank > 1 << 16 {
+            bail!("{o}: LAuReL rank {} is absurd", f.laurel_rank);
         }
         for cap in [self.attn_softcap, self.final_softcap]
             .into_iter()
@@ -323,6 +405,9 @@ impl ModelConfig {
         if matches!(model_type.as_str(), "gemma4" | "gemma4_text") {
             return super::gemma4::config_from_hf(root, &model_type, path);
         }
+        if matches!(model_type.as_str(), "gemma3n" | "gemma3n_text") {
+            return super::gemma3n::config_from_hf(root, &model_type, path);
+        }
         // Multimodal Gemma 3 checkpoints nest the text model.
         let cfg = if model_type == "gemma3" {
             root.get("text_config")
@@ -338,7 +423,7 @@ impl ModelConfig {
             "gemma2" => Family::Gemma2,
             "gemma3" | "gemma3_text" => Family::Gemma3,
             other => bail!(
-                "{p}: model_type {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3_text, gemma4_text)"
+                "{p}: model_type {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3_text, gemma3n_text, gemma4_text)"
             ),
         };
         let r = Reader { v: cfg, path };
@@ -522,7 +607,7 @@ fn layer_kinds(cfg: &Value, family: Family, n_layers: usize, path: &Path) -> Res
         Family::Gemma1 => vec![true; n_layers],
         // Gemma 2 alternates, starting with a sliding layer.
         Family::Gemma2 => (0..n_layers).map(|i| i % 2 == 1).collect(),
-        Family::Gemma3 | Family::Gemma4 => {
+        Family::Gemma3 | Family::Gemma4 | Family::Gemma3n => {
             let r = Reader { v: cfg, path };
             let pattern = r.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
             (0..n_layers).map(|i| (i + 1) % pattern == 0).collect()

@@ -29,36 +29,13 @@ struct Layout {
 }
 
 impl Layout {
-    /// Each layer's shape. A layer at or past `L - shared` reuses the keys
-    /// of the last earlier layer of its kind that keeps its own
-    /// (transformers' rule; llama.cpp hard-codes layers L-s-2 and L-s-1,
-    /// which agree for the released models).
+    /// Each layer's shape (whose keys it reads: [`kv_producers`]).
     fn shapes(&self, path: &Path) -> Result<Vec<LayerShape>> {
-        let n = self.sliding.len();
-        let p = path.display();
-        if self.shared_kv_layers >= n && n > 0 {
-            bail!(
-                "{p}: {} KV-sharing layers of {n} leave no layer that computes keys",
-                self.shared_kv_layers
-            );
-        }
-        let first_shared = n - self.shared_kv_layers;
-        (0..n)
+        let producers = kv_producers(&self.sliding, self.shared_kv_layers, path)?;
+        (0..self.sliding.len())
             .map(|i| {
                 let sliding = self.sliding[i];
-                let kv_layer = if i < first_shared {
-                    i
-                } else {
-                    (0..first_shared)
-                        .rev()
-                        .find(|&j| self.sliding[j] == sliding)
-                        .ok_or_else(|| {
-                            anyhow::anyhow!(
-                                "{p}: layer {i} shares keys, but no earlier {} layer computes them",
-                                if sliding { "sliding" } else { "global" }
-                            )
-                        })?
-                };
+                let kv_layer = producers[i];
                 let head_dim = if sliding {
                     self.head_dim
                 } else {
@@ -75,10 +52,41 @@ impl Layout {
                     },
                     kv_layer,
                     values_from_keys: self.values_from_keys && !sliding,
+                    sparsity_cut: None,
                 })
             })
             .collect()
     }
+}
+
+/// The layer whose keys each layer attends over, given which layers slide
+/// and how many at the end share: a layer at or past `L - shared` reuses
+/// the keys of the last earlier layer of its kind that keeps its own
+/// (transformers' rule for Gemma 3n and 4; llama.cpp hard-codes layers
+/// L-s-2 and L-s-1, which agree for the released models).
+pub(super) fn kv_producers(sliding: &[bool], shared: usize, path: &Path) -> Result<Vec<usize>> {
+    let n = sliding.len();
+    let p = path.display();
+    if shared >= n && n > 0 {
+        bail!("{p}: {shared} KV-sharing layers of {n} leave no layer that computes keys");
+    }
+    let first_shared = n - shared;
+    (0..n)
+        .map(|i| {
+            if i < first_shared {
+                return Ok(i);
+            }
+            (0..first_shared)
+                .rev()
+                .find(|&j| sliding[j] == sliding[i])
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{p}: layer {i} shares keys, but no earlier {} layer computes them",
+                        if sliding[i] { "sliding" } else { "global" }
+                    )
+                })
+        })
+        .collect()
 }
 
 /// The parts common to both formats: the config from the layout and the
@@ -317,6 +325,8 @@ pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<Mod
             moe,
             value_norm: true,
             layer_scalar: true,
+            per_layer_vocab: r.usize("vocab_size")?,
+            ..Features::default()
         },
     };
     assemble(scalars, &layout, path)
@@ -324,7 +334,7 @@ pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<Mod
 
 /// A per-layer GGUF key: an array of one entry per layer, or one value
 /// for all.
-fn per_layer(g: &GgufFile, key: &str, n: usize) -> Result<Option<Vec<f64>>> {
+pub(super) fn per_layer(g: &GgufFile, key: &str, n: usize) -> Result<Option<Vec<f64>>> {
     let p = g.path().display();
     let Some(v) = g.get(key) else {
         return Ok(None);
@@ -364,7 +374,7 @@ fn per_layer(g: &GgufFile, key: &str, n: usize) -> Result<Option<Vec<f64>>> {
     }
 }
 
-fn whole(values: Vec<f64>, key: &str, path: &Path) -> Result<Vec<usize>> {
+pub(super) fn whole(values: Vec<f64>, key: &str, path: &Path) -> Result<Vec<usize>> {
     values
         .into_iter()
         .map(|v| {
@@ -521,6 +531,8 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             moe,
             value_norm: true,
             layer_scalar: true,
+            per_layer_vocab: vocab_size,
+            ..Features::default()
         },
     };
     assemble(scalars, &layout, path)
@@ -601,6 +613,8 @@ impl ReleasedShape {
                     .map(|(e, k, w)| MoeShape::new(e, k, w, self.hidden)),
                 value_norm: true,
                 layer_scalar: true,
+                per_layer_vocab: 262_144,
+                ..Features::default()
             },
         };
         assemble(scalars, &layout, Path::new("(built-in shape)"))

@@ -5,6 +5,7 @@ pub mod config;
 pub mod dequant;
 pub mod dtype;
 pub mod fetch;
+pub mod gemma3n;
 pub mod gemma4;
 pub mod gguf;
 pub mod gguf_write;

@@ -4,9 +4,11 @@
 use super::config::{Family, LayerAttention, ModelConfig};
 
 /// Shape names `--shape` accepts.
-pub const SHAPES: [&str; 6] = [
+pub const SHAPES: [&str; 8] = [
     "gemma-2b",
     "gemma3-270m",
+    "gemma3n-e2b",
+    "gemma3n-e4b",
     "gemma4-e2b",
     "gemma4-e4b",
     "gemma4-26b-a4b",
@@ -18,6 +20,8 @@ pub fn shape(name: &str) -> Option<ModelConfig> {
     match name {
         "gemma-2b" => Some(gemma_2b()),
         "gemma3-270m" => Some(gemma3_270m()),
+        "gemma3n-e2b" => Some(super::gemma3n::E2B.config()),
+        "gemma3n-e4b" => Some(super::gemma3n::E4B.config()),
         "gemma4-e2b" => Some(super::gemma4::E2B.config()),
         "gemma4-e4b" => Some(super::gemma4::E4B.config()),
         "gemma4-26b-a4b" => Some(super::gemma4::MOE_26B_A4B.config()),

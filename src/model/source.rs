@@ -23,6 +23,11 @@ pub enum Role {
     /// One expert's matrix of a layer's mixture: a view into the layer's
     /// expert tensor (fused gate-up or split).
     Expert(usize, usize, ExpertRole),
+    /// Gemma 3n's AltUp: the `[hidden, hidden]` projection that makes
+    /// stream `k + 1` from the embedding, and the one that brings it back
+    /// before the final norm. llama.cpp stacks each kind in one tensor.
+    AltUpProjection(usize),
+    AltUpUnembed(usize),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -70,6 +75,20 @@ pub enum LayerRole {
     ExpertsGate,
     ExpertsUp,
     ExpertsDown,
+    /// Gemma 3n's AltUp: the router `[streams, hidden]` and its input norm,
+    /// the prediction `[streams², streams]` and correction `[streams,
+    /// streams]` coefficients, and the scale of the per-layer input's gate
+    /// input `[hidden]`.
+    AltUpRouter,
+    AltUpRouterNorm,
+    AltUpPredict,
+    AltUpCorrect,
+    AltUpCorrectScale,
+    /// Gemma 3n's LAuReL: `[rank, hidden]`, `[hidden, rank]` and the norm
+    /// of their product.
+    LaurelLeft,
+    LaurelRight,
+    LaurelPostNorm,
 }
 
 enum Files {
@@ -92,6 +111,9 @@ pub struct ModelSource {
     pub path: PathBuf,
     pub config: ModelConfig,
     files: Files,
+    /// `[hidden, hidden]`: the shape of one slice of a stacked GGUF
+    /// tensor (AltUp's projections), borrowed by the slice's view.
+    square: [usize; 2],
 }
 
 impl ModelSource {
@@ -122,6 +144,7 @@ impl ModelSource {
         let config = config_from_gguf(&gguf)?;
         Ok(ModelSource {
             path: gguf.path().to_path_buf(),
+            square: [config.hidden; 2],
             config,
             files: Files::Gguf(gguf),
         })
@@ -219,6 +242,7 @@ impl ModelSource {
         }
         Ok(ModelSource {
             path: dir.to_path_buf(),
+            square: [config.hidden; 2],
             config,
             files: Files::Hf {
                 shards,
@@ -355,6 +379,9 @@ impl ModelSource {
 
     /// The tensor playing `role`, its shape checked, and the file it is in.
     fn locate(&self, role: Role, expect: &[usize]) -> Result<(TensorView<'_>, &Path)> {
+        if let (Files::Gguf(_), Some(k)) = (&self.files, stacked_slice(role)) {
+            return self.stacked_view(role, k, expect);
+        }
         let name = self.tensor_name(role);
         let (view, file) = match &self.files {
             Files::Gguf(g) => (g.tensor(&name), g.path()),
@@ -389,6 +416,42 @@ impl ModelSource {
         Ok((view, file))
     }
 
+    /// Slice `k` of a GGUF tensor that stacks a role's matrices
+    /// (`[count, rows, cols]`, count from the config), its shape checked.
+    fn stacked_view(
+        &self,
+        role: Role,
+        k: usize,
+        expect: &[usize],
+    ) -> Result<(TensorView<'_>, &Path)> {
+        let Files::Gguf(g) = &self.files else {
+            unreachable!("only GGUF files stack matrices");
+        };
+        let name = self.tensor_name(role);
+        let file = g.path();
+        let t = g
+            .tensor(&name)
+            .ok_or_else(|| anyhow::anyhow!("{}: tensor {name:?} is missing", file.display()))?;
+        let count = self.config.features.altup.map_or(0, |a| a.streams - 1);
+        let whole: Vec<usize> = std::iter::once(count)
+            .chain(expect.iter().copied())
+            .collect();
+        if t.shape != whole || expect != self.square {
+            bail!(
+                "{}: tensor {name:?} has shape {:?}, but the config implies {whole:?}",
+                file.display(),
+                t.shape
+            );
+        }
+        let slice = t.bytes.len() / count;
+        let view = TensorView {
+            dtype: t.dtype,
+            shape: &self.square[..],
+            bytes: &t.bytes[k * slice..(k + 1) * slice],
+        };
+        Ok((view, file))
+    }
+
     /// Whether a tensor for `role` exists (for optional tensors).
     pub fn has(&self, role: Role) -> bool {
         let name = self.tensor_name(role);
@@ -396,6 +459,14 @@ impl ModelSource {
             Files::Gguf(g) => g.tensor_info(&name).is_some(),
             Files::Hf { index, .. } => index.contains_key(&name),
         }
+    }
+}
+
+/// The slice a role is of the GGUF tensor that stacks its kind.
+fn stacked_slice(role: Role) -> Option<usize> {
+    match role {
+        Role::AltUpProjection(k) | Role::AltUpUnembed(k) => Some(k),
+        _ => None,
     }
 }
 
@@ -425,6 +496,8 @@ pub fn gguf_name(role: Role) -> String {
         Role::PerLayerEmbedding => "per_layer_token_embd.weight".into(),
         Role::PerLayerModelProjection => "per_layer_model_proj.weight".into(),
         Role::PerLayerProjectionNorm => "per_layer_proj_norm.weight".into(),
+        Role::AltUpProjection(_) => "altup_proj.weight".into(),
+        Role::AltUpUnembed(_) => "altup_unembd_proj.weight".into(),
         Role::Expert(i, _, r) => gguf_name(Role::Layer(i, expert_tensor_role(r))),
         Role::Layer(i, LayerRole::RouterScale) => format!("blk.{i}.ffn_gate_inp.scale"),
         Role::Layer(i, LayerRole::ExpertScale) => format!("blk.{i}.ffn_down_exps.scale"),
@@ -455,6 +528,14 @@ pub fn gguf_name(role: Role) -> String {
                 LayerRole::ExpertsGate => "ffn_gate_exps",
                 LayerRole::ExpertsUp => "ffn_up_exps",
                 LayerRole::ExpertsDown => "ffn_down_exps",
+                LayerRole::AltUpRouter => "altup_router",
+                LayerRole::AltUpRouterNorm => "altup_router_norm",
+                LayerRole::AltUpPredict => "altup_predict_coef",
+                LayerRole::AltUpCorrect => "altup_correct_coef",
+                LayerRole::AltUpCorrectScale => "altup_correct_scale",
+                LayerRole::LaurelLeft => "laurel_l",
+                LayerRole::LaurelRight => "laurel_r",
+                LayerRole::LaurelPostNorm => "laurel_post_norm",
                 LayerRole::RouterScale | LayerRole::ExpertScale => unreachable!("named above"),
             };
             format!("blk.{i}.{suffix}.weight")
@@ -478,6 +559,8 @@ fn hf_name(role: Role, family: Family, prefix: &str) -> String {
         Role::PerLayerEmbedding => format!("{prefix}embed_tokens_per_layer.weight"),
         Role::PerLayerModelProjection => format!("{prefix}per_layer_model_projection.weight"),
         Role::PerLayerProjectionNorm => format!("{prefix}per_layer_projection_norm.weight"),
+        Role::AltUpProjection(k) => format!("{prefix}altup_projections.{k}.weight"),
+        Role::AltUpUnembed(k) => format!("{prefix}altup_unembed_projections.{k}.weight"),
         Role::Expert(i, _, r) => hf_name(Role::Layer(i, expert_tensor_role(r)), family, prefix),
         Role::Layer(i, r) => {
             // Parameters stored without a ".weight" suffix.
@@ -489,6 +572,7 @@ fn hf_name(role: Role, family: Family, prefix: &str) -> String {
                 LayerRole::ExpertsGate => Some("experts.gate_proj"),
                 LayerRole::ExpertsUp => Some("experts.up_proj"),
                 LayerRole::ExpertsDown => Some("experts.down_proj"),
+                LayerRole::AltUpCorrectScale => Some("altup.correct_output_scale"),
                 _ => None,
             };
             if let Some(name) = bare {
@@ -517,6 +601,13 @@ fn hf_name(role: Role, family: Family, prefix: &str) -> String {
                 (LayerRole::MoeNorm, _) => "pre_feedforward_layernorm_2",
                 (LayerRole::DensePostNorm, _) => "post_feedforward_layernorm_1",
                 (LayerRole::MoePostNorm, _) => "post_feedforward_layernorm_2",
+                (LayerRole::AltUpRouter, _) => "altup.modality_router",
+                (LayerRole::AltUpRouterNorm, _) => "altup.router_norm",
+                (LayerRole::AltUpPredict, _) => "altup.prediction_coefs",
+                (LayerRole::AltUpCorrect, _) => "altup.correction_coefs",
+                (LayerRole::LaurelLeft, _) => "laurel.linear_left",
+                (LayerRole::LaurelRight, _) => "laurel.linear_right",
+                (LayerRole::LaurelPostNorm, _) => "laurel.post_laurel_norm",
                 (_, _) => unreachable!("bare parameters are named above"),
             };
             format!("{prefix}layers.{i}.{suffix}.weight")
@@ -537,8 +628,9 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         "gemma2" => Family::Gemma2,
         "gemma3" => Family::Gemma3,
         "gemma4" => return super::gemma4::config_from_gguf(g),
+        "gemma3n" => return super::gemma3n::config_from_gguf(g),
         other => bail!(
-            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3, gemma4)"
+            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3, gemma3n, gemma4)"
         ),
     };
     let key = |k: &str| format!("{arch}.{k}");
@@ -589,7 +681,7 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
                 (Some(flags), _) => flags[i] != 0.0,
                 (None, Family::Gemma1) => true,
                 (None, Family::Gemma2) => i % 2 == 1,
-                (None, Family::Gemma3 | Family::Gemma4) => (i + 1) % 6 == 0,
+                (None, Family::Gemma3 | Family::Gemma4 | Family::Gemma3n) => (i + 1) % 6 == 0,
             };
             match window {
                 Some(w) if !global => LayerAttention {

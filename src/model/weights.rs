@@ -34,6 +34,8 @@ pub fn layer_matrix_shape(role: LayerRole, c: &ModelConfig, layer: usize) -> [us
         LayerRole::Down => [c.hidden, s.ffn_width],
         LayerRole::PleGate => [c.features.per_layer_input, c.hidden],
         LayerRole::PleProjection => [c.hidden, c.features.per_layer_input],
+        LayerRole::LaurelLeft => [c.features.laurel_rank, c.hidden],
+        LayerRole::LaurelRight => [c.hidden, c.features.laurel_rank],
         other => panic!("{other:?} is not a layer matrix"),
     }
 }
@@ -55,8 +57,9 @@ pub fn matrix_shape(role: Role, c: &ModelConfig) -> [usize; 2] {
     let layers_p = c.n_layers() * c.features.per_layer_input;
     match role {
         Role::Embedding => [c.vocab_size, c.hidden],
-        Role::PerLayerEmbedding => [c.vocab_size, layers_p],
+        Role::PerLayerEmbedding => [c.features.per_layer_vocab, layers_p],
         Role::PerLayerModelProjection => [layers_p, c.hidden],
+        Role::AltUpProjection(_) | Role::AltUpUnembed(_) => [c.hidden, c.hidden],
         Role::Layer(i, r) => layer_matrix_shape(r, c, i),
         Role::Expert(_, _, r) => {
             let m = c.features.moe.expect("experts in a model with a mixture");
@@ -77,6 +80,10 @@ pub fn model_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
         // The per-layer token table is a row table (`RowTable`), not here.
         roles.push(Role::PerLayerModelProjection);
     }
+    if let Some(altup) = c.features.altup {
+        roles.extend((0..altup.streams - 1).map(Role::AltUpProjection));
+        roles.extend((0..altup.streams - 1).map(Role::AltUpUnembed));
+    }
     for i in 0..c.n_layers() {
         roles.extend(
             LAYER_MATRICES
@@ -84,6 +91,12 @@ pub fn model_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
                 .filter(|&&(r, _)| has_layer_matrix(r, c, i))
                 .map(|&(r, _)| Role::Layer(i, r)),
         );
+        if c.features.laurel_rank > 0 {
+            roles.extend([
+                Role::Layer(i, LayerRole::LaurelLeft),
+                Role::Layer(i, LayerRole::LaurelRight),
+            ]);
+        }
         if c.features.per_layer_input > 0 {
             roles.extend([
                 Role::Layer(i, LayerRole::PleGate),
@@ -111,6 +124,10 @@ pub fn matrix_name(role: Role) -> &'static str {
         Role::PerLayerModelProjection => "per_layer_model_proj",
         Role::Layer(_, LayerRole::PleGate) => "inp_gate",
         Role::Layer(_, LayerRole::PleProjection) => "proj",
+        Role::Layer(_, LayerRole::LaurelLeft) => "laurel_l",
+        Role::Layer(_, LayerRole::LaurelRight) => "laurel_r",
+        Role::AltUpProjection(_) => "altup_proj",
+        Role::AltUpUnembed(_) => "altup_unembd_proj",
         Role::Layer(_, r) => LAYER_MATRICES
             .iter()
             .find(|&&(m, _)| m == r)
@@ -140,6 +157,37 @@ pub struct PerLayerInputWeights<M> {
     pub gate: M,
     pub projection: M,
     pub post_norm: NormWeights,
+}
+
+/// Gemma 3n's AltUp in one layer: the router that reads a stream and the
+/// coefficients that predict every stream from all of them before the
+/// layer and correct them after it. All small: f32, multiplied in Rust.
+pub struct AltUpWeights {
+    /// `[streams, hidden]`.
+    pub router: F32Matrix,
+    /// The router's input norm with the `1 / hidden` input scale folded in.
+    pub router_input_scale: Vec<f32>,
+    /// `[streams², streams]`: the router's output to the prediction matrix.
+    pub predict: F32Matrix,
+    /// `[streams, streams]`: the router's output to the correction.
+    pub correct: F32Matrix,
+    /// What the active stream is multiplied by where the per-layer input's
+    /// gate reads it (`altup_correct_scale`).
+    pub correct_output_scale: Option<Vec<f32>>,
+}
+
+/// Gemma 3n's LAuReL branch: `post_norm(right(left(h)))` beside attention.
+pub struct LaurelWeights<M> {
+    pub left: M,
+    pub right: M,
+    pub post_norm: NormWeights,
+}
+
+/// Gemma 3n's projections between the embedding and the AltUp streams
+/// 1.. (`[hidden, hidden]` each), and back before the final norm.
+pub struct AltUpStreams<M> {
+    pub projections: Vec<M>,
+    pub unembed: Vec<M>,
 }
 
 /// A layer's mixture of experts (Gemma 4 26B-A4B), beside its dense MLP.
@@ -176,6 +224,8 @@ pub struct LayerWeights<M> {
     pub down: M,
     pub per_layer_input: Option<PerLayerInputWeights<M>>,
     pub moe: Option<MoeWeights<M>>,
+    pub altup: Option<AltUpWeights>,
+    pub laurel: Option<LaurelWeights<M>>,
     /// The residual stream's scale at the end of the layer (1 where the
     /// family has none).
     pub output_scale: f32,
@@ -197,13 +247,17 @@ impl<M> LayerWeights<M> {
     }
 
     /// Every matrix of layer `i` with its role: those of
-    /// [`LAYER_MATRICES`] it has, then the per-layer input's, then each
-    /// expert's.
+    /// [`LAYER_MATRICES`] it has, then LAuReL's, the per-layer input's,
+    /// then each expert's.
     pub fn matrices(&self, i: usize) -> Vec<(Role, &M)> {
         let mut out: Vec<(Role, &M)> = LAYER_MATRICES
             .iter()
             .filter_map(|&(r, _)| self.matrix(r).map(|m| (Role::Layer(i, r), m)))
             .collect();
+        if let Some(l) = &self.laurel {
+            out.push((Role::Layer(i, LayerRole::LaurelLeft), &l.left));
+            out.push((Role::Layer(i, LayerRole::LaurelRight), &l.right));
+        }
         if let Some(p) = &self.per_layer_input {
             out.push((Role::Layer(i, LayerRole::PleGate), &p.gate));
             out.push((Role::Layer(i, LayerRole::PleProjection), &p.projection));
@@ -231,6 +285,10 @@ impl<M> LayerWeights<M> {
         out.push((Role::Layer(i, LayerRole::Gate), &mut self.gate));
         out.push((Role::Layer(i, LayerRole::Up), &mut self.up));
         out.push((Role::Layer(i, LayerRole::Down), &mut self.down));
+        if let Some(l) = &mut self.laurel {
+            out.push((Role::Layer(i, LayerRole::LaurelLeft), &mut l.left));
+            out.push((Role::Layer(i, LayerRole::LaurelRight), &mut l.right));
+        }
         if let Some(p) = &mut self.per_layer_input {
             out.push((Role::Layer(i, LayerRole::PleGate), &mut p.gate));
             out.push((Role::Layer(i, LayerRole::PleProjection), &mut p.projection));
@@ -335,15 +393,31 @@ pub struct ModelWeights<M> {
     pub final_norm: NormWeights,
     pub layers: Vec<LayerWeights<M>>,
     pub per_layer_input: Option<PerLayerInputTable<M>>,
+    pub altup: Option<AltUpStreams<M>>,
 }
 
 impl<M> ModelWeights<M> {
     /// Every matrix with its role: the embedding, the per-layer input
-    /// projection, then each layer's ([`LayerWeights::matrices`]).
+    /// projection, AltUp's projections, then each layer's
+    /// ([`LayerWeights::matrices`]).
     pub fn matrices(&self) -> Vec<(Role, &M)> {
         let mut out = vec![(Role::Embedding, &self.embedding)];
         if let Some(p) = &self.per_layer_input {
             out.push((Role::PerLayerModelProjection, &p.model_projection));
+        }
+        if let Some(a) = &self.altup {
+            out.extend(
+                a.projections
+                    .iter()
+                    .enumerate()
+                    .map(|(k, m)| (Role::AltUpProjection(k), m)),
+            );
+            out.extend(
+                a.unembed
+                    .iter()
+                    .enumerate()
+                    .map(|(k, m)| (Role::AltUpUnembed(k), m)),
+            );
         }
         for (i, l) in self.layers.iter().enumerate() {
             out.extend(l.matrices(i));
@@ -356,6 +430,20 @@ impl<M> ModelWeights<M> {
         let mut out = vec![(Role::Embedding, &mut self.embedding)];
         if let Some(p) = &mut self.per_layer_input {
             out.push((Role::PerLayerModelProjection, &mut p.model_projection));
+        }
+        if let Some(a) = &mut self.altup {
+            out.extend(
+                a.projections
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, m)| (Role::AltUpProjection(k), m)),
+            );
+            out.extend(
+                a.unembed
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, m)| (Role::AltUpUnembed(k), m)),
+            );
         }
         for (i, l) in self.layers.iter_mut().enumerate() {
             out.extend(l.matrices_mut(i));
@@ -429,6 +517,15 @@ impl<M> ModelWeights<M> {
             } else {
                 None
             };
+            let laurel = if c.features.laurel_rank > 0 {
+                Some(LaurelWeights {
+                    left: mat(LayerRole::LaurelLeft)?,
+                    right: mat(LayerRole::LaurelRight)?,
+                    post_norm: norm(l(LayerRole::LaurelPostNorm), c.hidden)?,
+                })
+            } else {
+                None
+            };
             let moe = match c.features.moe {
                 Some(shape) => {
                     let mut experts = Vec::with_capacity(shape.experts);
@@ -457,6 +554,31 @@ impl<M> ModelWeights<M> {
                         dense_post_norm: norm(l(LayerRole::DensePostNorm), c.hidden)?,
                         experts_post_norm: norm(l(LayerRole::MoePostNorm), c.hidden)?,
                         experts,
+                    })
+                }
+                None => None,
+            };
+            let altup = match c.features.altup {
+                Some(shape) => {
+                    let n = shape.streams;
+                    let small = |r: LayerRole, dims: [usize; 2]| -> Result<F32Matrix> {
+                        Ok(F32Matrix::from_view(&src.tensor(l(r), &dims)?))
+                    };
+                    // The router reads rms(x) * norm * (1 / hidden).
+                    let inv_hidden = 1.0 / c.hidden as f32;
+                    Some(AltUpWeights {
+                        router: small(LayerRole::AltUpRouter, [n, c.hidden])?,
+                        router_input_scale: norm(l(LayerRole::AltUpRouterNorm), c.hidden)?
+                            .into_iter()
+                            .map(|w| w * inv_hidden)
+                            .collect(),
+                        predict: small(LayerRole::AltUpPredict, [n * n, n])?,
+                        correct: small(LayerRole::AltUpCorrect, [n, n])?,
+                        correct_output_scale: if shape.correct_scale {
+                            Some(vector(l(LayerRole::AltUpCorrectScale), c.hidden)?)
+                        } else {
+                            None
+                        },
                     })
                 }
                 None => None,
@@ -498,6 +620,8 @@ impl<M> ModelWeights<M> {
                 k_norm: optional_norm(l(LayerRole::KNorm), hd, c.has_qk_norm() && c.keeps_kv(i))?,
                 per_layer_input,
                 moe,
+                altup,
+                laurel,
                 output_scale,
             });
         }
@@ -515,6 +639,22 @@ impl<M> ModelWeights<M> {
         } else {
             None
         };
+        let altup = match c.features.altup {
+            Some(shape) => {
+                let mut stack = |role: fn(usize) -> Role| -> Result<Vec<M>> {
+                    (0..shape.streams - 1)
+                        .map(|k| matrix(role(k), src.tensor(role(k), &matrix_shape(role(k), c))?))
+                        .collect()
+                };
+                let projections = stack(Role::AltUpProjection)?;
+                let unembed = stack(Role::AltUpUnembed)?;
+                Some(AltUpStreams {
+                    projections,
+                    unembed,
+                })
+            }
+            None => None,
+        };
         Ok(ModelWeights {
             embedding: matrix(
                 Role::Embedding,
@@ -523,6 +663,7 @@ impl<M> ModelWeights<M> {
             final_norm: norm(Role::FinalNorm, c.hidden)?,
             layers,
             per_layer_input,
+            altup,
         })
     }
 }

@@ -1,7 +1,8 @@
 //! One step of the fast engine's forward pass over its rows: the
-//! embedding, each layer's attention block, feed-forward block (with a
-//! mixture of experts beside it) and per-layer input, the final norm, and
-//! the logits of the rows that want them. Reads like the reference pass.
+//! embedding, each layer's attention block (with LAuReL beside it),
+//! feed-forward block (with a mixture of experts beside it) and per-layer
+//! input, AltUp's streams around them, the final norm, and the logits of
+//! the rows that want them. Reads like the reference pass.
 
 use super::{FastEngine, Part};
 use crate::engine::kernels::SharedOut;
@@ -34,6 +35,15 @@ pub(super) struct Activations {
     /// Gemma 4's mixture: the experts' input and their weighted sum.
     expert_in: Vec<f32>,
     routed: Vec<f32>,
+    /// Gemma 3n's AltUp: each token's streams, `[tokens, streams x
+    /// hidden]`, and the inputs and outputs of the projections of streams
+    /// 1.. (`[streams - 1][tokens, hidden]`).
+    streams: Vec<f32>,
+    altup_in: Vec<f32>,
+    altup_out: Vec<f32>,
+    /// Gemma 3n's LAuReL: the low-rank product and the branch's output.
+    laurel_mid: Vec<f32>,
+    laurel: Vec<f32>,
 }
 
 impl Activations {
@@ -47,6 +57,9 @@ impl Activations {
         } else {
             0
         };
+        let streams = c.features.altup.map_or(0, |a| a.streams);
+        let rank = c.features.laurel_rank;
+        let laurel_rows = if rank > 0 { c.hidden } else { 0 };
         for (buf, width) in [
             (&mut self.x, c.hidden),
             (&mut self.normed, c.hidden),
@@ -62,6 +75,11 @@ impl Activations {
             (&mut self.per_layer_gate, p),
             (&mut self.expert_in, moe_rows),
             (&mut self.routed, moe_rows),
+            (&mut self.streams, streams * c.hidden),
+            (&mut self.altup_in, streams.saturating_sub(1) * c.hidden),
+            (&mut self.altup_out, streams.saturating_sub(1) * c.hidden),
+            (&mut self.laurel_mid, rank),
+            (&mut self.laurel, laurel_rows),
         ] {
             buf.resize(n * width, 0.0);
         }
@@ -142,11 +160,15 @@ impl FastEngine {
         let mut acts = std::mem::take(&mut self.activations);
         acts.size_for(&self.config, n);
         let result = self.embed(tokens, &mut acts).map(|()| {
+            self.altup_streams(step.exact, &mut acts);
             for li in 0..self.config.n_layers() {
+                self.altup_predict(li, &mut acts);
                 self.attention_block(li, &step, &mut acts);
                 self.feed_forward_block(li, step.exact, &mut acts);
+                self.altup_correct(li, &mut acts);
                 self.per_layer_input_block(li, step.exact, &mut acts);
             }
+            self.altup_merge(step.exact, &mut acts);
             self.kernels.rms_norm_in_place(
                 &mut acts.x,
                 &self.weights.final_norm,
@@ -194,7 +216,7 @@ impl FastEngine {
                 .iter()
                 .zip(a.per_layer_inputs.chunks_exact_mut(width))
             {
-                table.embedding.row_f32(token as usize, &mut row);
+                table.embedding.row_f32(c.per_layer_row(token), &mut row);
                 ops::combine_per_layer_inputs(
                     inputs,
                     &row,
@@ -231,6 +253,10 @@ impl FastEngine {
         }
         if let Some(wv) = &w.v {
             jobs.push((wv, &a.normed, v));
+        }
+        let rank = c.features.laurel_rank;
+        if let Some(l) = &w.laurel {
+            jobs.push((&l.left, &a.normed, &mut a.laurel_mid[..n * rank]));
         }
         self.matmuls(jobs, step.exact);
         let keeps_kv = w.k.is_some();
@@ -274,8 +300,27 @@ impl FastEngine {
             }
         }
         let w = &self.weights.layers[li];
-        self.matmul(&w.o, &a.attn[..n * q_dim], &mut a.proj, step.exact);
-        self.residual_add(&mut a.x, &mut a.proj, w.attn_post_norm.as_deref());
+        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> =
+            vec![(&w.o, &a.attn[..n * q_dim], &mut a.proj)];
+        if let Some(l) = &w.laurel {
+            jobs.push((&l.right, &a.laurel_mid[..n * rank], &mut a.laurel));
+        }
+        self.matmuls(jobs, step.exact);
+        match &w.laurel {
+            // LAuReL: x = (x + post_norm(attn) + h + norm(right(left(h)))) / √2.
+            Some(l) => {
+                self.kernels
+                    .rms_norm_in_place(&mut a.laurel, &l.post_norm, c.rms_eps);
+                for (v, h) in a.laurel.iter_mut().zip(&a.normed) {
+                    *v += h;
+                }
+                if let Some(nw) = &w.attn_post_norm {
+                    self.kernels.rms_norm_in_place(&mut a.proj, nw, c.rms_eps);
+                }
+                ops::laurel_residual(&mut a.x, &a.proj, &a.laurel);
+            }
+            None => self.residual_add(&mut a.x, &mut a.proj, w.attn_post_norm.as_deref()),
+        }
     }
 
     /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down, with a
@@ -294,6 +339,11 @@ impl FastEngine {
             ],
             exact,
         );
+        if let Some(cut) = c.shape(li).sparsity_cut {
+            for row in a.gate[..n * width].chunks_exact_mut(width) {
+                ops::gaussian_top_k(row, cut);
+            }
+        }
         self.geglu(
             &a.gate[..n * width],
             &a.up[..n * width],
@@ -403,17 +453,34 @@ impl FastEngine {
         }
     }
 
-    /// Gemma 4's per-layer input of layer `li`, added to the residual:
-    /// `post_norm(projection(gelu(gate(x)) * input))`, then the layer's
-    /// scale on the whole stream.
+    /// The per-layer input of layer `li` (Gemma 3n and 4):
+    /// `post_norm(projection(gelu(gate(x)) * input))` added to the
+    /// residual, then the layer's scale on the whole stream. With AltUp the
+    /// gate reads the corrected active stream (times its scale) and the
+    /// result goes to every stream but 0.
     fn per_layer_input_block(&self, li: usize, exact: usize, a: &mut Activations) {
         let c = &self.config;
         let w = &self.weights.layers[li];
         if let Some(ple) = &w.per_layer_input {
             let p = c.features.per_layer_input;
-            let n = a.x.len() / c.hidden;
+            let h = c.hidden;
+            let n = a.x.len() / h;
             let width = c.n_layers() * p;
-            self.matmul(&ple.gate, &a.x, &mut a.per_layer_gate[..n * p], exact);
+            let gate_input = match (&w.altup, c.features.altup) {
+                (Some(weights), Some(shape)) => {
+                    let (from, to) = (shape.active * h, (shape.active + 1) * h);
+                    let rows = a.streams.chunks_exact(shape.streams * h);
+                    for (row, streams) in a.normed.chunks_exact_mut(h).zip(rows) {
+                        row.copy_from_slice(&streams[from..to]);
+                        if let Some(scale) = &weights.correct_output_scale {
+                            row.iter_mut().zip(scale).for_each(|(v, s)| *v *= s);
+                        }
+                    }
+                    &a.normed
+                }
+                _ => &a.x,
+            };
+            self.matmul(&ple.gate, gate_input, &mut a.per_layer_gate[..n * p], exact);
             for (t, gate) in a.per_layer_gate[..n * p].chunks_exact_mut(p).enumerate() {
                 let input = &a.per_layer_inputs[t * width + li * p..t * width + (li + 1) * p];
                 for (g, &i) in gate.iter_mut().zip(input) {
@@ -426,11 +493,140 @@ impl FastEngine {
                 &mut a.proj,
                 exact,
             );
-            self.residual_add(&mut a.x, &mut a.proj, Some(&ple.post_norm));
+            match c.features.altup {
+                Some(shape) => {
+                    self.kernels
+                        .rms_norm_in_place(&mut a.proj, &ple.post_norm, c.rms_eps);
+                    // Stream 0, not the active one, is left out (as
+                    // transformers and llama.cpp have it).
+                    let rows = a.streams.chunks_exact_mut(shape.streams * h);
+                    for (streams, y) in rows.zip(a.proj.chunks_exact(h)) {
+                        for stream in streams.chunks_exact_mut(h).skip(1) {
+                            stream.iter_mut().zip(y).for_each(|(v, d)| *v += d);
+                        }
+                    }
+                }
+                None => self.residual_add(&mut a.x, &mut a.proj, Some(&ple.post_norm)),
+            }
         }
         if w.output_scale != 1.0 {
             let s = w.output_scale;
             a.x.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
+    /// Gemma 3n: each token's AltUp streams from its scaled embedding in
+    /// `x`: stream 0 is the embedding, stream k its k-th projection
+    /// rescaled to the embedding's RMS (the projections in one parallel
+    /// section).
+    fn altup_streams(&self, exact: usize, a: &mut Activations) {
+        let (Some(w), Some(shape)) = (&self.weights.altup, self.config.features.altup) else {
+            return;
+        };
+        let h = self.config.hidden;
+        let n = a.x.len() / h;
+        let outs = a.altup_out[..(shape.streams - 1) * n * h].chunks_exact_mut(n * h);
+        let jobs = w
+            .projections
+            .iter()
+            .zip(outs)
+            .map(|(m, out)| (m, &a.x[..], out))
+            .collect();
+        self.matmuls(jobs, exact);
+        for (t, streams) in a.streams.chunks_exact_mut(shape.streams * h).enumerate() {
+            let x0 = &a.x[t * h..(t + 1) * h];
+            let target = ops::rms(x0);
+            streams[..h].copy_from_slice(x0);
+            for (k, stream) in streams.chunks_exact_mut(h).enumerate().skip(1) {
+                let at = ((k - 1) * n + t) * h;
+                stream.copy_from_slice(&a.altup_out[at..at + h]);
+                ops::match_rms(stream, target);
+            }
+        }
+    }
+
+    /// Gemma 3n, before layer `li`: AltUp's prediction of every stream
+    /// from the router's reading of the active one, whose prediction the
+    /// layer then computes on in `x`.
+    fn altup_predict(&self, li: usize, a: &mut Activations) {
+        let (Some(w), Some(shape)) = (&self.weights.layers[li].altup, self.config.features.altup)
+        else {
+            return;
+        };
+        let (h, eps) = (self.config.hidden, self.config.rms_eps);
+        let active = shape.active * h..(shape.active + 1) * h;
+        let rows = a.streams.chunks_exact_mut(shape.streams * h);
+        for (streams, x) in rows.zip(a.x.chunks_exact_mut(h)) {
+            let m = ops::altup_route(
+                &w.router.data,
+                &w.router_input_scale,
+                &streams[active.clone()],
+                eps,
+            );
+            ops::altup_predict(streams, h, &w.predict.data, &m);
+            x.copy_from_slice(&streams[active.clone()]);
+        }
+    }
+
+    /// Gemma 3n, after layer `li`'s feed-forward: every stream corrected
+    /// by what the layer added to the active one's prediction.
+    fn altup_correct(&self, li: usize, a: &mut Activations) {
+        let (Some(w), Some(shape)) = (&self.weights.layers[li].altup, self.config.features.altup)
+        else {
+            return;
+        };
+        let (h, eps) = (self.config.hidden, self.config.rms_eps);
+        let rows = a.streams.chunks_exact_mut(shape.streams * h);
+        for (streams, x) in rows.zip(a.x.chunks_exact(h)) {
+            let m = ops::altup_route(&w.router.data, &w.router_input_scale, x, eps);
+            ops::altup_correct(streams, h, &w.correct.data, &m, x, shape.active);
+        }
+    }
+
+    /// Gemma 3n, after the last layer: the residual for the final norm,
+    /// into `x`: the mean of stream 0 and the other streams' unembeddings,
+    /// each rescaled to stream 0's RMS (the unembeddings in one parallel
+    /// section).
+    fn altup_merge(&self, exact: usize, a: &mut Activations) {
+        let (Some(w), Some(shape)) = (&self.weights.altup, self.config.features.altup) else {
+            return;
+        };
+        let h = self.config.hidden;
+        let n = a.x.len() / h;
+        let width = shape.streams * h;
+        // Stream k of every token, as the rows of one input.
+        for (t, streams) in a.streams.chunks_exact(width).enumerate() {
+            for (k, stream) in streams.chunks_exact(h).enumerate().skip(1) {
+                let at = ((k - 1) * n + t) * h;
+                a.altup_in[at..at + h].copy_from_slice(stream);
+            }
+        }
+        let used = (shape.streams - 1) * n * h;
+        let ins = a.altup_in[..used].chunks_exact(n * h);
+        let outs = a.altup_out[..used].chunks_exact_mut(n * h);
+        let jobs = w
+            .unembed
+            .iter()
+            .zip(ins.zip(outs))
+            .map(|(m, (x, y))| (m, x, y))
+            .collect();
+        self.matmuls(jobs, exact);
+        for (t, (streams, x)) in a
+            .streams
+            .chunks_exact(width)
+            .zip(a.x.chunks_exact_mut(h))
+            .enumerate()
+        {
+            let first = &streams[..h];
+            let target = ops::rms(first);
+            x.copy_from_slice(first);
+            for k in 1..shape.streams {
+                let at = ((k - 1) * n + t) * h;
+                let unembedded = &mut a.altup_out[at..at + h];
+                ops::match_rms(unembedded, target);
+                x.iter_mut().zip(&*unembedded).for_each(|(v, u)| *v += u);
+            }
+            x.iter_mut().for_each(|v| *v /= shape.streams as f32);
         }
     }
 
