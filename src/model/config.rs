@@ -621,6 +621,33 @@ pub(super) fn str_key(v: &Value, key: &str, path: &Path) -> Result<String> {
         .ok_or_else(|| anyhow::anyhow!("{}: key {key:?} is missing", path.display()))
 }
 
+/// The text model's config of an HF `config.json`: the root for a text
+/// checkpoint, `text_config` for the image/audio-text one (`multimodal`,
+/// e.g. "gemma4"), and a reader of it with its layer count checked.
+pub(super) fn hf_text_config<'a>(
+    root: &'a Value,
+    model_type: &str,
+    multimodal: &str,
+    path: &'a Path,
+) -> Result<(Reader<'a>, usize)> {
+    let p = path.display();
+    let cfg = if model_type == multimodal {
+        root.get("text_config")
+            .filter(|v| v.is_object())
+            .ok_or_else(|| {
+                anyhow::anyhow!("{p}: model_type {multimodal} needs a text_config object")
+            })?
+    } else {
+        root
+    };
+    let r = Reader { v: cfg, path };
+    let n_layers = r.usize("num_hidden_layers")?;
+    if n_layers == 0 || n_layers > 4096 {
+        bail!("{p}: num_hidden_layers {n_layers} is zero or absurd");
+    }
+    Ok((r, n_layers))
+}
+
 /// Typed access to JSON keys with errors naming the file and key.
 pub(super) struct Reader<'a> {
     pub v: &'a Value,

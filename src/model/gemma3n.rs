@@ -7,7 +7,9 @@
 //! definition; llama.cpp's converter (`Gemma3NModel`) writes the same facts
 //! under `gemma3n.*` keys. `tests/data/gemma3n/README.md` lists both.
 
-use super::config::{AltUp, Family, Features, LayerAttention, LayerShape, ModelConfig, Reader};
+use super::config::{
+    AltUp, Family, Features, LayerAttention, LayerShape, ModelConfig, Reader, hf_text_config,
+};
 use super::gemma4::{kv_producers, per_layer, whole};
 use super::gguf::GgufFile;
 use anyhow::{Result, bail};
@@ -215,18 +217,8 @@ fn per_layer_json(r: &Reader<'_>, key: &str, n: usize) -> Result<Option<Vec<f64>
 /// `gemma3n` (image/audio-text) checkpoint.
 pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<ModelConfig> {
     let p = path.display();
-    let cfg = if model_type == "gemma3n" {
-        root.get("text_config")
-            .filter(|v| v.is_object())
-            .ok_or_else(|| anyhow::anyhow!("{p}: model_type gemma3n needs a text_config object"))?
-    } else {
-        root
-    };
-    let r = Reader { v: cfg, path };
-    let n_layers = r.usize("num_hidden_layers")?;
-    if n_layers == 0 || n_layers > 4096 {
-        bail!("{p}: num_hidden_layers {n_layers} is zero or absurd");
-    }
+    let (r, n_layers) = hf_text_config(root, model_type, "gemma3n", path)?;
+    let cfg = r.v;
     let activation = r
         .opt_str("hidden_activation")?
         .unwrap_or_else(|| "gelu_pytorch_tanh".into());

@@ -9,6 +9,7 @@
 
 use super::config::{
     Family, Features, LayerAttention, LayerShape, ModelConfig, MoeShape, Reader, first_id,
+    hf_text_config,
 };
 use super::gguf::{GgufFile, Value as GgufValue};
 use anyhow::{Result, bail};
@@ -154,18 +155,8 @@ fn proportional_pairs(factor: f64, head_dim: usize) -> usize {
 /// `gemma4` (image/audio-text) checkpoint.
 pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<ModelConfig> {
     let p = path.display();
-    let cfg = if model_type == "gemma4" {
-        root.get("text_config")
-            .filter(|v| v.is_object())
-            .ok_or_else(|| anyhow::anyhow!("{p}: model_type gemma4 needs a text_config object"))?
-    } else {
-        root
-    };
-    let r = Reader { v: cfg, path };
-    let n_layers = r.usize("num_hidden_layers")?;
-    if n_layers == 0 || n_layers > 4096 {
-        bail!("{p}: num_hidden_layers {n_layers} is zero or absurd");
-    }
+    let (r, n_layers) = hf_text_config(root, model_type, "gemma4", path)?;
+    let cfg = r.v;
     let hidden = r.usize("hidden_size")?;
     let n_heads = r.usize("num_attention_heads")?;
     let activation = r
