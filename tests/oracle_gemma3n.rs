@@ -16,7 +16,7 @@
 mod common;
 
 use common::*;
-use pulsar::engine::fast::{FastEngine, FastOptions, SeqTokens, WeightFormats};
+use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use pulsar::engine::jit_kernels::{JitKernels, plan_options};
 use pulsar::engine::kernels::{MatKernels, PortableKernels};
 use pulsar::engine::packed::WeightFormat;
@@ -479,45 +479,7 @@ fn short_steps_equal_one_token_steps_bit_for_bit() {
         ("tiny-gemma3n-f32", Some(WeightFormat::Q8_0)),
         ("tiny-gemma3n-llamacpp-f32.gguf", Some(WeightFormat::Q8_0)),
     ] {
-        let src = Arc::new(ModelSource::open(&gemma3n_dir().join(model)).unwrap());
-        let opts = FastOptions {
-            threads: 2,
-            context: 64,
-            format,
-            prefill_chunk: 16,
-            in_place: false,
-            native: false,
-        };
-        let formats = FastEngine::weight_formats(&src, &opts).unwrap();
-        let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
-        let mut e = FastEngine::load(&src, kernels, &opts).unwrap();
-        e.set_sequences(2).unwrap();
-        let vocab = src.config.vocab_size;
-        let step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
-            let batch = [SeqTokens {
-                seq,
-                tokens,
-                wanted: Some(LogitsWanted::All),
-            }];
-            e.forward_batch(&batch).unwrap().remove(0)
-        };
-        let prompt: Vec<u32> = (0..11).map(|i| 2 + (i * 37 + 5) % 250).collect();
-        for seq in 0..2 {
-            step(&mut e, seq, &prompt);
-        }
-        for m in [2, 5, 9] {
-            let run: Vec<u32> = (0..m).map(|i| 7 + (i * 53 + m) % 245).collect();
-            let together = step(&mut e, 0, &run);
-            for (t, &token) in run.iter().enumerate() {
-                let alone = step(&mut e, 1, &[token]);
-                let row = &together[t * vocab..(t + 1) * vocab];
-                let same = row
-                    .iter()
-                    .zip(&alone)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{model} {format:?}: m = {m}, token {t} differs");
-            }
-        }
+        assert_short_steps_equal_one_token_steps(&gemma3n_dir().join(model), format, (250, 245));
     }
 }
 

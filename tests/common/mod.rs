@@ -166,3 +166,61 @@ pub fn k_quant_file(
     }
     out
 }
+
+/// Checks that a short run of tokens is computed exactly as one-token
+/// steps compute it (speculative decoding's verify steps rely on it): the
+/// model at `path`, in `format` (None: the file's own types), two
+/// sequences, runs of 2, 5 and 9 tokens against the same tokens one at a
+/// time; every position's logits must have the same bits. The prompt's
+/// ids are drawn below `ids.0`, the runs' from 7 to `7 + ids.1`.
+#[allow(dead_code)]
+pub fn assert_short_steps_equal_one_token_steps(
+    path: &Path,
+    format: Option<pulsar::engine::packed::WeightFormat>,
+    ids: (u32, u32),
+) {
+    use pulsar::engine::LogitsWanted;
+    use pulsar::engine::fast::{FastEngine, FastOptions, SeqTokens};
+    use pulsar::engine::jit_kernels::JitKernels;
+    use pulsar::model::source::ModelSource;
+    let src = std::sync::Arc::new(ModelSource::open(path).unwrap());
+    let opts = FastOptions {
+        threads: 2,
+        context: 64,
+        format,
+        prefill_chunk: 16,
+        in_place: false,
+        native: false,
+    };
+    let formats = FastEngine::weight_formats(&src, &opts).unwrap();
+    let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
+    let mut e = FastEngine::load(&src, kernels, &opts).unwrap();
+    e.set_sequences(2).unwrap();
+    let vocab = src.config.vocab_size;
+    let step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
+        let batch = [SeqTokens {
+            seq,
+            tokens,
+            wanted: Some(LogitsWanted::All),
+        }];
+        e.forward_batch(&batch).unwrap().remove(0)
+    };
+    let model = path.display();
+    let prompt: Vec<u32> = (0..11).map(|i| 2 + (i * 37 + 5) % ids.0).collect();
+    for seq in 0..2 {
+        step(&mut e, seq, &prompt);
+    }
+    for m in [2, 5, 9] {
+        let run: Vec<u32> = (0..m).map(|i| 7 + (i * 53 + m) % ids.1).collect();
+        let together = step(&mut e, 0, &run);
+        for (t, &token) in run.iter().enumerate() {
+            let alone = step(&mut e, 1, &[token]);
+            let row = &together[t * vocab..(t + 1) * vocab];
+            let same = row
+                .iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{model} {format:?}: m = {m}, token {t} differs");
+        }
+    }
+}
