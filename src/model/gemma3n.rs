@@ -10,7 +10,7 @@
 use super::config::{
     AltUp, Family, Features, LayerAttention, LayerShape, ModelConfig, Reader, hf_text_config,
 };
-use super::gemma4::{kv_producers, per_layer, whole};
+use super::gemma4::{gguf_dims, kv_producers, per_layer, whole};
 use super::gguf::GgufFile;
 use anyhow::{Result, bail};
 use serde_json::Value;
@@ -333,15 +333,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let path = g.path();
     let p = path.display();
     let key = |k: &str| format!("gemma3n.{k}");
-    let n_layers = g.require_usize(&key("block_count"))?;
-    if n_layers == 0 || n_layers > 4096 {
-        bail!("{p}: block_count {n_layers} is zero or absurd");
-    }
-    let hidden = g.require_usize(&key("embedding_length"))?;
-    let n_heads = g.require_usize(&key("attention.head_count"))?;
-    if n_heads == 0 {
-        bail!("{p}: metadata key {:?} is 0", key("attention.head_count"));
-    }
+    let (n_layers, hidden, n_heads) = gguf_dims(g, "gemma3n")?;
     let kv_key = key("attention.head_count_kv");
     let n_kv_heads = match per_layer(g, &kv_key, n_layers)? {
         Some(v) => {

@@ -381,11 +381,11 @@ pub(super) fn whole(values: Vec<f64>, key: &str, path: &Path) -> Result<Vec<usiz
         .collect()
 }
 
-/// Gemma 4's description from llama.cpp's `gemma4.*` metadata.
-pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
-    let path = g.path();
-    let p = path.display();
-    let key = |k: &str| format!("gemma4.{k}");
+/// The layer count, width and query heads of a GGUF's `ARCH.*` metadata,
+/// checked (Gemma 4 and Gemma 3n read them alike).
+pub(super) fn gguf_dims(g: &GgufFile, arch: &str) -> Result<(usize, usize, usize)> {
+    let p = g.path().display();
+    let key = |k: &str| format!("{arch}.{k}");
     let n_layers = g.require_usize(&key("block_count"))?;
     if n_layers == 0 || n_layers > 4096 {
         bail!("{p}: block_count {n_layers} is zero or absurd");
@@ -395,6 +395,15 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     if n_heads == 0 {
         bail!("{p}: metadata key {:?} is 0", key("attention.head_count"));
     }
+    Ok((n_layers, hidden, n_heads))
+}
+
+/// Gemma 4's description from llama.cpp's `gemma4.*` metadata.
+pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+    let path = g.path();
+    let p = path.display();
+    let key = |k: &str| format!("gemma4.{k}");
+    let (n_layers, hidden, n_heads) = gguf_dims(g, "gemma4")?;
     let sliding: Vec<bool> = match per_layer(g, &key("attention.sliding_window_pattern"), n_layers)?
     {
         Some(flags) => flags.into_iter().map(|f| f != 0.0).collect(),
