@@ -100,25 +100,22 @@ impl MaskLookahead {
         if !self.overlap {
             return work();
         }
-        let state = &mut self.state;
-        let (result, next, mask_secs, waited) = std::thread::scope(|scope| {
-            let helper = scope.spawn(move || {
-                let start = Instant::now();
-                let next = state.next_tokens();
-                (next, start.elapsed().as_secs_f64())
-            });
+        self.ahead = None;
+        let this = &mut *self;
+        let (result, waited) = std::thread::scope(|scope| {
+            let helper = scope.spawn(|| this.compute_ahead());
             let result = work();
             let wait = Instant::now();
-            let (next, mask_secs) = helper.join().unwrap_or_else(|_| {
-                let why = "the constraint engine failed while computing a mask".to_string();
-                (NextTokens::DeadEnd(why), 0.0)
-            });
-            (result, next, mask_secs, wait.elapsed().as_secs_f64())
+            let joined = helper.join();
+            (result, joined.map(|()| wait.elapsed().as_secs_f64()))
         });
-        self.report.masks += 1;
-        self.report.mask_secs += mask_secs;
-        self.report.wait_secs += waited;
-        self.ahead = Some(next);
+        match waited {
+            Ok(waited) => self.report.wait_secs += waited,
+            Err(_) => {
+                let why = "the constraint engine failed while computing a mask".to_string();
+                self.ahead = Some(NextTokens::DeadEnd(why));
+            }
+        }
         result
     }
 

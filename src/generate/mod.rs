@@ -183,10 +183,10 @@ pub struct Decoded {
     pub cut: Option<StopCut>,
     /// How the output constraint went, when there was one.
     pub constraint: Option<ConstraintReport>,
-    /// Reply tokens chosen but not fed: the last one, when the limit or
-    /// the context's end came right after it (nothing would read its
-    /// logits). A stop token or the token that completed a stop string is
-    /// in neither list.
+    /// Reply tokens chosen but not fed: the last one, when the limit came
+    /// right after it (nothing would read its logits). A stop token, the
+    /// token that completed a stop string and the one a full context
+    /// could not take are in neither list.
     pub unfed: Vec<u32>,
 }
 
@@ -279,11 +279,10 @@ pub fn decode(
     let reply = generation.reply_tokens();
     history.extend_from_slice(&reply[..fed]);
     let unfed = match stop {
-        StopReason::Limit | StopReason::ContextFull | StopReason::Interrupted => {
-            reply[fed..].to_vec()
-        }
+        StopReason::Limit => reply[fed..].to_vec(),
         // The token that completed a stop string (or a check) is not part
-        // of the reply's tokens to keep.
+        // of the reply's tokens to keep, nor one a full context could not
+        // take; any other end comes after its last token was fed.
         _ => Vec::new(),
     };
     let generated = generation.generated();
