@@ -2,10 +2,12 @@
 """Write a Gemma 4 GGUF of a released model's text shape with random weights, in the layout
 llama.cpp's converter writes (`gemma4.*` keys, per-layer arrays, rope_freqs, fused expert
 tensors), and the real Gemma 4 tokenizer, so Pulsar and llama.cpp run the same file at real
-sizes. Quantize it further with `llama-quantize --allow-requantize IN OUT Q4_K_M` for the mix
-users download.
+sizes. `--type q4_k_m` writes random K-quant blocks directly in the mix `llama-quantize ... Q4_K_M`
+gives (Q4_K; Q6_K for the embedding and for attn_v and ffn_down on llama.cpp's "more bits"
+layers; Q5_0 and Q8_0 where a row is not whole 256-value super-blocks), which saves requantizing
+a 26B file (about 90 minutes on 2 cores).
 
-usage: make_gemma4_shape_gguf.py SHAPE OUT.gguf [--type q8_0|q4_0]
+usage: make_gemma4_shape_gguf.py SHAPE OUT.gguf [--type q8_0|q4_0|q4_k_m]
     SHAPE: gemma4-e2b | gemma4-e4b | gemma4-26b-a4b | gemma4-31b
 Needs Python with gguf==0.19.0 and numpy (a throwaway venv). Tensors are written one at a
 time, so memory holds one tensor (the E2B's per-layer table, 2.5 GB, is the largest). The tokenizer is read from
@@ -33,9 +35,35 @@ VOCAB_FILE = os.environ.get(
                                  'ggml-vocab-gemma-4.gguf'))
 
 
+# Bytes per block and values per block of each type written.
+BLOCK = {'q8_0': (34, 32), 'q4_0': (18, 32), 'q5_0': (22, 32), 'q4_k': (144, 256),
+         'q6_k': (210, 256)}
+GGML = {'q8_0': gguf.GGMLQuantizationType.Q8_0, 'q4_0': gguf.GGMLQuantizationType.Q4_0,
+        'q5_0': gguf.GGMLQuantizationType.Q5_0, 'q4_k': gguf.GGMLQuantizationType.Q4_K,
+        'q6_k': gguf.GGMLQuantizationType.Q6_K}
+
+
+def f16_bytes(x):
+    return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
+
+
 def blocks(kind, rows, cols, rng):
     """Random quantized rows (values of std about 0.02) as the bytes of `kind`."""
-    nb = cols // 32
+    size, per = BLOCK[kind]
+    nb = cols // per
+    if kind in ('q4_k', 'q6_k', 'q5_0'):
+        out = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+        if kind == 'q4_k':
+            # d, dmin, then 12 bytes of 6-bit scales and mins (random), 128 of nibbles.
+            out[:, :, 0:2] = f16_bytes(0.02 * np.sqrt(3) / (32 * 8))
+            out[:, :, 2:4] = f16_bytes(0.02 * np.sqrt(3) / (32 * 8) * 8)
+        elif kind == 'q6_k':
+            # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, then d.
+            out[:, :, 192:208] = rng.integers(1, 64, size=(rows, nb, 16), dtype=np.uint8)
+            out[:, :, 208:210] = f16_bytes(0.02 * np.sqrt(3) / (32 * 32))
+        else:
+            out[:, :, 0:2] = f16_bytes(0.02 * np.sqrt(3) / 16)
+        return out.reshape(rows, nb * size)
     if kind == 'q8_0':
         out = np.empty((rows, nb, 34), dtype=np.uint8)
         d = np.float16(0.02 * np.sqrt(3) / 127)
@@ -56,12 +84,11 @@ def main():
         i = args.index('--type')
         kind = args[i + 1]
         del args[i:i + 2]
-    if len(args) != 2 or args[0] not in SHAPES or kind not in ('q8_0', 'q4_0'):
+    if len(args) != 2 or args[0] not in SHAPES or kind not in ('q8_0', 'q4_0', 'q4_k_m'):
         sys.exit(__doc__)
     shape, out = args
     (h, n_layers, n_heads, (kv_sliding, kv_full), ffn, double_wide, window, per_full, ple,
      shared, k_eq_v, moe, ctx) = SHAPES[shape]
-    qtype = gguf.GGMLQuantizationType.Q8_0 if kind == 'q8_0' else gguf.GGMLQuantizationType.Q4_0
     sliding = [(i + 1) % (per_full + 1) != 0 and i + 1 != n_layers for i in range(n_layers)]
     first_shared = n_layers - shared
     ffn_widths = [2 * ffn if double_wide and i >= first_shared else ffn for i in range(n_layers)]
@@ -96,8 +123,9 @@ def main():
         w.add_expert_count(moe[0])
         w.add_expert_used_count(moe[1])
         w.add_uint32('gemma4.expert_feed_forward_length', moe[2])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if kind == 'q8_0'
-                    else gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type({'q8_0': gguf.LlamaFileType.MOSTLY_Q8_0,
+                     'q4_0': gguf.LlamaFileType.MOSTLY_Q4_0,
+                     'q4_k_m': gguf.LlamaFileType.MOSTLY_Q4_K_M}[kind])
 
     vocab = gguf.GGUFReader(VOCAB_FILE)
     for field in vocab.fields.values():
@@ -162,17 +190,33 @@ def main():
                      (b + 'post_ffw_norm_1.weight', (h,), 1.0),
                      (b + 'post_ffw_norm_2.weight', (h,), 1.0)]
 
-    def quantized(shape):
-        # Rows of 32-value blocks; matrices whose rows are not whole blocks stay f16.
-        return shape[-1] % 32 == 0 and len(shape) >= 2
+    def more_bits(layer):
+        # llama.cpp's use_more_bits: the first and last eighth, and every third between.
+        eighth = n_layers // 8
+        return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+    def type_of(name, shape):
+        """The type a matrix gets, None for f32 (rows not whole 32-value blocks)."""
+        if shape[-1] % 32 != 0 or len(shape) < 2:
+            return None
+        if kind != 'q4_k_m':
+            return kind
+        wide = name == 'token_embd.weight'
+        if name.startswith('blk.') and name.split('.')[2] in ('attn_v', 'ffn_down',
+                                                               'ffn_down_exps'):
+            wide = more_bits(int(name.split('.')[1]))
+        if shape[-1] % 256 != 0:
+            return 'q8_0' if wide else 'q5_0'
+        return 'q6_k' if wide else 'q4_k'
 
     for name, shp, fill in plan:
-        if fill is None and quantized(shp):
-            bpb = 34 if kind == 'q8_0' else 18
-            byte_shape = (*shp[:-1], shp[-1] // 32 * bpb)
+        qt = type_of(name, shp) if fill is None else None
+        if qt:
+            size, per = BLOCK[qt]
+            byte_shape = (*shp[:-1], shp[-1] // per * size)
             nbytes = int(np.prod(byte_shape))
             # gguf-py takes a quantized tensor's shape in bytes.
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=GGML[qt])
         else:
             n = int(np.prod(shp))
             w.add_tensor_info(name, shp, np.dtype(np.float32), n * 4,
@@ -182,9 +226,10 @@ def main():
     w.write_ti_data_to_file()
     rng = np.random.default_rng(4)
     for name, shp, fill in plan:
-        if fill is None and quantized(shp):
+        qt = type_of(name, shp) if fill is None else None
+        if qt:
             rows = int(np.prod(shp[:-1]))
-            w.write_tensor_data(blocks(kind, rows, shp[-1], rng))
+            w.write_tensor_data(blocks(qt, rows, shp[-1], rng))
         elif isinstance(fill, str):
             w.write_tensor_data(rng.normal(0, 0.5, size=shp).astype(np.float32))
         else:

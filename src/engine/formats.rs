@@ -12,7 +12,7 @@ use super::fast::{FastEngine, FastOptions};
 use super::jit_kernels::{kernels_fit, quant_layouts};
 use super::packed::WeightFormat;
 use crate::jit::plan::{QuantLayouts, QuantizedMatrix};
-use crate::model::config::ModelConfig;
+use crate::model::config::{ModelConfig, MoeShape};
 use crate::model::dtype::DType;
 use crate::model::quant_blocks;
 use crate::model::source::{LayerRole, ModelSource, Role};
@@ -51,7 +51,7 @@ pub struct Conversion {
 /// The format a quantized type becomes where no kernel family reads it
 /// (Q5_K), or where its family does not fit the plan's code budget beside
 /// the model's other types (Q4_K and Q6_K, `jit::emit::gemm_kquant`, on
-/// the default model). Q4_K and Q5_K: Q5_0 with an offset per 32 values,
+/// the default model; Q5_0 beside both of them). Q4_K and Q5_K: Q5_0 with an offset per 32 values,
 /// which moves a value by at most q times FP16's rounding of its scale
 /// (`model::k_quant_as_q5_0`). Q6_K, whose scales change every 16
 /// values: Q8_0, whose 8-bit grid holds its values to within half a step
@@ -59,7 +59,8 @@ pub struct Conversion {
 pub(super) fn nearest_with_kernel(dtype: DType) -> Option<WeightFormat> {
     match dtype {
         DType::Q4K | DType::Q5K => Some(WeightFormat::Q5_0),
-        DType::Q6K => Some(WeightFormat::Q8_0),
+        // Q5_0 where its family does not fit: Q8_0 holds its values exactly.
+        DType::Q6K | DType::Q5_0 => Some(WeightFormat::Q8_0),
         _ => None,
     }
 }
@@ -88,24 +89,50 @@ impl FastEngine {
         // Each quantized type in the layout this CPU's kernels read.
         let layouts = quant_layouts();
         let k_quants_native = k_quants_override().unwrap_or(layouts.k_quants_native);
-        let native = Self::weight_formats_in_file_layouts(src, opts, k_quants_native)?
-            .with_layouts(&layouts);
+        let kept = if k_quants_native {
+            FamiliesKept::ALL
+        } else {
+            FamiliesKept::NO_K_QUANTS
+        };
+        let native = Self::weight_formats_in_file_layouts(src, opts, kept)?.with_layouts(&layouts);
         if !native.has_k_quants() || kernels_fit(&src.config, &native) {
             return Ok(native);
         }
-        // Q4_K and Q6_K beside three other kernel families (the default
-        // model has Q8_0, Q5_0, Q4_K and Q6_K matrices) are more code than
-        // the plan's budget: they become Q5_0 with offsets and Q8_0, as
-        // before they had kernels of their own.
-        Ok(Self::weight_formats_in_file_layouts(src, opts, false)?.with_layouts(&layouts))
+        // Q4_K and Q6_K beside two other kernel families (Q8_0 and Q5_0:
+        // the default model, a Gemma 3 1B whose K of 1,152 is not whole
+        // super-blocks, a Gemma 4 26B-A4B whose 704-wide experts are not)
+        // are more code than the plan's budget. Leave out the families
+        // whose conversion adds the fewest bytes a token reads, among the
+        // choices that fit: Q5_0 widened to Q8_0 exactly, Q6_K requantized
+        // to Q8_0, Q4_K as Q5_0 with offsets (both K-quants converted,
+        // the choice before they had kernels, is one of them).
+        let moe = src.config.features.moe;
+        let mut best: Option<(usize, WeightFormats)> = None;
+        for kept in FamiliesKept::FALLBACKS {
+            let formats =
+                Self::weight_formats_in_file_layouts(src, opts, kept)?.with_layouts(&layouts);
+            let cost = formats.per_token_growth(moe);
+            if best.as_ref().is_some_and(|(c, _)| *c <= cost) || !kernels_fit(&src.config, &formats)
+            {
+                continue;
+            }
+            best = Some((cost, formats));
+        }
+        match best {
+            Some((_, formats)) => Ok(formats),
+            None => Ok(
+                Self::weight_formats_in_file_layouts(src, opts, FamiliesKept::NO_K_QUANTS)?
+                    .with_layouts(&layouts),
+            ),
+        }
     }
 
-    /// The formats as the file's types have them; with `k_quants_native`
-    /// false, Q4_K and Q6_K converted to the types of the other kernels.
+    /// The formats as the file's types have them, but for the K-quant
+    /// families not `kept`, converted to the types of the other kernels.
     fn weight_formats_in_file_layouts(
         src: &ModelSource,
         opts: &FastOptions,
-        k_quants_native: bool,
+        kept: FamiliesKept,
     ) -> Result<WeightFormats> {
         // `--dtype q8_0`: that type wherever the rows are whole blocks,
         // quantized at load; FP16 elsewhere and for prefill's panels.
@@ -123,8 +150,7 @@ impl FastEngine {
                 let t = src.matrix_unscanned(role, &shape)?;
                 // A file already in the K-quant layouts (`pulsar convert`)
                 // keeps them whatever the choice: nothing converts back.
-                if let Some(format) = WeightFormat::native(t.dtype)
-                    .filter(|_| k_quants_native || !matches!(t.dtype, DType::Q4K | DType::Q6K))
+                if let Some(format) = WeightFormat::native(t.dtype).filter(|_| kept.keeps(t.dtype))
                 {
                     return Ok(format);
                 }
@@ -180,6 +206,44 @@ impl FastEngine {
             &matrix_shape(Role::Layer(0, LayerRole::Q), c),
         )?;
         Ok(WeightFormat::default_for(q.dtype))
+    }
+}
+
+/// Which of the optional kernel families a model's matrices keep (the
+/// rest are converted to the types of the other kernels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FamiliesKept {
+    q4_k: bool,
+    q6_k: bool,
+    q5_0: bool,
+}
+
+impl FamiliesKept {
+    const ALL: FamiliesKept = FamiliesKept::new(true, true, true);
+    const NO_K_QUANTS: FamiliesKept = FamiliesKept::new(false, false, true);
+    /// The choices tried when every family does not fit, `NO_K_QUANTS`
+    /// also being the one left when none fits. (Q4_K converted needs
+    /// Q5_0's family, so it is never left out with Q5_0.)
+    const FALLBACKS: [FamiliesKept; 5] = [
+        FamiliesKept::new(true, true, false),
+        FamiliesKept::new(true, false, true),
+        FamiliesKept::new(false, true, true),
+        FamiliesKept::new(true, false, false),
+        FamiliesKept::NO_K_QUANTS,
+    ];
+
+    const fn new(q4_k: bool, q6_k: bool, q5_0: bool) -> FamiliesKept {
+        FamiliesKept { q4_k, q6_k, q5_0 }
+    }
+
+    /// Whether a matrix of file type `dtype` keeps its type.
+    fn keeps(self, dtype: DType) -> bool {
+        match dtype {
+            DType::Q4K => self.q4_k,
+            DType::Q6K => self.q6_k,
+            DType::Q5_0 => self.q5_0,
+            _ => true,
+        }
     }
 }
 
@@ -283,9 +347,9 @@ impl WeightFormats {
         let over_budget = self
             .converted
             .iter()
-            .any(|c| matches!(c.from, DType::Q4K | DType::Q6K));
+            .any(|c| matches!(c.from, DType::Q4K | DType::Q6K | DType::Q5_0));
         let why = if over_budget {
-            "the Q4_K and Q6_K kernels do not fit the JIT's code budget beside this model's other types"
+            "this model's types need more kernel families than the JIT's code budget holds"
         } else {
             "no integer kernel reads these types yet"
         };
@@ -318,6 +382,21 @@ impl WeightFormats {
         let file: usize = self.converted.iter().map(|c| c.file_bytes).sum();
         let change = (grown as f64 - file as f64) / 1e6;
         Some(format!("{names} converted, {change:+.1} MB"))
+    }
+
+    /// Bytes the conversions add to what a decode step reads: an expert's
+    /// matrices count `top_k / experts` of theirs.
+    fn per_token_growth(&self, moe: Option<MoeShape>) -> usize {
+        self.converted
+            .iter()
+            .map(|c| {
+                let grown = c.bytes.saturating_sub(c.file_bytes);
+                match moe {
+                    Some(m) if c.tensor.ends_with("_exps") => grown * m.top_k / m.experts,
+                    _ => grown,
+                }
+            })
+            .sum()
     }
 
     /// Whether any matrix is kept in a K-quant layout.

@@ -607,8 +607,10 @@ fn fill_quant_rows(
     // or `--dtype q8_0|q4_0`) is quantized from its exact f32 values.
     let same_type = t.dtype == q.file_dtype() || other_layout.is_some();
     let k_quant = WeightFormat::of_quant(q).takes_offsets(t.dtype);
+    // Q5_0 kept as Q8_0 (its family left out of a full plan) moves no value.
+    let widen_q5_0 = t.dtype == DType::Q5_0 && q.is_q8_0();
     let quantize = match q {
-        _ if same_type || k_quant => None,
+        _ if same_type || k_quant || widen_q5_0 => None,
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q5_0 | QuantType::Q5_0x16 => panic!("a {} tensor cannot become q5_0", t.dtype),
@@ -646,6 +648,11 @@ fn fill_quant_rows(
                     let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
                     k_quant_as_q5_0::row_as_q5_0(t.dtype, src, &mut q5_0_row, row_offsets);
                     quant_blocks::scatter_row(q, dst, r - first, cols, &q5_0_row);
+                }
+                None if widen_q5_0 => {
+                    let src = &t.bytes[r * row_bytes..(r + 1) * row_bytes];
+                    let blocks = quant_blocks::q5_0_row_as_q8_0(src);
+                    quant_blocks::scatter_row(q, dst, r - first, cols, &blocks);
                 }
                 None => {
                     let regrouped;

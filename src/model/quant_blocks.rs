@@ -534,6 +534,32 @@ pub fn file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
     out
 }
 
+/// A row of GGUF Q5_0 blocks as Q8_0 blocks of the same values exactly:
+/// the same f16 scale, and each 5-bit value less its offset of 16
+/// (-16..=15) as a signed byte. Where a model's kernels cannot include
+/// Q5_0's family beside the others, its Q5_0 matrices widen to Q8_0
+/// without moving a value.
+pub fn q5_0_row_as_q8_0(row: &[u8]) -> Vec<u8> {
+    let q5_0 = QuantType::Q5_0.file_block_bytes();
+    let mut out = Vec::with_capacity(row.len() / q5_0 * QuantType::Q8_0.file_block_bytes());
+    for block in row.chunks_exact(q5_0) {
+        out.extend_from_slice(&block[..2]);
+        let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+        let low = &block[6..22];
+        let value = |j: usize| {
+            let nibble = if j < 16 {
+                low[j] & 0x0f
+            } else {
+                low[j - 16] >> 4
+            };
+            let v = (nibble | (((high >> j) & 1) as u8) << 4) as i8 - 16;
+            v as u8
+        };
+        out.extend((0..GROUP_COLS).map(value));
+    }
+    out
+}
+
 /// Row `r` of a matrix in the layout, dequantized exactly as the file's
 /// blocks dequantize: `f16(d) as f32 * value`.
 pub fn dequant_row(q: QuantType, data: &[u8], r: usize, cols: usize, out: &mut [f32]) {
@@ -553,6 +579,35 @@ mod tests {
     use super::*;
     use crate::model::dequant;
     use crate::model::dtype::{DType, TensorView};
+
+    #[test]
+    fn q5_0_widens_to_q8_0_without_moving_a_value() {
+        let (rows, cols) = (3, 96);
+        let bytes = file_bytes(QuantType::Q5_0, rows, cols);
+        let q5_0 = TensorView {
+            dtype: DType::Q5_0,
+            shape: &[cols, rows],
+            bytes: &bytes,
+        };
+        let row_bytes = bytes.len() / rows;
+        for r in 0..rows {
+            let widened = q5_0_row_as_q8_0(&bytes[r * row_bytes..(r + 1) * row_bytes]);
+            let q8_0 = TensorView {
+                dtype: DType::Q8_0,
+                shape: &[cols, 1],
+                bytes: &widened,
+            };
+            let (mut want, mut got) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+            dequant::row_into(&q5_0, r, &mut want);
+            dequant::row_into(&q8_0, 0, &mut got);
+            assert_eq!(
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "row {r}"
+            );
+            assert!(got.iter().any(|&v| v != 0.0));
+        }
+    }
 
     /// GGUF bytes for a `rows x cols` matrix of made-up blocks.
     fn file_bytes(q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
