@@ -104,7 +104,9 @@ pub fn run(
     } else {
         Vec::new()
     };
-    let read_bw = read_bandwidth(engine.pool(), bytes, 5);
+    // At most 1 GiB, far past any L3 here: a 26B-A4B reads 2 GB a token,
+    // and a buffer that large beside its 18 GB of weights would not fit.
+    let read_bw = read_bandwidth(engine.pool(), bytes.min(1 << 30), 5);
     let wake = engine.pool().wake_latency(2000);
     let decode_gbs = decode_tok_s * bytes as f64 / 1e9;
     Ok(BenchReport {
