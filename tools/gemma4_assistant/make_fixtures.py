@@ -3,7 +3,8 @@
 (Gemma4ForCausalLM + Gemma4AssistantForCausalLM, CPU, f32, eager attention), plus llama.cpp GGUF twins.
 
 Usage: python make_fixtures.py [OUT]            (default OUT: tests/data/gemma4-assistant)
-  NO_GGUF=1 skips the GGUF twins. LLAMA_CPP_SRC points at llama.cpp's source tree (convert_hf_to_gguf.py);
+  NO_GGUF=1 skips the GGUF twins; NO_LLAMACPP=1 skips running them through llama.cpp (llamacpp_assistant_eval.py,
+  with LLAMA_CPP_LIB_PATH and LLCPP_PKG_SRC as described there). LLAMA_CPP_SRC points at llama.cpp's source tree (convert_hf_to_gguf.py);
   TINY_TOKENIZER at a folder with the 512-token tokenizer.json the Gemma 4 converter needs (default: the one in
   shared/oracle/gemma4/tiny-tokenizer-512).
 
@@ -26,6 +27,7 @@ from assistant_common import S, F  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "tests/data/gemma4-assistant"
 NO_GGUF = os.environ.get("NO_GGUF") == "1"
+NO_LLAMACPP = NO_GGUF or os.environ.get("NO_LLAMACPP") == "1"
 LLAMA_CPP_SRC = os.environ.get("LLAMA_CPP_SRC", os.path.expanduser(
     "~/.cache/pulsar-peers/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 TINY_TOKENIZER = os.environ.get("TINY_TOKENIZER", os.path.join(
@@ -184,6 +186,35 @@ def gguf_inventory(path, hf_dir):
     return {"metadata": meta, "tensors": tensors, "hf_tensors_not_in_gguf": dropped}
 
 
+def llamacpp_check(out, ref, info):
+    """Run both GGUFs through llama.cpp's shared-KV assistant path and compare with the full-head drafts."""
+    res = {}
+    with tempfile.TemporaryDirectory() as td:
+        for name, c in info["cases"].items():
+            ids, n = c["ids"], c["n"]
+            r = subprocess.run([sys.executable, os.path.join(HERE, "llamacpp_assistant_eval.py"),
+                                os.path.join(out, "tiny-g4a-target-f32.gguf"),
+                                os.path.join(out, "tiny-g4a-assistant-f32.gguf"), json.dumps(ids), str(K),
+                                os.path.join(td, name)], capture_output=True, text=True)
+            line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+            if r.returncode != 0 or not line:
+                raise RuntimeError("llama.cpp run failed:\n" + r.stdout[-2000:] + r.stderr[-4000:])
+            got = json.loads(line[-1][7:])
+            t = np.load(os.path.join(td, name + "_target_logits.npy"))
+            d = np.load(os.path.join(td, name + "_draft_logits.npy"))
+            e = {"tokens": got["tokens"],
+                 "target_logits_max_abs": float(np.abs(t - np.fromfile(os.path.join(ref, f"{name}_target_logits.bin"),
+                                                                         "<f4").reshape(t.shape)).max())}
+            for v in ("full_f32", f"full_f32_window{A.WINDOW - 1}"):
+                f = os.path.join(ref, f"{name}_{v}_logits.bin")
+                if os.path.exists(f):
+                    refl = np.fromfile(f, "<f4").reshape(d.shape)
+                    e[f"vs_{v}"] = {"max_abs_per_step": [float(x) for x in np.abs(d - refl).max(axis=1)],
+                                    "same_tokens": got["tokens"] == c[f"tokens_{v}"]}
+            res[name] = e
+    return res
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     ref = os.path.join(OUT, "tiny-g4a-ref")
@@ -242,6 +273,9 @@ def main():
                     for key in ("inputs", "pre_projection", "layers", "final_norm", "post_projection",
                                 "centroid_logits", "full_logits"):
                         put(f"{tag}_{key}.bin", r[key])
+        for head in ("centroid", "full"):
+            lg = {dt: np.fromfile(os.path.join(ref, f"{name}_{head}_{dt}_logits.bin"), "<f4") for dt in ("f32", "bf16")}
+            c[f"bf16_vs_f32_max_abs_{head}"] = float(np.abs(lg["bf16"] - lg["f32"]).max())
         # other engines' sliding rule: only the last W-1 target positions (causal window at position n-1)
         if n - 1 > W - 1:
             for head in ("centroid", "full"):
@@ -255,7 +289,6 @@ def main():
                 r = A.draft(t64, a64, ids, n, K, head)
                 r32 = np.fromfile(os.path.join(ref, f"{name}_{head}_f32_logits.bin"), "<f4").reshape(K, -1)
                 assert r["tokens"] == c[f"tokens_{head}_f32"]
-                finite = r32 > r32.min()  # the masked entries hold min-1 (also compared, below)
                 c[f"f32_vs_f64_max_abs_{head}"] = float(np.abs(r["logits"] - r32).max())
         # transformers' own assisted loop, first round
         gt, gl = generate_first_round(target, asst["f32"], ids)
@@ -274,6 +307,8 @@ def main():
             inv = gguf_inventory(g, d)
             inv["converter_warnings"] = warn
             info["gguf"][what] = inv
+        if not NO_LLAMACPP:
+            info["llamacpp_cross_check"] = llamacpp_check(OUT, ref, info)
     A.dump_json(os.path.join(ref, "reference.json"), info)
     print("done")
 
