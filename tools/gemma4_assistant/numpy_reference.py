@@ -2,17 +2,19 @@
 """Independent float64 numpy forward of the tiny Gemma 4 target and its assistant (drafter), written from the spec
 in tests/data/gemma4-assistant/README.md. Imports no transformers and no torch.
 
-Usage: python numpy_reference.py [FIXTURES]        (default tests/data/gemma4-assistant)
+Usage: python numpy_reference.py [FIXTURES] [--bugs]        (default tests/data/gemma4-assistant)
 For every case in tiny-g4a-ref/reference.json it runs the target over ids[:n-1], drafts K tokens with the centroid
 head and with the full head (f32 and bf16 assistant folders), checks that the drafted tokens equal the reference's,
 and prints the max abs difference of every reference tensor. Exits non-zero if a token differs or a logit differs
-by more than 1e-4.
+by more than 1e-4. --bugs prints instead how far the drafts move when one thing is done wrong.
 """
 import json, math, os, struct, sys
 import numpy as np
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else "tests/data/gemma4-assistant"
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+ROOT = ARGS[0] if ARGS else "tests/data/gemma4-assistant"
 S, F = "sliding_attention", "full_attention"
+BUG = set()   # deliberate mistakes for the sensitivity table (--bugs); empty = the spec
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -51,7 +53,14 @@ def rms(x, w=None, eps=1e-6):
     return y * w if w is not None else y
 
 
+def arms(x, w, eps):
+    """An assistant norm (the place where the norm_one_plus_w mistake is tried)."""
+    return rms(x, w + 1.0 if "norm_one_plus_w" in BUG else w, eps)
+
+
 def gelu(x):
+    if "gelu_erf" in BUG:
+        return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
@@ -60,7 +69,7 @@ def inv_freq(tc, layer_type, hd):
     exponents over the whole hd, and leaves the rest (frequency 0)."""
     rp = tc["rope_parameters"][layer_type]
     f = rp["rope_theta"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-    if rp.get("rope_type") == "proportional":
+    if rp.get("rope_type") == "proportional" and "full_rope_all_pairs" not in BUG:
         f[int(rp["partial_rotary_factor"] * hd // 2):] = 0.0
     return f
 
@@ -85,6 +94,8 @@ def attend(q, k, v, allowed):
     group = q.shape[0] // k.shape[0]
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
     s = q @ k.transpose(0, 2, 1)
+    if "attn_scale_inv_sqrt_hd" in BUG:
+        s = s / math.sqrt(q.shape[-1])
     s = np.where(allowed[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
@@ -140,6 +151,7 @@ def target_forward(cfg, w, ids):
             x = x + rms(g @ w[p + "per_layer_projection.weight"].T, w[p + "post_per_layer_input_norm.weight"], eps)
         x = x * w[p + "layer_scalar"][0]
     hid = rms(x, w["model.norm.weight"], eps)
+    target_forward.pre_norm, target_forward.all_kv = x, kv
     logits = hid @ E.T
     cap = tc.get("final_logit_softcapping")
     if cap:
@@ -160,10 +172,18 @@ def draft(acfg, aw, tcfg, tw, ids, k_drafts, head, sliding_keys=None):
     if ordered:
         clusters = aw["masked_embedding.token_ordering"].reshape(C, -1)
     tok, h = ids[n - 1], t_hid[n - 2]
+    if "h0_before_final_norm" in BUG:
+        h = target_forward.pre_norm[n - 2]
+    if "sliding_reads_target_layer_0" in BUG:
+        kv = dict(kv, **{S: target_forward.all_kv[0]})
+    if "position_n_minus_2" in BUG:
+        p = n - 2
+    h0 = h
     rec = {k: [] for k in ("tokens", "inputs", "pre_projection", "layers", "final_norm", "post_projection",
                            "centroid_logits", "full_logits", "logits")}
     for _ in range(k_drafts):
-        x = np.concatenate([Et[tok] * math.sqrt(Ht), h])
+        e = Et[tok] * (1.0 if "embedding_unscaled" in BUG else math.sqrt(Ht))
+        x = np.concatenate([h, e] if "concat_swapped" in BUG else [e, h])
         a = aw["pre_projection.weight"] @ x
         rec["inputs"].append(x)
         rec["pre_projection"].append(a)
@@ -174,26 +194,35 @@ def draft(acfg, aw, tcfg, tw, ids, k_drafts, head, sliding_keys=None):
             k, v = kv[lt]
             if lt == S:
                 m = W + 1 if sliding_keys is None else sliding_keys
+                m = {"sliding_last_W": W, "sliding_all_keys": k.shape[1]}.get(next(iter(BUG & {"sliding_last_W", "sliding_all_keys"}), ""), m)
                 k, v = k[:, -m:], v[:, -m:]
-            u = rms(a, aw[pf + "input_layernorm.weight"], eps)
+            u = arms(a, aw[pf + "input_layernorm.weight"], eps)
             q = (aw[pf + "self_attn.q_proj.weight"] @ u).reshape(-1, 1, hd)
-            q = rope(rms(q, aw[pf + "self_attn.q_norm.weight"], eps), [p], inv_freq(tc, lt, hd))
+            q = rope(arms(q, aw[pf + "self_attn.q_norm.weight"], eps), [p], inv_freq(tc, lt, hd))
             o = attend(q, k, v, np.ones((1, k.shape[1]), bool)).reshape(-1)
-            a = a + rms(aw[pf + "self_attn.o_proj.weight"] @ o, aw[pf + "post_attention_layernorm.weight"], eps)
-            m = mlp(aw, pf, rms(a, aw[pf + "pre_feedforward_layernorm.weight"], eps))
-            a = (a + rms(m, aw[pf + "post_feedforward_layernorm.weight"], eps)) * aw[pf + "layer_scalar"][0]
+            a = a + arms(aw[pf + "self_attn.o_proj.weight"] @ o, aw[pf + "post_attention_layernorm.weight"], eps)
+            m = mlp(aw, pf, arms(a, aw[pf + "pre_feedforward_layernorm.weight"], eps))
+            a = a + arms(m, aw[pf + "post_feedforward_layernorm.weight"], eps)
+            if "layer_scalar_ignored" not in BUG:
+                a = a * aw[pf + "layer_scalar"][0]
             outs.append(a)
-        f = rms(a, aw["model.norm.weight"], eps)
+        f = arms(a, aw["model.norm.weight"], eps)
         full = Ea @ f
+        if "softcap_30" in BUG:
+            full = 30.0 * np.tanh(full / 30.0)
         logits = full
         if ordered:
             s = aw["masked_embedding.centroids.weight"] @ f
             rec["centroid_logits"].append(s)
         if ordered and head == "centroid":
-            keep = clusters[np.argsort(-s, kind="stable")[:topk]].reshape(-1)
+            keep = clusters[np.argsort(-s, kind="stable")[:topk + ("topk_plus_1" in BUG)]].reshape(-1)
             logits = np.full_like(full, full[keep].min() - 1.0)
             logits[keep] = full[keep]
         h = aw["post_projection.weight"] @ f
+        if "h_not_fed_back" in BUG:
+            h = h0
+        if "position_advances" in BUG:
+            p += 1
         rec["layers"].append(np.stack(outs))
         rec["final_norm"].append(f)
         rec["post_projection"].append(h)
@@ -212,7 +241,43 @@ def W_of(acfg):
     return acfg["text_config"]["sliding_window"]
 
 
+BUGS = ["position_advances", "position_n_minus_2", "embedding_unscaled", "concat_swapped", "h0_before_final_norm",
+        "h_not_fed_back", "norm_one_plus_w", "attn_scale_inv_sqrt_hd", "sliding_last_W", "sliding_all_keys",
+        "sliding_reads_target_layer_0", "layer_scalar_ignored", "softcap_30", "full_rope_all_pairs", "gelu_erf",
+        "topk_plus_1"]
+
+
+def sensitivity():
+    """Max abs change of the draft logits (case b, f32 folder) when one thing is done wrong, and whether the drafted
+    tokens change. The W-1 window (llama.cpp's) is in the reference files already."""
+    ref = os.path.join(ROOT, "tiny-g4a-ref")
+    info = json.load(open(os.path.join(ref, "reference.json")))
+    tcfg, tw = load(os.path.join(ROOT, "tiny-g4a-target-f32"))
+    acfg, aw = load(os.path.join(ROOT, "tiny-g4a-assistant-f32"))
+    ids, K, out = info["cases"]["b"]["ids"], info["K"], {}
+    base = {h: draft(acfg, aw, tcfg, tw, ids, K, h) for h in ("centroid", "full")}
+    for bug in BUGS:
+        BUG.clear()
+        BUG.add(bug)
+        row = {}
+        for h in ("centroid", "full"):
+            if bug == "topk_plus_1" and h == "full":
+                continue
+            r = draft(acfg, aw, tcfg, tw, ids, K, h)
+            row[h] = {"step0": float(np.abs(r["logits"][0] - base[h]["logits"][0]).max()),
+                      "all_steps": float(np.abs(r["logits"] - base[h]["logits"]).max()),
+                      "tokens_change": r["tokens"] != base[h]["tokens"]}
+        out[bug] = row
+        print(f"{bug:30s} " + "  ".join(f"{h}: step0 {v['step0']:.3g} all {v['all_steps']:.3g} tok {v['tokens_change']}"
+                                        for h, v in row.items()))
+    BUG.clear()
+    return out
+
+
 def main():
+    if "--bugs" in sys.argv:
+        print("RESULT " + json.dumps(sensitivity()))
+        return
     ref = os.path.join(ROOT, "tiny-g4a-ref")
     info = json.load(open(os.path.join(ref, "reference.json")))
     tcfg, tw = load(os.path.join(ROOT, "tiny-g4a-target-f32"))
