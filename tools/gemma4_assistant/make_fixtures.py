@@ -183,6 +183,8 @@ def gguf_inventory(path, hf_dir):
         tensors.append({"name": t.name, "ggml_type": t.tensor_type.name, "ne": [int(x) for x in t.shape],
                         "from_hf": src[0] if len(src) == 1 else (src or None)})
     dropped = sorted(set(hf) - {t["from_hf"] for t in tensors if isinstance(t["from_hf"], str)})
+    unmatched = [t["name"] for t in tensors if not isinstance(t["from_hf"], str) and t["name"] != "rope_freqs.weight"]
+    assert not unmatched, f"{path}: GGUF tensors not bit-identical to exactly one HF tensor: {unmatched}"
     return {"metadata": meta, "tensors": tensors, "hf_tensors_not_in_gguf": dropped}
 
 
