@@ -16,7 +16,7 @@ llama_cpp.py and _ctypes_extensions.py are loaded on their own (default: the 0.3
 Writes OUT_PREFIX_target_logits.npy [n-1, V], OUT_PREFIX_draft_logits.npy [K, V], OUT_PREFIX_draft_h.npy [K, H_t]
 and prints one line 'RESULT {json}'.
 """
-import ctypes, json, os, shutil, sys, tempfile
+import atexit, ctypes, json, os, shutil, sys, tempfile
 import numpy as np
 
 BIN = os.path.expanduser("~/.cache/pulsar-peers/llama.cpp/bin")
@@ -27,6 +27,7 @@ PKG_SRC = os.environ.get("LLCPP_PKG_SRC", os.path.expanduser(
 # llama-cpp-python's package __init__ pulls in its high-level API and its dependencies; only the ctypes layer
 # is needed, so load those two files as a package of their own.
 _stub = tempfile.mkdtemp()
+atexit.register(shutil.rmtree, _stub, True)
 os.makedirs(os.path.join(_stub, "llama_cpp"))
 open(os.path.join(_stub, "llama_cpp", "__init__.py"), "w").close()
 for fn in ("llama_cpp.py", "_ctypes_extensions.py"):
