@@ -27,6 +27,7 @@ pub type HiddenTrace = Vec<Vec<Vec<f32>>>;
 
 impl ReferenceEngine {
     pub fn load(src: &ModelSource) -> Result<ReferenceEngine> {
+        crate::model::gemma4_assistant::refuse_as_model(&src.config, &src.path)?;
         let weights = ModelWeights::load(src, |_, t| {
             let m = F32Matrix::from_view(&t);
             t.release_pages();

@@ -23,6 +23,7 @@ use crate::engine::q8_input::InputPrecision;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::plan::{Plan, plan};
+use crate::model::gemma4_assistant::refuse_as_model;
 use crate::model::source::ModelSource;
 use crate::model::weights::{ModelWeights, RowTable, model_matrices};
 use anyhow::Result;
@@ -132,6 +133,7 @@ impl FastEngine {
     /// kernel plan with a stored launch tuning applied, and the notes to
     /// print before the load.
     pub fn plan(src: Arc<ModelSource>, options: &EngineOptions) -> Result<EnginePlan> {
+        refuse_as_model(&src.config, &src.path)?;
         let formats = Self::weight_formats(&src, &options.load)?;
         let mut notes = Vec::new();
         if options.verbose
@@ -204,6 +206,7 @@ impl FastEngine {
         kernels: Box<dyn MatKernels>,
         opts: &FastOptions,
     ) -> Result<Self> {
+        refuse_as_model(&src.config, &src.path)?;
         let formats = Self::weight_formats(src, opts)?;
         Self::load_in(src, kernels, &formats, opts)
     }
