@@ -153,3 +153,110 @@ fn a_pair_that_does_not_fit_is_refused_naming_the_mismatch() {
     );
     assert!(err.contains("hidden_size_per_layer_input"), "{err}");
 }
+
+/// A case's ids (`a` or `b`) and its reference folder.
+fn case_ids(case: &str) -> Vec<u32> {
+    let meta = read_json(&data().join("tiny-g4a-ref/reference.json"));
+    ids(&meta["cases"][case]["ids"])
+}
+
+fn reference_file(name: &str) -> Vec<f32> {
+    read_f32(&data().join("tiny-g4a-ref").join(name))
+}
+
+/// The reference engine's draft round for `case`: the target runs
+/// `ids[..n-1]`, the assistant drafts `k` tokens after `ids[n-1]`.
+fn reference_drafts(target: &Path, assistant: &Path, case: &str, k: usize) -> (Vec<u32>, Vec<f32>) {
+    use pulsar::engine::reference::ReferenceEngine;
+    use pulsar::engine::{Engine, LogitsWanted};
+    let ids = case_ids(case);
+    let t = ModelSource::open(target).expect("target opens");
+    let mut engine = ReferenceEngine::load(&t).expect("target loads");
+    let a = ModelSource::open(assistant).expect("assistant opens");
+    engine.attach_assistant(&a, &t.path).expect("the pair fits");
+    engine
+        .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
+        .expect("target runs");
+    let mut logits = Vec::new();
+    let tokens = engine
+        .draft(ids[ids.len() - 1], k, Some(&mut logits))
+        .expect("drafts");
+    (tokens, logits)
+}
+
+/// The drafted tokens `reference.json` lists for a chain.
+fn chain_tokens(case: &str, chain: &str) -> Vec<u32> {
+    let meta = read_json(&data().join("tiny-g4a-ref/reference.json"));
+    ids(&meta["cases"][case][format!("tokens_{chain}")])
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tolerance: f32) {
+    let (diff, at) = max_abs_diff(got, want);
+    println!("{what}: max abs diff {diff:e}");
+    assert!(
+        diff <= tolerance,
+        "{what}: differs by {diff} at draft {}, token {}",
+        at / 512,
+        at % 512
+    );
+}
+
+#[test]
+fn reference_drafts_match_transformers_for_every_round_length() {
+    let target = data().join("tiny-g4a-target-f32");
+    for case in ["a", "b"] {
+        for (assistant, chain) in [
+            ("tiny-g4a-assistant-f32", "centroid_f32"),
+            ("tiny-g4a-assistant-bf16", "centroid_bf16"),
+        ] {
+            let want = reference_file(&format!("{case}_{chain}_logits.bin"));
+            let tokens = chain_tokens(case, chain);
+            for k in 1..=8 {
+                let (got, logits) = reference_drafts(&target, &data().join(assistant), case, k);
+                assert_eq!(got, tokens[..k], "{case} {chain} k={k}: drafted tokens");
+                assert_close(
+                    &format!("{case} {chain} k={k}"),
+                    &logits,
+                    &want[..k * 512],
+                    1e-4,
+                );
+            }
+        }
+    }
+}
+
+/// llama.cpp's GGUF assistant has no clusters: its drafts rank the whole
+/// tied head, the `full` chain; the GGUF target gives the same.
+#[test]
+fn reference_drafts_of_the_gguf_assistant_use_the_full_head() {
+    for target in ["tiny-g4a-target-f32", "tiny-g4a-target-f32.gguf"] {
+        for case in ["a", "b"] {
+            let (tokens, logits) = reference_drafts(
+                &data().join(target),
+                &data().join("tiny-g4a-assistant-f32.gguf"),
+                case,
+                8,
+            );
+            assert_eq!(tokens, chain_tokens(case, "full_f32"), "{target} {case}");
+            let want = reference_file(&format!("{case}_full_f32_logits.bin"));
+            assert_close(&format!("{target} {case} full head"), &logits, &want, 1e-4);
+        }
+    }
+    // The HF assistant told not to use its clusters drafts the same chain.
+    let unordered = edited_copy("tiny-g4a-assistant-f32", |c| {
+        c["use_ordered_embeddings"] = false.into()
+    });
+    let (tokens, logits) = reference_drafts(
+        &data().join("tiny-g4a-target-f32"),
+        unordered.path(),
+        "b",
+        8,
+    );
+    assert_eq!(tokens, chain_tokens("b", "full_f32"));
+    assert_close(
+        "HF without clusters",
+        &logits,
+        &reference_file("b_full_f32_logits.bin"),
+        1e-4,
+    );
+}
