@@ -27,10 +27,22 @@ fn draft_logits(
     k: &str,
     engine: &str,
 ) -> (Output, Vec<f32>) {
+    draft_logits_with(target, assistant, tokens, k, &["--engine", engine])
+}
+
+/// [`draft_logits`] with the engine flags given.
+fn draft_logits_with(
+    target: &Path,
+    assistant: &Path,
+    tokens: &[u32],
+    k: &str,
+    engine_flags: &[&str],
+) -> (Output, Vec<f32>) {
     let out_file = ScratchFile::new("pulsar-draft-logits-", "drafts.bin");
     let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
     let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
-        .args(["logits", "--no-tune", "--engine", engine, "--n-draft", k])
+        .args(["logits", "--no-tune", "--n-draft", k])
+        .args(engine_flags)
         .arg("-m")
         .arg(target)
         .arg("--draft")
@@ -50,18 +62,37 @@ fn draft_logits(
 }
 
 fn check(target: &str, assistant: &str, case: &str, chain: &str, engine: &str, tolerance: f32) {
+    check_with(
+        target,
+        assistant,
+        case,
+        chain,
+        &["--engine", engine],
+        tolerance,
+    );
+}
+
+fn check_with(
+    target: &str,
+    assistant: &str,
+    case: &str,
+    chain: &str,
+    engine_flags: &[&str],
+    tolerance: f32,
+) {
+    let engine = engine_flags.join(" ");
     let want = read_f32(
         &data()
             .join("tiny-g4a-ref")
             .join(format!("{case}_{chain}_logits.bin")),
     );
     for k in [1usize, 3, 8] {
-        let (out, got) = draft_logits(
+        let (out, got) = draft_logits_with(
             &data().join(target),
             &data().join(assistant),
             &case_ids(case),
             &k.to_string(),
-            engine,
+            engine_flags,
         );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{target} + {assistant}: {stderr}");
@@ -120,6 +151,59 @@ fn the_reference_engine_writes_transformers_draft_logits() {
         .collect();
     assert_eq!(notes.len(), 1, "{stderr}");
 }
+
+/// The fast engine keeps both models' matrices in 16 bits (the target's
+/// format): FP16 from the f32 folders, within FP16's rounding of the f32
+/// chain; the bf16 assistant folder against its own chain; BF16 for both
+/// models within BF16's.
+#[test]
+fn the_jit_engine_writes_draft_logits_within_16_bit_tolerances() {
+    for case in ["a", "b"] {
+        let jit = ["--engine", "jit"];
+        check_with(
+            "tiny-g4a-target-f32",
+            "tiny-g4a-assistant-f32",
+            case,
+            "centroid_f32",
+            &jit,
+            TOLERANCE_F16,
+        );
+        check_with(
+            "tiny-g4a-target-f32",
+            "tiny-g4a-assistant-bf16",
+            case,
+            "centroid_bf16",
+            &jit,
+            TOLERANCE_F16,
+        );
+        check_with(
+            "tiny-g4a-target-f32.gguf",
+            "tiny-g4a-assistant-f32.gguf",
+            case,
+            "full_f32",
+            &jit,
+            TOLERANCE_F16,
+        );
+    }
+    // Both models in BF16, case a only: case b's drafts are 0.02 apart at
+    // their closest, and BF16 moves its third draft's logits by 0.09, so
+    // its chain may leave the f32 one (it does, at the eighth draft).
+    check_with(
+        "tiny-g4a-target-f32",
+        "tiny-g4a-assistant-f32",
+        "a",
+        "centroid_f32",
+        &["--engine", "jit", "--dtype", "bf16"],
+        TOLERANCE_BF16,
+    );
+}
+
+/// FP16 moves the first draft's logits by 3e-3 here and the eighth's by
+/// 0.022: each draft reads the previous one's hidden state, so the
+/// rounding compounds down the round.
+const TOLERANCE_F16: f32 = 0.05;
+/// BF16 (both models): 0.042 measured on case a.
+const TOLERANCE_BF16: f32 = 0.1;
 
 /// Exit code 1, no panic, one line on stderr containing every needle.
 fn expect_refusal(out: &Output, needles: &[&str]) {

@@ -260,3 +260,86 @@ fn reference_drafts_of_the_gguf_assistant_use_the_full_head() {
         1e-4,
     );
 }
+
+/// The fast engine's rounds (the JIT's kernels with what the CPU has and
+/// held to AVX2, the portable ones; one and two threads, so the attention
+/// over the target's cache is split) against the f32 chain, within what
+/// FP16 weights allow (see tests/draft_logits.rs).
+#[test]
+fn fast_drafts_match_the_reference_on_every_kernel_set() {
+    use pulsar::engine::Engine;
+    use pulsar::engine::LogitsWanted;
+    use pulsar::engine::fast::{FastEngine, FastOptions, plan_assistant};
+    use pulsar::engine::jit_kernels::{JitKernels, plan_options};
+    use pulsar::engine::kernels::{MatKernels, PortableKernels};
+    use pulsar::jit::cpu::Isa;
+    use std::sync::Arc;
+    let target = Arc::new(open("tiny-g4a-target-f32"));
+    let assistant = open("tiny-g4a-assistant-f32");
+    for threads in [1, 2] {
+        let opts = FastOptions {
+            threads,
+            context: 64,
+            format: None,
+            prefill_chunk: 5,
+            in_place: false,
+            native: false,
+        };
+        let formats = FastEngine::weight_formats(&target, &opts).expect("formats");
+        let mut plan = plan_options(&target.config, &formats, threads);
+        plan_assistant(&mut plan, &assistant.config);
+        let sets: Vec<(&str, Box<dyn MatKernels>)> = vec![
+            (
+                "jit",
+                Box::new(
+                    JitKernels::with_options(&target.config, plan.clone())
+                        .unwrap()
+                        .unwrap(),
+                ),
+            ),
+            (
+                "jit-avx2",
+                Box::new(
+                    JitKernels::with_options(
+                        &target.config,
+                        pulsar::jit::plan::PlanOptions {
+                            max_isa: Isa::Avx2,
+                            ..plan.clone()
+                        },
+                    )
+                    .unwrap()
+                    .unwrap(),
+                ),
+            ),
+            ("portable", Box::new(PortableKernels)),
+        ];
+        for (name, kernels) in sets {
+            let mut engine = FastEngine::load(&target, kernels, &opts).expect("loads");
+            engine
+                .load_assistant(&assistant, &target.path, formats.wide)
+                .expect("the assistant loads");
+            for case in ["a", "b"] {
+                let ids = case_ids(case);
+                engine.truncate(0);
+                engine
+                    .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
+                    .unwrap();
+                let mut logits = Vec::new();
+                let tokens = engine
+                    .draft(ids[ids.len() - 1], 8, Some(&mut logits))
+                    .unwrap();
+                assert_eq!(
+                    tokens,
+                    chain_tokens(case, "centroid_f32"),
+                    "{name} {threads}"
+                );
+                assert_close(
+                    &format!("{name} {threads} thread(s) {case}"),
+                    &logits,
+                    &reference_file(&format!("{case}_centroid_f32_logits.bin")),
+                    0.05,
+                );
+            }
+        }
+    }
+}

@@ -252,6 +252,7 @@ pub fn open_engine_drafting(
             &a.path,
         )?;
     }
+    let assistant = assistant.map(Arc::new);
     let reference = |src: &ModelSource| -> Result<OpenedEngine> {
         let mut engine = ReferenceEngine::load(src)?;
         if let Some(a) = &assistant {
@@ -265,10 +266,8 @@ pub fn open_engine_drafting(
     if args.kind == EngineKind::Reference {
         return reference(&src);
     }
-    if assistant.is_some() {
-        bail!("the JIT engine does not draft with an assistant yet: pass --engine reference");
-    }
-    let plan = FastEngine::plan(Arc::new(src), &args.options(context)?)?;
+    let plan =
+        FastEngine::plan_drafting(Arc::new(src), assistant.clone(), &args.options(context)?)?;
     print_notes("pulsar", &plan);
     let src = plan.source().clone();
     match plan.open()? {
