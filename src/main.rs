@@ -622,6 +622,14 @@ enum Command {
         /// Output file.
         #[arg(short, long)]
         output: PathBuf,
+        /// Write this Gemma 4 assistant's draft logits instead: [n-draft, vocab] f32, no header.
+        ///
+        /// The model runs ids[0..n-2]; drafting starts from ids[n-1] at position n-1, each later draft fed the previous draft's argmax.
+        #[arg(long, value_name = "ASSISTANT", conflicts_with = "all")]
+        draft: Option<PathBuf>,
+        /// Drafts to write with --draft (1 to 8).
+        #[arg(long, value_name = "K", default_value_t = 8, requires = "draft")]
+        n_draft: usize,
         #[command(flatten)]
         forward: ForwardArgs,
     },
@@ -745,6 +753,8 @@ fn run(command: Command, flags: commands::SharedFlags) -> anyhow::Result<()> {
             prompt,
             all,
             output,
+            draft,
+            n_draft,
             forward,
         } => commands::logits::run(&commands::logits::LogitsArgs {
             model: &commands::resolve_model(model.as_deref())?,
@@ -752,6 +762,8 @@ fn run(command: Command, flags: commands::SharedFlags) -> anyhow::Result<()> {
             prompt: prompt.as_deref(),
             all,
             output: &output,
+            draft: draft.as_deref(),
+            n_draft,
             engine: forward.engine_args(false, flags),
         }),
         Command::Embed {

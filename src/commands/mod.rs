@@ -232,16 +232,42 @@ pub struct OpenedEngine {
 /// tokens. A CPU the JIT cannot serve gets the reason on stderr and the
 /// reference engine; a kernel that fails verification stops the program.
 pub fn open_engine(src: ModelSource, args: &EngineArgs, context: usize) -> Result<OpenedEngine> {
+    open_engine_drafting(src, args, context, None)
+}
+
+/// [`open_engine`] with a Gemma 4 assistant to draft with
+/// ([`Engine::draft`]), when one is given: checked against the model
+/// before either is loaded.
+pub fn open_engine_drafting(
+    src: ModelSource,
+    args: &EngineArgs,
+    context: usize,
+    assistant: Option<ModelSource>,
+) -> Result<OpenedEngine> {
+    if let Some(a) = &assistant {
+        crate::model::gemma4_assistant::target_kv_layers(
+            &src.config,
+            &src.path,
+            &a.config,
+            &a.path,
+        )?;
+    }
+    let assistant = assistant.map(Arc::new);
     let reference = |src: &ModelSource| -> Result<OpenedEngine> {
+        let mut engine = ReferenceEngine::load(src)?;
+        if let Some(a) = &assistant {
+            engine.attach_assistant(a, &src.path)?;
+        }
         Ok(OpenedEngine {
-            engine: Box::new(ReferenceEngine::load(src)?),
+            engine: Box::new(engine),
             note: String::new(),
         })
     };
     if args.kind == EngineKind::Reference {
         return reference(&src);
     }
-    let plan = FastEngine::plan(Arc::new(src), &args.options(context)?)?;
+    let plan =
+        FastEngine::plan_drafting(Arc::new(src), assistant.clone(), &args.options(context)?)?;
     print_notes("pulsar", &plan);
     let src = plan.source().clone();
     match plan.open()? {

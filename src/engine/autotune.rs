@@ -20,7 +20,7 @@
 //! line.
 
 use super::fast::{FastEngine, WeightFormats};
-use super::jit_kernels::{JitKernels, plan_options};
+use super::jit_kernels::JitKernels;
 use super::kernels::MatKernels;
 use super::q8_input::InputPrecision;
 use super::{Engine, LogitsWanted};
@@ -201,7 +201,7 @@ pub fn apply(
     formats: &WeightFormats,
     tuned: &Tuned,
 ) -> Result<()> {
-    let kernels = kernels_with_prefetch(config, formats, engine.threads(), tuned.quant_prefetch)?;
+    let kernels = kernels_with_prefetch(engine, config, formats, tuned.quant_prefetch)?;
     if let Err((_, why)) = engine.replace_kernels(kernels) {
         anyhow::bail!("internal error: tuned kernels refused: {why}");
     }
@@ -225,12 +225,12 @@ pub fn apply_blocking(engine: &mut FastEngine, tuned: &Tuned) {
 }
 
 fn kernels_with_prefetch(
+    engine: &FastEngine,
     config: &ModelConfig,
     formats: &WeightFormats,
-    threads: usize,
     prefetch: usize,
 ) -> Result<Box<dyn MatKernels>> {
-    let mut opts = plan_options(config, formats, threads);
+    let mut opts = engine.plan_options(formats);
     opts.quant_prefetch = prefetch;
     match JitKernels::with_options(config, opts)? {
         Some(k) => Ok(Box::new(k)),
@@ -327,7 +327,7 @@ pub fn measure(
     for &p in &prefetches {
         kernel_sets.push(match p {
             QUANT_PREFETCH_BYTES => None,
-            _ => Some(kernels_with_prefetch(config, formats, engine.threads(), p)?),
+            _ => Some(kernels_with_prefetch(engine, config, formats, p)?),
         });
     }
     let build_ms = start.elapsed().as_secs_f64() * 1e3;

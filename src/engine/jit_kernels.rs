@@ -466,6 +466,20 @@ impl MatKernels for JitKernels {
         }
     }
 
+    fn resolve_one_token(&self, w: &PackedMatrix) -> Result<MatrixKernels, String> {
+        if !w.format.is_16bit() {
+            return self.resolve(w);
+        }
+        match self.set.resolve::<Gemv>((weight_type(w.format), w.cols)) {
+            Some(one_token) => Ok(MatrixKernels {
+                one_token: Some(one_token),
+                tokens: None,
+                unpack: None,
+            }),
+            None => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
+        }
+    }
+
     fn name(&self) -> String {
         match self.isa {
             Isa::Avx512 => "jit avx2 + avx512-vnni".to_string(),

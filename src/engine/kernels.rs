@@ -226,6 +226,12 @@ pub trait MatKernels: Sync {
         Ok(MatrixKernels::default())
     }
 
+    /// [`MatKernels::resolve`] for a matrix only ever multiplied one token
+    /// at a time (a Gemma 4 assistant's): it needs no GEMM.
+    fn resolve_one_token(&self, w: &PackedMatrix) -> Result<MatrixKernels, String> {
+        self.resolve(w)
+    }
+
     /// A short name for reports ("jit avx2", "portable").
     fn name(&self) -> String;
 

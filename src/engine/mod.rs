@@ -1,5 +1,6 @@
 //! Forward passes: the plain-Rust reference (the oracle) and the JIT engine.
 
+pub mod assistant;
 pub mod attn_scores;
 pub mod autotune;
 pub mod decode_wsum;
@@ -58,4 +59,19 @@ pub trait Engine {
     /// states (after the final norm: the LM head's input), row-major
     /// `[tokens, hidden]`, computing no logits.
     fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+
+    /// Whether [`Engine::draft`] runs: a Gemma 4 assistant is attached.
+    fn can_draft(&self) -> bool {
+        false
+    }
+
+    /// Drafts `k` tokens (1 ..= [`assistant::MAX_DRAFT_TOKENS`]) to follow
+    /// `token`, the token chosen after the cached ones (not fed): one
+    /// round of the attached assistant over the cache as it is (see
+    /// [`assistant`]). Each draft's logits, `[k, vocab]`, are appended to
+    /// `logits` when given.
+    fn draft(&mut self, token: u32, k: usize, logits: Option<&mut Vec<f32>>) -> Result<Vec<u32>> {
+        let _ = (token, k, logits);
+        anyhow::bail!("this engine has no assistant to draft with")
+    }
 }

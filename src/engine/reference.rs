@@ -3,6 +3,7 @@
 //! oracle every JIT kernel and the fast engine are tested against; it is
 //! not the fast path.
 
+use super::assistant::{self, Assistant};
 use super::kv_cache::KvCache;
 use super::ops::{self, dot, matvec, rms_norm, rms_norm_in_place};
 use super::{Engine, LogitsWanted};
@@ -12,11 +13,19 @@ use crate::model::weights::{
     AltUpStreams, F32Matrix, LayerWeights, ModelWeights, MoeWeights, PerLayerInputTable,
 };
 use anyhow::{Result, bail};
+use std::path::Path;
 
 pub struct ReferenceEngine {
     config: ModelConfig,
     weights: ModelWeights<F32Matrix>,
     kv: KvCache,
+    /// A Gemma 4 assistant to draft with ([`Engine::draft`]).
+    assistant: Option<Assistant<F32Matrix>>,
+    /// With an assistant: the final hidden states of the last run's
+    /// positions, from `last_start` on (a draft round reads the one of
+    /// the last cached position, whatever was cut back since).
+    last_finals: Vec<Vec<f32>>,
+    last_start: usize,
 }
 
 /// Per-position snapshots of the residual stream, in the oracle's layout:
@@ -27,6 +36,7 @@ pub type HiddenTrace = Vec<Vec<Vec<f32>>>;
 
 impl ReferenceEngine {
     pub fn load(src: &ModelSource) -> Result<ReferenceEngine> {
+        crate::model::gemma4_assistant::refuse_as_model(&src.config, &src.path)?;
         let weights = ModelWeights::load(src, |_, t| {
             let m = F32Matrix::from_view(&t);
             t.release_pages();
@@ -41,7 +51,20 @@ impl ReferenceEngine {
             config,
             weights,
             kv,
+            assistant: None,
+            last_finals: Vec::new(),
+            last_start: 0,
         }
+    }
+
+    /// Loads the Gemma 4 assistant `src` for this engine's model (at
+    /// `target_path`) to draft with, checking that they fit.
+    pub fn attach_assistant(&mut self, src: &ModelSource, target_path: &Path) -> Result<()> {
+        let assistant = Assistant::load(src, &self.config, target_path, |_, t| {
+            Ok(F32Matrix::from_view(&t))
+        })?;
+        self.assistant = Some(assistant);
+        Ok(())
     }
 
     /// Runs `tokens` after the cached ones, recording the hidden states of
@@ -53,6 +76,7 @@ impl ReferenceEngine {
         mut trace: Option<&mut HiddenTrace>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
+        let start = self.kv.len();
         let mut finals = Vec::with_capacity(tokens.len());
         for &token in tokens {
             if token as usize >= c.vocab_size {
@@ -82,8 +106,17 @@ impl ReferenceEngine {
             let p = c.features.per_layer_input;
             for (i, layer) in self.weights.layers.iter().enumerate() {
                 let input = inputs.as_ref().map(|all| &all[i * p..(i + 1) * p]);
-                let kv = &mut self.kv;
-                layer_step(c, i, layer, kv, pos, &mut x, streams.as_deref_mut(), input);
+                let keys = KeySource::Own(&mut self.kv);
+                layer_step(
+                    c,
+                    i,
+                    layer,
+                    keys,
+                    pos,
+                    &mut x,
+                    streams.as_deref_mut(),
+                    input,
+                );
                 snapshots.push(match &streams {
                     Some(s) => s[..c.hidden].to_vec(),
                     None => x.clone(),
@@ -100,7 +133,86 @@ impl ReferenceEngine {
             }
             finals.push(x);
         }
+        if self.assistant.is_some() {
+            self.last_finals = finals.clone();
+            self.last_start = start;
+        }
         Ok(finals)
+    }
+
+    /// One draft round of the attached assistant (see [`Engine::draft`]).
+    fn draft_round(
+        &self,
+        token: u32,
+        k: usize,
+        mut logits: Option<&mut Vec<f32>>,
+    ) -> Result<Vec<u32>> {
+        let Some(a) = &self.assistant else {
+            bail!("no assistant is attached to draft with (give one with --draft)");
+        };
+        let pos = self.kv.len();
+        assistant::check_round(&self.config, token, k, pos)?;
+        let mut h = pos
+            .checked_sub(self.last_start + 1)
+            .and_then(|i| self.last_finals.get(i))
+            .cloned()
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "internal error: the target's hidden state at position {} was not kept",
+                    pos - 1
+                )
+            })?;
+        let (ac, aw) = (&a.config, &a.weights);
+        let extra = aw.assistant.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("internal error: the assistant's projections are missing")
+        })?;
+        let vocab = ac.vocab_size;
+        let mut tokens = Vec::with_capacity(k);
+        let mut next = token;
+        for _ in 0..k {
+            let input = assistant::step_input(self.weights.embedding.row(next as usize), &h);
+            let mut x = vec![0.0; ac.hidden];
+            matvec(&extra.pre_projection.data, &input, &mut x);
+            for (l, layer) in aw.layers.iter().enumerate() {
+                let keys = KeySource::Target {
+                    cache: &self.kv,
+                    layer: a.target_layers[l],
+                    keys: a.visible_keys(l, pos),
+                };
+                layer_step(ac, l, layer, keys, pos, &mut x, None, None);
+            }
+            rms_norm_in_place(&mut x, &aw.final_norm, ac.rms_eps);
+            matvec(&extra.post_projection.data, &x, &mut h);
+            let mut row = logits.as_ref().map(|_| vec![0.0; vocab]);
+            next = match (&extra.clusters, assistant::clusters(ac)) {
+                (Some(head), Some(shape)) => {
+                    let mut scores = vec![0.0; shape.count];
+                    matvec(&head.centroids.data, &x, &mut scores);
+                    let per = vocab / shape.count;
+                    let ordering = &head.token_ordering;
+                    let cluster = |c: usize, out: &mut [f32]| {
+                        for (o, &id) in out.iter_mut().zip(&ordering[c * per..(c + 1) * per]) {
+                            *o = dot(aw.embedding.row(id as usize), &x);
+                        }
+                    };
+                    assistant::clustered_head(shape, &scores, ordering, cluster, row.as_deref_mut())
+                }
+                _ => {
+                    let mut all = vec![0.0; vocab];
+                    matvec(&aw.embedding.data, &x, &mut all);
+                    let best = ops::argmax(&all) as u32;
+                    if let Some(row) = &mut row {
+                        row.copy_from_slice(&all);
+                    }
+                    best
+                }
+            };
+            if let (Some(out), Some(row)) = (logits.as_deref_mut(), row) {
+                out.extend_from_slice(&row);
+            }
+            tokens.push(next);
+        }
+        Ok(tokens)
     }
 
     fn logits_of(&self, normed: &[f32]) -> Vec<f32> {
@@ -152,12 +264,36 @@ impl Engine for ReferenceEngine {
     fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         Ok(self.run(tokens, None)?.concat())
     }
+
+    fn can_draft(&self) -> bool {
+        self.assistant.is_some()
+    }
+
+    fn draft(&mut self, token: u32, k: usize, logits: Option<&mut Vec<f32>>) -> Result<Vec<u32>> {
+        self.draft_round(token, k, logits)
+    }
+}
+
+/// Where a layer's attention reads keys and values.
+enum KeySource<'a> {
+    /// The model's own cache: the layer stores this position's keys first
+    /// (unless it reads an earlier layer's), then attends over its window
+    /// up to and including `pos`.
+    Own(&'a mut KvCache),
+    /// A Gemma 4 assistant's layer: the target's cache of layer `layer`,
+    /// positions `keys` (the query has no keys of its own).
+    Target {
+        cache: &'a KvCache,
+        layer: usize,
+        keys: std::ops::Range<usize>,
+    },
 }
 
 /// One transformer block for the token at `pos`, updating the residual
-/// stream `x` in place and appending this position's K and V to the cache
-/// (unless the layer reads an earlier layer's). `per_layer_input` is this
-/// layer's part of the token's per-layer input (Gemma 3n and 4), if any.
+/// stream `x` in place and, reading its own cache, appending this
+/// position's K and V to it (unless the layer reads an earlier layer's).
+/// `per_layer_input` is this layer's part of the token's per-layer input
+/// (Gemma 3n and 4), if any.
 ///
 /// With AltUp (Gemma 3n) the residual is `streams` (`[streams][hidden]`):
 /// the block runs on the active stream's prediction in `x`, then corrects
@@ -167,7 +303,7 @@ fn layer_step(
     c: &ModelConfig,
     layer_index: usize,
     w: &LayerWeights<F32Matrix>,
-    kv: &mut KvCache,
+    mut keys: KeySource<'_>,
     pos: usize,
     x: &mut [f32],
     mut streams: Option<&mut [f32]>,
@@ -221,7 +357,7 @@ fn layer_step(
             *e *= c.query_scale;
         }
     }
-    if let Some(k_matrix) = &w.k {
+    if let (Some(k_matrix), KeySource::Own(kv)) = (&w.k, &mut keys) {
         let kv_width = shape.n_kv_heads * hd;
         let mut k = vec![0.0; kv_width];
         matvec(&k_matrix.data, &normed, &mut k);
@@ -247,19 +383,24 @@ fn layer_step(
         kv.store(layer_index, &k, &v);
     }
 
-    // Keys visible to this query: q - window < key <= q.
-    let first = match attn.window {
-        Some(win) => (pos + 1).saturating_sub(win),
-        None => 0,
+    let (kv, cache_layer, visible) = match keys {
+        // Keys visible to this query: q - window < key <= q.
+        KeySource::Own(kv) => {
+            let first = match attn.window {
+                Some(win) => (pos + 1).saturating_sub(win),
+                None => 0,
+            };
+            (&*kv, shape.kv_layer, first..pos + 1)
+        }
+        KeySource::Target { cache, layer, keys } => (cache, layer, keys),
     };
-    let cache_layer = shape.kv_layer;
     let group = c.n_heads / shape.n_kv_heads;
     let mut attn_out = vec![0.0; c.n_heads * hd];
-    let mut scores = vec![0.0; pos + 1 - first];
+    let mut scores = vec![0.0; visible.len()];
     for h in 0..c.n_heads {
         let kv_head = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
-        for (s, key_pos) in scores.iter_mut().zip(first..=pos) {
+        for (s, key_pos) in scores.iter_mut().zip(visible.clone()) {
             let score = dot(qh, kv.key(cache_layer, key_pos, kv_head));
             *s = match c.attn_softcap {
                 Some(cap) => ops::softcap(score, cap),
@@ -268,7 +409,7 @@ fn layer_step(
         }
         ops::softmax(&mut scores);
         let out = &mut attn_out[h * hd..(h + 1) * hd];
-        for (&p, key_pos) in scores.iter().zip(first..=pos) {
+        for (&p, key_pos) in scores.iter().zip(visible.clone()) {
             for (o, &val) in out.iter_mut().zip(kv.value(cache_layer, key_pos, kv_head)) {
                 *o += p * val;
             }

@@ -7,8 +7,9 @@ use crate::model::config::ModelConfig;
 use crate::model::dtype::{DType, TensorView};
 use crate::model::source::{ExpertRole, LayerRole, Role};
 use crate::model::weights::{
-    AltUpStreams, AltUpWeights, F32Matrix, LaurelWeights, LayerWeights, Mlp, ModelWeights,
-    MoeWeights, PerLayerInputTable, PerLayerInputWeights, RowTable, has_layer_matrix, matrix_shape,
+    AltUpStreams, AltUpWeights, AssistantWeights, ClusteredHead, F32Matrix, LaurelWeights,
+    LayerWeights, Mlp, ModelWeights, MoeWeights, PerLayerInputTable, PerLayerInputWeights,
+    RowTable, has_layer_matrix, matrix_shape,
 };
 
 /// splitmix64: a tiny, fast, well-mixed generator; quality needs are low.
@@ -184,11 +185,21 @@ pub fn random_weights(
             .map(|k| mat(Role::AltUpUnembed(k)))
             .collect(),
     });
+    // An assistant's head clusters are consecutive runs of ids.
+    let assistant = c.features.assistant.map(|a| AssistantWeights {
+        pre_projection: mat(Role::AssistantPreProjection),
+        post_projection: mat(Role::AssistantPostProjection),
+        clusters: a.clusters.map(|_| ClusteredHead {
+            centroids: mat(Role::HeadCentroids),
+            token_ordering: (0..c.vocab_size as u32).collect(),
+        }),
+    });
     ModelWeights {
         embedding: mat(Role::Embedding),
         final_norm: ones(c.hidden),
         layers,
         per_layer_input,
         altup,
+        assistant,
     }
 }

@@ -115,6 +115,30 @@ pub struct Features {
     /// Gemma 3n's LAuReL: a low-rank branch of this rank beside attention
     /// (0 = none).
     pub laurel_rank: usize,
+    /// A Gemma 4 assistant (drafter): its layers keep no keys and values
+    /// but attend over its target's (see `model::gemma4_assistant`).
+    pub assistant: Option<AssistantShape>,
+}
+
+/// What a Gemma 4 assistant adds to the Gemma 4 block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AssistantShape {
+    /// The target's hidden width: the assistant reads the target's scaled
+    /// embedding and final hidden state, side by side, and writes the next
+    /// draft's hidden state back at this width.
+    pub backbone_hidden: usize,
+    /// The LM head ranked through clusters of the vocabulary, or `None`:
+    /// the whole tied head.
+    pub clusters: Option<HeadClusters>,
+}
+
+/// The assistant's LM head by clusters (transformers'
+/// `Gemma4AssistantMaskedEmbedder`): the `top_k` clusters whose centroids
+/// score highest are the only rows computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadClusters {
+    pub count: usize,
+    pub top_k: usize,
 }
 
 /// How one layer attends.
@@ -176,9 +200,10 @@ impl ModelConfig {
         }
     }
 
-    /// Whether layer `i` computes and caches keys and values of its own.
+    /// Whether layer `i` computes and caches keys and values of its own
+    /// (an assistant's layers read their target's).
     pub fn keeps_kv(&self, i: usize) -> bool {
-        self.shape(i).kv_layer == i
+        self.features.assistant.is_none() && self.shape(i).kv_layer == i
     }
 
     /// The widest query row (heads x head dim) of any layer.
@@ -404,6 +429,9 @@ impl ModelConfig {
         let model_type = str_key(root, "model_type", path)?;
         if matches!(model_type.as_str(), "gemma4" | "gemma4_text") {
             return super::gemma4::config_from_hf(root, &model_type, path);
+        }
+        if model_type == super::gemma4_assistant::HF_MODEL_TYPE {
+            return super::gemma4_assistant::config_from_hf(root, path);
         }
         if matches!(model_type.as_str(), "gemma3n" | "gemma3n_text") {
             return super::gemma3n::config_from_hf(root, &model_type, path);

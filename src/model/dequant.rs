@@ -158,6 +158,19 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
+        // Index tables as numbers (exact below 2^24).
+        DType::I32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
+            }
+        }
+        DType::I64 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                *o = i64::from_le_bytes(b) as f32;
+            }
+        }
         _ => {
             let decode: fn(&[u8], &mut [f32]) = match dtype {
                 DType::Q8_0 => q8_0,
@@ -166,7 +179,9 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 DType::Q4K => q4_k,
                 DType::Q5K => q5_k,
                 DType::Q6K => q6_k,
-                DType::F32 | DType::F16 | DType::BF16 => unreachable!(),
+                DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::I64 => {
+                    unreachable!()
+                }
                 DType::F16RowBlocks | DType::BF16RowBlocks => unreachable!(),
                 // Rows are spread over row blocks: `row_into` reads them.
                 DType::QuantRowBlocks(q) => {

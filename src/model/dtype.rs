@@ -13,6 +13,10 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// Integers (an index table such as a Gemma 4 assistant's token
+    /// ordering): never a weight matrix.
+    I32,
+    I64,
     Q8_0,
     Q4_0,
     Q5_0,
@@ -69,6 +73,8 @@ impl DType {
             12 => DType::Q4K,
             13 => DType::Q5K,
             14 => DType::Q6K,
+            26 => DType::I32,
+            27 => DType::I64,
             30 => DType::BF16,
             F16_ROW_BLOCKS_ID => DType::F16RowBlocks,
             BF16_ROW_BLOCKS_ID => DType::BF16RowBlocks,
@@ -95,6 +101,8 @@ impl DType {
             DType::Q5K => 13,
             DType::Q6K => 14,
             DType::BF16 => 30,
+            DType::I32 => 26,
+            DType::I64 => 27,
             DType::F16RowBlocks => F16_ROW_BLOCKS_ID,
             DType::BF16RowBlocks => BF16_ROW_BLOCKS_ID,
             DType::QuantRowBlocks(QuantType::Q8_0x16) => Q8_0X16_ROW_BLOCKS_ID,
@@ -140,8 +148,6 @@ impl DType {
             16..=23 => "IQ*",
             24 => "I8",
             25 => "I16",
-            26 => "I32",
-            27 => "I64",
             28 => "F64",
             29 => "IQ1_M",
             _ => "unknown",
@@ -152,6 +158,7 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::I32 | DType::I64 => 1,
             DType::F16RowBlocks | DType::BF16RowBlocks => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => 32,
             DType::QuantRowBlocks(q) => q.unit_cols(),
@@ -162,7 +169,8 @@ impl DType {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
+            DType::I64 => 8,
             DType::F16 | DType::BF16 => 2,
             DType::F16RowBlocks | DType::BF16RowBlocks => 2,
             DType::Q8_0 => 2 + 32,
@@ -284,6 +292,8 @@ impl fmt::Display for DType {
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
+            DType::I32 => "I32",
+            DType::I64 => "I64",
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q5_0 => "Q5_0",

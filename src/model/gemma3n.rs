@@ -100,6 +100,7 @@ fn assemble(d: Description, path: &Path) -> Result<ModelConfig> {
             per_layer_vocab: d.per_layer_vocab,
             altup: Some(d.altup),
             laurel_rank: d.laurel_rank,
+            assistant: None,
         },
     };
     config.validate(path)?;

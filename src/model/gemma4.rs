@@ -17,16 +17,16 @@ use serde_json::Value;
 use std::path::Path;
 
 /// What decides every layer's shape, gathered from either format.
-struct Layout {
-    sliding: Vec<bool>,
+pub(super) struct Layout {
+    pub(super) sliding: Vec<bool>,
     head_dim: usize,
     global_head_dim: usize,
     kv_heads: Vec<usize>,
     ffn_widths: Vec<usize>,
     /// Pairs RoPE rotates on global layers.
     global_rotated_pairs: usize,
-    shared_kv_layers: usize,
-    values_from_keys: bool,
+    pub(super) shared_kv_layers: usize,
+    pub(super) values_from_keys: bool,
 }
 
 impl Layout {
@@ -92,22 +92,22 @@ pub(super) fn kv_producers(sliding: &[bool], shared: usize, path: &Path) -> Resu
 
 /// The parts common to both formats: the config from the layout and the
 /// scalars.
-struct Scalars {
-    vocab_size: usize,
-    hidden: usize,
+pub(super) struct Scalars {
+    pub(super) vocab_size: usize,
+    pub(super) hidden: usize,
     n_heads: usize,
     rms_eps: f32,
-    final_softcap: Option<f32>,
+    pub(super) final_softcap: Option<f32>,
     window: Option<usize>,
     global_base: f32,
     local_base: f32,
     max_context: usize,
     bos_id: u32,
     eos_id: u32,
-    features: Features,
+    pub(super) features: Features,
 }
 
-fn assemble(s: Scalars, layout: &Layout, path: &Path) -> Result<ModelConfig> {
+pub(super) fn assemble(s: Scalars, layout: &Layout, path: &Path) -> Result<ModelConfig> {
     let shapes = layout.shapes(path)?;
     let layers = layout
         .sliding
@@ -154,8 +154,17 @@ fn proportional_pairs(factor: f64, head_dim: usize) -> usize {
 /// A Hugging Face `config.json` of `gemma4_text`, or the text part of a
 /// `gemma4` (image/audio-text) checkpoint.
 pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<ModelConfig> {
-    let p = path.display();
     let (r, n_layers) = hf_text_config(root, model_type, "gemma4", path)?;
+    let (scalars, layout) = read_hf_text(&r, n_layers)?;
+    assemble(scalars, &layout, path)
+}
+
+/// The scalars and layer layout of a Gemma 4 text config (`r`, of
+/// `n_layers` layers): what [`config_from_hf`] assembles, and what a
+/// Gemma 4 assistant's `text_config` holds.
+pub(super) fn read_hf_text(r: &Reader<'_>, n_layers: usize) -> Result<(Scalars, Layout)> {
+    let path = r.path;
+    let p = path.display();
     let cfg = r.v;
     let hidden = r.usize("hidden_size")?;
     let n_heads = r.usize("num_attention_heads")?;
@@ -320,7 +329,7 @@ pub fn config_from_hf(root: &Value, model_type: &str, path: &Path) -> Result<Mod
             ..Features::default()
         },
     };
-    assemble(scalars, &layout, path)
+    Ok((scalars, layout))
 }
 
 /// A per-layer GGUF key: an array of one entry per layer, or one value
@@ -400,10 +409,18 @@ pub(super) fn gguf_dims(g: &GgufFile, arch: &str) -> Result<(usize, usize, usize
 
 /// Gemma 4's description from llama.cpp's `gemma4.*` metadata.
 pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+    let (scalars, layout) = read_gguf(g, "gemma4")?;
+    assemble(scalars, &layout, g.path())
+}
+
+/// The scalars and layer layout of a GGUF's `ARCH.*` metadata as
+/// llama.cpp's Gemma 4 converter writes it (`gemma4`, and its
+/// `gemma4-assistant` subclass).
+pub(super) fn read_gguf(g: &GgufFile, arch: &str) -> Result<(Scalars, Layout)> {
     let path = g.path();
     let p = path.display();
-    let key = |k: &str| format!("gemma4.{k}");
-    let (n_layers, hidden, n_heads) = gguf_dims(g, "gemma4")?;
+    let key = |k: &str| format!("{arch}.{k}");
+    let (n_layers, hidden, n_heads) = gguf_dims(g, arch)?;
     let sliding: Vec<bool> = match per_layer(g, &key("attention.sliding_window_pattern"), n_layers)?
     {
         Some(flags) => flags.into_iter().map(|f| f != 0.0).collect(),
@@ -535,7 +552,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             ..Features::default()
         },
     };
-    assemble(scalars, &layout, path)
+    Ok((scalars, layout))
 }
 
 /// A released Gemma 4 model's text shape (`../shared/oracle/gemma4/shapes.md`),

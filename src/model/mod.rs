@@ -7,6 +7,7 @@ pub mod dtype;
 pub mod fetch;
 pub mod gemma3n;
 pub mod gemma4;
+pub mod gemma4_assistant;
 pub mod gguf;
 pub mod gguf_write;
 pub mod k_quant_as_q5_0;

@@ -138,9 +138,12 @@ fn parse_entry(info: &Value, data_start: usize, data_len: usize) -> Result<Entry
         Some("F32") => DType::F32,
         Some("F16") => DType::F16,
         Some("BF16") => DType::BF16,
+        // Index tables (a Gemma 4 assistant's token ordering).
+        Some("I32") => DType::I32,
+        Some("I64") => DType::I64,
         Some(other) => {
             return Err(format!(
-                "dtype {other} is not supported (Pulsar reads F32, F16, BF16)"
+                "dtype {other} is not supported (Pulsar reads F32, F16, BF16, and I32, I64 for indices)"
             ));
         }
         None => return Err("has no dtype string".into()),

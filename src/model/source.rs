@@ -28,6 +28,15 @@ pub enum Role {
     /// before the final norm. llama.cpp stacks each kind in one tensor.
     AltUpProjection(usize),
     AltUpUnembed(usize),
+    /// A Gemma 4 assistant's projections: `[hidden, 2 x target hidden]`
+    /// from the target's scaled embedding and hidden state into its width,
+    /// `[target hidden, hidden]` back out; its LM head's cluster centroids
+    /// `[clusters, hidden]` and the token ids of each cluster in turn
+    /// (`[vocab]` integers).
+    AssistantPreProjection,
+    AssistantPostProjection,
+    HeadCentroids,
+    HeadTokenOrdering,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -498,6 +507,10 @@ pub fn gguf_name(role: Role) -> String {
         Role::PerLayerProjectionNorm => "per_layer_proj_norm.weight".into(),
         Role::AltUpProjection(_) => "altup_proj.weight".into(),
         Role::AltUpUnembed(_) => "altup_unembd_proj.weight".into(),
+        Role::AssistantPreProjection => "nextn.pre_projection.weight".into(),
+        Role::AssistantPostProjection => "nextn.post_projection.weight".into(),
+        Role::HeadCentroids => "masked_embd_centroids.weight".into(),
+        Role::HeadTokenOrdering => "masked_embd_ordering".into(),
         Role::Expert(i, _, r) => gguf_name(Role::Layer(i, expert_tensor_role(r))),
         Role::Layer(i, LayerRole::RouterScale) => format!("blk.{i}.ffn_gate_inp.scale"),
         Role::Layer(i, LayerRole::ExpertScale) => format!("blk.{i}.ffn_down_exps.scale"),
@@ -561,6 +574,11 @@ fn hf_name(role: Role, family: Family, prefix: &str) -> String {
         Role::PerLayerProjectionNorm => format!("{prefix}per_layer_projection_norm.weight"),
         Role::AltUpProjection(k) => format!("{prefix}altup_projections.{k}.weight"),
         Role::AltUpUnembed(k) => format!("{prefix}altup_unembed_projections.{k}.weight"),
+        // Beside the assistant's text model, not under its prefix.
+        Role::AssistantPreProjection => "pre_projection.weight".into(),
+        Role::AssistantPostProjection => "post_projection.weight".into(),
+        Role::HeadCentroids => "masked_embedding.centroids.weight".into(),
+        Role::HeadTokenOrdering => "masked_embedding.token_ordering".into(),
         Role::Expert(i, _, r) => hf_name(Role::Layer(i, expert_tensor_role(r)), family, prefix),
         Role::Layer(i, r) => {
             // Parameters stored without a ".weight" suffix.
@@ -628,9 +646,10 @@ fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         "gemma2" => Family::Gemma2,
         "gemma3" => Family::Gemma3,
         "gemma4" => return super::gemma4::config_from_gguf(g),
+        super::gemma4_assistant::GGUF_ARCH => return super::gemma4_assistant::config_from_gguf(g),
         "gemma3n" => return super::gemma3n::config_from_gguf(g),
         other => bail!(
-            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3, gemma3n, gemma4)"
+            "{p}: architecture {other:?} is not supported (Pulsar runs gemma, gemma2, gemma3, gemma3n, gemma4, and gemma4-assistant as a drafter)"
         ),
     };
     let key = |k: &str| format!("{arch}.{k}");

@@ -2,7 +2,7 @@
 //! config. Generic over the matrix storage so each engine keeps weights in
 //! its own layout (f32 for the reference pass, FP16/BF16 for the kernels).
 
-use super::config::ModelConfig;
+use super::config::{AssistantShape, ModelConfig};
 use super::dequant;
 use super::dtype::TensorView;
 use super::source::{ExpertRole, LayerRole, ModelSource, Role};
@@ -60,6 +60,9 @@ pub fn matrix_shape(role: Role, c: &ModelConfig) -> [usize; 2] {
         Role::PerLayerEmbedding => [c.features.per_layer_vocab, layers_p],
         Role::PerLayerModelProjection => [layers_p, c.hidden],
         Role::AltUpProjection(_) | Role::AltUpUnembed(_) => [c.hidden, c.hidden],
+        Role::AssistantPreProjection => [c.hidden, 2 * assistant_of(c).backbone_hidden],
+        Role::AssistantPostProjection => [assistant_of(c).backbone_hidden, c.hidden],
+        Role::HeadCentroids => [assistant_of(c).clusters.map_or(0, |k| k.count), c.hidden],
         Role::Layer(i, r) => layer_matrix_shape(r, c, i),
         Role::Expert(_, _, r) => {
             let m = c.features.moe.expect("experts in a model with a mixture");
@@ -72,10 +75,22 @@ pub fn matrix_shape(role: Role, c: &ModelConfig) -> [usize; 2] {
     }
 }
 
+fn assistant_of(c: &ModelConfig) -> AssistantShape {
+    c.features
+        .assistant
+        .expect("an assistant's matrix in a model that is an assistant")
+}
+
 /// Every matrix a model of this config has, with its shape, in the order
 /// [`ModelWeights::matrices`] gives them.
 pub fn model_matrices(c: &ModelConfig) -> Vec<(Role, [usize; 2])> {
     let mut roles = vec![Role::Embedding];
+    if let Some(a) = c.features.assistant {
+        roles.extend([Role::AssistantPreProjection, Role::AssistantPostProjection]);
+        if a.clusters.is_some() {
+            roles.push(Role::HeadCentroids);
+        }
+    }
     if c.features.per_layer_input > 0 {
         // The per-layer token table is a row table (`RowTable`), not here.
         roles.push(Role::PerLayerModelProjection);
@@ -135,7 +150,10 @@ pub fn matrix_name(role: Role) -> &'static str {
         Role::Expert(_, _, ExpertRole::Gate) => "ffn_gate_exps",
         Role::Expert(_, _, ExpertRole::Up) => "ffn_up_exps",
         Role::Expert(_, _, ExpertRole::Down) => "ffn_down_exps",
-        Role::FinalNorm | Role::PerLayerProjectionNorm => "?",
+        Role::AssistantPreProjection => "nextn_pre_projection",
+        Role::AssistantPostProjection => "nextn_post_projection",
+        Role::HeadCentroids => "masked_embd_centroids",
+        Role::FinalNorm | Role::PerLayerProjectionNorm | Role::HeadTokenOrdering => "?",
     }
 }
 
@@ -387,6 +405,26 @@ pub struct PerLayerInputTable<M> {
     pub projection_norm: NormWeights,
 }
 
+/// What a Gemma 4 assistant adds around its layers.
+pub struct AssistantWeights<M> {
+    /// `[hidden, 2 x target hidden]`: the target's scaled embedding and
+    /// hidden state, side by side, into the assistant's width.
+    pub pre_projection: M,
+    /// `[target hidden, hidden]`: the final hidden state back to the
+    /// target's width, the next draft's input.
+    pub post_projection: M,
+    /// The LM head by clusters, when the model has it.
+    pub clusters: Option<ClusteredHead<M>>,
+}
+
+/// An assistant's LM head by clusters: the centroids `[clusters, hidden]`
+/// and the token ids of cluster 0, then cluster 1, … (a permutation of the
+/// vocabulary, `vocab / clusters` per cluster).
+pub struct ClusteredHead<M> {
+    pub centroids: M,
+    pub token_ordering: Vec<u32>,
+}
+
 pub struct ModelWeights<M> {
     /// `[vocab, hidden]`; also the LM head (Gemma ties them).
     pub embedding: M,
@@ -394,6 +432,7 @@ pub struct ModelWeights<M> {
     pub layers: Vec<LayerWeights<M>>,
     pub per_layer_input: Option<PerLayerInputTable<M>>,
     pub altup: Option<AltUpStreams<M>>,
+    pub assistant: Option<AssistantWeights<M>>,
 }
 
 impl<M> ModelWeights<M> {
@@ -402,6 +441,13 @@ impl<M> ModelWeights<M> {
     /// ([`LayerWeights::matrices`]).
     pub fn matrices(&self) -> Vec<(Role, &M)> {
         let mut out = vec![(Role::Embedding, &self.embedding)];
+        if let Some(a) = &self.assistant {
+            out.push((Role::AssistantPreProjection, &a.pre_projection));
+            out.push((Role::AssistantPostProjection, &a.post_projection));
+            if let Some(h) = &a.clusters {
+                out.push((Role::HeadCentroids, &h.centroids));
+            }
+        }
         if let Some(p) = &self.per_layer_input {
             out.push((Role::PerLayerModelProjection, &p.model_projection));
         }
@@ -428,6 +474,13 @@ impl<M> ModelWeights<M> {
     /// [`ModelWeights::matrices`], mutable, in the same order.
     pub fn matrices_mut(&mut self) -> Vec<(Role, &mut M)> {
         let mut out = vec![(Role::Embedding, &mut self.embedding)];
+        if let Some(a) = &mut self.assistant {
+            out.push((Role::AssistantPreProjection, &mut a.pre_projection));
+            out.push((Role::AssistantPostProjection, &mut a.post_projection));
+            if let Some(h) = &mut a.clusters {
+                out.push((Role::HeadCentroids, &mut h.centroids));
+            }
+        }
         if let Some(p) = &mut self.per_layer_input {
             out.push((Role::PerLayerModelProjection, &mut p.model_projection));
         }
@@ -655,6 +708,28 @@ impl<M> ModelWeights<M> {
             }
             None => None,
         };
+        let assistant = match c.features.assistant {
+            Some(shape) => {
+                let mut of_role = |role: Role| -> Result<M> {
+                    matrix(role, src.tensor(role, &matrix_shape(role, c))?)
+                };
+                let pre_projection = of_role(Role::AssistantPreProjection)?;
+                let post_projection = of_role(Role::AssistantPostProjection)?;
+                let clusters = match shape.clusters {
+                    Some(_) => Some(ClusteredHead {
+                        centroids: of_role(Role::HeadCentroids)?,
+                        token_ordering: super::gemma4_assistant::token_ordering(src)?,
+                    }),
+                    None => None,
+                };
+                Some(AssistantWeights {
+                    pre_projection,
+                    post_projection,
+                    clusters,
+                })
+            }
+            None => None,
+        };
         Ok(ModelWeights {
             embedding: matrix(
                 Role::Embedding,
@@ -664,6 +739,7 @@ impl<M> ModelWeights<M> {
             layers,
             per_layer_input,
             altup,
+            assistant,
         })
     }
 }

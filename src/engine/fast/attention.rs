@@ -10,6 +10,20 @@ use crate::engine::key_split::{KeySplit, attention_units};
 use crate::engine::ops;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// What single-token attention reads of one cached layer.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CachedLayer {
+    /// The layer whose keys and values are read.
+    pub cache: usize,
+    pub head_dim: usize,
+    pub n_kv_heads: usize,
+    /// Query heads, grouped evenly over the KV heads.
+    pub n_heads: usize,
+    /// `Some(w)`: a query at q sees keys k with q - w < k <= q.
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
 impl FastEngine {
     /// Per token, in parallel: q/k norms, RoPE with the given angles (one
     /// pair of tables per token) and the query scale; with a V norm, V's
@@ -205,11 +219,38 @@ impl FastEngine {
     ) {
         let c = &self.config;
         let shape = c.shape(li);
-        let (hd, n_kv_heads, cache) = (shape.head_dim, shape.n_kv_heads, shape.kv_layer);
-        let group = c.n_heads / n_kv_heads;
-        let q_dim = c.n_heads * hd;
+        let layer = CachedLayer {
+            cache: shape.kv_layer,
+            head_dim: shape.head_dim,
+            n_kv_heads: shape.n_kv_heads,
+            n_heads: c.n_heads,
+            window: c.layers[li].window,
+            softcap: c.attn_softcap,
+        };
+        self.decode_attention_over(layer, tokens, q, out);
+    }
+
+    /// [`FastEngine::decode_attention`] over the cache of `layer.cache`
+    /// with the queries' shape and window given: a Gemma 4 assistant's
+    /// layers attend over its target's cache with their own query heads.
+    pub(super) fn decode_attention_over(
+        &self,
+        layer: CachedLayer,
+        tokens: &[(usize, usize)],
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        let CachedLayer {
+            cache,
+            head_dim: hd,
+            n_kv_heads,
+            n_heads,
+            window,
+            softcap,
+        } = layer;
+        let group = n_heads / n_kv_heads;
+        let q_dim = n_heads * hd;
         debug_assert_eq!(q.len(), tokens.len() * q_dim);
-        let window = c.layers[li].window;
         let threads = self.pool.threads();
         let splits: Vec<KeySplit> = tokens
             .iter()
@@ -280,7 +321,7 @@ impl FastEngine {
                     values: &kv.values[cache][lo..hi],
                     first_key: keys.start,
                     window,
-                    softcap: c.attn_softcap,
+                    softcap,
                 };
                 let row_of = |i: usize| first_row[i] + unit.kv_head * splits[i].parts() + unit.part;
                 if unit.tokens.len() == 1 {

@@ -200,6 +200,10 @@ impl FastEngine {
             .map(|i| first_row[i]..first_row[i] + batch[i].tokens.len())
             .collect();
         self.last_hidden = normed;
+        // The assistant's next round reads these (after any cut back).
+        for (&i, part) in order.iter().zip(&parts) {
+            self.keep_for_drafts(part.seq, part.start, i);
+        }
         // Each entry's rows in its own order (a bulk run's last row was
         // computed before its other rows).
         for rows in &mut wanted_rows {

@@ -631,7 +631,7 @@ impl FastEngine {
     }
 
     /// GeGLU of `n` token rows, split over the pool when there are several.
-    fn geglu(&self, gate: &[f32], up: &[f32], act: &mut [f32], n: usize) {
+    pub(super) fn geglu(&self, gate: &[f32], up: &[f32], act: &mut [f32], n: usize) {
         let kern = &*self.kernels;
         if n == 1 {
             return kern.geglu(gate, up, act);
@@ -649,7 +649,7 @@ impl FastEngine {
     }
 
     /// x += post_norm(delta), row by row.
-    fn residual_add(&self, x: &mut [f32], delta: &mut [f32], post_norm: Option<&[f32]>) {
+    pub(super) fn residual_add(&self, x: &mut [f32], delta: &mut [f32], post_norm: Option<&[f32]>) {
         if let Some(nw) = post_norm {
             self.kernels
                 .rms_norm_in_place(delta, nw, self.config.rms_eps);

@@ -23,6 +23,7 @@ use crate::engine::q8_input::InputPrecision;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::plan::{Plan, plan};
+use crate::model::gemma4_assistant::{refuse_as_model, target_kv_layers};
 use crate::model::source::ModelSource;
 use crate::model::weights::{ModelWeights, RowTable, model_matrices};
 use anyhow::Result;
@@ -61,6 +62,8 @@ pub enum LaunchTuning {
 /// by [`EnginePlan::open`].
 pub struct EnginePlan {
     src: Arc<ModelSource>,
+    /// A Gemma 4 assistant to load beside the model, to draft with.
+    assistant: Option<Arc<ModelSource>>,
     load: FastOptions,
     input_precision: InputPrecision,
     formats: WeightFormats,
@@ -132,6 +135,21 @@ impl FastEngine {
     /// kernel plan with a stored launch tuning applied, and the notes to
     /// print before the load.
     pub fn plan(src: Arc<ModelSource>, options: &EngineOptions) -> Result<EnginePlan> {
+        Self::plan_drafting(src, None, options)
+    }
+
+    /// [`FastEngine::plan`] with a Gemma 4 assistant to load beside the
+    /// model (checked against it here): its matrices are planned in the
+    /// model's 16-bit format.
+    pub fn plan_drafting(
+        src: Arc<ModelSource>,
+        assistant: Option<Arc<ModelSource>>,
+        options: &EngineOptions,
+    ) -> Result<EnginePlan> {
+        refuse_as_model(&src.config, &src.path)?;
+        if let Some(a) = &assistant {
+            target_kv_layers(&src.config, &src.path, &a.config, &a.path)?;
+        }
         let formats = Self::weight_formats(&src, &options.load)?;
         let mut notes = Vec::new();
         if options.verbose
@@ -165,6 +183,9 @@ impl FastEngine {
                     }
                 };
                 let mut opts = plan_options(config, &formats, threads);
+                if let Some(a) = &assistant {
+                    super::plan_assistant(&mut opts, &a.config);
+                }
                 if let LaunchStep::Reuse { entry, .. } = &tuning {
                     autotune::plan_with(&mut opts, &entry.tuned);
                 }
@@ -178,6 +199,7 @@ impl FastEngine {
         };
         Ok(EnginePlan {
             src,
+            assistant,
             load: options.load.clone(),
             input_precision: options.input_precision,
             formats,
@@ -204,6 +226,7 @@ impl FastEngine {
         kernels: Box<dyn MatKernels>,
         opts: &FastOptions,
     ) -> Result<Self> {
+        refuse_as_model(&src.config, &src.path)?;
         let formats = Self::weight_formats(src, opts)?;
         Self::load_in(src, kernels, &formats, opts)
     }
@@ -279,6 +302,9 @@ impl EnginePlan {
         let kernels = JitKernels::from_plan(config, &plan, max_isa)?;
         let mut engine =
             FastEngine::load_in(&self.src, Box::new(kernels), &self.formats, &self.load)?;
+        if let Some(a) = &self.assistant {
+            engine.load_assistant(a, &self.src.path, self.formats.wide)?;
+        }
         engine.set_input_precision(self.input_precision);
         let tuning = match self.tuning {
             LaunchStep::Skip { reason } => format!("no tuning ({reason})"),

@@ -123,12 +123,18 @@ impl<'a> QuantChoices<'a> {
                 }),
             ),
         };
+        // A matrix multiplied one token at a time has no GEMM.
+        let gemm = if self.opts.one_token.contains(&tensor) {
+            "none (one token at a time)".to_string()
+        } else {
+            gemm.name()
+        };
         MatrixUse {
             tensor,
             rows,
             k,
             gemv: gemv.name(),
-            gemm: gemm.name(),
+            gemm,
             unpack: quantized
                 .and_then(|m| self.unpack(m.q))
                 .map(|u| KernelKind::UnpackQuant(u).name()),
@@ -188,12 +194,14 @@ impl<'a> QuantChoices<'a> {
     }
 }
 
-/// The 16-bit matrix kernels (one GEMV and one GEMM per K in `wide_ks`),
-/// the RMSNorms, and those of the optional ops still in `optional`.
+/// The 16-bit matrix kernels (a GEMV per K in `wide_ks`, a GEMM per K
+/// in `gemm_ks`), the RMSNorms, and those of the optional ops still in
+/// `optional`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_kinds(
     dims: &ModelDims,
     wide_ks: &[usize],
+    gemm_ks: &[usize],
     wt: WeightType,
     gemv_unroll: usize,
     norm_unroll: usize,
@@ -223,7 +231,7 @@ pub(super) fn build_kinds(
             uses_of_k(k),
         ));
     }
-    for &k in wide_ks {
+    for &k in gemm_ks {
         out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
     }
     out.push((

@@ -88,6 +88,15 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             })
         })
         .collect();
+    // A GEMM only where some matrix of that K takes several tokens.
+    let gemm_ks: Vec<usize> = wide_ks
+        .iter()
+        .copied()
+        .filter(|&k| {
+            mats.iter()
+                .any(|&(tensor, _, mk)| mk == k && !opts.one_token.contains(&tensor))
+        })
+        .collect();
     if wide_ks.len() < ks.len() {
         notes.push(format!(
             "no 16-bit GEMV or GEMM for K in {:?}: every matrix with that K is quantized",
@@ -127,6 +136,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         let mut kinds = build_kinds(
             dims,
             &wide_ks,
+            &gemm_ks,
             opts.weights,
             gemv_unroll,
             norm_unroll,

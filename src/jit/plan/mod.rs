@@ -54,6 +54,10 @@ pub struct PlanOptions {
     /// shape (Gemma 4: two head sizes, wider MLPs, per-layer inputs,
     /// experts); empty: the one layer shape of `ModelDims`.
     pub matrices: Vec<(&'static str, usize, usize)>,
+    /// Matrices only ever multiplied one token at a time (a Gemma 4
+    /// assistant's, drafting): a K that only they have gets a GEMV and no
+    /// GEMM.
+    pub one_token: Vec<&'static str>,
     /// Bytes ahead the quantized GEMVs prefetch (see `GemvQuantParams`).
     pub quant_prefetch: usize,
     pub budget: usize,
@@ -68,6 +72,7 @@ impl Default for PlanOptions {
             quantized: Vec::new(),
             wide_tensors: None,
             matrices: Vec::new(),
+            one_token: Vec::new(),
             quant_prefetch: QUANT_PREFETCH_BYTES,
             budget: BUDGET_BYTES,
         }
