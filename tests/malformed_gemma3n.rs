@@ -302,3 +302,30 @@ fn hf_a_non_zero_active_stream_is_refused() {
         &["AltUp active stream 2"],
     );
 }
+
+/// `convert` refuses a Gemma 3n model in one line that names the file and
+/// says why and what to do instead, and writes nothing.
+#[test]
+fn convert_refuses_in_one_line() {
+    let model = fixture(GGUF);
+    let out = common::ScratchFile::new("pulsar-convert-gemma3n-", "out.gguf");
+    let run = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .arg("convert")
+        .arg(&model)
+        .arg("-o")
+        .arg(&*out)
+        .output()
+        .expect("binary runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    for needle in [
+        GGUF,
+        "does not write Gemma 3n",
+        "AltUp",
+        "run the GGUF file",
+    ] {
+        assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+    }
+    assert!(!out.exists(), "nothing is written");
+}

@@ -162,14 +162,23 @@ pub enum Target {
 pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let target = target.unwrap_or(Target::Native);
     let src = ModelSource::open(input)?;
+    // The converted layout is Gemma 1-3's: one MLP width, K and V in every
+    // layer, a tensor per matrix. What these families add has no place in
+    // it yet, so the file would not load back.
     let unwritten = match src.config.family {
-        Family::Gemma4 => Some("Gemma 4"),
-        Family::Gemma3n => Some("Gemma 3n"),
+        Family::Gemma4 => Some((
+            "Gemma 4",
+            "per-layer head sizes and MLP widths, KV sharing, the per-layer token table and the experts",
+        )),
+        Family::Gemma3n => Some((
+            "Gemma 3n",
+            "per-layer MLP widths and sparsity, KV sharing, the per-layer token table and the stacked AltUp projections",
+        )),
         _ => None,
     };
-    if let Some(name) = unwritten {
+    if let Some((name, what)) = unwritten {
         bail!(
-            "{}: `pulsar convert` does not write {name} models yet; run the GGUF file or HF folder directly",
+            "{}: `pulsar convert` does not write {name} models yet (its layout has no place for their {what}); run the GGUF file or HF folder directly, with `--dtype` to choose the weight format at load",
             input.display()
         );
     }

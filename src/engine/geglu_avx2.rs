@@ -43,7 +43,7 @@ pub unsafe fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// exp of 8 values as the JIT's `exp_ps`: clamped, 2^n times a degree-6
 /// polynomial of the remainder.
 #[target_feature(enable = "avx2,fma")]
-fn exp_ps(y: __m256) -> __m256 {
+pub(super) fn exp_ps(y: __m256) -> __m256 {
     let y = _mm256_min_ps(
         _mm256_max_ps(y, _mm256_set1_ps(expc::LO)),
         _mm256_set1_ps(expc::HI),

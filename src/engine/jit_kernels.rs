@@ -522,6 +522,11 @@ impl MatKernels for JitKernels {
         }
     }
 
+    fn softcap(&self, x: &mut [f32], cap: f32) {
+        // SAFETY: the JIT's kernels run only where AVX2 and FMA are.
+        unsafe { super::softcap_avx2::softcap(x, cap) }
+    }
+
     fn attend(
         &self,
         a: &GroupAttention<'_>,

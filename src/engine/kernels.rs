@@ -261,6 +261,11 @@ pub trait MatKernels: Sync {
         }
     }
 
+    /// The final logit softcap, `cap · tanh(x / cap)`, in place.
+    fn softcap(&self, x: &mut [f32], cap: f32) {
+        x.iter_mut().for_each(|v| *v = ops::softcap(*v, cap));
+    }
+
     /// Attention of every query row of `a` into `out` (`[nq][head_dim]`);
     /// `scratch` holds the scores and is reused across calls. With
     /// `log_sums`, each row's ln(sum(exp(score))) goes there too (see

@@ -17,6 +17,7 @@ pub mod packed;
 pub mod pool;
 pub mod q8_input;
 pub mod reference;
+pub mod softcap_avx2;
 pub mod step_logits;
 pub mod synthetic;
 

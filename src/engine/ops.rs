@@ -190,15 +190,22 @@ pub fn match_rms(y: &mut [f32], target: f32) {
 
 /// Gemma 3n's activation sparsity on one token's gate pre-activations:
 /// `relu(g - (mean(g) + cut · std(g)))`, the population statistics over
-/// the row (the mean and variance summed in f64).
+/// the row (the mean and variance summed in f64, in eight partial sums so
+/// that the additions need not wait for each other).
 pub fn gaussian_top_k(g: &mut [f32], cut: f32) {
+    fn sum_f64(g: &[f32], term: impl Fn(f32) -> f64) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let whole = g.len() / 8 * 8;
+        for chunk in g[..whole].chunks_exact(8) {
+            for (a, &v) in acc.iter_mut().zip(chunk) {
+                *a += term(v);
+            }
+        }
+        acc.iter().sum::<f64>() + g[whole..].iter().map(|&v| term(v)).sum::<f64>()
+    }
     let n = g.len() as f64;
-    let mean = g.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-    let var = g
-        .iter()
-        .map(|&v| (f64::from(v) - mean).powi(2))
-        .sum::<f64>()
-        / n;
+    let mean = sum_f64(g, f64::from) / n;
+    let var = sum_f64(g, |v| (f64::from(v) - mean).powi(2)) / n;
     let cutoff = (mean + var.sqrt() * f64::from(cut)) as f32;
     g.iter_mut().for_each(|v| *v = (*v - cutoff).max(0.0));
 }

@@ -18,13 +18,13 @@ use anyhow::{Result, bail};
 /// shape, each buffer is sized for the widest and a layer uses the front.
 #[derive(Default)]
 pub(super) struct Activations {
-    x: Vec<f32>,
-    normed: Vec<f32>,
+    pub(super) x: Vec<f32>,
+    pub(super) normed: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
     attn: Vec<f32>,
-    proj: Vec<f32>,
+    pub(super) proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
     act: Vec<f32>,
@@ -38,9 +38,9 @@ pub(super) struct Activations {
     /// Gemma 3n's AltUp: each token's streams, `[tokens, streams x
     /// hidden]`, and the inputs and outputs of the projections of streams
     /// 1.. (`[streams - 1][tokens, hidden]`).
-    streams: Vec<f32>,
-    altup_in: Vec<f32>,
-    altup_out: Vec<f32>,
+    pub(super) streams: Vec<f32>,
+    pub(super) altup_in: Vec<f32>,
+    pub(super) altup_out: Vec<f32>,
     /// Gemma 3n's LAuReL: the low-rank product and the branch's output.
     laurel_mid: Vec<f32>,
     laurel: Vec<f32>,
@@ -70,7 +70,8 @@ impl Activations {
             (&mut self.proj, c.hidden),
             (&mut self.gate, ffn),
             (&mut self.up, ffn),
-            (&mut self.act, ffn),
+            // Also the per-layer input's gated row.
+            (&mut self.act, ffn.max(p)),
             (&mut self.per_layer_inputs, c.n_layers() * p),
             (&mut self.per_layer_gate, p),
             (&mut self.expert_in, moe_rows),
@@ -211,20 +212,24 @@ impl FastEngine {
                 &mut a.per_layer_inputs,
                 tokens.len(),
             );
-            let mut row = vec![0.0; width];
-            for (&token, inputs) in tokens
-                .iter()
-                .zip(a.per_layer_inputs.chunks_exact_mut(width))
-            {
-                table.embedding.row_f32(c.per_layer_row(token), &mut row);
-                ops::combine_per_layer_inputs(
-                    inputs,
-                    &row,
-                    &table.projection_norm,
-                    c.hidden,
-                    c.rms_eps,
-                );
-            }
+            let out = SharedOut::new(&mut a.per_layer_inputs[..tokens.len() * width], width);
+            self.over_tokens(tokens.len(), |rows| {
+                let mut row = vec![0.0; width];
+                for t in rows {
+                    table
+                        .embedding
+                        .row_f32(c.per_layer_row(tokens[t]), &mut row);
+                    // SAFETY: token row t is this call's alone.
+                    let inputs = unsafe { out.rows_mut(t..t + 1) };
+                    ops::combine_per_layer_inputs(
+                        inputs,
+                        &row,
+                        &table.projection_norm,
+                        c.hidden,
+                        c.rms_eps,
+                    );
+                }
+            });
         }
         Ok(())
     }
@@ -340,9 +345,7 @@ impl FastEngine {
             exact,
         );
         if let Some(cut) = c.shape(li).sparsity_cut {
-            for row in a.gate[..n * width].chunks_exact_mut(width) {
-                ops::gaussian_top_k(row, cut);
-            }
+            self.sparsity_cut(&mut a.gate[..n * width], width, cut);
         }
         self.geglu(
             &a.gate[..n * width],
@@ -466,45 +469,31 @@ impl FastEngine {
             let h = c.hidden;
             let n = a.x.len() / h;
             let width = c.n_layers() * p;
-            let gate_input = match (&w.altup, c.features.altup) {
-                (Some(weights), Some(shape)) => {
-                    let (from, to) = (shape.active * h, (shape.active + 1) * h);
-                    let rows = a.streams.chunks_exact(shape.streams * h);
-                    for (row, streams) in a.normed.chunks_exact_mut(h).zip(rows) {
-                        row.copy_from_slice(&streams[from..to]);
-                        if let Some(scale) = &weights.correct_output_scale {
-                            row.iter_mut().zip(scale).for_each(|(v, s)| *v *= s);
-                        }
-                    }
-                    &a.normed
-                }
-                _ => &a.x,
+            let gate_input = if c.features.altup.is_some() {
+                self.per_layer_gate_input(li, a);
+                &a.normed
+            } else {
+                &a.x
             };
             self.matmul(&ple.gate, gate_input, &mut a.per_layer_gate[..n * p], exact);
-            for (t, gate) in a.per_layer_gate[..n * p].chunks_exact_mut(p).enumerate() {
-                let input = &a.per_layer_inputs[t * width + li * p..t * width + (li + 1) * p];
-                for (g, &i) in gate.iter_mut().zip(input) {
-                    *g = ops::gelu_tanh(*g) * i;
+            // gelu(gate) * this layer's input, each token's row into `act`.
+            let out = SharedOut::new(&mut a.act[..n * p], p);
+            let (gates, inputs) = (&a.per_layer_gate, &a.per_layer_inputs);
+            let kernels = &*self.kernels;
+            self.over_tokens(n, |rows| {
+                for t in rows {
+                    let input = &inputs[t * width + li * p..t * width + (li + 1) * p];
+                    // SAFETY: token row t is this call's alone.
+                    let row = unsafe { out.rows_mut(t..t + 1) };
+                    kernels.geglu(&gates[t * p..(t + 1) * p], input, row);
                 }
-            }
-            self.matmul(
-                &ple.projection,
-                &a.per_layer_gate[..n * p],
-                &mut a.proj,
-                exact,
-            );
+            });
+            self.matmul(&ple.projection, &a.act[..n * p], &mut a.proj, exact);
             match c.features.altup {
-                Some(shape) => {
+                Some(_) => {
                     self.kernels
                         .rms_norm_in_place(&mut a.proj, &ple.post_norm, c.rms_eps);
-                    // Stream 0, not the active one, is left out (as
-                    // transformers and llama.cpp have it).
-                    let rows = a.streams.chunks_exact_mut(shape.streams * h);
-                    for (streams, y) in rows.zip(a.proj.chunks_exact(h)) {
-                        for stream in streams.chunks_exact_mut(h).skip(1) {
-                            stream.iter_mut().zip(y).for_each(|(v, d)| *v += d);
-                        }
-                    }
+                    self.add_to_side_streams(a);
                 }
                 None => self.residual_add(&mut a.x, &mut a.proj, Some(&ple.post_norm)),
             }
@@ -512,121 +501,6 @@ impl FastEngine {
         if w.output_scale != 1.0 {
             let s = w.output_scale;
             a.x.iter_mut().for_each(|v| *v *= s);
-        }
-    }
-
-    /// Gemma 3n: each token's AltUp streams from its scaled embedding in
-    /// `x`: stream 0 is the embedding, stream k its k-th projection
-    /// rescaled to the embedding's RMS (the projections in one parallel
-    /// section).
-    fn altup_streams(&self, exact: usize, a: &mut Activations) {
-        let (Some(w), Some(shape)) = (&self.weights.altup, self.config.features.altup) else {
-            return;
-        };
-        let h = self.config.hidden;
-        let n = a.x.len() / h;
-        let outs = a.altup_out[..(shape.streams - 1) * n * h].chunks_exact_mut(n * h);
-        let jobs = w
-            .projections
-            .iter()
-            .zip(outs)
-            .map(|(m, out)| (m, &a.x[..], out))
-            .collect();
-        self.matmuls(jobs, exact);
-        for (t, streams) in a.streams.chunks_exact_mut(shape.streams * h).enumerate() {
-            let x0 = &a.x[t * h..(t + 1) * h];
-            let target = ops::rms(x0);
-            streams[..h].copy_from_slice(x0);
-            for (k, stream) in streams.chunks_exact_mut(h).enumerate().skip(1) {
-                let at = ((k - 1) * n + t) * h;
-                stream.copy_from_slice(&a.altup_out[at..at + h]);
-                ops::match_rms(stream, target);
-            }
-        }
-    }
-
-    /// Gemma 3n, before layer `li`: AltUp's prediction of every stream
-    /// from the router's reading of the active one, whose prediction the
-    /// layer then computes on in `x`.
-    fn altup_predict(&self, li: usize, a: &mut Activations) {
-        let (Some(w), Some(shape)) = (&self.weights.layers[li].altup, self.config.features.altup)
-        else {
-            return;
-        };
-        let (h, eps) = (self.config.hidden, self.config.rms_eps);
-        let active = shape.active * h..(shape.active + 1) * h;
-        let rows = a.streams.chunks_exact_mut(shape.streams * h);
-        for (streams, x) in rows.zip(a.x.chunks_exact_mut(h)) {
-            let m = ops::altup_route(
-                &w.router.data,
-                &w.router_input_scale,
-                &streams[active.clone()],
-                eps,
-            );
-            ops::altup_predict(streams, h, &w.predict.data, &m);
-            x.copy_from_slice(&streams[active.clone()]);
-        }
-    }
-
-    /// Gemma 3n, after layer `li`'s feed-forward: every stream corrected
-    /// by what the layer added to the active one's prediction.
-    fn altup_correct(&self, li: usize, a: &mut Activations) {
-        let (Some(w), Some(shape)) = (&self.weights.layers[li].altup, self.config.features.altup)
-        else {
-            return;
-        };
-        let (h, eps) = (self.config.hidden, self.config.rms_eps);
-        let rows = a.streams.chunks_exact_mut(shape.streams * h);
-        for (streams, x) in rows.zip(a.x.chunks_exact(h)) {
-            let m = ops::altup_route(&w.router.data, &w.router_input_scale, x, eps);
-            ops::altup_correct(streams, h, &w.correct.data, &m, x, shape.active);
-        }
-    }
-
-    /// Gemma 3n, after the last layer: the residual for the final norm,
-    /// into `x`: the mean of stream 0 and the other streams' unembeddings,
-    /// each rescaled to stream 0's RMS (the unembeddings in one parallel
-    /// section).
-    fn altup_merge(&self, exact: usize, a: &mut Activations) {
-        let (Some(w), Some(shape)) = (&self.weights.altup, self.config.features.altup) else {
-            return;
-        };
-        let h = self.config.hidden;
-        let n = a.x.len() / h;
-        let width = shape.streams * h;
-        // Stream k of every token, as the rows of one input.
-        for (t, streams) in a.streams.chunks_exact(width).enumerate() {
-            for (k, stream) in streams.chunks_exact(h).enumerate().skip(1) {
-                let at = ((k - 1) * n + t) * h;
-                a.altup_in[at..at + h].copy_from_slice(stream);
-            }
-        }
-        let used = (shape.streams - 1) * n * h;
-        let ins = a.altup_in[..used].chunks_exact(n * h);
-        let outs = a.altup_out[..used].chunks_exact_mut(n * h);
-        let jobs = w
-            .unembed
-            .iter()
-            .zip(ins.zip(outs))
-            .map(|(m, (x, y))| (m, x, y))
-            .collect();
-        self.matmuls(jobs, exact);
-        for (t, (streams, x)) in a
-            .streams
-            .chunks_exact(width)
-            .zip(a.x.chunks_exact_mut(h))
-            .enumerate()
-        {
-            let first = &streams[..h];
-            let target = ops::rms(first);
-            x.copy_from_slice(first);
-            for k in 1..shape.streams {
-                let at = ((k - 1) * n + t) * h;
-                let unembedded = &mut a.altup_out[at..at + h];
-                ops::match_rms(unembedded, target);
-                x.iter_mut().zip(&*unembedded).for_each(|(v, u)| *v += u);
-            }
-            x.iter_mut().for_each(|v| *v /= shape.streams as f32);
         }
     }
 
@@ -671,9 +545,14 @@ impl FastEngine {
         logits.resize(n, 0.0);
         self.matmul(&self.weights.embedding, normed_rows, &mut logits, exact);
         if let Some(cap) = c.final_softcap {
-            for l in &mut logits {
-                *l = ops::softcap(*l, cap);
-            }
+            // Split over the pool: a row of Gemma's is 262,144 tanh.
+            let all = SharedOut::new(&mut logits, 1);
+            let (len, threads, kernels) = (all.rows(), self.pool.threads(), &*self.kernels);
+            self.pool.run(|tid| {
+                let (from, to) = split_range(len, threads, tid, 64);
+                // SAFETY: values from..to are this thread's alone.
+                kernels.softcap(unsafe { all.rows_mut(from..to) }, cap);
+            });
         }
         logits
     }
