@@ -18,6 +18,7 @@ pub mod q8_input;
 pub mod reference;
 pub mod step_logits;
 pub mod synthetic;
+pub mod wide_input;
 
 use crate::model::config::ModelConfig;
 use anyhow::Result;
