@@ -6,15 +6,17 @@ use super::fast::WeightFormats;
 use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels, SharedOut};
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
+use super::wide_input::WideInput;
 use super::{attn_scores, decode_wsum};
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
+use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
-    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
+    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, GemmWide, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
     Softmax, UnpackQuant,
 };
 use crate::jit::plan::{Plan, PlanOptions};
@@ -129,7 +131,8 @@ pub fn quant_layouts() -> crate::jit::plan::QuantLayouts {
 
 pub struct JitKernels {
     set: KernelSet,
-    isa: Isa,
+    /// What the kernels use, for reports (`name`).
+    description: String,
     ops: OpKernels,
     blocking: Blocking,
 }
@@ -276,14 +279,21 @@ impl JitKernels {
         Ok(JitKernels {
             ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
             set: kernels,
-            // The highest any kernel uses (VNNI's integer kernels are
-            // AVX-512's; the rest AVX2).
-            isa: plan
-                .kernels
-                .iter()
-                .map(|k| k.isa)
-                .max()
-                .unwrap_or(Isa::Avx2),
+            // What the kernels use, as a report names it: AVX2, plus the
+            // AVX-512 forms of the integer and 16-bit GEMMs where planned.
+            description: {
+                let wide = |k: &crate::jit::plan::KernelSpec| {
+                    matches!(k.kind, crate::jit::plan::KernelKind::GemmWide(_))
+                };
+                let mut text = "jit avx2".to_string();
+                if plan.kernels.iter().any(|k| k.isa == Isa::Avx512 && !wide(k)) {
+                    text += " + avx512-vnni";
+                }
+                if let Some(k) = plan.kernels.iter().find(|k| wide(k)) {
+                    text += &format!(" + avx512 {}", k.name);
+                }
+                text
+            },
             blocking: plan.blocking.clone(),
         })
     }
@@ -330,6 +340,12 @@ impl MatKernels for JitKernels {
             let part = unsafe { y.cells(0, rows.clone()) };
             k.run_part(w.data(), x, part, rows)
                 .expect("GEMV arguments sized by the engine");
+        } else if let Some(params) = self.tiled_gemm(w) {
+            // Callers other than the driver's (which lays tiles out once for
+            // every thread) get their tiles here.
+            let tiles = WideInput::new(x, w.cols, &params);
+            // SAFETY: as the caller guarantees for this call.
+            unsafe { self.gemm_tiles(w, &tiles, rows, y) };
         } else {
             let k: Gemm = self.set.bind(tokens_kernel(w), key);
             assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= tokens);
@@ -347,6 +363,46 @@ impl MatKernels for JitKernels {
                 )
             };
         }
+    }
+
+    fn tiled_gemm(&self, w: &PackedMatrix) -> Option<GemmWideParams> {
+        let id = w.kernels().tokens?;
+        match self.set.kind(id) {
+            crate::jit::plan::KernelKind::GemmWide(p) if w.format.is_16bit() => Some(*p),
+            _ => None,
+        }
+    }
+
+    unsafe fn gemm_tiles(&self, w: &PackedMatrix, x: &WideInput, rows: Range<usize>, y: SharedOut) {
+        let key = (weight_type(w.format), w.cols);
+        let k: GemmWide = self.set.bind(tokens_kernel(w), key);
+        let tokens = x.tokens();
+        assert!(
+            x.k() == w.cols
+                && x.bytes().len() >= k.input_bytes(tokens)
+                && rows.end <= w.rows
+                && rows.end <= y.stride
+                && y.rows() >= tokens
+                && rows.start.is_multiple_of(k.params.rows())
+        );
+        // Every token tile passes over a panel of rows while it stays in
+        // L2 (the plan's `widened_panel_bytes`, as the integer GEMM's).
+        let row_bytes = crate::model::row_blocks::padded_cols(w.cols) * 2;
+        let panel_rows = self.blocking.widened_panel_bytes / row_bytes;
+        // SAFETY: W has the row blocks of rows < rows.end, the tiles hold
+        // `tokens` tokens of K, y holds tokens rows of `stride` (asserted),
+        // and the caller owns columns `rows` of y.
+        unsafe {
+            k.run_unchecked(
+                w.data().as_ptr(),
+                x.bytes().as_ptr(),
+                tokens,
+                y.as_mut_ptr(),
+                y.stride,
+                rows,
+                panel_rows,
+            )
+        };
     }
 
     unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
@@ -452,7 +508,11 @@ impl MatKernels for JitKernels {
             }
             None => {
                 let key = (weight_type(w.format), w.cols);
-                (self.set.resolve::<Gemv>(key), self.set.resolve::<Gemm>(key))
+                let gemm = self
+                    .set
+                    .resolve::<GemmWide>(key)
+                    .or_else(|| self.set.resolve::<Gemm>(key));
+                (self.set.resolve::<Gemv>(key), gemm)
             }
         };
         match (one_token, tokens) {
@@ -481,10 +541,7 @@ impl MatKernels for JitKernels {
     }
 
     fn name(&self) -> String {
-        match self.isa {
-            Isa::Avx512 => "jit avx2 + avx512-vnni".to_string(),
-            Isa::Avx2 => "jit avx2".to_string(),
-        }
+        self.description.clone()
     }
 
     fn blocking(&self) -> Blocking {

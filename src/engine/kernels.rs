@@ -5,7 +5,9 @@
 use super::ops::{self, dot};
 use super::packed::{OFFSET_BLOCK_ROWS, PackedMatrix};
 use super::q8_input::{Q8Input, dot_i8};
+use super::wide_input::WideInput;
 use crate::jit::blocking::Blocking;
+use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::kernels::KernelId;
 use crate::model::k_quant_x16;
 use crate::model::quant_blocks::{self, QuantType};
@@ -214,6 +216,24 @@ pub trait MatKernels: Sync {
     /// No other thread may touch columns `rows` of `y` meanwhile.
     unsafe fn gemm_q8(&self, w: &PackedMatrix, x: &Q8Input, rows: Range<usize>, y: SharedOut) {
         unsafe { gemm_q8_portable(w, x, rows, y) }
+    }
+
+    /// The GEMM of 16-bit `w` that takes its tokens as tiles laid out once
+    /// per product ([`WideInput`]), if these kernels have one; the driver
+    /// then lays the input out once for all threads and calls
+    /// [`MatKernels::gemm_tiles`] instead of [`MatKernels::gemm`].
+    fn tiled_gemm(&self, _w: &PackedMatrix) -> Option<GemmWideParams> {
+        None
+    }
+
+    /// `y[t][r] = W[r,:] · x[t,:]` for the tokens of `x`, laid out for
+    /// `self.tiled_gemm(w)`. Only kernels that name a tiled GEMM are
+    /// handed tiles.
+    ///
+    /// # Safety
+    /// No other thread may touch columns `rows` of `y` meanwhile.
+    unsafe fn gemm_tiles(&self, w: &PackedMatrix, _x: &WideInput, _rows: Range<usize>, _y: SharedOut) {
+        unreachable!("{}: tiles for kernels without a tiled GEMM ({} x {})", self.name(), w.rows, w.cols)
     }
 
     /// The kernels that multiply `w`, found once per matrix when these

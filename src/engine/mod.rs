@@ -20,6 +20,7 @@ pub mod reference;
 pub mod softcap_avx2;
 pub mod step_logits;
 pub mod synthetic;
+pub mod wide_input;
 
 use crate::model::config::ModelConfig;
 use anyhow::Result;

@@ -262,6 +262,11 @@ const ALLOWED: &[Mnemonic] = {
         Vprold,
         Vprord,
         Vmovdqa32,
+        // The 16-bit GEMM on zmm: BF16 dot products, inputs broadcast to
+        // both 256-bit halves, a row's halves added.
+        Vdpbf16ps,
+        Vbroadcastf64x4,
+        Vshuff32x4,
     ]
 };
 

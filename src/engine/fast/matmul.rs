@@ -7,6 +7,7 @@ use super::FastEngine;
 use crate::engine::kernels::{SharedOut, add_block_offsets};
 use crate::engine::packed::PackedMatrix;
 use crate::engine::q8_input::Q8Input;
+use crate::engine::wide_input::WideInput;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -59,6 +60,9 @@ impl FastEngine {
             exact: usize,
             /// Index into `quantized` of the exact tokens' 8-bit input.
             q8: Option<usize>,
+            /// Index into `tiled` of the other tokens' input laid out for a
+            /// tiled GEMM (16-bit weights with AVX-512).
+            tiles: Option<usize>,
             out: SharedOut,
             /// With two input levels: where the kernels write, two rows
             /// per token, before each pair is added into `out`.
@@ -83,6 +87,10 @@ impl FastEngine {
         // and v; gate and up).
         // Keyed by the input's address: the same slice, not equal values.
         let mut quantized: Vec<(usize, Q8Input)> = Vec::new();
+        // Likewise the 16-bit GEMM's tiles (bf16 for its dot products):
+        // laid out once for every thread, and once for the jobs sharing an
+        // input.
+        let mut tiled: Vec<(usize, WideInput)> = Vec::new();
         for (w, x, y) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
@@ -108,6 +116,23 @@ impl FastEngine {
                     }
                 }
             });
+            let bulk = &x[exact * w.cols..];
+            let tiles = match self.kernels.tiled_gemm(w) {
+                Some(params) if bulk.len() >= 2 * w.cols => {
+                    let at = bulk.as_ptr() as usize;
+                    let same = |(p, t): &(usize, WideInput)| {
+                        *p == at && t.k() == w.cols && t.tokens() * w.cols == bulk.len()
+                    };
+                    Some(match tiled.iter().position(same) {
+                        Some(i) => i,
+                        None => {
+                            tiled.push((at, WideInput::new(bulk, w.cols, &params)));
+                            tiled.len() - 1
+                        }
+                    })
+                }
+                _ => None,
+            };
             let level_rows = (q8.is_some() && levels > 1).then(|| {
                 let (rows, rest) =
                     std::mem::take(&mut level_rows_left).split_at_mut(levels * exact * w.rows);
@@ -120,6 +145,7 @@ impl FastEngine {
                 x,
                 exact,
                 q8,
+                tiles,
                 out,
                 level_rows,
             });
@@ -152,8 +178,12 @@ impl FastEngine {
             }
             if job.x.len() > job.exact * k {
                 let x = &job.x[job.exact * k..];
+                let y = job.out.from_row(job.exact);
                 // SAFETY: as above.
-                unsafe { self.kernels.gemm(w, x, rows, job.out.from_row(job.exact)) };
+                match job.tiles {
+                    Some(i) => unsafe { self.kernels.gemm_tiles(w, &tiled[i].1, rows, y) },
+                    None => unsafe { self.kernels.gemm(w, x, rows, y) },
+                }
             }
         };
         // Rows are handed out from a shared counter rather than split evenly

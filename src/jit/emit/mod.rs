@@ -16,6 +16,7 @@ pub mod gemm_kquant;
 pub mod gemm_q8_0x16;
 pub mod gemm_q8_0x16_avx2;
 pub mod gemm_quant;
+pub mod gemm_wide;
 pub mod gemv;
 pub mod gemv_quant;
 pub mod unpack_quant;

@@ -4,6 +4,7 @@
 
 use super::{Compiled, Kernel, KernelError, blocks_fit, rows_fit, shape};
 use crate::jit::emit::gemv::WeightType;
+use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::{gemm, gemm_quant};
 use crate::jit::plan::KernelKind;
 use crate::model::quant_blocks::{self, QuantType};
@@ -15,6 +16,10 @@ pub type GemmFn =
 
 type GemmQuantFn =
     unsafe extern "sysv64" fn(*const u8, *const u8, *mut f32, usize, usize, usize, usize, usize);
+
+/// `(w, x_tiles, y, r0, r1, tokens, ldy, k)`, see `emit::gemm_wide`.
+type GemmWideFn =
+    unsafe extern "sysv64" fn(*const u16, *const u8, *mut f32, usize, usize, usize, usize, usize);
 
 type UnpackQuantFn = unsafe extern "sysv64" fn(*const u8, *mut u8, usize, usize, usize);
 
@@ -120,6 +125,133 @@ impl<'a> Kernel<'a> for Gemm<'a> {
             name: &c.spec.name,
             k,
             wt,
+        }
+    }
+}
+
+/// The 16-bit GEMM on 512-bit vectors (`emit::gemm_wide`): one kernel
+/// for every K, its input in tiles of 6 tokens (`engine::wide_input`).
+#[derive(Clone, Copy)]
+pub struct GemmWide<'a> {
+    f: GemmWideFn,
+    pub name: &'a str,
+    pub params: GemmWideParams,
+    pub k: usize,
+}
+
+impl GemmWide<'_> {
+    /// Bytes of the tiles that hold `tokens` tokens.
+    pub fn input_bytes(&self, tokens: usize) -> usize {
+        tokens.div_ceil(crate::jit::emit::gemm_wide::TILE_TOKENS) * self.params.tile_bytes(self.k)
+    }
+
+    /// `Y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and t < `tokens`,
+    /// W the whole matrix in the row-block layout (`rows` starting on a
+    /// register tile's rows), `tiles` the tokens laid out for this kernel.
+    pub fn run(
+        &self,
+        w: &[u16],
+        tiles: &[u8],
+        tokens: usize,
+        y: &mut [f32],
+        ldy: usize,
+        rows: Range<usize>,
+    ) -> Result<(), KernelError> {
+        if tiles.len() < self.input_bytes(tokens) {
+            return Err(shape(
+                self.name,
+                format!(
+                    "tiles of {} bytes for {tokens} tokens of K {} (want {})",
+                    tiles.len(),
+                    self.k,
+                    self.input_bytes(tokens)
+                ),
+            ));
+        }
+        if rows.start > rows.end
+            || !rows.start.is_multiple_of(self.params.rows())
+            || !blocks_fit(w.len(), &rows, self.k)
+            || rows.end > ldy && tokens > 0
+            || tokens > 0 && !rows_fit(y.len(), tokens, ldy, rows.end)
+        {
+            return Err(shape(
+                self.name,
+                format!(
+                    "rows {rows:?} of W ({} values, K {}) into Y of {tokens} x {ldy} ({} elements), or rows start inside a tile of {}",
+                    w.len(),
+                    self.k,
+                    y.len(),
+                    self.params.rows()
+                ),
+            ));
+        }
+        // SAFETY: checked above: the blocks read are inside `w` (a tile's
+        // blocks past the matrix are never read: the kernel reads its
+        // first instead), the tiles are whole, and every element written
+        // is inside `y`.
+        unsafe {
+            self.run_unchecked(
+                w.as_ptr(),
+                tiles.as_ptr(),
+                tokens,
+                y.as_mut_ptr(),
+                ldy,
+                rows,
+                usize::MAX,
+            )
+        };
+        Ok(())
+    }
+
+    /// Raw call, in panels of at most `panel_rows` rows (whole register
+    /// tiles), so the rows every token tile passes over stay in L2.
+    ///
+    /// # Safety
+    /// `w` must hold the row blocks up to `rows.end` (`rows.start` on a
+    /// register tile), `tiles` the tiles of `tokens` tokens for K, and
+    /// `Y[t*ldy + r]` must be writable for t < tokens, r in `rows`, with no
+    /// other thread touching those elements.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_unchecked(
+        &self,
+        w: *const u16,
+        tiles: *const u8,
+        tokens: usize,
+        y: *mut f32,
+        ldy: usize,
+        rows: Range<usize>,
+        panel_rows: usize,
+    ) {
+        let panel = (panel_rows / self.params.rows()).max(1) * self.params.rows();
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = rows.end.min(r0.saturating_add(panel));
+            // SAFETY: guaranteed by the caller for all of `rows`.
+            unsafe { (self.f)(w, tiles, y, r0, r1, tokens, ldy, self.k) };
+            r0 = r1;
+        }
+    }
+}
+
+impl<'a> Kernel<'a> for GemmWide<'a> {
+    /// The weights' type and K (an argument of the kernel, fixed by the
+    /// handle).
+    type Key = (WeightType, usize);
+    fn serves(kind: &KernelKind, (wt, k): Self::Key) -> bool {
+        k > 0 && matches!(kind, KernelKind::GemmWide(g) if g.wt == wt)
+    }
+    unsafe fn bind(c: &'a Compiled, entry: *const u8, (_, k): Self::Key) -> Self {
+        // SAFETY: the caller passes verified wide GEMM code (see
+        // emit::gemm_wide).
+        let f = unsafe { std::mem::transmute::<*const u8, GemmWideFn>(entry) };
+        let KernelKind::GemmWide(params) = c.spec.kind else {
+            unreachable!("serves() checked the kind")
+        };
+        GemmWide {
+            f,
+            name: &c.spec.name,
+            params,
+            k,
         }
     }
 }

@@ -20,7 +20,7 @@ mod set;
 pub use attention::{AttnScores, AttnWsum, Softmax, SoftmaxFn, WsumFn};
 pub use build::{Compiled, Emitted, emit_and_verify, emit_and_verify_specs};
 pub use elementwise::{Geglu, GegluFn, RmsNorm, RmsNormFn};
-pub use gemm::{Gemm, GemmFn, GemmQuant, UnpackQuant};
+pub use gemm::{Gemm, GemmFn, GemmQuant, GemmWide, UnpackQuant};
 pub use gemv::{Gemv, GemvFn, GemvQuant};
 pub use set::{Kernel, KernelId, KernelSet};
 
@@ -72,4 +72,5 @@ const _: () = {
     send_sync::<KernelSet>();
     send_sync::<Gemv<'static>>();
     send_sync::<Gemm<'static>>();
+    send_sync::<GemmWide<'static>>();
 };

@@ -115,6 +115,15 @@ impl KernelSet {
         })
     }
 
+    /// What kernel `id` computes (panics for another set's id, as `bind`).
+    pub fn kind(&self, id: KernelId) -> &KernelKind {
+        assert_eq!(
+            id.set, self.serial,
+            "kernel id {id:?} belongs to another kernel set"
+        );
+        &self.kernels[id.index as usize].spec.kind
+    }
+
     /// The kernel `id` as a `K` for `key`, without a search. Panics when
     /// `id` comes from another set or names a kernel that does not serve
     /// `key`: ids are resolved from the same keys at load, so either is a

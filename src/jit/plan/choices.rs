@@ -9,6 +9,7 @@ use crate::jit::dims::ModelDims;
 use crate::jit::emit::LANES;
 use crate::jit::emit::gemm::GemmParams;
 use crate::jit::emit::gemm_quant::GemmQuantParams;
+use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::gemv::{GemvParams, WeightType};
 use crate::jit::emit::gemv_quant::{self, GemvQuantParams};
 use crate::jit::emit::unpack_quant::UnpackQuantParams;
@@ -96,6 +97,7 @@ impl<'a> QuantChoices<'a> {
         (tensor, rows, k): (&'static str, usize, usize),
         gemv_unroll: usize,
         two_block_gemv: bool,
+        wide_gemm: Option<GemmWideParams>,
     ) -> MatrixUse {
         let quantized = self
             .opts
@@ -117,10 +119,13 @@ impl<'a> QuantChoices<'a> {
                     k,
                     unroll: gemv_unroll,
                 }),
-                KernelKind::Gemm(GemmParams {
-                    wt: self.opts.weights,
-                    k,
-                }),
+                match wide_gemm {
+                    Some(p) => KernelKind::GemmWide(p),
+                    None => KernelKind::Gemm(GemmParams {
+                        wt: self.opts.weights,
+                        k,
+                    }),
+                },
             ),
         };
         // A matrix multiplied one token at a time has no GEMM.
@@ -194,15 +199,16 @@ impl<'a> QuantChoices<'a> {
     }
 }
 
-/// The 16-bit matrix kernels (a GEMV per K in `wide_ks`, a GEMM per K
-/// in `gemm_ks`), the RMSNorms, and those of the optional ops still in
-/// `optional`.
+/// The 16-bit matrix kernels (a GEMV per K in `wide_ks`; a GEMM per K in
+/// `gemm_ks`, or the one wide GEMM for all of them), the RMSNorms, and
+/// those of the optional ops still in `optional`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_kinds(
     dims: &ModelDims,
     wide_ks: &[usize],
     gemm_ks: &[usize],
     wt: WeightType,
+    wide_gemm: Option<GemmWideParams>,
     gemv_unroll: usize,
     norm_unroll: usize,
     optional: &[&str],
@@ -231,8 +237,19 @@ pub(super) fn build_kinds(
             uses_of_k(k),
         ));
     }
-    for &k in gemm_ks {
-        out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
+    match wide_gemm {
+        Some(p) if !gemm_ks.is_empty() => out.push((
+            KernelKind::GemmWide(p),
+            vec![format!(
+                "16-bit products of 2 or more tokens, K in {gemm_ks:?}"
+            )],
+        )),
+        Some(_) => {}
+        None => {
+            for &k in gemm_ks {
+                out.push((KernelKind::Gemm(GemmParams { wt, k }), uses_of_k(k)));
+            }
+        }
     }
     out.push((
         KernelKind::RmsNorm {

@@ -11,6 +11,8 @@ use crate::jit::dims::ModelDims;
 use crate::jit::emit::LANES;
 use crate::jit::emit::gemm;
 use crate::jit::emit::gemm_quant::GemmQuantParams;
+use crate::jit::emit::gemm_wide::{GemmWideParams, WideProducts};
+use crate::jit::emit::gemv::WeightType;
 use crate::jit::emit::gemv_quant::{self, GemvQuantParams};
 use anyhow::{Result, bail};
 
@@ -42,15 +44,11 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
     let mut notes = Vec::new();
     let isa = Isa::Avx2;
     // VNNI's byte dot product: on zmm registers in the integer GEMM, on
-    // ymm in Q8_0's GEMV; no other kernel uses AVX-512, and none uses
-    // masks or zmm16..31.
+    // ymm in Q8_0's GEMV; the 16-bit GEMM has a zmm form of its own (see
+    // below); every other kernel is AVX2.
     let vnni = allowed_isa == Isa::Avx512 && caps.avx512_vnni;
-    if allowed_isa == Isa::Avx512 {
-        notes.push(if vnni && !opts.quantized.is_empty() {
-            "AVX-512 allowed: the integer GEMM uses VNNI's vpdpbusd on zmm registers, Q8_0's GEMV on ymm; every other kernel is AVX2".into()
-        } else {
-            "AVX-512 allowed, but only AVX2 kernels are emitted for these weights; using them".into()
-        });
+    if vnni && !opts.quantized.is_empty() {
+        notes.push("AVX-512 allowed: the integer GEMM uses VNNI's vpdpbusd on zmm registers, Q8_0's GEMV on ymm".into());
     }
 
     // Matrix-vector products of one layer plus the LM head.
@@ -106,6 +104,26 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         ));
     }
     let quant = QuantChoices::new(opts, vnni);
+    // With AVX-512 the 16-bit GEMM is one kernel on zmm registers for every
+    // K: BF16 dot products where the CPU has them (and the options allow),
+    // widened weights and FMA otherwise.
+    let wide_gemm = (allowed_isa == Isa::Avx512).then(|| GemmWideParams {
+        wt: opts.weights,
+        products: if opts.weights == WeightType::Bf16 && caps.avx512_bf16 && opts.bf16_dot {
+            WideProducts::Bf16Dot
+        } else {
+            WideProducts::Fma
+        },
+    });
+    if let (Some(p), false) = (wide_gemm, wide_ks.is_empty()) {
+        notes.push(format!(
+            "AVX-512: the 16-bit GEMM is {} on zmm registers, one kernel for every K",
+            match p.products {
+                WideProducts::Bf16Dot => "vdpbf16ps (inputs rounded to bf16)",
+                WideProducts::Fma => "widened weights and vfmadd231ps",
+            }
+        ));
+    }
 
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
@@ -138,6 +156,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             &wide_ks,
             &gemm_ks,
             opts.weights,
+            wide_gemm,
             gemv_unroll,
             norm_unroll,
             &optional,
@@ -159,7 +178,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     name: kind.name(),
                     isa: match kind {
                         KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. })
-                        | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. }) => Isa::Avx512,
+                        | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. })
+                        | KernelKind::GemmWide(_) => Isa::Avx512,
                         _ => isa,
                     },
                     kind,
@@ -168,7 +188,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .collect();
             let matrices = mats
                 .iter()
-                .map(|&m| quant.matrix_use(m, gemv_unroll, two_block_gemv))
+                .map(|&m| quant.matrix_use(m, gemv_unroll, two_block_gemv, wide_gemm))
                 .collect();
             let smallest = smallest_layer_matrix(&mats, opts);
             let (blocking, blocking_reasons) = Blocking::analytic(caps, dims, threads, smallest);

@@ -4,6 +4,7 @@
 use crate::jit::emit;
 use crate::jit::emit::gemm::{self, GemmParams};
 use crate::jit::emit::gemm_quant::{self, GemmQuantParams};
+use crate::jit::emit::gemm_wide::{self, GemmWideParams, WideProducts};
 use crate::jit::emit::gemv::{self, GemvParams};
 use crate::jit::emit::gemv_quant::{self, GemvQuantParams};
 use crate::jit::emit::unpack_quant::UnpackQuantParams;
@@ -24,6 +25,9 @@ pub enum KernelKind {
     UnpackQuant(UnpackQuantParams),
     /// The 16-bit GEMM over several tokens.
     Gemm(GemmParams),
+    /// The 16-bit GEMM on 512-bit vectors, any K (AVX-512: BF16 dot
+    /// products or widened weights and FMA).
+    GemmWide(GemmWideParams),
     RmsNorm {
         dim: usize,
         unroll: usize,
@@ -105,6 +109,18 @@ impl KernelKind {
                     p.k
                 )
             }
+            KernelKind::GemmWide(p) => {
+                format!(
+                    "gemm_{}_r{}t{}_{}",
+                    p.wt.name(),
+                    p.rows(),
+                    gemm_wide::TILE_TOKENS,
+                    match p.products {
+                        WideProducts::Bf16Dot => "dot",
+                        WideProducts::Fma => "fma",
+                    }
+                )
+            }
             KernelKind::RmsNorm { dim, unroll } => format!("rmsnorm_d{dim}_u{unroll}"),
             KernelKind::Geglu { width } => format!("geglu_w{width}"),
             KernelKind::AttnScores(p) => {
@@ -118,11 +134,13 @@ impl KernelKind {
     }
 
     /// The widest vectors the kernel uses: 512 bits for the VNNI integer
-    /// GEMM, 256 for every other kernel (the verifier holds each to its
-    /// width).
+    /// GEMM and the wide 16-bit GEMM, 256 for every other kernel (the
+    /// verifier holds each to its width).
     pub fn vector_bits(&self) -> usize {
         match self {
-            KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. }) => 512,
+            KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. }) | KernelKind::GemmWide(_) => {
+                512
+            }
             _ => 256,
         }
     }
@@ -138,6 +156,7 @@ impl KernelKind {
             KernelKind::GemmQuant(p) => emit::gemm_quant::emit(p, &name),
             KernelKind::UnpackQuant(p) => emit::unpack_quant::emit(p, &name),
             KernelKind::Gemm(p) | KernelKind::AttnScores(p) => emit::gemm::emit(p, &name),
+            KernelKind::GemmWide(p) => emit::gemm_wide::emit(p, &name),
             KernelKind::RmsNorm { dim, unroll } => {
                 emit::elementwise::emit_rmsnorm(*dim, *unroll, &name)
             }

@@ -24,6 +24,7 @@ pub use split::{k_chunk, split_rows};
 
 use super::blocking::{Blocking, Reason};
 use super::cpu::Isa;
+use super::emit::gemm_wide::{GemmWideParams, WideProducts};
 use super::emit::gemv::WeightType;
 use crate::model::quant_blocks::QuantType;
 
@@ -60,6 +61,9 @@ pub struct PlanOptions {
     pub one_token: Vec<&'static str>,
     /// Bytes ahead the quantized GEMVs prefetch (see `GemvQuantParams`).
     pub quant_prefetch: usize,
+    /// BF16 weights' GEMM with AVX-512 BF16's `vdpbf16ps` (inputs rounded
+    /// to bf16) where the CPU has it; false keeps f32 inputs (the FMA form).
+    pub bf16_dot: bool,
     pub budget: usize,
 }
 
@@ -74,6 +78,7 @@ impl Default for PlanOptions {
             matrices: Vec::new(),
             one_token: Vec::new(),
             quant_prefetch: QUANT_PREFETCH_BYTES,
+            bf16_dot: true,
             budget: BUDGET_BYTES,
         }
     }
@@ -144,8 +149,18 @@ impl Plan {
     /// attention to it.
     pub fn isa_description(&self) -> String {
         let mut text = self.isa.name().to_string();
-        if self.kernels.iter().any(|k| k.isa == Isa::Avx512) {
+        let wide = |k: &KernelSpec| matches!(k.kind, KernelKind::GemmWide(_));
+        if self.kernels.iter().any(|k| k.isa == Isa::Avx512 && !wide(k)) {
             text += " + avx512-vnni (integer products)";
+        }
+        if let Some(k) = self.kernels.iter().find(|k| wide(k)) {
+            text += match k.kind {
+                KernelKind::GemmWide(GemmWideParams {
+                    products: WideProducts::Bf16Dot,
+                    ..
+                }) => " + avx512-bf16 (16-bit GEMM)",
+                _ => " + avx512 (16-bit GEMM)",
+            };
         }
         if self.avx512_attention {
             text += " + avx512 (attention, in the engine)";
