@@ -433,7 +433,7 @@ impl Scheduler<'_> {
             .map(|(_, o)| (o.acceptance, o.tokens.len()))
             .collect();
         let fixed_cost = match self.opts.speculation {
-            Speculation::Ngram(options) => options.step_cost,
+            Speculation::Ngram(options) | Speculation::Mtp(options) => options.step_cost,
             Speculation::Off => None,
         };
         let times = &self.batch_times;
