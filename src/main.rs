@@ -546,10 +546,15 @@ struct ServeCli {
     /// No log line per request on stderr.
     #[arg(long)]
     quiet: bool,
-    /// Speculative decoding: ngram drafts from each request's own text, verified in the step it
-    /// shares with the other requests; replies are the same as with `off`.
-    #[arg(long, value_enum, default_value = "ngram")]
-    spec: SpecArg,
+    /// Speculative decoding: drafts from a Gemma 4 assistant (mtp) or from n-grams of each
+    /// request's own text (ngram), verified in the step it shares with the other requests;
+    /// replies are the same as with `off`. Default: mtp when there is an assistant, else ngram.
+    #[arg(long, value_enum)]
+    spec: Option<SpecArg>,
+    /// The Gemma 4 assistant (drafter) for --spec mtp. Default: MODEL-assistant (or
+    /// MODEL-assistant.gguf) beside the model.
+    #[arg(long, value_name = "ASSISTANT")]
+    draft: Option<PathBuf>,
     /// Defaults for the sampling settings a request leaves out.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -580,7 +585,8 @@ impl ServeCli {
             },
             read_timeout: std::time::Duration::from_secs(self.read_timeout),
             quiet: self.quiet,
-            speculation: self.spec.into(),
+            speculation: self.spec.map(Into::into),
+            draft: self.draft,
             defaults: self.sampling.config(),
             flags,
         })

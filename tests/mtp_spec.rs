@@ -13,6 +13,9 @@
 //!   the accepted cache: its next round equals a round of an engine that
 //!   was fed only the accepted tokens.
 
+mod common;
+
+use common::{FAVOURED_TOKEN, favouring_pair};
 use pulsar::engine::fast::{EngineOptions, FastEngine, FastOptions, LaunchTuning, Opened};
 use pulsar::engine::q8_input::InputPrecision;
 use pulsar::engine::reference::ReferenceEngine;
@@ -326,48 +329,9 @@ fn after_a_rejection_the_assistant_reads_exactly_the_accepted_cache() {
 // ---------------------------------------------------------------------------
 // A pair edited so that drafts are often right.
 
-/// A copy of a GGUF with row `row` of `token_embd.weight` (f32) scaled by
-/// `factor`: the token's logit grows with it (the head is tied), so a
-/// target scaled this way often samples it and an assistant scaled this
-/// way often drafts it.
-fn with_favoured_token(file: &str, row: usize, factor: f32, to: &Path) {
-    use pulsar::model::dtype::DType;
-    use pulsar::model::gguf::GgufFile;
-    use pulsar::model::gguf_write::GgufWriter;
-    let g = GgufFile::open(&data().join(file)).unwrap();
-    let mut w = GgufWriter::new();
-    let mut keys: Vec<&String> = g.metadata().keys().collect();
-    keys.sort();
-    for key in keys {
-        w.add_value(key, &g.metadata()[key]);
-    }
-    for t in g.tensors() {
-        let mut bytes = g.tensor(&t.name).unwrap().bytes.to_vec();
-        if t.name == "token_embd.weight" {
-            assert_eq!(t.dtype, DType::F32);
-            let cols = t.shape[1];
-            for v in bytes[row * cols * 4..(row + 1) * cols * 4].chunks_exact_mut(4) {
-                let x = f32::from_le_bytes([v[0], v[1], v[2], v[3]]) * factor;
-                v.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        w.add_tensor(&t.name, &t.shape, t.dtype, bytes).unwrap();
-    }
-    w.write(to).unwrap();
-}
-
 /// The reference engine on the edited pair.
 fn favouring_engine(dir: &Path) -> Box<dyn Engine> {
-    let (target, assistant) = (dir.join("target.gguf"), dir.join("assistant.gguf"));
-    if !target.exists() {
-        with_favoured_token("tiny-g4a-target-f32.gguf", FAVOURED, TARGET_FACTOR, &target);
-        with_favoured_token(
-            "tiny-g4a-assistant-f32.gguf",
-            FAVOURED,
-            ASSISTANT_FACTOR,
-            &assistant,
-        );
-    }
+    let (target, assistant) = favouring_pair(dir);
     let t = ModelSource::open(&target).unwrap();
     let mut engine = ReferenceEngine::load(&t).unwrap();
     engine
@@ -375,13 +339,6 @@ fn favouring_engine(dir: &Path) -> Box<dyn Engine> {
         .unwrap();
     Box::new(engine)
 }
-
-const FAVOURED: usize = 352;
-/// The target then samples token 352 at 58% of its steps (temperature 1);
-/// the assistant drafts it nearly always. About 1 in 6 drafted tokens is
-/// confirmed (1,173 of 7,330 measured): both branches of the rule often.
-const TARGET_FACTOR: f32 = 4.0;
-const ASSISTANT_FACTOR: f32 = 50.0;
 
 /// The (1 − a) quantile of χ² with `df` degrees of freedom (Wilson–Hilferty),
 /// as in tests/speculative.rs.
@@ -453,7 +410,8 @@ fn sampled_token_frequencies_agree_with_and_without_the_assistant() {
     // The favoured token is what the drafts propose: a rule that accepts
     // them too easily shows as more of it. Per sequence, its count; the
     // difference of the means over its standard error, |z| < 4.5.
-    let favoured = |s: &Vec<u32>| s.iter().filter(|&&x| x as usize == FAVOURED).count() as f64;
+    let favoured =
+        |s: &Vec<u32>| s.iter().filter(|&&x| x as usize == FAVOURED_TOKEN).count() as f64;
     let stats = |set: &[Vec<u32>]| {
         let xs: Vec<f64> = set.iter().map(favoured).collect();
         let mean = xs.iter().sum::<f64>() / xs.len() as f64;
