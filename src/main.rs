@@ -155,6 +155,9 @@ impl From<RunDtypeArg> for commands::Dtype {
 /// `--spec` of `run`, `chat` and `serve`.
 #[derive(Clone, Copy, ValueEnum)]
 enum SpecArg {
+    /// Draft with a Gemma 4 assistant (multi-token prediction; --draft, or found beside the
+    /// model) and verify in one batched step.
+    Mtp,
     /// Draft the continuation of the longest earlier n-gram of the context
     /// and verify it in one batched step.
     Ngram,
@@ -165,6 +168,7 @@ enum SpecArg {
 impl From<SpecArg> for Speculation {
     fn from(s: SpecArg) -> Speculation {
         match s {
+            SpecArg::Mtp => Speculation::mtp(),
             SpecArg::Ngram => Speculation::ngram(),
             SpecArg::Off => Speculation::Off,
         }
@@ -342,12 +346,17 @@ struct GenerationCli {
     /// decodes slower here). Other files are copied as usual.
     #[arg(long)]
     mmap: bool,
-    /// Speculative decoding: draft tokens from n-grams of the prompt and the text so far and
-    /// verify them in one batched step. The output is the same as with `off` (greedy: identical;
-    /// sampled: the same distribution, and the same text for a seed). Under --json,
+    /// Speculative decoding: draft tokens with a Gemma 4 assistant (mtp) or from n-grams of the
+    /// prompt and the text so far (ngram) and verify them in one batched step; the default is mtp
+    /// when there is an assistant, else ngram. The output is the same as with `off` (greedy:
+    /// identical; sampled: the same distribution, and the same text for a seed). Under --json,
     /// --json-schema, --regex and --grammar a draft is cut where the constraint refuses it.
-    #[arg(long, value_enum, default_value = "ngram")]
-    spec: SpecArg,
+    #[arg(long, value_enum)]
+    spec: Option<SpecArg>,
+    /// The Gemma 4 assistant (drafter) for --spec mtp: a Gemma4AssistantForCausalLM folder or a
+    /// gemma4-assistant GGUF. Default: MODEL-assistant (or MODEL-assistant.gguf) beside the model.
+    #[arg(long, value_name = "ASSISTANT")]
+    draft: Option<PathBuf>,
     /// Constrain the output to a JSON object (any keys and values). Generation ends when the
     /// object is complete.
     #[arg(long, help_heading = "Structured output")]
@@ -405,7 +414,8 @@ impl GenerationCli {
             stop: self.stop,
             engine: self.forward.engine_args(self.mmap, flags),
             constraint,
-            speculation: self.spec.into(),
+            speculation: self.spec.map(Into::into),
+            draft: self.draft,
         })
     }
 }
@@ -536,10 +546,15 @@ struct ServeCli {
     /// No log line per request on stderr.
     #[arg(long)]
     quiet: bool,
-    /// Speculative decoding: ngram drafts from each request's own text, verified in the step it
-    /// shares with the other requests; replies are the same as with `off`.
-    #[arg(long, value_enum, default_value = "ngram")]
-    spec: SpecArg,
+    /// Speculative decoding: drafts from a Gemma 4 assistant (mtp) or from n-grams of each
+    /// request's own text (ngram), verified in the step it shares with the other requests;
+    /// replies are the same as with `off`. Default: mtp when there is an assistant, else ngram.
+    #[arg(long, value_enum)]
+    spec: Option<SpecArg>,
+    /// The Gemma 4 assistant (drafter) for --spec mtp. Default: MODEL-assistant (or
+    /// MODEL-assistant.gguf) beside the model.
+    #[arg(long, value_name = "ASSISTANT")]
+    draft: Option<PathBuf>,
     /// Defaults for the sampling settings a request leaves out.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -570,7 +585,8 @@ impl ServeCli {
             },
             read_timeout: std::time::Duration::from_secs(self.read_timeout),
             quiet: self.quiet,
-            speculation: self.spec.into(),
+            speculation: self.spec.map(Into::into),
+            draft: self.draft,
             defaults: self.sampling.config(),
             flags,
         })

@@ -14,7 +14,7 @@ use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::generate::StopReason;
 use pulsar::model::source::ModelSource;
 use pulsar::sample::{Sampler, SamplerConfig};
-use pulsar::speculative::{NgramOptions, Speculation};
+use pulsar::speculative::{DraftOptions, Speculation};
 use std::cell::Cell;
 
 const TOLERANCE: f32 = 1e-5;
@@ -149,9 +149,9 @@ fn an_interrupted_reply_still_closes_its_turn() {
         constraint: None,
         // Drafts are fed and rolled back in the chat's kept cache (a fixed
         // step cost keeps the reference engine drafting).
-        speculation: Speculation::Ngram(NgramOptions {
+        speculation: Speculation::Ngram(DraftOptions {
             step_cost: Some(0.05),
-            ..NgramOptions::default()
+            ..DraftOptions::default()
         }),
     };
     let user = enc.user_turn(&tok, "Once upon a time there was a dragon.", true);
@@ -225,9 +225,9 @@ fn a_reply_ended_by_a_stop_string_is_cut_there_in_the_cache() {
         constraint: None,
         // Drafts are fed and rolled back in the chat's kept cache (a fixed
         // step cost keeps the reference engine drafting).
-        speculation: Speculation::Ngram(NgramOptions {
+        speculation: Speculation::Ngram(DraftOptions {
             step_cost: Some(0.05),
-            ..NgramOptions::default()
+            ..DraftOptions::default()
         }),
     };
     let user = enc.user_turn(&tok, "What is the capital of France?", true);

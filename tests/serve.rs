@@ -7,6 +7,8 @@
 //! on timing; the few time bounds are liveness bounds, far above what is
 //! expected.
 
+mod common;
+
 use reqwest::blocking::{Client, Response};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -33,6 +35,11 @@ impl Server {
 
     fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let model = pulsar::model::fetch::default_model_path().expect("default model");
+        Server::start_model(&model, args, env)
+    }
+
+    /// A server on `model` rather than the default one.
+    fn start_model(model: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pulsar"));
         cmd.arg("serve")
             .arg("-m")
@@ -809,6 +816,76 @@ fn speculation_drafts_in_steps_shared_by_several_requests() {
     assert!(
         metric(&on_metrics, "pulsar_accepted_tokens_total") > 0.0,
         "{on_metrics}"
+    );
+}
+
+/// `--spec mtp` with a Gemma 4 assistant (`--draft`) drafts per sequence,
+/// alone and in steps shared by several requests, and changes no reply:
+/// greedy and seeded texts equal those of `--spec off`. On the tiny pair
+/// edited so that drafts are often right (tests/common `favouring_pair`).
+#[test]
+fn an_assistant_drafts_per_sequence_and_changes_no_reply() {
+    let dir = tempfile::tempdir().unwrap();
+    let (target, assistant) = common::favouring_pair(dir.path());
+    let requests = [
+        json!({"prompt": "the cat sat on the mat", "temperature": 0, "max_tokens": 30}),
+        json!({"prompt": "a b c d e f", "temperature": 1.0, "seed": 5, "max_tokens": 30}),
+        json!({"prompt": "one two three", "temperature": 0.7, "seed": 11, "max_tokens": 30}),
+    ];
+    let replies = |spec: &str| -> (Vec<String>, String, String) {
+        // A fixed step cost: drafts are made whatever the timings say.
+        let s = Server::start_model(
+            &target,
+            &[
+                "-c",
+                "256",
+                "--parallel",
+                "3",
+                "--spec",
+                spec,
+                "--draft",
+                assistant.to_str().expect("a UTF-8 path"),
+            ],
+            &[("PULSAR_SPEC_STEP_COST", "0.02")],
+        );
+        // One request alone, then all three together.
+        let mut texts = vec![completion_text(&s.ok("/v1/completions", &requests[0]))];
+        texts.extend(std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|b| {
+                    let s = &s;
+                    scope.spawn(move || completion_text(&s.ok("/v1/completions", b)))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        }));
+        (texts, s.metrics(), s.stderr())
+    };
+    let (off, off_metrics, _) = replies("off");
+    let (on, on_metrics, stderr) = replies("mtp");
+    assert_eq!(off, on, "a reply differs with --spec mtp");
+    assert_eq!(
+        off[0], off[1],
+        "the lone request's reply equals its shared one"
+    );
+    assert!(stderr.contains("drafts from"), "{stderr}");
+    assert!(!stderr.contains("internal error"), "{stderr}");
+    assert_eq!(metric(&off_metrics, "pulsar_drafted_tokens_total"), 0.0);
+    assert!(
+        metric(&on_metrics, "pulsar_batch_drafted_tokens_total") > 0.0,
+        "nothing was drafted in a shared step: {on_metrics}"
+    );
+    let (drafted, accepted) = (
+        metric(&on_metrics, "pulsar_drafted_tokens_total"),
+        metric(&on_metrics, "pulsar_accepted_tokens_total"),
+    );
+    assert!(
+        accepted > 0.0 && accepted < drafted,
+        "{accepted} of {drafted} accepted: {on_metrics}"
     );
 }
 

@@ -21,7 +21,7 @@ use pulsar::engine::{Engine, LogitsWanted};
 use pulsar::generate::{self, Request};
 use pulsar::model::source::ModelSource;
 use pulsar::sample::{Sampler, SamplerConfig};
-use pulsar::speculative::{NgramOptions, Speculation};
+use pulsar::speculative::{DraftOptions, Speculation};
 use pulsar::tokenizer::Tokenizer;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -369,9 +369,9 @@ fn tiny_tokenizer() -> Tokenizer {
 /// Drafting whenever an n-gram matches (a fixed step cost of zero), so the
 /// tests do not depend on timings.
 fn eager() -> Speculation {
-    Speculation::Ngram(NgramOptions {
+    Speculation::Ngram(DraftOptions {
         step_cost: Some(0.0),
-        ..NgramOptions::default()
+        ..DraftOptions::default()
     })
 }
 

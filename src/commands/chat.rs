@@ -4,8 +4,8 @@
 
 use super::run::{load_tokenizer, read_text_file};
 use super::{
-    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
-    start_constraint,
+    ConstraintBuild, GenerationArgs, drafting, effective_speculation, open_engine_drafting,
+    report_constraint, start_constraint,
 };
 use crate::chat::conversation::{ContextPolicy, Conversation};
 use crate::chat::input::Input;
@@ -172,7 +172,12 @@ impl<'a> Session<'a> {
         )?;
         let stop_ids = encoder.stop_ids(&tok);
         let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stop_ids)?;
-        let speculation = effective_speculation(args.common.speculation)?;
+        let (assistant, speculation) =
+            drafting(&src, args.common.draft.as_deref(), args.common.speculation)?;
+        let speculation = effective_speculation(speculation)?;
+        let drafts_note = assistant.as_ref().map_or(String::new(), |a| {
+            format!(", drafts from {}", a.path.display())
+        });
         // Under a constraint the constraint decides where a reply ends; the
         // template's stop strings (the dialogue's "\nUser:") would only cut a
         // valid reply short. The user's own --stop strings still apply.
@@ -185,7 +190,8 @@ impl<'a> Session<'a> {
             args.common.engine.kind.name()
         ));
         spinner.enable_steady_tick(Duration::from_millis(120));
-        let opened = open_engine(src, &args.common.engine, args.common.context)?;
+        let opened =
+            open_engine_drafting(src, &args.common.engine, args.common.context, assistant)?;
         let mut engine = opened.engine;
         spinner.finish_and_clear();
         let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
@@ -198,7 +204,7 @@ impl<'a> Session<'a> {
             );
         }
         eprintln!(
-            "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {}{})",
+            "pulsar: loaded {} in {:.2} s ({} engine, context {limit}, seed {}{}{drafts_note})",
             args.common.model.display(),
             start.elapsed().as_secs_f64(),
             args.common.engine.kind.name(),

@@ -69,8 +69,64 @@ pub struct GenerationArgs {
     /// `--json`, `--json-schema`, `--regex` or `--grammar`: what every
     /// reply must be.
     pub constraint: Option<ConstraintSpec>,
-    /// `--spec`: draft tokens and verify them in batched steps.
-    pub speculation: Speculation,
+    /// `--spec`: draft tokens and verify them in batched steps; `None`:
+    /// with a Gemma 4 assistant (`mtp`), else from n-grams.
+    pub speculation: Option<Speculation>,
+    /// `--draft`: the Gemma 4 assistant to draft with (else one found
+    /// beside the model by name).
+    pub draft: Option<PathBuf>,
+}
+
+/// The Gemma 4 assistant a generating command drafts with and the
+/// speculation it runs: `--draft`, else an assistant found beside the
+/// model by name ([`crate::model::gemma4_assistant::beside`]) unless
+/// `--spec` asks for no model; `--spec` as asked, else `mtp` with an
+/// assistant and `ngram` without. An assistant found by name that does
+/// not fit the model is passed over with one line on stderr (unless
+/// `--spec mtp` asked for it: then that is the error); `--spec ngram` or
+/// `off` loads none.
+pub fn drafting(
+    src: &ModelSource,
+    draft: Option<&Path>,
+    asked: Option<Speculation>,
+) -> Result<(Option<ModelSource>, Speculation)> {
+    use crate::model::gemma4_assistant::{beside, target_kv_layers};
+    let wants_model = matches!(asked, None | Some(Speculation::Mtp(_)));
+    if !wants_model {
+        return Ok((None, asked.unwrap_or_else(Speculation::ngram)));
+    }
+    let assistant = match draft {
+        Some(path) => Some(ModelSource::open(path)?),
+        None => match beside(&src.path) {
+            Some(path) => {
+                let found = ModelSource::open(&path).and_then(|a| {
+                    target_kv_layers(&src.config, &src.path, &a.config, &a.path)?;
+                    Ok(a)
+                });
+                match (found, asked) {
+                    (Ok(a), _) => Some(a),
+                    (Err(e), Some(_)) => return Err(e),
+                    (Err(e), None) => {
+                        eprintln!(
+                            "pulsar: not drafting with the assistant beside the model: {e:#}"
+                        );
+                        None
+                    }
+                }
+            }
+            None => None,
+        },
+    };
+    let speculation = match (asked, &assistant) {
+        (Some(Speculation::Mtp(_)), None) => bail!(
+            "--spec mtp needs a Gemma 4 assistant: give one with --draft (none was found beside {})",
+            src.path.display()
+        ),
+        (Some(s), _) => s,
+        (None, Some(_)) => Speculation::mtp(),
+        (None, None) => Speculation::ngram(),
+    };
+    Ok((assistant, speculation))
 }
 
 /// Environment variable that fixes the draft-length policy's step cost
@@ -82,7 +138,7 @@ pub const SPEC_STEP_COST_VAR: &str = "PULSAR_SPEC_STEP_COST";
 /// [`SPEC_STEP_COST_VAR`] applied.
 pub fn effective_speculation(asked: Speculation) -> Result<Speculation> {
     let mut asked = asked;
-    if let Speculation::Ngram(options) = &mut asked
+    if let Some(options) = asked.options_mut()
         && let Some(value) = std::env::var_os(SPEC_STEP_COST_VAR)
     {
         let value = value.to_string_lossy();

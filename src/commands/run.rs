@@ -2,8 +2,8 @@
 //! time and speeds on stderr.
 
 use super::{
-    ConstraintBuild, GenerationArgs, effective_speculation, open_engine, report_constraint,
-    start_constraint,
+    ConstraintBuild, GenerationArgs, drafting, effective_speculation, open_engine_drafting,
+    report_constraint, start_constraint,
 };
 use crate::chat::thinking::{Part, ThoughtSplitter};
 use crate::chat_template::{ChatTemplate, TemplateChoice};
@@ -109,7 +109,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
         None => generate::stop_ids(&tok),
     };
     let constraint_build = start_constraint(args.common.constraint.as_ref(), &tok, &stops)?;
-    let speculation = effective_speculation(args.common.speculation)?;
+    let (assistant, speculation) =
+        drafting(&src, args.common.draft.as_deref(), args.common.speculation)?;
+    let speculation = effective_speculation(speculation)?;
+    let drafts_note = assistant.as_ref().map_or(String::new(), |a| {
+        format!(", drafts from {}", a.path.display())
+    });
     // Under a constraint the constraint decides where the output ends; the
     // template's stop strings (the dialogue's "\nUser:") would only cut a
     // valid output short. The user's own --stop strings still apply.
@@ -172,11 +177,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let verbose = args.common.engine.flags.verbose;
         eprintln!("pulsar: {}", choice.describe(verbose));
     }
-    let opened = open_engine(src, &args.common.engine, context)?;
+    let opened = open_engine_drafting(src, &args.common.engine, context, assistant)?;
     let mut engine = opened.engine;
     let constraint = constraint_build.map(ConstraintBuild::finish).transpose()?;
     eprintln!(
-        "pulsar: loaded {} in {:.2} s ({} engine, seed {}{})",
+        "pulsar: loaded {} in {:.2} s ({} engine, seed {}{}{drafts_note})",
         args.common.model.display(),
         load_start.elapsed().as_secs_f64(),
         args.common.engine.kind.name(),

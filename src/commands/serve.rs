@@ -2,7 +2,7 @@
 //! constraint compiler, then hands them to the server (`crate::serve`).
 
 use super::run::load_tokenizer;
-use super::{Dtype, EngineArgs, EngineKind, SharedFlags, effective_speculation};
+use super::{Dtype, EngineArgs, EngineKind, SharedFlags, drafting, effective_speculation};
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
 use crate::constrain::{GrammarCompiler, VocabBytes};
@@ -38,7 +38,11 @@ pub struct ServeArgs {
     pub limits: crate::serve::conn::ConnectionLimits,
     pub read_timeout: Duration,
     pub quiet: bool,
-    pub speculation: Speculation,
+    /// `--spec`; `None`: with a Gemma 4 assistant (`mtp`), else `ngram`.
+    pub speculation: Option<Speculation>,
+    /// `--draft`: the Gemma 4 assistant each sequence drafts with (else one
+    /// found beside the model by name).
+    pub draft: Option<PathBuf>,
     /// Defaults for the settings a request leaves out.
     pub defaults: SamplerConfig,
     /// `--verbose`, `--no-tune`, `--input-bits`.
@@ -96,13 +100,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
         flags: args.flags,
     };
     let embedding_width = src.config.hidden;
-    let plan = FastEngine::plan(Arc::new(src), &engine_args.options(context)?)?;
+    let (assistant, speculation) = drafting(&src, args.draft.as_deref(), args.speculation)?;
+    let drafts_note = assistant.as_ref().map_or(String::new(), |a| {
+        format!(", drafts from {}", a.path.display())
+    });
+    let plan = FastEngine::plan_drafting(
+        Arc::new(src),
+        assistant.map(Arc::new),
+        &engine_args.options(context)?,
+    )?;
     super::print_notes("pulsar serve", &plan);
     // The engine is built on the engine thread, where it then runs.
     let engine = move || -> Result<FastEngine> {
         let (engine, report) = super::open_fast_engine(plan, "pulsar serve")?;
         eprintln!(
-            "pulsar serve: loaded the model in {:.2} s ({}, {} threads{})",
+            "pulsar serve: loaded the model in {:.2} s ({}, {} threads{}{drafts_note})",
             started.elapsed().as_secs_f64(),
             engine.formats().describe(),
             engine.threads(),
@@ -147,7 +159,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             limits: args.limits,
             read_timeout: args.read_timeout,
             quiet: args.quiet,
-            speculation: effective_speculation(args.speculation)?,
+            speculation: effective_speculation(speculation)?,
         },
     )
 }

@@ -239,7 +239,13 @@ pub fn decode(
         // After the chosen token and its draft the cache must still fit.
         let room = engine.capacity().saturating_sub(base + fed + 1);
         let mut step = vec![next];
-        step.extend_from_slice(generation.draft(room));
+        // The draft model (`--spec mtp`) drafts from the cache as it is
+        // now: the accepted tokens, `next` not yet fed.
+        let mut model = |last: u32, k: usize| engine.draft(last, k, None);
+        match generation.draft_with(room, &mut model) {
+            Ok(drafts) => step.extend_from_slice(drafts),
+            Err(e) => break Err(e),
+        }
         let wanted = if step.len() > 1 {
             LogitsWanted::All
         } else {
@@ -310,7 +316,7 @@ mod tests {
     use super::*;
     use crate::model::config::ModelConfig;
     use crate::sample::SamplerConfig;
-    use crate::speculative::NgramOptions;
+    use crate::speculative::DraftOptions;
     use crate::tokenizer::TokenKind;
     use std::cell::Cell;
 
@@ -340,6 +346,8 @@ mod tests {
         config: ModelConfig,
         /// Tokens fed per forward call, to check the steps' sizes.
         calls: Vec<usize>,
+        /// Draft rounds run.
+        draft_rounds: usize,
     }
 
     impl HashLm {
@@ -349,14 +357,24 @@ mod tests {
                 capacity,
                 config: crate::model::presets::shape("gemma3-270m").expect("known shape"),
                 calls: Vec::new(),
+                draft_rounds: 0,
             }
         }
 
         fn row(&self) -> Vec<f32> {
-            let h = self.seen.iter().fold(0x1234_5678u64, |h, &t| {
+            Self::row_after(&self.seen)
+        }
+
+        fn hash(prefix: &[u32]) -> u64 {
+            prefix.iter().fold(0x1234_5678u64, |h, &t| {
                 (h ^ u64::from(t)).wrapping_mul(0x100_0000_01B3)
-            });
-            let last = *self.seen.last().unwrap_or(&0) as usize;
+            })
+        }
+
+        /// The logits after `prefix`.
+        fn row_after(prefix: &[u32]) -> Vec<f32> {
+            let h = Self::hash(prefix);
+            let last = *prefix.last().unwrap_or(&0) as usize;
             (0..VOCAB)
                 .map(|v| {
                     let noise = ((h.rotate_left(v as u32 * 5) >> 40) % 1000) as f32 / 400.0;
@@ -408,6 +426,39 @@ mod tests {
         fn final_hidden(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
             self.forward(tokens, LogitsWanted::All)
         }
+
+        fn can_draft(&self) -> bool {
+            true
+        }
+
+        /// A draft model that reads the cache as it is: the argmax after
+        /// the cache, `token` and the drafts so far, but one guess in four
+        /// (by a hash of that prefix) the letter after it, so that drafts
+        /// are both confirmed and refused.
+        fn draft(
+            &mut self,
+            token: u32,
+            k: usize,
+            logits: Option<&mut Vec<f32>>,
+        ) -> Result<Vec<u32>> {
+            assert!(logits.is_none(), "the loop asks for tokens only");
+            let mut prefix = self.seen.clone();
+            prefix.push(token);
+            let mut drafts = Vec::with_capacity(k);
+            for _ in 0..k {
+                let row = Self::row_after(&prefix);
+                let best = crate::engine::ops::argmax(&row) as u32;
+                let guess = if Self::hash(&prefix).is_multiple_of(4) {
+                    (best + 1) % LETTERS as u32
+                } else {
+                    best
+                };
+                prefix.push(guess);
+                drafts.push(guess);
+            }
+            self.draft_rounds += 1;
+            Ok(drafts)
+        }
     }
 
     #[derive(Clone)]
@@ -445,9 +496,9 @@ mod tests {
 
     /// Always drafting (step cost 0), so every kind of step happens.
     fn eager() -> Speculation {
-        Speculation::Ngram(NgramOptions {
+        Speculation::Ngram(DraftOptions {
             step_cost: Some(0.0),
-            ..NgramOptions::default()
+            ..DraftOptions::default()
         })
     }
 
@@ -606,6 +657,52 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The draft model's loop (`--spec mtp`): greedy and seeded sampling
+    /// give the same text as without it, drafts both confirmed and
+    /// refused, one round per drafted step.
+    #[test]
+    fn a_draft_model_changes_nothing_but_the_steps() {
+        let mtp = Speculation::Mtp(DraftOptions {
+            step_cost: Some(0.0),
+            ..DraftOptions::default()
+        });
+        let (mut drafted, mut accepted) = (0, 0);
+        for sampling in [
+            SamplerConfig::greedy(),
+            SamplerConfig {
+                temperature: 0.8,
+                ..SamplerConfig::default()
+            },
+        ] {
+            for seed in 0..6 {
+                for max_new in [1, 9, 200] {
+                    let setup = Setup {
+                        sampling,
+                        seed,
+                        max_new,
+                        stop_ids: vec![EOS],
+                        ..Setup::default()
+                    };
+                    let off = run(&setup, Speculation::Off);
+                    let on = run(&setup, mtp);
+                    assert_eq!(on.text, off.text);
+                    assert_eq!(on.history, off.history);
+                    assert_eq!(on.decoded.stats.stop, off.decoded.stats.stop);
+                    let spec = on.decoded.stats.spec.expect("stats");
+                    assert_eq!(
+                        spec.drafted,
+                        on.calls[1..].iter().map(|m| m - 1).sum::<usize>(),
+                        "every drafted token was fed"
+                    );
+                    drafted += spec.drafted;
+                    accepted += spec.accepted;
+                }
+            }
+        }
+        assert!(accepted > 100, "{accepted} of {drafted} accepted");
+        assert!(accepted < drafted, "{accepted} of {drafted} accepted");
     }
 
     #[test]

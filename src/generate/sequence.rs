@@ -25,7 +25,7 @@ use crate::constrain::lookahead::{ConstraintReport, MaskLookahead};
 use crate::constrain::mask::mask_logits;
 use crate::constrain::{ConstraintState, NextTokens};
 use crate::sample::{Sampler, SamplerConfig};
-use crate::speculative::{self, DraftOffer, Drafter, SpecStats, Speculation, Verdict};
+use crate::speculative::{self, DraftModel, DraftOffer, Drafter, SpecStats, Speculation, Verdict};
 use crate::stop_strings::{Scan, StopStrings};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use std::collections::{HashMap, VecDeque};
@@ -235,6 +235,7 @@ impl<'t> Generation<'t> {
     pub fn with_speculation(mut self, speculation: Speculation) -> Self {
         self.drafter = match speculation {
             Speculation::Ngram(options) => Some(Drafter::new(&self.history, options)),
+            Speculation::Mtp(options) => Some(Drafter::for_model(options)),
             Speculation::Off => None,
         };
         self
@@ -275,14 +276,56 @@ impl<'t> Generation<'t> {
         &self.drafts
     }
 
+    /// [`Generation::draft`] where the drafts may come from a draft model
+    /// (`--spec mtp`): `model(last, k)` drafts `k` tokens after the last
+    /// chosen one (the driver runs its engine's assistant). An error of
+    /// the model's is the step's.
+    pub fn draft_with(&mut self, room: usize, model: DraftModel<'_>) -> anyhow::Result<&[u32]> {
+        self.drafts = match self.offer_draft_with(room, model)? {
+            Some(offer) => self
+                .drafter
+                .as_mut()
+                .map_or_else(Vec::new, |d| d.take_alone(offer)),
+            None => Vec::new(),
+        };
+        Ok(&self.drafts)
+    }
+
     /// The draft [`Generation::draft`] would take from, before its length
     /// is chosen (a step of several sequences chooses them together, then
-    /// calls [`Generation::take_draft`]).
+    /// calls [`Generation::take_draft`]). A drafter that uses a draft
+    /// model offers nothing here: see [`Generation::offer_draft_with`].
     pub fn offer_draft(&mut self, room: usize) -> Option<DraftOffer> {
         let drafter = self.drafter.as_mut()?;
         let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
         let constraint = &mut self.constraint;
         drafter.offer(&self.history, room, |draft| match constraint {
+            Some(lookahead) => lookahead.allowed_prefix(draft),
+            None => draft.len(),
+        })
+    }
+
+    /// [`Generation::offer_draft`] with a draft model to run when the
+    /// drafter uses one: its round after the last chosen token, as long as
+    /// this sequence's own policy would verify (a shared step may take
+    /// fewer), cut where the output constraint would refuse it.
+    pub fn offer_draft_with(
+        &mut self,
+        room: usize,
+        model: DraftModel<'_>,
+    ) -> anyhow::Result<Option<DraftOffer>> {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return Ok(None);
+        };
+        if !drafter.uses_model() {
+            return Ok(self.offer_draft(room));
+        }
+        let room = room.min(self.params.max_tokens.saturating_sub(self.generated));
+        let (Some(&last), true) = (self.history.last(), room > 0) else {
+            return Ok(None);
+        };
+        let constraint = &mut self.constraint;
+        drafter.offer_from_model(last, room, model, |draft| match constraint {
             Some(lookahead) => lookahead.allowed_prefix(draft),
             None => draft.len(),
         })
@@ -748,9 +791,9 @@ mod tests {
     #[test]
     fn drafts_are_confirmed_row_by_row_until_the_first_miss() {
         let tok = tokenizer();
-        let options = speculative::NgramOptions {
+        let options = speculative::DraftOptions {
             step_cost: Some(0.0),
-            ..speculative::NgramOptions::default()
+            ..speculative::DraftOptions::default()
         };
         let mut p = params();
         p.stop_strings = Arc::from([]);

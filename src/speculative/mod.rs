@@ -1,7 +1,9 @@
-//! Speculative decoding without a draft model: tokens are drafted from
-//! n-grams of the context itself (prompt lookup) and verified in one
-//! forward step over `[sampled, d1 … dk]`, whose rows give the
-//! distribution after each of them.
+//! Speculative decoding: tokens are drafted from n-grams of the context
+//! itself (prompt lookup) or by the engine's draft model (a Gemma 4
+//! assistant, multi-token prediction), and verified in one forward step
+//! over `[sampled, d1 … dk]`, whose rows give the distribution after each
+//! of them. Both drafters are deterministic given the sequence, so both
+//! keep the rule below.
 //!
 //! # The acceptance rule
 //!
@@ -48,26 +50,47 @@ pub enum Speculation {
     Off,
     /// Prompt lookup: the continuation of the longest earlier n-gram that
     /// ends the context.
-    Ngram(NgramOptions),
+    Ngram(DraftOptions),
+    /// Multi-token prediction: the engine's draft model (a Gemma 4
+    /// assistant, `Engine::draft`) drafts after each chosen token.
+    Mtp(DraftOptions),
 }
 
 impl Speculation {
     /// N-gram drafting with the default options.
     pub fn ngram() -> Speculation {
-        Speculation::Ngram(NgramOptions::default())
+        Speculation::Ngram(DraftOptions::default())
+    }
+
+    /// Drafting with the engine's draft model, with the default options.
+    pub fn mtp() -> Speculation {
+        Speculation::Mtp(DraftOptions::default())
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Speculation::Off => "off",
             Speculation::Ngram(_) => "ngram",
+            Speculation::Mtp(_) => "mtp",
+        }
+    }
+
+    /// The drafting options, when tokens are drafted.
+    pub fn options_mut(&mut self) -> Option<&mut DraftOptions> {
+        match self {
+            Speculation::Off => None,
+            Speculation::Ngram(o) | Speculation::Mtp(o) => Some(o),
         }
     }
 }
 
-/// Settings of n-gram drafting.
+/// Drafts with a model: given the last chosen token (not yet fed) and how
+/// many tokens, the tokens drafted to follow it.
+pub type DraftModel<'a> = &'a mut dyn FnMut(u32, usize) -> anyhow::Result<Vec<u32>>;
+
+/// Settings of drafting (n-gram or model).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct NgramOptions {
+pub struct DraftOptions {
     /// Most tokens drafted per step (1 ..= [`policy::MAX_DRAFT`]).
     pub max_draft: usize,
     /// The extra cost of each drafted token relative to a one-token step,
@@ -77,9 +100,9 @@ pub struct NgramOptions {
     pub step_cost: Option<f64>,
 }
 
-impl Default for NgramOptions {
+impl Default for DraftOptions {
     fn default() -> Self {
-        NgramOptions {
+        DraftOptions {
             max_draft: policy::MAX_DRAFT,
             step_cost: None,
         }
@@ -151,11 +174,26 @@ pub struct DraftOffer {
 /// Longest n-gram the drafter matches.
 const MATCH_N: usize = ngram::MAX_N;
 
-/// The drafting state of one sequence: its n-gram index, draft-length
-/// policy and statistics. Build one per sequence (a request, a chat reply);
-/// it only ever sees the sequence grow.
+/// Where a drafter's tokens come from.
+enum Source {
+    /// The n-gram index of the sequence.
+    Ngram(NgramIndex),
+    /// A draft model the caller runs ([`Drafter::offer_from_model`]): it
+    /// keeps no state here, it reads the engine's cache as it is.
+    Model,
+}
+
+/// The class a model's drafts are recorded under in the policy (its
+/// acceptance has one estimate, where n-gram drafts have one per match
+/// length).
+const MODEL_CLASS: usize = 1;
+
+/// The drafting state of one sequence: its n-gram index (or a draft
+/// model's round), draft-length policy and statistics. Build one per
+/// sequence (a request, a chat reply); it only ever sees the sequence
+/// grow.
 pub struct Drafter {
-    index: NgramIndex,
+    source: Source,
     policy: DraftPolicy,
     stats: SpecStats,
     /// The match length and size of the draft being verified.
@@ -164,22 +202,73 @@ pub struct Drafter {
 
 impl Drafter {
     /// A drafter over `context`, the tokens already in the sequence.
-    pub fn new(context: &[u32], options: NgramOptions) -> Drafter {
-        let policy = DraftPolicy::new(options.max_draft);
-        let policy = match options.step_cost {
+    pub fn new(context: &[u32], options: DraftOptions) -> Drafter {
+        Drafter::with_policy(
+            context,
+            Self::policy(options, DraftPolicy::new(options.max_draft)),
+        )
+    }
+
+    /// A drafter whose tokens a draft model gives
+    /// ([`Drafter::offer_from_model`]).
+    pub fn for_model(options: DraftOptions) -> Drafter {
+        Drafter {
+            source: Source::Model,
+            policy: Self::policy(options, DraftPolicy::for_model(options.max_draft)),
+            stats: SpecStats::default(),
+            pending: None,
+        }
+    }
+
+    fn policy(options: DraftOptions, policy: DraftPolicy) -> DraftPolicy {
+        match options.step_cost {
             Some(c) => policy.with_fixed_step_cost(c),
             None => policy,
-        };
-        Drafter::with_policy(context, policy)
+        }
     }
 
     pub fn with_policy(context: &[u32], policy: DraftPolicy) -> Drafter {
         Drafter {
-            index: NgramIndex::new(context, MATCH_N),
+            source: Source::Ngram(NgramIndex::new(context, MATCH_N)),
             policy,
             stats: SpecStats::default(),
             pending: None,
         }
+    }
+
+    /// Whether the drafts come from a draft model.
+    pub fn uses_model(&self) -> bool {
+        matches!(self.source, Source::Model)
+    }
+
+    /// A draft model's offer to follow `last`, the last chosen token: as
+    /// many tokens as the policy would verify in a step of this sequence's
+    /// own (at most `room`), drafted by `model` (timed: the time prices
+    /// later drafts), cut where `allowed` says. None when the policy
+    /// drafts nothing.
+    pub fn offer_from_model(
+        &mut self,
+        last: u32,
+        room: usize,
+        model: DraftModel<'_>,
+        allowed: impl FnOnce(&[u32]) -> usize,
+    ) -> anyhow::Result<Option<DraftOffer>> {
+        let k = self
+            .policy
+            .draft_len(MODEL_CLASS, room.min(policy::MAX_DRAFT));
+        if k == 0 {
+            return Ok(None);
+        }
+        let began = std::time::Instant::now();
+        let tokens = model(last, k)?;
+        self.policy
+            .record_draft(tokens.len(), began.elapsed().as_secs_f64());
+        let usable = allowed(&tokens).min(tokens.len());
+        Ok((usable > 0).then(|| DraftOffer {
+            match_len: MODEL_CLASS,
+            acceptance: self.policy.acceptance(MODEL_CLASS),
+            tokens: tokens[..usable].to_vec(),
+        }))
     }
 
     /// Drafts at most `room` tokens to follow `context`, which must extend
@@ -223,7 +312,10 @@ impl Drafter {
         allowed: impl FnOnce(&[u32]) -> usize,
     ) -> Option<DraftOffer> {
         self.catch_up(context);
-        let (found, continuation) = self.index.draft(room.min(policy::MAX_DRAFT));
+        let Source::Ngram(index) = &self.source else {
+            return None;
+        };
+        let (found, continuation) = index.draft(room.min(policy::MAX_DRAFT));
         let m = found?;
         let usable = allowed(continuation).min(continuation.len());
         (usable > 0).then(|| DraftOffer {
@@ -276,11 +368,14 @@ impl Drafter {
     /// Indexes the tokens of `context` past those seen, or starts over
     /// if `context` is not an extension of them.
     fn catch_up(&mut self, context: &[u32]) {
-        let seen = self.index.len();
-        if context.len() >= seen && context[..seen] == *self.index.tokens() {
-            self.index.extend(&context[seen..]);
+        let Source::Ngram(index) = &mut self.source else {
+            return;
+        };
+        let seen = index.len();
+        if context.len() >= seen && context[..seen] == *index.tokens() {
+            index.extend(&context[seen..]);
         } else {
-            self.index = NgramIndex::new(context, MATCH_N);
+            *index = NgramIndex::new(context, MATCH_N);
         }
     }
 }

@@ -47,6 +47,12 @@ const IDLE_DECAY: f64 = 0.98;
 const PRIOR_RATE: [f64; BUCKETS] = [0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8];
 const PRIOR_WEIGHT: f64 = 3.0;
 
+/// Prior acceptance of a draft model's tokens: one estimate for all of
+/// them. No real pair could be measured here (issue 49); 0.6 lets the
+/// first drafts happen where a step over several tokens is cheap, and the
+/// estimate follows what is accepted.
+const MODEL_PRIOR_RATE: f64 = 0.6;
+
 /// The step cost assumed before any step has been timed, `(a, b)`: about
 /// the fast engine's m-curve. It enters the fit as one observation at
 /// m = 2 and one at m = 9 ([`PRIOR_COST_WEIGHT`]).
@@ -149,7 +155,12 @@ impl Timing {
 #[derive(Clone, Debug)]
 pub struct DraftPolicy {
     max_draft: usize,
+    /// Prior acceptance per class of draft (n-gram match length).
+    prior: [f64; BUCKETS],
     acceptance: [Acceptance; BUCKETS],
+    /// Seconds a draft model takes per drafted token (none for n-grams):
+    /// a token's price adds it, relative to a one-token step.
+    draft_token: Timing,
     /// Index m − 1: steps over m = 1 ..= 1 + MAX_DRAFT tokens.
     timings: [Timing; MAX_DRAFT + 1],
     /// A fixed cost instead of the measured one (tests, benchmarks).
@@ -174,11 +185,40 @@ impl DraftPolicy {
     pub fn new(max_draft: usize) -> DraftPolicy {
         DraftPolicy {
             max_draft: max_draft.clamp(1, MAX_DRAFT),
+            prior: PRIOR_RATE,
             acceptance: [Acceptance::default(); BUCKETS],
+            draft_token: Timing::default(),
             timings: [Timing::default(); MAX_DRAFT + 1],
             fixed_cost: None,
             since_plain: 0,
         }
+    }
+
+    /// The policy of a draft model's drafts: one acceptance estimate
+    /// (class 1), its prior [`MODEL_PRIOR_RATE`].
+    pub fn for_model(max_draft: usize) -> DraftPolicy {
+        DraftPolicy {
+            prior: [MODEL_PRIOR_RATE; BUCKETS],
+            ..DraftPolicy::new(max_draft)
+        }
+    }
+
+    /// A draft model drafted `tokens` in `secs`.
+    pub fn record_draft(&mut self, tokens: usize, secs: f64) {
+        if tokens > 0 {
+            self.draft_token.add(secs / tokens as f64);
+        }
+    }
+
+    /// What drafting one token costs relative to a one-token step: 0 for
+    /// n-grams, and with a fixed step cost (the draft lengths then do not
+    /// depend on timing).
+    fn draft_token_cost(&self) -> f64 {
+        let one = self.timings[0];
+        if self.fixed_cost.is_some() || self.draft_token.weight == 0.0 || one.mean <= 0.0 {
+            return 0.0;
+        }
+        self.draft_token.mean / one.mean
     }
 
     /// Prices every drafted token at `c` (no fixed part) instead of
@@ -192,7 +232,7 @@ impl DraftPolicy {
     /// `match_len` tokens is accepted.
     pub fn acceptance(&self, match_len: usize) -> f64 {
         let b = bucket(match_len);
-        self.acceptance[b].rate(PRIOR_RATE[b])
+        self.acceptance[b].rate(self.prior[b])
     }
 
     /// The step cost: a weighted least-squares fit of `t(m) / t(1) − 1 =
@@ -250,6 +290,7 @@ impl DraftPolicy {
         }
         let alpha = self.acceptance(match_len);
         let cost = self.step_cost();
+        let drafting = self.draft_token_cost();
         let limit = available.min(self.max_draft);
         let mut best = (0, 1.0);
         // Expected tokens from a step with k drafts: 1 + α + … + α^k.
@@ -257,7 +298,8 @@ impl DraftPolicy {
         for k in 1..=limit {
             power *= alpha;
             expected += power;
-            let rate = expected / self.measured_cost(k).unwrap_or_else(|| cost.of(k));
+            let step = self.measured_cost(k).unwrap_or_else(|| cost.of(k));
+            let rate = expected / (step + drafting * k as f64);
             if rate > best.1 {
                 best = (k, rate);
             }

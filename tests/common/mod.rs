@@ -224,3 +224,60 @@ pub fn assert_short_steps_equal_one_token_steps(
         }
     }
 }
+
+/// `tests/data/gemma4-assistant`: the tiny Gemma 4 target + assistant pair.
+pub fn assistant_data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gemma4-assistant")
+}
+
+/// A copy of a GGUF with row `row` of `token_embd.weight` (f32) scaled by
+/// `factor`: the token's logit grows with it (the head is tied), so a
+/// target scaled this way often samples it and an assistant scaled this
+/// way often drafts it.
+fn with_favoured_token(file: &str, row: usize, factor: f32, to: &Path) {
+    use pulsar::model::dtype::DType;
+    use pulsar::model::gguf::GgufFile;
+    use pulsar::model::gguf_write::GgufWriter;
+    let g = GgufFile::open(&assistant_data().join(file)).unwrap();
+    let mut w = GgufWriter::new();
+    let mut keys: Vec<&String> = g.metadata().keys().collect();
+    keys.sort();
+    for key in keys {
+        w.add_value(key, &g.metadata()[key]);
+    }
+    for t in g.tensors() {
+        let mut bytes = g.tensor(&t.name).unwrap().bytes.to_vec();
+        if t.name == "token_embd.weight" {
+            assert_eq!(t.dtype, DType::F32);
+            let cols = t.shape[1];
+            for v in bytes[row * cols * 4..(row + 1) * cols * 4].chunks_exact_mut(4) {
+                let x = f32::from_le_bytes([v[0], v[1], v[2], v[3]]) * factor;
+                v.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        w.add_tensor(&t.name, &t.shape, t.dtype, bytes).unwrap();
+    }
+    w.write(to).unwrap();
+}
+
+/// The token the edited pair ([`favouring_pair`]) favours.
+pub const FAVOURED_TOKEN: usize = 352;
+
+/// The tiny GGUF pair edited so that drafts are often right, written into
+/// `dir` (once): the target then samples [`FAVOURED_TOKEN`] at 58% of its
+/// steps (temperature 1) and the full-head assistant drafts it nearly
+/// always; about 1 in 6 drafted tokens is confirmed (1,173 of 7,330
+/// measured). Returns (target, assistant).
+pub fn favouring_pair(dir: &Path) -> (PathBuf, PathBuf) {
+    let (target, assistant) = (dir.join("target.gguf"), dir.join("assistant.gguf"));
+    if !target.exists() {
+        with_favoured_token("tiny-g4a-target-f32.gguf", FAVOURED_TOKEN, 4.0, &target);
+        with_favoured_token(
+            "tiny-g4a-assistant-f32.gguf",
+            FAVOURED_TOKEN,
+            50.0,
+            &assistant,
+        );
+    }
+    (target, assistant)
+}

@@ -401,10 +401,16 @@ impl Scheduler<'_> {
     /// policy, fed after its token.
     fn draft_alone(&mut self, run: &mut Run) {
         let room = self.draft_room(run.slot);
+        let seq = self.slots[run.slot].seq;
         let Some(active) = &mut self.slots[run.slot].active else {
             return;
         };
-        let drafts = active.generation.draft(room);
+        let engine = &mut self.engine;
+        let mut model = |last: u32, k: usize| engine.draft_sequence(seq, last, k, None);
+        let drafts = match active.generation.draft_with(room, &mut model) {
+            Ok(drafts) => drafts,
+            Err(e) => return drafting_failed(run.slot, &e),
+        };
         if !drafts.is_empty() {
             run.tokens.extend_from_slice(drafts);
             run.wanted = Some(LogitsWanted::All);
@@ -418,11 +424,18 @@ impl Scheduler<'_> {
         let mut offers: Vec<(usize, DraftOffer)> = Vec::new();
         for (at, run) in runs.iter().enumerate() {
             let room = self.draft_room(run.slot);
+            let seq = self.slots[run.slot].seq;
             let Some(active) = &mut self.slots[run.slot].active else {
                 continue;
             };
-            if let Some(offer) = active.generation.offer_draft(room) {
-                offers.push((at, offer));
+            // A draft model's round is as long as this sequence alone
+            // would verify; the shared step may take fewer of it.
+            let engine = &mut self.engine;
+            let mut model = |last: u32, k: usize| engine.draft_sequence(seq, last, k, None);
+            match active.generation.offer_draft_with(room, &mut model) {
+                Ok(Some(offer)) => offers.push((at, offer)),
+                Ok(None) => {}
+                Err(e) => drafting_failed(run.slot, &e),
             }
         }
         if offers.is_empty() {
@@ -433,7 +446,7 @@ impl Scheduler<'_> {
             .map(|(_, o)| (o.acceptance, o.tokens.len()))
             .collect();
         let fixed_cost = match self.opts.speculation {
-            Speculation::Ngram(options) => options.step_cost,
+            Speculation::Ngram(options) | Speculation::Mtp(options) => options.step_cost,
             Speculation::Off => None,
         };
         let times = &self.batch_times;
@@ -459,4 +472,11 @@ impl Scheduler<'_> {
             }
         }
     }
+}
+
+/// A draft round that failed costs its slot this step's drafts, said on
+/// stderr: the step goes on without them (an internal error, never the
+/// client's).
+fn drafting_failed(slot: usize, e: &anyhow::Error) {
+    eprintln!("pulsar serve: internal error: slot {slot} drafts nothing this step: {e:#}");
 }
