@@ -1,7 +1,7 @@
 //! The final logit softcap, `cap · tanh(x / cap)`, 8 logits at a time in
 //! AVX2: `tanh(|y|) = 1 - 2 / (1 + e^(2|y|))` with the JIT's exp (the AVX2
-//! GeGLU's `exp_ps`). libm's `tanhf` per logit cost about 2 ms of a
-//! Gemma 3n decode step (262,400 logits) on one thread.
+//! GeGLU's `exp_ps`). libm's `tanhf` per logit, on one thread, was 1.2%
+//! of a Gemma 3n E2B decode step's `perf` samples (262,400 logits).
 
 use super::geglu_avx2::exp_ps;
 use std::arch::x86_64::*;
