@@ -16,8 +16,8 @@ use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
 use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
-    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, GemmWide, Gemv, GemvQuant, KernelId, KernelSet, RmsNorm,
-    Softmax, UnpackQuant,
+    AttnScores, AttnWsum, Geglu, Gemm, GemmQuant, GemmWide, Gemv, GemvQuant, KernelId, KernelSet,
+    RmsNorm, Softmax, UnpackQuant,
 };
 use crate::jit::plan::{Plan, PlanOptions};
 use crate::model::config::ModelConfig;
@@ -286,7 +286,11 @@ impl JitKernels {
                     matches!(k.kind, crate::jit::plan::KernelKind::GemmWide(_))
                 };
                 let mut text = "jit avx2".to_string();
-                if plan.kernels.iter().any(|k| k.isa == Isa::Avx512 && !wide(k)) {
+                if plan
+                    .kernels
+                    .iter()
+                    .any(|k| k.isa == Isa::Avx512 && !wide(k))
+                {
                     text += " + avx512-vnni";
                 }
                 if let Some(k) = plan.kernels.iter().find(|k| wide(k)) {

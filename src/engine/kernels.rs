@@ -232,8 +232,19 @@ pub trait MatKernels: Sync {
     ///
     /// # Safety
     /// No other thread may touch columns `rows` of `y` meanwhile.
-    unsafe fn gemm_tiles(&self, w: &PackedMatrix, _x: &WideInput, _rows: Range<usize>, _y: SharedOut) {
-        unreachable!("{}: tiles for kernels without a tiled GEMM ({} x {})", self.name(), w.rows, w.cols)
+    unsafe fn gemm_tiles(
+        &self,
+        w: &PackedMatrix,
+        _x: &WideInput,
+        _rows: Range<usize>,
+        _y: SharedOut,
+    ) {
+        unreachable!(
+            "{}: tiles for kernels without a tiled GEMM ({} x {})",
+            self.name(),
+            w.rows,
+            w.cols
+        )
     }
 
     /// The kernels that multiply `w`, found once per matrix when these

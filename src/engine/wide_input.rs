@@ -25,7 +25,10 @@ impl WideInput {
     /// The `x.len() / k` tokens of `x` (row-major, `k` values each) laid
     /// out for the kernel of `params`.
     pub fn new(x: &[f32], k: usize, params: &GemmWideParams) -> WideInput {
-        assert!(k > 0 && x.len().is_multiple_of(k), "input is not whole rows");
+        assert!(
+            k > 0 && x.len().is_multiple_of(k),
+            "input is not whole rows"
+        );
         let tokens = x.len() / k;
         let tile_bytes = params.tile_bytes(k);
         let len = tokens.div_ceil(TILE_TOKENS) * tile_bytes;
@@ -102,7 +105,10 @@ fn bf16_group_avx512(values: &[f32; GROUP_COLS]) -> [u16; GROUP_COLS] {
         let v = _mm256_loadu_ps(values.as_ptr());
         let b = _mm256_cvtneps_pbh(v);
         let mut out = [0u16; GROUP_COLS];
-        _mm_storeu_si128(out.as_mut_ptr().cast(), std::mem::transmute::<__m128bh, __m128i>(b));
+        _mm_storeu_si128(
+            out.as_mut_ptr().cast(),
+            std::mem::transmute::<__m128bh, __m128i>(b),
+        );
         out
     }
 }

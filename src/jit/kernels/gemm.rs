@@ -3,8 +3,8 @@
 //! the unpacking of Q5_0 and Q4_0 panels for them.
 
 use super::{Compiled, Kernel, KernelError, blocks_fit, rows_fit, shape};
-use crate::jit::emit::gemv::WeightType;
 use crate::jit::emit::gemm_wide::GemmWideParams;
+use crate::jit::emit::gemv::WeightType;
 use crate::jit::emit::{gemm, gemm_quant};
 use crate::jit::plan::KernelKind;
 use crate::model::quant_blocks::{self, QuantType};

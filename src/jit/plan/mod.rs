@@ -145,7 +145,11 @@ impl Plan {
     pub fn isa_description(&self) -> String {
         let mut text = self.isa.name().to_string();
         let wide = |k: &KernelSpec| matches!(k.kind, KernelKind::GemmWide(_));
-        if self.kernels.iter().any(|k| k.isa == Isa::Avx512 && !wide(k)) {
+        if self
+            .kernels
+            .iter()
+            .any(|k| k.isa == Isa::Avx512 && !wide(k))
+        {
             text += " + avx512-vnni (integer products)";
         }
         if let Some(k) = self.kernels.iter().find(|k| wide(k)) {
