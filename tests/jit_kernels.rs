@@ -576,20 +576,68 @@ fn tiled_weighted_sum_equals_the_jit_kernel_bit_for_bit() {
 }
 
 /// The kernels the planner actually ships for the two reference shapes,
-/// each checked once against the reference (the shape sweeps above cover
-/// the emitters in general).
+/// under each ISA this CPU allows (AVX2, and AVX-512's 16-bit GEMM where
+/// it has it), each checked once against the reference (the shape sweeps
+/// above cover the emitters in general).
 #[test]
 fn planned_kernels_match_reference() {
+    use pulsar::engine::wide_input::WideInput;
     use pulsar::jit::dims::ModelDims;
+    use pulsar::jit::emit::gemm_wide::WideProducts;
+    use pulsar::jit::kernels::GemmWide;
     use pulsar::jit::plan::{PlanOptions, plan};
     let gemma_2b = ModelDims::from(&pulsar::model::presets::gemma_2b());
     let mut rng = Rng(2024);
-    for dims in [ModelDims::GEMMA3_270M, gemma_2b] {
-        let c = caps();
-        let p = plan(&dims, &c, &PlanOptions::default()).unwrap();
-        let s = KernelSet::build(&p, &c, Isa::Avx2).unwrap();
+    let c = caps();
+    let mut isas = vec![Isa::Avx2];
+    if c.has_avx512() {
+        isas.push(Isa::Avx512);
+    }
+    let cases = isas.into_iter().flat_map(|max_isa| {
+        [WeightType::F16, WeightType::Bf16]
+            .into_iter()
+            .flat_map(move |weights| {
+                [ModelDims::GEMMA3_270M, gemma_2b].map(|dims| (dims, max_isa, weights))
+            })
+    });
+    for (dims, max_isa, weights) in cases {
+        let opts = PlanOptions {
+            max_isa,
+            weights,
+            ..PlanOptions::default()
+        };
+        let p = plan(&dims, &c, &opts).unwrap();
+        let s = KernelSet::build(&p, &c, max_isa).unwrap();
         for spec in &p.kernels {
             match &spec.kind {
+                KernelKind::GemmWide(g) => {
+                    let k = dims.hidden;
+                    let gemm = s.get::<GemmWide>((g.wt, k)).unwrap();
+                    let (rows, tokens) = (21, 7);
+                    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(g.wt, rng.f())).collect();
+                    let x = rng.vec(tokens * k, 1.0);
+                    let tiles = WideInput::new(&x, k, g);
+                    let mut y = vec![0f32; tokens * rows];
+                    let wb = blocked(&w, rows, k, 0);
+                    gemm.run(&wb, tiles.bytes(), tokens, &mut y, rows, 0..rows)
+                        .unwrap();
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let v: Vec<f64> = (0..k)
+                                .map(|i| from_u16(g.wt, w[r * k + i]) * x[t * k + i] as f64)
+                                .collect();
+                            let got = y[t * rows + r];
+                            if g.products == WideProducts::Bf16Dot {
+                                // Inputs rounded to bf16 (see the test above).
+                                let mag: f64 = v.iter().map(|p| p.abs()).sum();
+                                let err = (got as f64 - v.iter().sum::<f64>()).abs();
+                                assert!(err <= mag / 256.0, "{} {err:e}", spec.name);
+                            } else {
+                                close_to_sum(got, &v, k, &spec.name);
+                            }
+                        }
+                    }
+                }
                 KernelKind::Gemv(g) => {
                     let gemv = s.get::<Gemv>((g.wt, g.k)).unwrap();
                     let rows = 7;
@@ -659,6 +707,83 @@ fn planned_kernels_match_reference() {
                 // which the sweeps above already include (256).
                 _ => {}
             }
+        }
+    }
+}
+
+/// The 16-bit GEMM on zmm registers (`emit::gemm_wide`) in each form:
+/// F16 and BF16 widened with f32 inputs, held to the f32 bound as the
+/// AVX2 GEMM; BF16 dot products, whose inputs are rounded to bf16 (round
+/// to nearest even) before exact products summed in f32: held to the same
+/// bound against the products with the rounded inputs, and to 2^-8 of
+/// the products' magnitude against the f32 inputs (the rounding's 2^-9
+/// per input, with room for the f32 sums).
+#[test]
+fn wide_gemm_matches_reference_in_each_form() {
+    use pulsar::engine::wide_input::{WideInput, bf16_round};
+    use pulsar::jit::emit::gemm_wide::{GemmWideParams, WideProducts};
+    use pulsar::jit::kernels::GemmWide;
+    let c = caps();
+    let forms = [
+        (WeightType::F16, WideProducts::Fma),
+        (WeightType::Bf16, WideProducts::Fma),
+        (WeightType::Bf16, WideProducts::Bf16Dot),
+    ];
+    let mut rng = Rng(0x5eed);
+    for (wt, products) in forms {
+        let params = GemmWideParams { wt, products };
+        let kinds = [KernelKind::GemmWide(params)];
+        // Only the AVX-512 ISA admits it: under AVX2 the verifier refuses.
+        assert!(KernelSet::from_kinds(&kinds, &c, Isa::Avx2).is_err());
+        let needs_bf16 = products == WideProducts::Bf16Dot;
+        if !c.has_avx512() || needs_bf16 && !c.avx512_bf16 {
+            let built = KernelSet::from_kinds(&kinds, &c, Isa::Avx512);
+            assert!(built.is_err(), "{params:?} verified on a CPU without it");
+            println!("{params:?}: this CPU lacks it; refused by the verifier");
+            continue;
+        }
+        let s = KernelSet::from_kinds(&kinds, &c, Isa::Avx512).expect("emit + verify");
+        for k in [8usize, 11, 16, 37, 64, 130, 640] {
+            let g = s.get::<GemmWide>((wt, k)).expect("one kernel for every K");
+            for rows in [1usize, 4, 7, 16, 21, 37] {
+                for tokens in [2usize, 5, 6, 7, 13] {
+                    let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+                    let x = rng.vec(tokens * k, 1.5);
+                    let tiles = WideInput::new(&x, k, &params);
+                    let ldy = rows + 3;
+                    let range = 0..rows;
+                    let mut y = vec![f32::NAN; tokens * ldy];
+                    let wb = blocked(&w, rows, k, 0);
+                    g.run(&wb, tiles.bytes(), tokens, &mut y, ldy, range.clone())
+                        .unwrap();
+                    let name = format!("{} k{k} rows{rows} tokens{tokens}", g.name);
+                    if !needs_bf16 {
+                        check_gemm(&y, ldy, &range, (&w, &x, wt, k), &name);
+                        continue;
+                    }
+                    let rounded: Vec<f32> = x
+                        .iter()
+                        .map(|&v| half::bf16::from_bits(bf16_round(v)).to_f32())
+                        .collect();
+                    check_gemm(&y, ldy, &range, (&w, &rounded, wt, k), &name);
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let p: Vec<f64> = (0..k)
+                                .map(|i| from_u16(wt, w[r * k + i]) * x[t * k + i] as f64)
+                                .collect();
+                            let mag: f64 = p.iter().map(|v| v.abs()).sum();
+                            let err = (y[t * ldy + r] as f64 - p.iter().sum::<f64>()).abs();
+                            assert!(err <= mag / 256.0, "{name} t{t} r{r}: {err:e} of {mag:e}");
+                        }
+                    }
+                }
+            }
+            // Rows must start on the register tile's rows.
+            let mut y = vec![0f32; 4 * k];
+            let tiles = WideInput::new(&vec![0.0; 2 * k], k, &params);
+            let w = vec![0u16; 8 * row_blocks::padded_cols(k)];
+            assert!(g.run(&w, tiles.bytes(), 2, &mut y, 8, 4..8).is_err());
+            assert!(g.run(&w, &tiles.bytes()[1..], 2, &mut y, 8, 0..8).is_err());
         }
     }
 }

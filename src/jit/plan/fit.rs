@@ -444,6 +444,61 @@ mod tests {
         assert!(p.kernels.iter().all(|k| k.isa == Isa::Avx2));
     }
 
+    /// The 16-bit GEMM: with AVX-512 one zmm kernel for every K, BF16's
+    /// dot products where the CPU has AVX-512 BF16 (and the options allow
+    /// them), widened weights and FMA otherwise; with AVX2 one per K.
+    #[test]
+    fn sixteen_bit_gemm_form_follows_the_cpu_and_options() {
+        use crate::jit::emit::gemm_wide::{GemmWideParams, WideProducts};
+        let gemms = |caps: &CpuCaps, opts: &PlanOptions| -> Vec<KernelKind> {
+            let p = plan(&ModelDims::GEMMA3_270M, caps, opts).unwrap();
+            assert!(p.total_bytes() <= BUDGET_BYTES);
+            for m in &p.matrices {
+                assert!(p.kernels.iter().any(|k| k.name == m.gemm), "{}", m.gemm);
+            }
+            p.kernels
+                .into_iter()
+                .map(|k| k.kind)
+                .filter(|k| matches!(k, KernelKind::Gemm(_) | KernelKind::GemmWide(_)))
+                .collect()
+        };
+        let wide = |wt, products| vec![KernelKind::GemmWide(GemmWideParams { wt, products })];
+        let zen4 = CpuCaps::zen4_like();
+        let bf16 = PlanOptions {
+            weights: WeightType::Bf16,
+            ..PlanOptions::default()
+        };
+        assert_eq!(
+            gemms(&zen4, &bf16),
+            wide(WeightType::Bf16, WideProducts::Bf16Dot)
+        );
+        let no_dot = PlanOptions {
+            bf16_dot: false,
+            ..bf16.clone()
+        };
+        assert_eq!(
+            gemms(&zen4, &no_dot),
+            wide(WeightType::Bf16, WideProducts::Fma)
+        );
+        let skylake = CpuCaps {
+            avx512_bf16: false,
+            ..CpuCaps::zen4_like()
+        };
+        assert_eq!(
+            gemms(&skylake, &bf16),
+            wide(WeightType::Bf16, WideProducts::Fma)
+        );
+        assert_eq!(
+            gemms(&zen4, &PlanOptions::default()),
+            wide(WeightType::F16, WideProducts::Fma)
+        );
+        let avx2 = PlanOptions {
+            max_isa: Isa::Avx2,
+            ..bf16
+        };
+        assert_eq!(gemms(&zen4, &avx2).len(), 3, "one AVX2 GEMM per K");
+    }
+
     /// With AVX-512 the engine computes attention's scores and weighted
     /// sums itself, so the plan carries neither kernel (and says so); with
     /// AVX2 alone it has both.
