@@ -586,7 +586,7 @@ mod tests {
         let bytes = file_bytes(QuantType::Q5_0, rows, cols);
         let q5_0 = TensorView {
             dtype: DType::Q5_0,
-            shape: &[cols, rows],
+            shape: &[rows, cols],
             bytes: &bytes,
         };
         let row_bytes = bytes.len() / rows;
@@ -594,7 +594,7 @@ mod tests {
             let widened = q5_0_row_as_q8_0(&bytes[r * row_bytes..(r + 1) * row_bytes]);
             let q8_0 = TensorView {
                 dtype: DType::Q8_0,
-                shape: &[cols, 1],
+                shape: &[1, cols],
                 bytes: &widened,
             };
             let (mut want, mut got) = (vec![0.0f32; cols], vec![0.0f32; cols]);
