@@ -15,14 +15,15 @@
 
 mod common;
 
-use common::{FAVOURED_TOKEN, favouring_pair};
+use common::{
+    FAVOURED_TOKEN, chi_square_quantile, continuation, favouring_pair, two_sample_chi_square,
+};
 use pulsar::engine::fast::{EngineOptions, FastEngine, FastOptions, LaunchTuning, Opened};
 use pulsar::engine::q8_input::InputPrecision;
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
-use pulsar::generate::{self, Request};
 use pulsar::model::source::ModelSource;
-use pulsar::sample::{Sampler, SamplerConfig};
+use pulsar::sample::SamplerConfig;
 use pulsar::speculative::{DraftOptions, Speculation};
 use pulsar::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
@@ -219,32 +220,19 @@ fn samples(
         engine
             .forward(&PROMPT[PROMPT.len() - 1..], LogitsWanted::Last)
             .unwrap();
-        let mut history = PROMPT.to_vec();
-        let mut sampler = Sampler::new(sampling, seed);
-        let decoded = generate::decode(
+        let c = continuation(
             engine,
             &tok,
-            &mut sampler,
+            sampling,
+            seed,
+            &PROMPT,
             last.clone(),
-            &Request {
-                prompt: &[],
-                max_new: n,
-                stop_ids: &[],
-                stop_strings: &[],
-                interrupted: &|| false,
-                constraint: None,
-                speculation,
-            },
-            &mut history,
-            &mut |_| {},
-        )
-        .expect("decode");
-        assert_eq!(engine.position(), history.len(), "no draft left cached");
-        if let Some(s) = decoded.stats.spec {
-            drafted += s.drafted;
-            accepted += s.accepted;
-        }
-        out.push([&history[PROMPT.len()..], &decoded.unfed[..]].concat());
+            n,
+            speculation,
+        );
+        drafted += c.drafted;
+        accepted += c.accepted;
+        out.push(c.tokens);
     }
     (out, drafted, accepted)
 }
@@ -338,41 +326,6 @@ fn favouring_engine(dir: &Path) -> Box<dyn Engine> {
         .attach_assistant(&ModelSource::open(&assistant).unwrap(), &t.path)
         .unwrap();
     Box::new(engine)
-}
-
-/// The (1 − a) quantile of χ² with `df` degrees of freedom (Wilson–Hilferty),
-/// as in tests/speculative.rs.
-fn chi_square_quantile(df: usize, z: f64) -> f64 {
-    let d = df as f64;
-    let h = 2.0 / (9.0 * d);
-    d * (1.0 - h + z * h.sqrt()).powi(3)
-}
-
-/// Two-sample chi-square over categories with at least 10 draws (the rest
-/// pooled), as in tests/speculative.rs.
-fn two_sample_chi_square(a: &[u32], b: &[u32]) -> (f64, usize) {
-    use std::collections::BTreeMap;
-    let mut counts: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-    for &x in a {
-        counts.entry(x).or_default().0 += 1.0;
-    }
-    for &x in b {
-        counts.entry(x).or_default().1 += 1.0;
-    }
-    let (mut pooled, mut cells) = ((0.0, 0.0), Vec::new());
-    for (_, (x, y)) in counts {
-        if x + y < 10.0 {
-            pooled.0 += x;
-            pooled.1 += y;
-        } else {
-            cells.push((x, y));
-        }
-    }
-    if pooled.0 + pooled.1 > 0.0 {
-        cells.push(pooled);
-    }
-    let stat = cells.iter().map(|(x, y)| (x - y).powi(2) / (x + y)).sum();
-    (stat, cells.len().saturating_sub(1))
 }
 
 #[test]

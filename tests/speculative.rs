@@ -18,9 +18,8 @@ use pulsar::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use pulsar::engine::jit_kernels::JitKernels;
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
-use pulsar::generate::{self, Request};
 use pulsar::model::source::ModelSource;
-use pulsar::sample::{Sampler, SamplerConfig};
+use pulsar::sample::SamplerConfig;
 use pulsar::speculative::{DraftOptions, Speculation};
 use pulsar::tokenizer::Tokenizer;
 use std::io::Write;
@@ -396,80 +395,23 @@ fn tiny_samples(
     let mut out = Vec::new();
     for seed in seeds {
         engine.truncate(TINY_PROMPT.len());
-        let mut history = TINY_PROMPT.to_vec();
-        let mut sampler = Sampler::new(sampling, seed);
-        let decoded = generate::decode(
+        let c = continuation(
             engine,
             &tok,
-            &mut sampler,
+            sampling,
+            seed,
+            &TINY_PROMPT,
             last.clone(),
-            &Request {
-                prompt: &[],
-                max_new: n,
-                stop_ids: &[],
-                stop_strings: &[],
-                interrupted: &|| false,
-                constraint: None,
-                speculation,
-            },
-            &mut history,
-            &mut |_| {},
-        )
-        .expect("decode");
-        assert_eq!(engine.position(), history.len(), "no draft left cached");
-        assert_eq!(decoded.stats.generated, n);
-        if let Some(s) = decoded.stats.spec {
-            drafted += s.drafted;
-            accepted += s.accepted;
-        }
+            n,
+            speculation,
+        );
+        assert_eq!(c.generated, n);
+        drafted += c.drafted;
+        accepted += c.accepted;
         // The last token, right at the limit, is chosen but not fed.
-        out.push([&history[TINY_PROMPT.len()..], &decoded.unfed[..]].concat());
+        out.push(c.tokens);
     }
     (out, drafted, accepted)
-}
-
-/// The (1 − a) quantile of χ² with `df` degrees of freedom, by the
-/// Wilson–Hilferty cube-root normal approximation
-/// χ²_q ≈ df (1 − 2/(9 df) + z_q sqrt(2/(9 df)))³, accurate to about 1% in
-/// the upper tail for df ≥ 3 and conservative enough here: `z` is the
-/// standard normal quantile of the level.
-fn chi_square_quantile(df: usize, z: f64) -> f64 {
-    let d = df as f64;
-    let h = 2.0 / (9.0 * d);
-    d * (1.0 - h + z * h.sqrt()).powi(3)
-}
-
-/// Two-sample chi-square statistic of two equally sized samples' counts
-/// over categories, and its degrees of freedom. For equal sample sizes the
-/// statistic Σ (a_i − b_i)² / (a_i + b_i) is asymptotically χ² with
-/// (categories − 1) degrees of freedom when both samples come from one
-/// distribution. Categories with fewer than 10 draws in the two samples
-/// together are pooled into one, so that every expected count is at least
-/// 5 and the χ² approximation holds.
-fn two_sample_chi_square(a: &[u32], b: &[u32]) -> (f64, usize) {
-    use std::collections::BTreeMap;
-    let mut counts: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-    for &x in a {
-        counts.entry(x).or_default().0 += 1.0;
-    }
-    for &x in b {
-        counts.entry(x).or_default().1 += 1.0;
-    }
-    let mut pooled = (0.0, 0.0);
-    let mut cells = Vec::new();
-    for (_, (x, y)) in counts {
-        if x + y < 10.0 {
-            pooled.0 += x;
-            pooled.1 += y;
-        } else {
-            cells.push((x, y));
-        }
-    }
-    if pooled.0 + pooled.1 > 0.0 {
-        cells.push(pooled);
-    }
-    let stat = cells.iter().map(|(x, y)| (x - y).powi(2) / (x + y)).sum();
-    (stat, cells.len().saturating_sub(1))
 }
 
 #[test]

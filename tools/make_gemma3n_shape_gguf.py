@@ -22,6 +22,9 @@ import sys
 import gguf
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shape_gguf_common import BLOCK, blocks, copy_tokenizer  # noqa: E402
+
 # layers, MLP width, KV-sharing layers (transformers' Gemma3nTextConfig; the rest is common)
 SHAPES = {
     'gemma3n-e2b': (30, 8192, 10),
@@ -34,50 +37,6 @@ WINDOW, SPARSE_LAYERS = 512, 10
 SPARSITY_CUT = 1.6448535919189453
 VOCAB_FILE = os.environ.get(
     'GEMMA3_VOCAB', os.path.expanduser('~/.cache/pulsar/gemma-3-270m-q4_k_m.gguf'))
-
-
-def blocks(kind, rows, cols, rng):
-    """Random quantized rows (values of std about 0.02) as the bytes of `kind`."""
-    nb = cols // 32
-    if kind == 'q8_0':
-        out = np.empty((rows, nb, 34), dtype=np.uint8)
-        d = np.float16(0.02 * np.sqrt(3) / 127)
-        out[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-        out[:, :, 2:] = rng.integers(0, 256, size=(rows, nb, 32), dtype=np.uint8)
-    else:
-        out = np.empty((rows, nb, 18), dtype=np.uint8)
-        d = np.float16(0.02 * np.sqrt(3) / 8)
-        out[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-        out[:, :, 2:] = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
-    return out.reshape(rows, nb * out.shape[2])
-
-
-def copy_tokenizer(w):
-    """The Gemma 3 vocabulary's `tokenizer.*` keys, its three per-piece arrays padded to VOCAB."""
-    vocab = gguf.GGUFReader(VOCAB_FILE)
-    for field in vocab.fields.values():
-        if not field.name.startswith('tokenizer.'):
-            continue
-        kind_ = field.types[0]
-        if kind_ == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                items = [bytes(field.parts[i]).decode('utf-8', 'surrogateescape')
-                         for i in field.data]
-            else:
-                items = [field.parts[i].tolist()[0] for i in field.data]
-            pad = range(len(items), VOCAB)
-            if field.name == 'tokenizer.ggml.tokens':
-                items += [f'[PAD{i}]' for i in pad]
-            elif field.name == 'tokenizer.ggml.scores':
-                items += [-10000.0 for _ in pad]
-            elif field.name == 'tokenizer.ggml.token_type':
-                items += [int(gguf.TokenType.UNUSED) for _ in pad]
-            w.add_array(field.name, items)
-        elif kind_ == gguf.GGUFValueType.STRING:
-            w.add_string(field.name, bytes(field.parts[field.data[0]]).decode('utf-8'))
-        else:
-            w.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind_)
 
 
 def main():
@@ -120,7 +79,7 @@ def main():
         [SPARSITY_CUT if i < SPARSE_LAYERS else float('-inf') for i in range(n_layers)])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if kind == 'q8_0'
                     else gguf.LlamaFileType.MOSTLY_Q4_0)
-    copy_tokenizer(w)
+    copy_tokenizer(w, VOCAB_FILE, pad_to=VOCAB)
 
     # (name, numpy shape, fill): None for random quantized rows, a number for a constant f32
     # tensor, 'coef' for small random f32 values (the converter keeps AltUp's coefficient
@@ -164,8 +123,8 @@ def main():
 
     for name, shp, fill in plan:
         if quantized(shp, fill):
-            bpb = 34 if kind == 'q8_0' else 18
-            byte_shape = (*shp[:-1], shp[-1] // 32 * bpb)
+            size, per = BLOCK[kind]
+            byte_shape = (*shp[:-1], shp[-1] // per * size)
             # gguf-py takes a quantized tensor's shape in bytes.
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
                               raw_dtype=qtype)

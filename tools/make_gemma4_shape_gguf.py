@@ -18,6 +18,9 @@ import sys
 import gguf
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shape_gguf_common import BLOCK, GGML, blocks, copy_tokenizer  # noqa: E402
+
 # hidden, layers, heads, kv heads (sliding, full), ffn, double-wide, window, sliding per full,
 # per-layer input width, KV-shared layers, k = v on full layers, (experts, used, width), context
 SHAPES = {
@@ -33,48 +36,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB_FILE = os.environ.get(
     'GEMMA4_VOCAB', os.path.join(HERE, '..', '..', 'shared', 'oracle', 'gemma4',
                                  'ggml-vocab-gemma-4.gguf'))
-
-
-# Bytes per block and values per block of each type written.
-BLOCK = {'q8_0': (34, 32), 'q4_0': (18, 32), 'q5_0': (22, 32), 'q4_k': (144, 256),
-         'q6_k': (210, 256)}
-GGML = {'q8_0': gguf.GGMLQuantizationType.Q8_0, 'q4_0': gguf.GGMLQuantizationType.Q4_0,
-        'q5_0': gguf.GGMLQuantizationType.Q5_0, 'q4_k': gguf.GGMLQuantizationType.Q4_K,
-        'q6_k': gguf.GGMLQuantizationType.Q6_K}
-
-
-def f16_bytes(x):
-    return np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)
-
-
-def blocks(kind, rows, cols, rng):
-    """Random quantized rows (values of std about 0.02) as the bytes of `kind`."""
-    size, per = BLOCK[kind]
-    nb = cols // per
-    if kind in ('q4_k', 'q6_k', 'q5_0'):
-        out = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
-        if kind == 'q4_k':
-            # d, dmin, then 12 bytes of 6-bit scales and mins (random), 128 of nibbles.
-            out[:, :, 0:2] = f16_bytes(0.02 * np.sqrt(3) / (32 * 8))
-            out[:, :, 2:4] = f16_bytes(0.02 * np.sqrt(3) / (32 * 8) * 8)
-        elif kind == 'q6_k':
-            # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, then d.
-            out[:, :, 192:208] = rng.integers(1, 64, size=(rows, nb, 16), dtype=np.uint8)
-            out[:, :, 208:210] = f16_bytes(0.02 * np.sqrt(3) / (32 * 32))
-        else:
-            out[:, :, 0:2] = f16_bytes(0.02 * np.sqrt(3) / 16)
-        return out.reshape(rows, nb * size)
-    if kind == 'q8_0':
-        out = np.empty((rows, nb, 34), dtype=np.uint8)
-        d = np.float16(0.02 * np.sqrt(3) / 127)
-        out[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-        out[:, :, 2:] = rng.integers(0, 256, size=(rows, nb, 32), dtype=np.uint8)
-    else:
-        out = np.empty((rows, nb, 18), dtype=np.uint8)
-        d = np.float16(0.02 * np.sqrt(3) / 8)
-        out[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-        out[:, :, 2:] = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
-    return out.reshape(rows, nb * out.shape[2])
 
 
 def main():
@@ -127,23 +88,7 @@ def main():
                      'q4_0': gguf.LlamaFileType.MOSTLY_Q4_0,
                      'q4_k_m': gguf.LlamaFileType.MOSTLY_Q4_K_M}[kind])
 
-    vocab = gguf.GGUFReader(VOCAB_FILE)
-    for field in vocab.fields.values():
-        if not field.name.startswith('tokenizer.'):
-            continue
-        kind_ = field.types[0]
-        if kind_ == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                items = [bytes(field.parts[i]).decode('utf-8', 'surrogateescape')
-                         for i in field.data]
-            else:
-                items = [field.parts[i].tolist()[0] for i in field.data]
-            w.add_array(field.name, items)
-        elif kind_ == gguf.GGUFValueType.STRING:
-            w.add_string(field.name, bytes(field.parts[field.data[0]]).decode('utf-8'))
-        else:
-            w.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind_)
+    copy_tokenizer(w, VOCAB_FILE)
 
     # (name, numpy shape, f32 fill or None for random quantized rows)
     plan = []

@@ -117,6 +117,24 @@ pub fn step_input(embedding_row: &[f32], hidden: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// The `top_k` clusters of the highest centroid `scores`, best first
+/// (ties to the lower cluster).
+pub fn kept_clusters(clusters: HeadClusters, scores: &[f32]) -> Vec<usize> {
+    let mut ranked: Vec<usize> = (0..clusters.count).collect();
+    ranked.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    ranked.truncate(clusters.top_k);
+    ranked
+}
+
+/// The whole head's row `all` of one step (an assistant without
+/// clusters): copied into `full` when given; returns its argmax.
+pub fn full_head(all: &[f32], full: Option<&mut [f32]>) -> u32 {
+    if let Some(full) = full {
+        full.copy_from_slice(all);
+    }
+    crate::engine::ops::argmax(all) as u32
+}
+
 /// The clustered head of one step: the `top_k` clusters of the highest
 /// centroid `scores` (ties to the lower cluster), each cluster's logits
 /// from `cluster_logits(c, out)` (its `vocab / count` tokens in the order
@@ -132,9 +150,7 @@ pub fn clustered_head(
     full: Option<&mut [f32]>,
 ) -> u32 {
     let per = ordering.len() / clusters.count;
-    let mut ranked: Vec<usize> = (0..clusters.count).collect();
-    ranked.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    let kept = &ranked[..clusters.top_k];
+    let kept = kept_clusters(clusters, scores);
     let mut logits = vec![0.0; per * kept.len()];
     for (&c, out) in kept.iter().zip(logits.chunks_exact_mut(per)) {
         cluster_logits(c, out);

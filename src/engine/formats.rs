@@ -46,6 +46,9 @@ pub struct Conversion {
     pub count: usize,
     pub file_bytes: usize,
     pub bytes: usize,
+    /// Matrices of a mixture's experts (a decode step reads `top_k` of
+    /// each layer's).
+    pub experts: bool,
 }
 
 /// The format a quantized type becomes where no kernel family reads it
@@ -174,6 +177,7 @@ impl FastEngine {
                         count: 1,
                         file_bytes: t.bytes.len(),
                         bytes,
+                        experts: matches!(role, Role::Expert(..)),
                     }),
                 }
                 Ok(to)
@@ -392,7 +396,7 @@ impl WeightFormats {
             .map(|c| {
                 let grown = c.bytes.saturating_sub(c.file_bytes);
                 match moe {
-                    Some(m) if c.tensor.ends_with("_exps") => grown * m.top_k / m.experts,
+                    Some(m) if c.experts => grown * m.top_k / m.experts,
                     _ => grown,
                 }
             })

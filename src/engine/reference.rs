@@ -200,11 +200,7 @@ impl ReferenceEngine {
                 _ => {
                     let mut all = vec![0.0; vocab];
                     matvec(&aw.embedding.data, &x, &mut all);
-                    let best = ops::argmax(&all) as u32;
-                    if let Some(row) = &mut row {
-                        row.copy_from_slice(&all);
-                    }
-                    best
+                    assistant::full_head(&all, row.as_deref_mut())
                 }
             };
             if let (Some(out), Some(row)) = (logits.as_deref_mut(), row) {

@@ -264,22 +264,10 @@ impl<'t> Generation<'t> {
     /// Drafts at most `room` tokens (and no more than the reply may still
     /// generate) to feed after the last chosen token, their number chosen
     /// by this sequence's own policy; cut where the output constraint
-    /// would refuse them. Empty without speculation.
-    pub fn draft(&mut self, room: usize) -> &[u32] {
-        self.drafts = match self.offer_draft(room) {
-            Some(offer) => self
-                .drafter
-                .as_mut()
-                .map_or_else(Vec::new, |d| d.take_alone(offer)),
-            None => Vec::new(),
-        };
-        &self.drafts
-    }
-
-    /// [`Generation::draft`] where the drafts may come from a draft model
-    /// (`--spec mtp`): `model(last, k)` drafts `k` tokens after the last
-    /// chosen one (the driver runs its engine's assistant). An error of
-    /// the model's is the step's.
+    /// would refuse them. Empty without speculation. With a draft model
+    /// (`--spec mtp`), `model(last, k)` drafts `k` tokens after the last
+    /// chosen one (the driver runs its engine's assistant); an n-gram
+    /// drafter never calls it. An error of the model's is the step's.
     pub fn draft_with(&mut self, room: usize, model: DraftModel<'_>) -> anyhow::Result<&[u32]> {
         self.drafts = match self.offer_draft_with(room, model)? {
             Some(offer) => self
@@ -291,7 +279,7 @@ impl<'t> Generation<'t> {
         Ok(&self.drafts)
     }
 
-    /// The draft [`Generation::draft`] would take from, before its length
+    /// The draft [`Generation::draft_with`] would take from, before its length
     /// is chosen (a step of several sequences chooses them together, then
     /// calls [`Generation::take_draft`]). A drafter that uses a draft
     /// model offers nothing here: see [`Generation::offer_draft_with`].
@@ -806,7 +794,10 @@ mod tests {
             judge(&mut g, &mut pick(2), &mut pieces).outcome,
             Outcome::Feed(2)
         );
-        let drafts = g.draft(8).to_vec();
+        let mut no_model = |_: u32, _: usize| -> anyhow::Result<Vec<u32>> {
+            unreachable!("an n-gram drafter runs no model")
+        };
+        let drafts = g.draft_with(8, &mut no_model).expect("draft").to_vec();
         assert!(drafts.len() >= 2 && drafts[..2] == [3, 2], "{drafts:?}");
         // Rows: after "He" → "llo" (confirms), after "llo" → "!" (misses
         // the drafted "He").

@@ -22,7 +22,7 @@
 
 use super::config::{AssistantShape, HeadClusters, ModelConfig, Reader, hf_text_config};
 use super::dtype::DType;
-use super::gemma4::{assemble, read_gguf, read_hf_text};
+use super::gemma4::{Layout, Scalars, assemble, read_gguf, read_hf_text};
 use super::gguf::GgufFile;
 use super::source::{ModelSource, Role};
 use anyhow::{Result, bail};
@@ -62,7 +62,7 @@ pub fn config_from_hf(root: &Value, path: &Path) -> Result<ModelConfig> {
             "{p}: text_config num_kv_shared_layers is {shared}; every one of an assistant's {n_layers} layers reads its target's keys"
         );
     }
-    let (mut scalars, mut layout) = read_hf_text(&r, n_layers)?;
+    let (scalars, mut layout) = read_hf_text(&r, n_layers)?;
     // Its layers keep no cache and have no K or V of their own
     // (`attention_k_eq_v` only sets the global KV head count).
     layout.shared_kv_layers = 0;
@@ -77,15 +77,7 @@ pub fn config_from_hf(root: &Value, path: &Path) -> Result<ModelConfig> {
         None
     };
     let backbone_hidden = top.usize("backbone_hidden_size")?;
-    // The assistant's logits are its head's products as they are.
-    scalars.final_softcap = None;
-    scalars.features.assistant = Some(AssistantShape {
-        backbone_hidden,
-        clusters,
-    });
-    let config = assemble(scalars, &layout, path)?;
-    check_shape(&config, path)?;
-    Ok(config)
+    finish(scalars, &layout, backbone_hidden, clusters, path)
 }
 
 /// An assistant's description from llama.cpp's `gemma4-assistant.*`
@@ -95,7 +87,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let path = g.path();
     let p = path.display();
     let key = |k: &str| format!("{GGUF_ARCH}.{k}");
-    let (mut scalars, mut layout) = read_gguf(g, GGUF_ARCH)?;
+    let (scalars, mut layout) = read_gguf(g, GGUF_ARCH)?;
     let n_layers = layout.sliding.len();
     if let Some(drafting) = g.get_usize(&key("nextn_predict_layers"))?
         && drafting != n_layers
@@ -123,12 +115,25 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         }),
         _ => None,
     };
+    finish(scalars, &layout, backbone_hidden, clusters, path)
+}
+
+/// The description of either layout from Gemma 4's reading of it: the
+/// assistant's own shape added, its relations checked.
+fn finish(
+    mut scalars: Scalars,
+    layout: &Layout,
+    backbone_hidden: usize,
+    clusters: Option<HeadClusters>,
+    path: &Path,
+) -> Result<ModelConfig> {
+    // The assistant's logits are its head's products as they are.
     scalars.final_softcap = None;
     scalars.features.assistant = Some(AssistantShape {
         backbone_hidden,
         clusters,
     });
-    let config = assemble(scalars, &layout, path)?;
+    let config = assemble(scalars, layout, path)?;
     check_shape(&config, path)?;
     Ok(config)
 }

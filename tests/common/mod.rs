@@ -281,3 +281,105 @@ pub fn favouring_pair(dir: &Path) -> (PathBuf, PathBuf) {
     }
     (target, assistant)
 }
+
+/// One seeded, sampled continuation through the one token loop.
+pub struct Continuation {
+    /// The tokens chosen after the prompt (the last, chosen at the limit,
+    /// unfed, included).
+    pub tokens: Vec<u32>,
+    pub generated: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// `n` tokens after `prompt`, which the engine's cache holds (`last`: the
+/// logits after it), sampled with `seed`; checks that no draft is left
+/// cached.
+#[allow(clippy::too_many_arguments)]
+pub fn continuation(
+    engine: &mut dyn pulsar::engine::Engine,
+    tok: &pulsar::tokenizer::Tokenizer,
+    sampling: pulsar::sample::SamplerConfig,
+    seed: u64,
+    prompt: &[u32],
+    last: Vec<f32>,
+    n: usize,
+    speculation: pulsar::speculative::Speculation,
+) -> Continuation {
+    use pulsar::generate::{self, Request};
+    let mut history = prompt.to_vec();
+    let mut sampler = pulsar::sample::Sampler::new(sampling, seed);
+    let decoded = generate::decode(
+        engine,
+        tok,
+        &mut sampler,
+        last,
+        &Request {
+            prompt: &[],
+            max_new: n,
+            stop_ids: &[],
+            stop_strings: &[],
+            interrupted: &|| false,
+            constraint: None,
+            speculation,
+        },
+        &mut history,
+        &mut |_| {},
+    )
+    .expect("decode");
+    assert_eq!(engine.position(), history.len(), "no draft left cached");
+    let (drafted, accepted) = decoded
+        .stats
+        .spec
+        .map_or((0, 0), |s| (s.drafted, s.accepted));
+    Continuation {
+        tokens: [&history[prompt.len()..], &decoded.unfed[..]].concat(),
+        generated: decoded.stats.generated,
+        drafted,
+        accepted,
+    }
+}
+
+/// The (1 − a) quantile of χ² with `df` degrees of freedom, by the
+/// Wilson–Hilferty cube-root normal approximation
+/// χ²_q ≈ df (1 − 2/(9 df) + z_q sqrt(2/(9 df)))³, accurate to about 1% in
+/// the upper tail for df ≥ 3 and conservative enough here: `z` is the
+/// standard normal quantile of the level.
+pub fn chi_square_quantile(df: usize, z: f64) -> f64 {
+    let d = df as f64;
+    let h = 2.0 / (9.0 * d);
+    d * (1.0 - h + z * h.sqrt()).powi(3)
+}
+
+/// Two-sample chi-square statistic of two equally sized samples' counts
+/// over categories, and its degrees of freedom. For equal sample sizes the
+/// statistic Σ (a_i − b_i)² / (a_i + b_i) is asymptotically χ² with
+/// (categories − 1) degrees of freedom when both samples come from one
+/// distribution. Categories with fewer than 10 draws in the two samples
+/// together are pooled into one, so that every expected count is at least
+/// 5 and the χ² approximation holds.
+pub fn two_sample_chi_square(a: &[u32], b: &[u32]) -> (f64, usize) {
+    use std::collections::BTreeMap;
+    let mut counts: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
+    for &x in a {
+        counts.entry(x).or_default().0 += 1.0;
+    }
+    for &x in b {
+        counts.entry(x).or_default().1 += 1.0;
+    }
+    let mut pooled = (0.0, 0.0);
+    let mut cells = Vec::new();
+    for (_, (x, y)) in counts {
+        if x + y < 10.0 {
+            pooled.0 += x;
+            pooled.1 += y;
+        } else {
+            cells.push((x, y));
+        }
+    }
+    if pooled.0 + pooled.1 > 0.0 {
+        cells.push(pooled);
+    }
+    let stat = cells.iter().map(|(x, y)| (x - y).powi(2) / (x + y)).sum();
+    (stat, cells.len().saturating_sub(1))
+}

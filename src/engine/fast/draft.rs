@@ -320,11 +320,7 @@ impl FastEngine {
                 _ => {
                     let mut all = vec![0.0; vocab];
                     self.matmul(&aw.embedding, &x, &mut all, 1);
-                    let best = ops::argmax(&all) as u32;
-                    if let Some(row) = &mut row {
-                        row.copy_from_slice(&all);
-                    }
-                    best
+                    assistant::full_head(&all, row.as_deref_mut())
                 }
             };
             if let (Some(out), Some(row)) = (logits.as_deref_mut(), row) {
@@ -353,9 +349,7 @@ impl FastEngine {
             self.matmul(head, f, &mut out, 1);
             return out;
         }
-        let mut ranked: Vec<usize> = (0..shape.count).collect();
-        ranked.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-        let kept = &ranked[..shape.top_k];
+        let kept = assistant::kept_clusters(shape, scores);
         let shared = SharedOut::new(&mut out, head.rows);
         let kern = &*self.kernels;
         let threads = self.pool.threads();
