@@ -15,9 +15,7 @@
 
 mod common;
 
-use common::{
-    FAVOURED_TOKEN, chi_square_quantile, continuation, favouring_pair, two_sample_chi_square,
-};
+use common::{FAVOURED_TOKEN, assert_positions_agree, continuation, favouring_pair};
 use pulsar::engine::fast::{EngineOptions, FastEngine, FastOptions, LaunchTuning, Opened};
 use pulsar::engine::q8_input::InputPrecision;
 use pulsar::engine::reference::ReferenceEngine;
@@ -349,17 +347,7 @@ fn sampled_token_frequencies_agree_with_and_without_the_assistant() {
     // Each position's token frequencies, every position at level 1e-4 /
     // LEN (z = 4.2): a correct implementation fails with probability at
     // most 1e-4.
-    for t in 0..LEN {
-        let a: Vec<u32> = off.iter().map(|s| s[t]).collect();
-        let b: Vec<u32> = on.iter().map(|s| s[t]).collect();
-        let (stat, df) = two_sample_chi_square(&a, &b);
-        let limit = chi_square_quantile(df.max(1), 4.2);
-        println!("position {t}: chi-square {stat:.1} on {df} df (limit {limit:.1})");
-        assert!(
-            stat <= limit,
-            "position {t}: token frequencies differ with the assistant: chi-square {stat:.1} > {limit:.1} on {df} df"
-        );
-    }
+    assert_positions_agree(&off, &on, LEN, 4.2, "with the assistant");
     // The favoured token is what the drafts propose: a rule that accepts
     // them too easily shows as more of it. Per sequence, its count; the
     // difference of the means over its standard error, |z| < 4.5.

@@ -449,17 +449,7 @@ fn sampled_token_frequencies_agree_with_and_without_speculation() {
     // (Bonferroni), a correct implementation fails with probability at
     // most 1e-4 over the choice of seeds. z = 4.26 is the normal quantile
     // of 1 − 1e-4/12 ≈ 1 − 8.3e-6.
-    for t in 0..LEN {
-        let a: Vec<u32> = off.iter().map(|s| s[t]).collect();
-        let b: Vec<u32> = on.iter().map(|s| s[t]).collect();
-        let (stat, df) = two_sample_chi_square(&a, &b);
-        let limit = chi_square_quantile(df.max(1), 4.26);
-        println!("position {t}: chi-square {stat:.1} on {df} df (limit {limit:.1})");
-        assert!(
-            stat <= limit,
-            "position {t}: token frequencies differ with speculation: chi-square {stat:.1} > {limit:.1} on {df} df"
-        );
-    }
+    assert_positions_agree(&off, &on, LEN, 4.26, "with speculation");
 
     // Repeats of the previous token: the event drafts most often propose
     // here, so a rule that accepts drafts too easily shows up as more of

@@ -383,3 +383,21 @@ pub fn two_sample_chi_square(a: &[u32], b: &[u32]) -> (f64, usize) {
     let stat = cells.iter().map(|(x, y)| (x - y).powi(2) / (x + y)).sum();
     (stat, cells.len().saturating_sub(1))
 }
+
+/// Asserts that at each of the first `len` positions the token
+/// frequencies of samples `off` and `on` agree: each position's
+/// two-sample χ² at most its (1 − a) quantile for the normal quantile `z`
+/// of the per-position level. `what` names the change being tested.
+pub fn assert_positions_agree(off: &[Vec<u32>], on: &[Vec<u32>], len: usize, z: f64, what: &str) {
+    for t in 0..len {
+        let a: Vec<u32> = off.iter().map(|s| s[t]).collect();
+        let b: Vec<u32> = on.iter().map(|s| s[t]).collect();
+        let (stat, df) = two_sample_chi_square(&a, &b);
+        let limit = chi_square_quantile(df.max(1), z);
+        println!("position {t}: chi-square {stat:.1} on {df} df (limit {limit:.1})");
+        assert!(
+            stat <= limit,
+            "position {t}: token frequencies differ {what}: chi-square {stat:.1} > {limit:.1} on {df} df"
+        );
+    }
+}
