@@ -16,7 +16,7 @@ use crate::constrain::lookahead::ConstraintReport;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
 use crate::engine::fast::{
-    EngineOptions, EnginePlan, FastEngine, FastOptions, LaunchTuning, OpenReport, Opened,
+    DraftSource, EngineOptions, EnginePlan, FastEngine, FastOptions, LaunchTuning, OpenReport, Opened,
     WeightFormats,
 };
 use crate::engine::jit_kernels::JitKernels;
@@ -323,7 +323,11 @@ pub fn open_engine_drafting(
         return reference(&src);
     }
     let plan =
-        FastEngine::plan_drafting(Arc::new(src), assistant.clone(), &args.options(context)?)?;
+        FastEngine::plan_drafting(
+        Arc::new(src),
+        assistant.clone().map(DraftSource::File),
+        &args.options(context)?,
+    )?;
     print_notes("pulsar", &plan);
     let src = plan.source().clone();
     match plan.open()? {
