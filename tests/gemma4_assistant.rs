@@ -409,6 +409,11 @@ fn beside_a_q8_0_target_the_assistant_drafts_on_the_targets_kernels() {
         assert_eq!(tokens[..4], chain[..4], "{case}");
         let want = reference_file(&format!("{case}_centroid_f32_logits.bin"));
         let vocab = want.len() / tokens.len();
-        assert_close(&format!("Q8_0 {case}"), &logits[..vocab], &want[..vocab], 0.25);
+        assert_close(
+            &format!("Q8_0 {case}"),
+            &logits[..vocab],
+            &want[..vocab],
+            0.25,
+        );
     }
 }

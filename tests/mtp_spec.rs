@@ -182,7 +182,8 @@ fn fast_engine() -> Box<dyn Engine> {
         },
         verbose: false,
     };
-    let plan = FastEngine::plan_drafting(target, Some(DraftSource::File(assistant)), &options).unwrap();
+    let plan =
+        FastEngine::plan_drafting(target, Some(DraftSource::File(assistant)), &options).unwrap();
     match plan.open().unwrap() {
         Opened::Fast { engine, .. } => engine,
         Opened::NoJit { reason } => panic!("the JIT does not run here: {reason}"),
@@ -420,7 +421,11 @@ fn bench_prices_drafting_at_each_acceptance_rate() {
         .arg(data().join("tiny-g4a-assistant-f32.gguf"))
         .output()
         .expect("pulsar runs");
-    assert!(whole.status.success(), "{}", String::from_utf8_lossy(&whole.stderr));
+    assert!(
+        whole.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whole.stderr)
+    );
     let whole: serde_json::Value = serde_json::from_slice(&whole.stdout).expect("a JSON report");
     let whole_bytes = whole["drafting"]["bytes_per_draft_token"].as_u64().unwrap();
     assert!(whole_bytes > bytes, "{whole_bytes} against {bytes}");

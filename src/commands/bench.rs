@@ -4,10 +4,10 @@
 
 use super::{EngineArgs, jit_kernels, open_fast_engine, print_notes, resolve_model};
 use crate::engine::fast::{DraftSource, FastEngine, OpenReport, assistant_format, plan_assistant};
-use crate::engine::packed::WeightFormat;
 use crate::engine::jit_kernels::{JitKernels, plan_options};
 use crate::engine::kernels::MatKernels;
 use crate::engine::membench::read_bandwidth;
+use crate::engine::packed::WeightFormat;
 use crate::engine::synthetic;
 use crate::engine::{Engine, LogitsWanted};
 use crate::model::presets;
@@ -279,7 +279,9 @@ pub fn run_command(
             let formats = dtype.shape_formats(&config);
             let weights = synthetic::random_weights(&config, &formats, 1);
             let assistant = args.draft.as_ref().map(draft_source).transpose()?;
-            let draft_format = assistant.as_ref().map(|a| assistant_format(&formats, a.config()));
+            let draft_format = assistant
+                .as_ref()
+                .map(|a| assistant_format(&formats, a.config()));
             let kernels = match (&assistant, draft_format) {
                 (Some(a), Some(format)) => {
                     let mut plan = plan_options(&config, &formats, threads);
@@ -294,7 +296,7 @@ pub fn run_command(
             let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
             match &assistant {
                 Some(DraftSource::Random { config, name }) => engine.attach_random_assistant(
-                    config.clone(),
+                    (**config).clone(),
                     name,
                     draft_format.unwrap_or(WeightFormat::F16),
                 )?,
@@ -319,8 +321,11 @@ pub fn run_command(
             // The conversion note is part of what bench reports.
             options.verbose = true;
             let assistant = args.draft.as_ref().map(draft_source).transpose()?;
-            let plan =
-                FastEngine::plan_drafting(Arc::new(ModelSource::open(&path)?), assistant, &options)?;
+            let plan = FastEngine::plan_drafting(
+                Arc::new(ModelSource::open(&path)?),
+                assistant,
+                &options,
+            )?;
             print_notes("bench", &plan);
             let (engine, report) = open_fast_engine(plan, "pulsar bench")?;
             (engine, path.display().to_string(), report)
@@ -423,7 +428,9 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
             d.relative,
             d.bytes_per_draft_token as f64 / 1e6
         );
-        println!("decode with drafts, by acceptance (best drafts per step, priced by the m-curve):");
+        println!(
+            "decode with drafts, by acceptance (best drafts per step, priced by the m-curve):"
+        );
         println!("   α   drafts   tok/step    tok/s   x plain");
         for s in &d.at_acceptance {
             println!(
@@ -465,7 +472,7 @@ fn draft_source(draft: &DraftBench) -> Result<DraftSource> {
             };
             eprintln!("bench: making random {name} weights (widths assumed)");
             DraftSource::Random {
-                config,
+                config: Box::new(config),
                 name: name.clone(),
             }
         }

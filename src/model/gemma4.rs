@@ -659,7 +659,13 @@ impl ReleasedAssistant {
         let layout = Layout {
             kv_heads: sliding
                 .iter()
-                .map(|&s| if s { t.kv_heads_sliding } else { t.kv_heads_global })
+                .map(|&s| {
+                    if s {
+                        t.kv_heads_sliding
+                    } else {
+                        t.kv_heads_global
+                    }
+                })
                 .collect(),
             ffn_widths: vec![self.ffn; 4],
             sliding,

@@ -6,20 +6,20 @@
 //! GEMVs over runs of rows: the head is stored in `token_ordering`'s
 //! order, so each cluster is a contiguous run.
 
-use super::{FastEngine, WeightFormats};
 use super::attention::CachedLayer;
+use super::{FastEngine, WeightFormats};
 use crate::engine::assistant::{self, Assistant};
 use crate::engine::kernels::SharedOut;
 use crate::engine::ops;
-use crate::engine::synthetic;
 use crate::engine::packed::{PackedMatrix, WeightArena, WeightFormat};
 use crate::engine::q8_input::Q8Input;
+use crate::engine::synthetic;
 use crate::jit::blocking::ROW_GRANULE;
 use crate::jit::plan::{PlanOptions, QuantizedMatrix};
-use crate::model::quant_blocks::GROUP_COLS;
 use crate::model::config::ModelConfig;
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
+use crate::model::quant_blocks::GROUP_COLS;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::model_matrices;
 use anyhow::{Result, bail};

@@ -23,8 +23,8 @@ use crate::engine::q8_input::InputPrecision;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::plan::{Plan, plan};
-use crate::model::gemma4_assistant::{refuse_as_model, target_kv_layers};
 use crate::model::config::ModelConfig;
+use crate::model::gemma4_assistant::{refuse_as_model, target_kv_layers};
 use crate::model::source::ModelSource;
 use crate::model::weights::{ModelWeights, RowTable, model_matrices};
 use anyhow::Result;
@@ -81,7 +81,10 @@ pub enum DraftSource {
     /// Random weights of a known assistant shape, called `name`: `bench`
     /// prices drafting with it where no real assistant of that size can
     /// be had. Its head's clusters are runs of ids in order.
-    Random { config: ModelConfig, name: String },
+    Random {
+        config: Box<ModelConfig>,
+        name: String,
+    },
 }
 
 impl DraftSource {
@@ -337,7 +340,7 @@ impl EnginePlan {
             match a {
                 DraftSource::File(src) => engine.load_assistant(src, &self.src.path, format)?,
                 DraftSource::Random { config, name } => {
-                    engine.attach_random_assistant(config.clone(), name, format)?
+                    engine.attach_random_assistant((**config).clone(), name, format)?
                 }
             }
         }
