@@ -744,6 +744,14 @@ enum Command {
         /// reads them (a document given with -f makes a few hundred).
         #[arg(long, default_value_t = commands::bench::M_CURVE_CONTEXT, value_name = "TOKENS")]
         m_curve_context: usize,
+        /// Also time a Gemma 4 assistant's draft tokens beside the model (-m), and the decode
+        /// speed they give at acceptance 0.5-0.9 (implies --m-curve).
+        #[arg(long, value_name = "ASSISTANT", conflicts_with = "shape")]
+        draft: Option<PathBuf>,
+        /// As --draft, a known assistant shape on random weights, beside -m or --shape
+        /// (gemma4-e2b-assistant, gemma4-e4b-assistant; widths assumed).
+        #[arg(long, value_name = "NAME", conflicts_with = "draft")]
+        draft_shape: Option<String>,
     },
 }
 
@@ -834,6 +842,8 @@ fn run(command: Command, flags: commands::SharedFlags) -> anyhow::Result<()> {
             mmap,
             m_curve,
             m_curve_context,
+            draft,
+            draft_shape,
         } => commands::bench::run_command(
             model.as_deref(),
             shape.as_deref(),
@@ -850,6 +860,11 @@ fn run(command: Command, flags: commands::SharedFlags) -> anyhow::Result<()> {
                 json,
                 m_curve,
                 m_curve_context,
+                draft: match (draft, draft_shape) {
+                    (Some(path), _) => Some(commands::bench::DraftBench::File(path)),
+                    (None, Some(name)) => Some(commands::bench::DraftBench::Shape(name)),
+                    (None, None) => None,
+                },
             },
         ),
     }

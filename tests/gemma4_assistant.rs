@@ -269,7 +269,7 @@ fn reference_drafts_of_the_gguf_assistant_use_the_full_head() {
 fn fast_drafts_match_the_reference_on_every_kernel_set() {
     use pulsar::engine::Engine;
     use pulsar::engine::LogitsWanted;
-    use pulsar::engine::fast::{FastEngine, FastOptions, plan_assistant};
+    use pulsar::engine::fast::{FastEngine, FastOptions, assistant_format, plan_assistant};
     use pulsar::engine::jit_kernels::{JitKernels, plan_options};
     use pulsar::engine::kernels::{MatKernels, PortableKernels};
     use pulsar::jit::cpu::Isa;
@@ -287,7 +287,8 @@ fn fast_drafts_match_the_reference_on_every_kernel_set() {
         };
         let formats = FastEngine::weight_formats(&target, &opts).expect("formats");
         let mut plan = plan_options(&target.config, &formats, threads);
-        plan_assistant(&mut plan, &assistant.config);
+        let format = assistant_format(&formats, &assistant.config);
+        plan_assistant(&mut plan, &assistant.config, format);
         let sets: Vec<(&str, Box<dyn MatKernels>)> = vec![
             (
                 "jit",
@@ -341,5 +342,78 @@ fn fast_drafts_match_the_reference_on_every_kernel_set() {
                 );
             }
         }
+    }
+}
+
+/// Beside a target kept in Q8_0, the assistant's matrices are kept in the
+/// target's 16-row Q8_0 too: the plan's kernels are the target's alone
+/// (a Gemma 4 E2B Q4_K_M plan has no room for 16-bit ones), and the drafts
+/// stay near the f32 chain, as the target's own Q8_0 logits do.
+#[test]
+fn beside_a_q8_0_target_the_assistant_drafts_on_the_targets_kernels() {
+    use pulsar::engine::Engine;
+    use pulsar::engine::LogitsWanted;
+    use pulsar::engine::fast::{FastEngine, FastOptions, assistant_format, plan_assistant};
+    use pulsar::engine::jit_kernels::{JitKernels, plan_options};
+    use pulsar::engine::packed::WeightFormat;
+    use pulsar::jit::cpu::CpuCaps;
+    use pulsar::jit::dims::ModelDims;
+    use pulsar::jit::plan::plan;
+    use std::sync::Arc;
+    let target = Arc::new(open("tiny-g4a-target-f32"));
+    let assistant = open("tiny-g4a-assistant-f32");
+    let opts = FastOptions {
+        threads: 2,
+        context: 64,
+        format: Some(WeightFormat::Q8_0),
+        prefill_chunk: 5,
+        in_place: false,
+        native: false,
+    };
+    let formats = FastEngine::weight_formats(&target, &opts).expect("formats");
+    let format = assistant_format(&formats, &assistant.config);
+    assert_eq!(format, WeightFormat::Q8_0x16);
+    let alone = plan_options(&target.config, &formats, 2);
+    let mut with = alone.clone();
+    plan_assistant(&mut with, &assistant.config, format);
+    let caps = CpuCaps::detect();
+    let dims = ModelDims::from(&target.config);
+    let names = |opts| -> Vec<String> {
+        let p = plan(&dims, &caps, &opts).expect("plans");
+        p.kernels.into_iter().map(|k| k.name).collect()
+    };
+    assert_eq!(names(with.clone()), names(alone));
+    let kernels = JitKernels::with_options(&target.config, with)
+        .unwrap()
+        .unwrap();
+    let mut engine = FastEngine::load(&target, Box::new(kernels), &opts).expect("loads");
+    engine
+        .load_assistant(&assistant, &target.path, format)
+        .expect("the assistant loads");
+    for case in ["a", "b"] {
+        let ids = case_ids(case);
+        engine.truncate(0);
+        engine
+            .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
+            .unwrap();
+        let mut logits = Vec::new();
+        let tokens = engine
+            .draft(ids[ids.len() - 1], 8, Some(&mut logits))
+            .unwrap();
+        // Rounding to 8 bits moves near ties: of the cluster scores (a
+        // different cluster kept changes its rows' logits wholesale) and
+        // of the tokens (the rounds after a different draft continue a
+        // different text). So the first round's logits are held to the
+        // tolerance, and the drafted tokens to the chain's first four.
+        let chain = chain_tokens(case, "centroid_f32");
+        assert_eq!(tokens[..4], chain[..4], "{case}");
+        let want = reference_file(&format!("{case}_centroid_f32_logits.bin"));
+        let vocab = want.len() / tokens.len();
+        assert_close(
+            &format!("Q8_0 {case}"),
+            &logits[..vocab],
+            &want[..vocab],
+            0.25,
+        );
     }
 }

@@ -16,7 +16,9 @@
 mod common;
 
 use common::{FAVOURED_TOKEN, assert_positions_agree, continuation, favouring_pair};
-use pulsar::engine::fast::{EngineOptions, FastEngine, FastOptions, LaunchTuning, Opened};
+use pulsar::engine::fast::{
+    DraftSource, EngineOptions, FastEngine, FastOptions, LaunchTuning, Opened,
+};
 use pulsar::engine::q8_input::InputPrecision;
 use pulsar::engine::reference::ReferenceEngine;
 use pulsar::engine::{Engine, LogitsWanted};
@@ -180,7 +182,8 @@ fn fast_engine() -> Box<dyn Engine> {
         },
         verbose: false,
     };
-    let plan = FastEngine::plan_drafting(target, Some(assistant), &options).unwrap();
+    let plan =
+        FastEngine::plan_drafting(target, Some(DraftSource::File(assistant)), &options).unwrap();
     match plan.open().unwrap() {
         Opened::Fast { engine, .. } => engine,
         Opened::NoJit { reason } => panic!("the JIT does not run here: {reason}"),
@@ -369,4 +372,81 @@ fn sampled_token_frequencies_agree_with_and_without_the_assistant() {
     // And seed for seed, the same tokens.
     let (same, _, _) = samples(engine.as_mut(), sampling, N..N + 50, LEN, Speculation::Off);
     assert_eq!(same[..], on[..50]);
+}
+
+/// `bench --draft` times the assistant's draft tokens beside the model and
+/// prices decoding with them at each acceptance rate from the m-curve (no
+/// timing is checked, only what the report holds: a draft round reads the
+/// searched clusters of the head, not all of it, and the best number of
+/// drafts never gives fewer tokens a step than plain decoding).
+#[test]
+fn bench_prices_drafting_at_each_acceptance_rate() {
+    let target = data().join("tiny-g4a-target-f32");
+    let assistant = data().join("tiny-g4a-assistant-f32");
+    let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["bench", "--no-tune", "--pp", "4", "--tg", "2", "--json"])
+        .arg("-m")
+        .arg(&target)
+        .arg("--draft")
+        .arg(&assistant)
+        .output()
+        .expect("pulsar runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+    assert_eq!(report["m_curve"].as_array().map(Vec::len), Some(16));
+    let d = &report["drafting"];
+    assert!(d["draft_token_ms"].as_f64().unwrap() > 0.0, "{d}");
+    let bytes = d["bytes_per_draft_token"].as_u64().unwrap();
+    assert!(bytes > 0, "{d}");
+    let rates: Vec<f64> = d["at_acceptance"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["acceptance"].as_f64().unwrap())
+        .collect();
+    assert_eq!(rates, [0.5, 0.6, 0.7, 0.8, 0.9]);
+    for s in d["at_acceptance"].as_array().unwrap() {
+        let drafts = s["drafts"].as_u64().unwrap();
+        assert!(drafts <= 8, "{s}");
+        assert!(s["tokens_per_step"].as_f64().unwrap() >= 1.0, "{s}");
+        assert!(s["speedup"].as_f64().unwrap() >= 1.0, "{s}");
+    }
+    // A draft token with every cluster searched reads more.
+    let whole = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["bench", "--no-tune", "--pp", "4", "--tg", "2", "--json"])
+        .arg("-m")
+        .arg(&target)
+        .arg("--draft")
+        .arg(data().join("tiny-g4a-assistant-f32.gguf"))
+        .output()
+        .expect("pulsar runs");
+    assert!(
+        whole.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whole.stderr)
+    );
+    let whole: serde_json::Value = serde_json::from_slice(&whole.stdout).expect("a JSON report");
+    let whole_bytes = whole["drafting"]["bytes_per_draft_token"].as_u64().unwrap();
+    assert!(whole_bytes > bytes, "{whole_bytes} against {bytes}");
+}
+
+/// An assistant shape `bench` does not know is refused in one line that
+/// names the ones it does.
+#[test]
+fn bench_refuses_an_unknown_assistant_shape() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pulsar"))
+        .args(["bench", "--no-tune", "--pp", "4", "--tg", "2"])
+        .arg("-m")
+        .arg(data().join("tiny-g4a-target-f32"))
+        .args(["--draft-shape", "gemma4-e9b-assistant"])
+        .output()
+        .expect("pulsar runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("gemma4-e9b-assistant") && stderr.contains("gemma4-e2b-assistant"),
+        "{stderr}"
+    );
 }

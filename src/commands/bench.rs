@@ -3,8 +3,11 @@
 //! decode rate is always stated against the ceiling it is chasing.
 
 use super::{EngineArgs, jit_kernels, open_fast_engine, print_notes, resolve_model};
-use crate::engine::fast::{FastEngine, OpenReport};
+use crate::engine::fast::{DraftSource, FastEngine, OpenReport, assistant_format, plan_assistant};
+use crate::engine::jit_kernels::{JitKernels, plan_options};
+use crate::engine::kernels::MatKernels;
 use crate::engine::membench::read_bandwidth;
+use crate::engine::packed::WeightFormat;
 use crate::engine::synthetic;
 use crate::engine::{Engine, LogitsWanted};
 use crate::model::presets;
@@ -23,6 +26,45 @@ pub struct BenchArgs {
     pub m_curve: bool,
     /// Tokens cached before each of those steps (`--m-curve-context`).
     pub m_curve_context: usize,
+    /// A Gemma 4 assistant to time beside the model (`--draft FILE` or
+    /// `--draft-shape NAME`): its draft token against a step, and the
+    /// decode speed that gives (implies the m-curve).
+    pub draft: Option<DraftBench>,
+}
+
+/// The assistant `bench` times.
+pub enum DraftBench {
+    File(std::path::PathBuf),
+    Shape(String),
+}
+
+/// What drafting with an assistant costs, and the decode speed the
+/// measured costs give when each drafted token is accepted with
+/// probability α (given the ones before it were).
+#[derive(Serialize)]
+pub struct DraftCost {
+    pub assistant: String,
+    /// Weight bytes one draft token streams.
+    pub bytes_per_draft_token: usize,
+    /// A draft token's time: a round of 8 after the m-curve's context,
+    /// median over rounds, per token.
+    pub draft_token_ms: f64,
+    /// Against a step over one token.
+    pub relative: f64,
+    pub at_acceptance: Vec<SpeedAt>,
+}
+
+/// The decode speed at one acceptance rate: with `k` drafts per step a
+/// step yields (1 − α^(k+1)) / (1 − α) tokens and takes t(1 + k) (the
+/// m-curve) plus k draft tokens; the best k.
+#[derive(Serialize)]
+pub struct SpeedAt {
+    pub acceptance: f64,
+    pub drafts: usize,
+    pub tokens_per_step: f64,
+    pub tok_s: f64,
+    /// Against plain decoding at 1 / t(1).
+    pub speedup: f64,
 }
 
 /// The cost of one step over `m` tokens of one sequence (every position's
@@ -56,6 +98,8 @@ pub struct BenchReport {
     pub m_curve: Vec<StepCost>,
     /// Tokens cached before each of the m-curve's steps.
     pub m_curve_context: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafting: Option<DraftCost>,
 }
 
 /// Token ids spread over the vocabulary, avoiding the control ids below 4.
@@ -99,10 +143,21 @@ pub fn run(
     // reports the freed pages to the host) that slowed a prefill timed
     // right after it: pp512 on 2 threads, two ABBA x3 rounds, median 594.4
     // and 624.7 tok/s with the read first, 644.1 and 641.5 with it last.
-    let m_curve = if args.m_curve {
+    let drafting_on = args.draft.is_some() && engine.can_draft();
+    let m_curve = if args.m_curve || drafting_on {
         step_costs(engine, vocab, args.m_curve_context)?
     } else {
         Vec::new()
+    };
+    let drafting = match &args.draft {
+        Some(draft) if drafting_on => Some(draft_cost(
+            engine,
+            draft,
+            vocab,
+            args.m_curve_context,
+            &m_curve,
+        )?),
+        _ => None,
     };
     // At most 1 GiB, far past any L3 here: a 26B-A4B reads 2 GB a token,
     // and a buffer that large beside its 18 GB of weights would not fit.
@@ -126,7 +181,76 @@ pub fn run(
         tuning: tuning.to_string(),
         m_curve,
         m_curve_context: args.m_curve_context,
+        drafting,
     })
+}
+
+/// Rounds of drafting timed; the median round is reported.
+const DRAFT_ROUNDS: usize = 15;
+
+/// Times rounds of 8 drafts after `cached` tokens and prices speculative
+/// decoding with them against `m_curve`.
+fn draft_cost(
+    engine: &mut FastEngine,
+    draft: &DraftBench,
+    vocab: usize,
+    cached: usize,
+    m_curve: &[StepCost],
+) -> Result<DraftCost> {
+    const K: usize = crate::engine::assistant::MAX_DRAFT_TOKENS;
+    let context = bench_tokens(cached.max(1), vocab);
+    engine.truncate(0);
+    engine.forward(&context, LogitsWanted::Last)?;
+    let mut rounds = Vec::with_capacity(DRAFT_ROUNDS);
+    for i in 0..DRAFT_ROUNDS {
+        let token = bench_tokens(cached + 1 + i, vocab)[cached + i];
+        let start = Instant::now();
+        engine.draft(token, K, None)?;
+        rounds.push(start.elapsed().as_secs_f64());
+    }
+    rounds.sort_by(f64::total_cmp);
+    let draft_token_ms = rounds[rounds.len() / 2] * 1e3 / K as f64;
+    let one = m_curve.first().map_or(f64::NAN, |c| c.step_ms);
+    let at_acceptance = [0.5, 0.6, 0.7, 0.8, 0.9]
+        .into_iter()
+        .map(|alpha| speed_at(alpha, m_curve, draft_token_ms))
+        .collect();
+    Ok(DraftCost {
+        assistant: match draft {
+            DraftBench::File(p) => p.display().to_string(),
+            DraftBench::Shape(name) => format!("{name} (random weights, assumed widths)"),
+        },
+        bytes_per_draft_token: engine.draft_bytes_per_token(),
+        draft_token_ms,
+        relative: draft_token_ms / one,
+        at_acceptance,
+    })
+}
+
+/// The best number of drafts per step at acceptance `alpha`, priced by the
+/// m-curve's step times and the draft token's time.
+fn speed_at(alpha: f64, m_curve: &[StepCost], draft_token_ms: f64) -> SpeedAt {
+    let one = m_curve[0].step_ms;
+    let plain = SpeedAt {
+        acceptance: alpha,
+        drafts: 0,
+        tokens_per_step: 1.0,
+        tok_s: 1e3 / one,
+        speedup: 1.0,
+    };
+    (1..=crate::engine::assistant::MAX_DRAFT_TOKENS)
+        .filter_map(|k| {
+            let step = m_curve.get(k)?.step_ms + k as f64 * draft_token_ms;
+            let tokens = (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha);
+            Some(SpeedAt {
+                acceptance: alpha,
+                drafts: k,
+                tokens_per_step: tokens,
+                tok_s: tokens * 1e3 / step,
+                speedup: tokens * one / step,
+            })
+        })
+        .fold(plain, |best, s| if s.tok_s > best.tok_s { s } else { best })
 }
 
 /// `pulsar bench`: a real model, or a known shape on random weights.
@@ -137,7 +261,7 @@ pub fn run_command(
     args: &BenchArgs,
 ) -> Result<()> {
     let mut context = args.prompt_tokens + args.generate_tokens + 2;
-    if args.m_curve {
+    if args.m_curve || args.draft.is_some() {
         // The m-curve's cached context and its largest step.
         context = context.max(args.m_curve_context + M_CURVE_MAX);
     }
@@ -154,8 +278,33 @@ pub fn run_command(
             let opts = dtype.fast_options(threads, context, engine_args.in_place);
             let formats = dtype.shape_formats(&config);
             let weights = synthetic::random_weights(&config, &formats, 1);
-            let kernels = jit_kernels(&config, formats, threads)?;
+            let assistant = args.draft.as_ref().map(draft_source).transpose()?;
+            let draft_format = assistant
+                .as_ref()
+                .map(|a| assistant_format(&formats, a.config()));
+            let kernels = match (&assistant, draft_format) {
+                (Some(a), Some(format)) => {
+                    let mut plan = plan_options(&config, &formats, threads);
+                    plan_assistant(&mut plan, a.config(), format);
+                    match JitKernels::with_options(&config, plan)? {
+                        Some(k) => Box::new(k) as Box<dyn MatKernels>,
+                        None => bail!("this CPU cannot run the JIT kernels"),
+                    }
+                }
+                _ => jit_kernels(&config, formats, threads)?,
+            };
             let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
+            match &assistant {
+                Some(DraftSource::Random { config, name }) => engine.attach_random_assistant(
+                    (**config).clone(),
+                    name,
+                    draft_format.unwrap_or(WeightFormat::F16),
+                )?,
+                Some(DraftSource::File(_)) => {
+                    bail!("--draft FILE needs -m MODEL; with --shape give --draft-shape")
+                }
+                None => {}
+            }
             let input_precision = engine_args.flags.input_precision;
             engine.set_input_precision(input_precision);
             // Random weights are not tuned.
@@ -171,7 +320,12 @@ pub fn run_command(
             let mut options = engine_args.options(context)?;
             // The conversion note is part of what bench reports.
             options.verbose = true;
-            let plan = FastEngine::plan(Arc::new(ModelSource::open(&path)?), &options)?;
+            let assistant = args.draft.as_ref().map(draft_source).transpose()?;
+            let plan = FastEngine::plan_drafting(
+                Arc::new(ModelSource::open(&path)?),
+                assistant,
+                &options,
+            )?;
             print_notes("bench", &plan);
             let (engine, report) = open_fast_engine(plan, "pulsar bench")?;
             (engine, path.display().to_string(), report)
@@ -266,6 +420,25 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
         "pool wake-up     {:.0} ns per parallel section",
         r.wake_latency_ns
     );
+    if let Some(d) = &r.drafting {
+        println!("assistant        {}", d.assistant);
+        println!(
+            "draft token      {:.3} ms = {:.3} of a one-token step ({:.1} MB)",
+            d.draft_token_ms,
+            d.relative,
+            d.bytes_per_draft_token as f64 / 1e6
+        );
+        println!(
+            "decode with drafts, by acceptance (best drafts per step, priced by the m-curve):"
+        );
+        println!("   α   drafts   tok/step    tok/s   x plain");
+        for s in &d.at_acceptance {
+            println!(
+                "{:>5.2} {:>7} {:>10.2} {:>8.2} {:>9.2}",
+                s.acceptance, s.drafts, s.tokens_per_step, s.tok_s, s.speedup
+            );
+        }
+    }
     if !r.m_curve.is_empty() {
         println!(
             "step over m tokens after {} cached (all logits), median of {M_CURVE_ROUNDS}:",
@@ -283,4 +456,25 @@ pub fn print(report: &BenchReport, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The assistant `--draft` or `--draft-shape` names.
+fn draft_source(draft: &DraftBench) -> Result<DraftSource> {
+    Ok(match draft {
+        DraftBench::File(path) => DraftSource::File(Arc::new(ModelSource::open(path)?)),
+        DraftBench::Shape(name) => {
+            let Some(config) = presets::assistant_shape(name) else {
+                let known: Vec<&str> = presets::ASSISTANT_SHAPES.iter().map(|s| s.0).collect();
+                bail!(
+                    "unknown assistant shape {name:?}; known: {}",
+                    known.join(", ")
+                );
+            };
+            eprintln!("bench: making random {name} weights (widths assumed)");
+            DraftSource::Random {
+                config: Box::new(config),
+                name: name.clone(),
+            }
+        }
+    })
 }

@@ -16,8 +16,8 @@ use crate::constrain::lookahead::ConstraintReport;
 use crate::constrain::{CompiledConstraint, ConstraintSpec, GrammarCompiler, VocabBytes};
 use crate::engine::Engine;
 use crate::engine::fast::{
-    EngineOptions, EnginePlan, FastEngine, FastOptions, LaunchTuning, OpenReport, Opened,
-    WeightFormats,
+    DraftSource, EngineOptions, EnginePlan, FastEngine, FastOptions, LaunchTuning, OpenReport,
+    Opened, WeightFormats,
 };
 use crate::engine::jit_kernels::JitKernels;
 use crate::engine::kernels::MatKernels;
@@ -322,8 +322,11 @@ pub fn open_engine_drafting(
     if args.kind == EngineKind::Reference {
         return reference(&src);
     }
-    let plan =
-        FastEngine::plan_drafting(Arc::new(src), assistant.clone(), &args.options(context)?)?;
+    let plan = FastEngine::plan_drafting(
+        Arc::new(src),
+        assistant.clone().map(DraftSource::File),
+        &args.options(context)?,
+    )?;
     print_notes("pulsar", &plan);
     let src = plan.source().clone();
     match plan.open()? {

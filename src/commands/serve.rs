@@ -6,7 +6,7 @@ use super::{Dtype, EngineArgs, EngineKind, SharedFlags, drafting, effective_spec
 use crate::chat::turns::TurnEncoder;
 use crate::chat_template::TemplateChoice;
 use crate::constrain::{GrammarCompiler, VocabBytes};
-use crate::engine::fast::FastEngine;
+use crate::engine::fast::{DraftSource, FastEngine};
 use crate::generate;
 use crate::model::source::ModelSource;
 use crate::sample::SamplerConfig;
@@ -106,7 +106,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     });
     let plan = FastEngine::plan_drafting(
         Arc::new(src),
-        assistant.map(Arc::new),
+        assistant.map(|a| DraftSource::File(Arc::new(a))),
         &engine_args.options(context)?,
     )?;
     super::print_notes("pulsar serve", &plan);

@@ -639,6 +639,90 @@ impl ReleasedShape {
     }
 }
 
+/// The shape of a Gemma 4 assistant (drafter) beside a released target,
+/// for benchmarking without the weights. Its structure is the released
+/// assistants' (4 layers, three sliding then one global, the target's head
+/// sizes and KV heads, 2,048 head clusters of which 32 are searched);
+/// their widths could not be read here, so `hidden` and `ffn` are
+/// assumptions, named as such wherever a figure is reported.
+pub struct ReleasedAssistant {
+    pub target: &'static ReleasedShape,
+    pub hidden: usize,
+    pub heads: usize,
+    pub ffn: usize,
+}
+
+impl ReleasedAssistant {
+    pub fn config(&self) -> ModelConfig {
+        let t = self.target;
+        let sliding = vec![true, true, true, false];
+        let layout = Layout {
+            kv_heads: sliding
+                .iter()
+                .map(|&s| {
+                    if s {
+                        t.kv_heads_sliding
+                    } else {
+                        t.kv_heads_global
+                    }
+                })
+                .collect(),
+            ffn_widths: vec![self.ffn; 4],
+            sliding,
+            head_dim: 256,
+            global_head_dim: 512,
+            global_rotated_pairs: proportional_pairs(0.25, 512),
+            shared_kv_layers: 0,
+            values_from_keys: false,
+        };
+        let scalars = Scalars {
+            vocab_size: 262_144,
+            hidden: self.hidden,
+            n_heads: self.heads,
+            rms_eps: 1e-6,
+            final_softcap: None,
+            window: Some(t.window),
+            global_base: 1e6,
+            local_base: 1e4,
+            max_context: t.context,
+            bos_id: 2,
+            eos_id: 1,
+            features: Features {
+                value_norm: true,
+                layer_scalar: true,
+                per_layer_vocab: 262_144,
+                assistant: Some(super::config::AssistantShape {
+                    backbone_hidden: t.hidden,
+                    clusters: Some(super::config::HeadClusters {
+                        count: 2048,
+                        top_k: 32,
+                    }),
+                }),
+                ..Features::default()
+            },
+        };
+        assemble(scalars, &layout, Path::new("(built-in shape)"))
+            .expect("the built-in assistant shapes are valid")
+    }
+}
+
+/// E2B's assistant: width 512 and MLP 2048 assumed (see
+/// [`ReleasedAssistant`]).
+pub const E2B_ASSISTANT: ReleasedAssistant = ReleasedAssistant {
+    target: &E2B,
+    hidden: 512,
+    heads: 8,
+    ffn: 2048,
+};
+
+/// E4B's assistant: width 768 and MLP 3072 assumed.
+pub const E4B_ASSISTANT: ReleasedAssistant = ReleasedAssistant {
+    target: &E4B,
+    hidden: 768,
+    heads: 8,
+    ffn: 3072,
+};
+
 pub const E2B: ReleasedShape = ReleasedShape {
     hidden: 1536,
     layers: 35,

@@ -30,6 +30,22 @@ pub fn shape(name: &str) -> Option<ModelConfig> {
     }
 }
 
+/// Assistant (drafter) shapes `bench --draft-shape` accepts, each with the
+/// target shape it drafts for.
+pub const ASSISTANT_SHAPES: [(&str, &str); 2] = [
+    ("gemma4-e2b-assistant", "gemma4-e2b"),
+    ("gemma4-e4b-assistant", "gemma4-e4b"),
+];
+
+/// The assistant shape called `name`, if known.
+pub fn assistant_shape(name: &str) -> Option<ModelConfig> {
+    match name {
+        "gemma4-e2b-assistant" => Some(super::gemma4::E2B_ASSISTANT.config()),
+        "gemma4-e4b-assistant" => Some(super::gemma4::E4B_ASSISTANT.config()),
+        _ => None,
+    }
+}
+
 /// Gemma 1 2B: 18 layers, multi-query attention, 256k vocabulary.
 pub fn gemma_2b() -> ModelConfig {
     ModelConfig {

@@ -6,17 +6,20 @@
 //! GEMVs over runs of rows: the head is stored in `token_ordering`'s
 //! order, so each cluster is a contiguous run.
 
-use super::FastEngine;
 use super::attention::CachedLayer;
+use super::{FastEngine, WeightFormats};
 use crate::engine::assistant::{self, Assistant};
 use crate::engine::kernels::SharedOut;
 use crate::engine::ops;
 use crate::engine::packed::{PackedMatrix, WeightArena, WeightFormat};
+use crate::engine::q8_input::Q8Input;
+use crate::engine::synthetic;
 use crate::jit::blocking::ROW_GRANULE;
-use crate::jit::plan::PlanOptions;
+use crate::jit::plan::{PlanOptions, QuantizedMatrix};
 use crate::model::config::ModelConfig;
 use crate::model::dequant;
 use crate::model::dtype::{DType, TensorView};
+use crate::model::quant_blocks::GROUP_COLS;
 use crate::model::source::{LayerRole, ModelSource, Role};
 use crate::model::weights::model_matrices;
 use anyhow::{Result, bail};
@@ -49,10 +52,34 @@ fn plan_name(role: Role) -> &'static str {
     }
 }
 
-/// Adds an assistant's matrices (in the plan's 16-bit format) to the
-/// target's plan options, under names of their own so that only their K
-/// values gain 16-bit kernels, and only GEMVs: a draft step is one token.
-pub fn plan_assistant(opts: &mut PlanOptions, assistant: &ModelConfig) {
+/// The format an assistant's matrices are kept in beside a model kept in
+/// `formats`: the model's 16-row Q8_0 where the model has that format, so
+/// the drafts run on the Q8_0 kernel the plan holds already (its K is a
+/// runtime argument) and the plan gains no code; else the model's 16-bit
+/// format. A Gemma 4 E2B Q4_K_M plan is within a few bytes of its budget
+/// without the assistant: the 16-bit GEMVs and GEMM the assistant would
+/// add do not fit beside it. Drafts are proposals the model verifies, so
+/// their 8-bit rounding changes which tokens are proposed, never the
+/// output.
+pub fn assistant_format(formats: &WeightFormats, assistant: &ModelConfig) -> WeightFormat {
+    let has_q8 = std::iter::once(&formats.head)
+        .chain(formats.matrices.values())
+        .any(|&f| f == WeightFormat::Q8_0x16);
+    let whole_groups = model_matrices(assistant)
+        .iter()
+        .all(|(_, [rows, k])| k.is_multiple_of(GROUP_COLS) && rows.is_multiple_of(ROW_GRANULE));
+    if has_q8 && whole_groups {
+        WeightFormat::Q8_0x16
+    } else {
+        formats.wide
+    }
+}
+
+/// Adds an assistant's matrices, kept in `format` (see
+/// [`assistant_format`]), to the target's plan options under names of
+/// their own: in the 16-bit format only their K values gain kernels, and
+/// only GEMVs, as a draft step is one token.
+pub fn plan_assistant(opts: &mut PlanOptions, assistant: &ModelConfig, format: WeightFormat) {
     for (role, [rows, k]) in model_matrices(assistant) {
         let m = (plan_name(role), rows, k);
         if !opts.matrices.contains(&m) {
@@ -61,10 +88,20 @@ pub fn plan_assistant(opts: &mut PlanOptions, assistant: &ModelConfig) {
         if !opts.one_token.contains(&m.0) {
             opts.one_token.push(m.0);
         }
-        if let Some(wide) = &mut opts.wide_tensors
-            && !wide.contains(&m.0)
-        {
-            wide.push(m.0);
+        match format.quant() {
+            Some(q) => {
+                let quantized = QuantizedMatrix { tensor: m.0, q, k };
+                if !opts.quantized.contains(&quantized) {
+                    opts.quantized.push(quantized);
+                }
+            }
+            None => {
+                if let Some(wide) = &mut opts.wide_tensors
+                    && !wide.contains(&m.0)
+                {
+                    wide.push(m.0);
+                }
+            }
         }
     }
 }
@@ -112,13 +149,13 @@ impl FastEngine {
         let mut opts =
             crate::engine::jit_kernels::plan_options(&self.config, formats, self.threads());
         if let Some(fa) = &self.assistant {
-            plan_assistant(&mut opts, &fa.a.config);
+            plan_assistant(&mut opts, &fa.a.config, fa.a.weights.embedding.format);
         }
         opts
     }
 
     /// Loads the Gemma 4 assistant `src` for this engine's model (at
-    /// `target_path`) in `format` (the plan's 16-bit format), checking
+    /// `target_path`) in `format` ([`assistant_format`]), checking
     /// that they fit and that the kernels can multiply its matrices
     /// (plan them with [`plan_assistant`]).
     pub fn load_assistant(
@@ -127,9 +164,6 @@ impl FastEngine {
         target_path: &Path,
         format: WeightFormat,
     ) -> Result<()> {
-        if !format.is_16bit() {
-            bail!("internal error: an assistant's matrices are kept in a 16-bit format");
-        }
         let arena_bytes = model_matrices(&src.config)
             .into_iter()
             .map(|(_, [rows, cols])| WeightArena::footprint(format, rows, cols))
@@ -139,7 +173,7 @@ impl FastEngine {
             Some(_) => Some(crate::model::gemma4_assistant::token_ordering(src)?),
             None => None,
         };
-        let mut a = Assistant::load(src, &self.config, target_path, |role, t| {
+        let a = Assistant::load(src, &self.config, target_path, |role, t| {
             Ok(match (&ordering, role) {
                 (Some(order), Role::Embedding) => {
                     let (dtype, bytes) = rows_in_order(&t, order);
@@ -153,6 +187,44 @@ impl FastEngine {
                 _ => PackedMatrix::convert_into(&t, format, &arena),
             })
         })?;
+        self.attach_assistant(a, ordering.is_some())
+    }
+
+    /// Attaches an assistant of shape `config` on random weights in
+    /// `format`, called `name` (`bench` prices drafting with it). Its
+    /// head's clusters are runs of ids in order, as a real assistant's are
+    /// once its rows are in `token_ordering`'s order.
+    pub fn attach_random_assistant(
+        &mut self,
+        config: ModelConfig,
+        name: &str,
+        format: WeightFormat,
+    ) -> Result<()> {
+        let path = Path::new(name);
+        let target_layers = crate::model::gemma4_assistant::target_kv_layers(
+            &self.config,
+            Path::new("(the model)"),
+            &config,
+            path,
+        )?;
+        let weights = synthetic::random_weights(&config, &WeightFormats::uniform(format), 2);
+        let a = Assistant {
+            config,
+            weights,
+            target_layers,
+            path: path.to_path_buf(),
+        };
+        self.attach_assistant(a, true)
+    }
+
+    /// Attaches an assistant whose matrices are in the kernels' formats
+    /// already: with `ordered_head`, its head's rows are in its token
+    /// ordering's order.
+    fn attach_assistant(
+        &mut self,
+        mut a: Assistant<PackedMatrix>,
+        ordered_head: bool,
+    ) -> Result<()> {
         for (role, m) in a.weights.matrices_mut() {
             let kernels = self.kernels.resolve_one_token(m).map_err(|why| {
                 anyhow::anyhow!(
@@ -165,10 +237,31 @@ impl FastEngine {
         }
         self.assistant = Some(FastAssistant {
             a,
-            ordered_head: ordering.is_some(),
+            ordered_head,
             kept: vec![(0, Vec::new()); self.seqs.len()],
         });
         Ok(())
+    }
+
+    /// Weight bytes one draft token streams: the assistant's matrices,
+    /// of a clustered head only the searched clusters' rows; 0 without
+    /// an assistant.
+    pub fn draft_bytes_per_token(&self) -> usize {
+        let Some(fa) = &self.assistant else {
+            return 0;
+        };
+        let share = match (assistant::clusters(&fa.a.config), fa.ordered_head) {
+            (Some(k), true) => (k.top_k, k.count),
+            _ => (1, 1),
+        };
+        fa.a.weights
+            .matrices()
+            .into_iter()
+            .map(|(role, m)| match role {
+                Role::Embedding => m.bytes() * share.0 / share.1,
+                _ => m.bytes(),
+            })
+            .sum()
     }
 
     /// Keeps entry `entry`'s final hidden states of the last step, fed to
@@ -353,11 +446,18 @@ impl FastEngine {
         let shared = SharedOut::new(&mut out, head.rows);
         let kern = &*self.kernels;
         let threads = self.pool.threads();
+        // A quantized head takes 8-bit inputs, quantized once for every
+        // cluster (at one level: the head only ranks proposals).
+        let quantized = head.format.quant().map(|_| Q8Input::quantize(f, head.cols));
         self.pool.run(|tid| {
             for &c in kept.iter().skip(tid).step_by(threads) {
+                let rows = c * per..(c + 1) * per;
                 // SAFETY: each cluster's run of rows (columns of the one
                 // output row) belongs to one thread.
-                unsafe { kern.gemm(head, f, c * per..(c + 1) * per, shared) };
+                match &quantized {
+                    Some(x) => unsafe { kern.gemm_q8(head, x, rows, shared) },
+                    None => unsafe { kern.gemm(head, f, rows, shared) },
+                }
             }
         });
         out

@@ -23,8 +23,8 @@ mod matmul;
 mod open;
 
 pub use super::formats::{Conversion, WeightFormats};
-pub use draft::plan_assistant;
-pub use open::{EngineOptions, EnginePlan, LaunchTuning, OpenReport, Opened};
+pub use draft::{assistant_format, plan_assistant};
+pub use open::{DraftSource, EngineOptions, EnginePlan, LaunchTuning, OpenReport, Opened};
 
 use super::kernels::MatKernels;
 use super::kv_cache::FlatKv;

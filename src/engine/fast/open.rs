@@ -23,6 +23,7 @@ use crate::engine::q8_input::InputPrecision;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
 use crate::jit::plan::{Plan, plan};
+use crate::model::config::ModelConfig;
 use crate::model::gemma4_assistant::{refuse_as_model, target_kv_layers};
 use crate::model::source::ModelSource;
 use crate::model::weights::{ModelWeights, RowTable, model_matrices};
@@ -63,13 +64,44 @@ pub enum LaunchTuning {
 pub struct EnginePlan {
     src: Arc<ModelSource>,
     /// A Gemma 4 assistant to load beside the model, to draft with.
-    assistant: Option<Arc<ModelSource>>,
+    assistant: Option<DraftSource>,
     load: FastOptions,
     input_precision: InputPrecision,
     formats: WeightFormats,
     kernels: KernelPlan,
     tuning: LaunchStep,
     notes: Vec<String>,
+}
+
+/// The Gemma 4 assistant an [`EnginePlan`] loads beside the model.
+#[derive(Clone)]
+pub enum DraftSource {
+    /// An assistant's GGUF file or HF folder.
+    File(Arc<ModelSource>),
+    /// Random weights of a known assistant shape, called `name`: `bench`
+    /// prices drafting with it where no real assistant of that size can
+    /// be had. Its head's clusters are runs of ids in order.
+    Random {
+        config: Box<ModelConfig>,
+        name: String,
+    },
+}
+
+impl DraftSource {
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            DraftSource::File(src) => &src.config,
+            DraftSource::Random { config, .. } => config,
+        }
+    }
+
+    /// What error messages and reports call it.
+    pub fn path(&self) -> PathBuf {
+        match self {
+            DraftSource::File(src) => src.path.clone(),
+            DraftSource::Random { name, .. } => PathBuf::from(name),
+        }
+    }
 }
 
 /// The kernels an [`EnginePlan`] will generate.
@@ -143,12 +175,12 @@ impl FastEngine {
     /// model's 16-bit format.
     pub fn plan_drafting(
         src: Arc<ModelSource>,
-        assistant: Option<Arc<ModelSource>>,
+        assistant: Option<DraftSource>,
         options: &EngineOptions,
     ) -> Result<EnginePlan> {
         refuse_as_model(&src.config, &src.path)?;
         if let Some(a) = &assistant {
-            target_kv_layers(&src.config, &src.path, &a.config, &a.path)?;
+            target_kv_layers(&src.config, &src.path, a.config(), &a.path())?;
         }
         let formats = Self::weight_formats(&src, &options.load)?;
         let mut notes = Vec::new();
@@ -184,7 +216,8 @@ impl FastEngine {
                 };
                 let mut opts = plan_options(config, &formats, threads);
                 if let Some(a) = &assistant {
-                    super::plan_assistant(&mut opts, &a.config);
+                    let format = super::assistant_format(&formats, a.config());
+                    super::plan_assistant(&mut opts, a.config(), format);
                 }
                 if let LaunchStep::Reuse { entry, .. } = &tuning {
                     autotune::plan_with(&mut opts, &entry.tuned);
@@ -303,7 +336,13 @@ impl EnginePlan {
         let mut engine =
             FastEngine::load_in(&self.src, Box::new(kernels), &self.formats, &self.load)?;
         if let Some(a) = &self.assistant {
-            engine.load_assistant(a, &self.src.path, self.formats.wide)?;
+            let format = super::assistant_format(&self.formats, a.config());
+            match a {
+                DraftSource::File(src) => engine.load_assistant(src, &self.src.path, format)?,
+                DraftSource::Random { config, name } => {
+                    engine.attach_random_assistant((**config).clone(), name, format)?
+                }
+            }
         }
         engine.set_input_precision(self.input_precision);
         let tuning = match self.tuning {
