@@ -1,8 +1,7 @@
 //! A Gemma 3 model of random Q4_K and Q6_K weights through the fast
 //! engine at the file's bits, against the reference engine. Its own test
-//! binary: it sets `PULSAR_K_QUANTS=native` so that the kernels run on a
-//! CPU without VNNI too (where the engine converts K-quants by default),
-//! and no other test shares its process.
+//! binary: it sets `PULSAR_K_QUANTS=native` so that the kernels run
+//! whatever the default choice, and no other test shares its process.
 
 mod common;
 

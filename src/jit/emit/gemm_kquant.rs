@@ -31,9 +31,9 @@
 //!
 //! With VNNI a call takes one of two forms by its token count: one token
 //! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute
-//! on the tile's zeros and are not stored). Under AVX2 a pass is one token
-//! over 8 rows, the weights of the block read again (from L1 or L2) for
-//! each token and half.
+//! on the tile's zeros and are not stored). The AVX2 form is
+//! `gemm_kquant_avx2` (passes of 4 tokens over 8 rows, or of one token
+//! over 16).
 //!
 //! Registers (VNNI): zmm0..7 the tokens' sums of a pair's first group (or
 //! of a group's first half), zmm16..23 of the second, zmm8..15 their f32
@@ -46,8 +46,7 @@ use super::gemm_quant::{
     GemmQuantParams, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT,
     TOKENS, block_and_pass_top, iced, token_call_frame,
 };
-use super::{Asm, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg};
-use super::{finish, restore_callee_saved_and_return, save_callee_saved};
+use super::{Asm, cmp_imm8, new_asm, next_block_and_return, reg, save_callee_saved};
 use crate::jback;
 use crate::model::k_quant_x16::{
     Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_PAIR_BYTES, Q4K_PAIRS_AT, Q4K_RUNS_AT, Q6K_GROUP_BYTES,
@@ -82,7 +81,7 @@ const SPARE: AsmRegisterZmm = zmm31;
 
 /// Bytes of a super-block's header (the rows' f16 scales) and of one
 /// unit of the loop over it (a pair of groups or a group), and the units.
-fn geometry(q: QuantType) -> (i32, i32, i32, usize) {
+pub(super) fn geometry(q: QuantType) -> (i32, i32, i32, usize) {
     match q {
         QuantType::Q4Kx16 => (
             Q4K_PAIRS_AT as i32,
@@ -109,13 +108,13 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     if p.vnni {
         emit_vnni(p, name)
     } else {
-        emit_avx2(p, name)
+        super::gemm_kquant_avx2::emit(p, name)
     }
 }
 
 /// The prefetches of one unit, `p.prefetch` (into L1) and `p.l2_prefetch`
 /// (into L2) bytes ahead of r9.
-fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedError> {
+pub(super) fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedError> {
     let (header, unit_bytes, units, _) = geometry(p.q);
     // The units' lines and the super-block header's share: a header
     // line no unit's prefetches cover is a miss to memory once per
@@ -361,7 +360,7 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
 /// The end of a unit: r9 and r10 to the next unit of the block and of the
 /// tile, back to `unit` while `count` (a 32-bit register) has units left
 /// in the super-block, then to `super_block` while the tile has one.
-fn next_unit(
+pub(super) fn next_unit(
     ops: &mut Asm,
     q: QuantType,
     count: u8,
@@ -404,251 +403,4 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     passes_vnni(&mut ops, p);
     super::gemm_q8_0x16::store_pass(&mut ops);
     next_block_and_return(ops, ROWS, (block, block_top), done, name)
-}
-
-// AVX2: ymm registers, one token and 8 rows (a half block) per pass.
-const Y_SUM: AsmRegisterYmm = ymm0;
-const Y_D: AsmRegisterYmm = ymm1;
-const Y_DMIN: AsmRegisterYmm = ymm2;
-const Y_LOW_NIBBLES: AsmRegisterYmm = ymm3;
-const Y_TOP_BITS: AsmRegisterYmm = ymm4;
-const Y_ONES: AsmRegisterYmm = ymm5;
-const Y_FIRST: AsmRegisterYmm = ymm6;
-const Y_SECOND: AsmRegisterYmm = ymm7;
-const Y_NIBBLES: AsmRegisterYmm = ymm8;
-const Y_A: AsmRegisterYmm = ymm9;
-const Y_B: AsmRegisterYmm = ymm10;
-const Y_X: AsmRegisterYmm = ymm11;
-const Y_HIGH_A: AsmRegisterYmm = ymm12;
-const Y_HIGH_B: AsmRegisterYmm = ymm13;
-const Y_TEMP: AsmRegisterYmm = ymm14;
-const Y_MASK: AsmRegisterYmm = ymm15;
-
-/// Q4_K under AVX2, one pair of groups (r9) for the pass's token (r10)
-/// and half (rbx = 4 x the half): the 8 runs' 16-bit products summed per
-/// group (8 x 2 x 15 x 127 < 2^15), one `vpmaddwd` each, then the
-/// scaling.
-fn q4_k_pair_avx2(a: &mut CodeAssembler) -> Result<(), IcedError> {
-    a.vpxor(Y_FIRST, Y_FIRST, Y_FIRST)?;
-    a.vpxor(Y_SECOND, Y_SECOND, Y_SECOND)?;
-    for n in 0..8 {
-        let run = (Q4K_RUNS_AT + n * RUN_BYTES) as i32;
-        let x = TILE_CHUNK * n as i32;
-        a.vmovdqu(Y_NIBBLES, ymmword_ptr(r9 + rbx * 8 + run))?;
-        a.vpand(Y_A, Y_NIBBLES, Y_LOW_NIBBLES)?;
-        a.vpsrlw(Y_NIBBLES, Y_NIBBLES, 4)?;
-        a.vpand(Y_NIBBLES, Y_NIBBLES, Y_LOW_NIBBLES)?;
-        a.vpbroadcastd(Y_X, dword_ptr(r10 + x))?;
-        a.vpmaddubsw(Y_A, Y_A, Y_X)?;
-        a.vpaddw(Y_FIRST, Y_FIRST, Y_A)?;
-        a.vpbroadcastd(Y_X, dword_ptr(r10 + TGB + x))?;
-        a.vpmaddubsw(Y_NIBBLES, Y_NIBBLES, Y_X)?;
-        a.vpaddw(Y_SECOND, Y_SECOND, Y_NIBBLES)?;
-    }
-    for (h, sums) in [Y_FIRST, Y_SECOND].into_iter().enumerate() {
-        let h16 = 16 * h as i32;
-        let tile = TGB * h as i32;
-        a.vpmaddwd(sums, sums, Y_ONES)?;
-        a.vcvtdq2ps(sums, sums)?;
-        a.vpmovzxbd(Y_A, qword_ptr(r9 + rbx * 2 + h16))?;
-        a.vcvtdq2ps(Y_A, Y_A)?;
-        a.vmulps(Y_A, Y_A, Y_D)?;
-        a.vbroadcastss(Y_X, dword_ptr(r10 + tile + TILE_SCALES_AT as i32))?;
-        a.vmulps(Y_A, Y_A, Y_X)?;
-        a.vfmadd231ps(Y_SUM, sums, Y_A)?;
-        a.vpmovzxbd(Y_B, qword_ptr(r9 + rbx * 2 + Q4K_MINS_AT as i32 + h16))?;
-        a.vcvtdq2ps(Y_B, Y_B)?;
-        a.vmulps(Y_B, Y_B, Y_DMIN)?;
-        a.vbroadcastss(Y_X, dword_ptr(r10 + tile + TILE_SCALED_SUMS_AT as i32))?;
-        a.vfnmadd231ps(Y_SUM, Y_B, Y_X)?;
-    }
-    Ok(())
-}
-
-/// Q6_K under AVX2, one group (r9) for the pass's token and half: per
-/// nibble run both chunks made (a shift of the high-bit runs, masks, an
-/// OR), multiplied, widened to 32 bits and added to the halves' sums,
-/// which start from the tile's `−32 · Σx`; then the scaling.
-fn q6_k_group_avx2(a: &mut CodeAssembler) -> Result<(), IcedError> {
-    a.vpbroadcastd(Y_FIRST, dword_ptr(r10 + TILE_HALF_STARTS_AT as i32))?;
-    a.vpbroadcastd(
-        Y_SECOND,
-        dword_ptr(r10 + (TILE_HALF_STARTS_AT + 4 * TOKENS) as i32),
-    )?;
-    a.vmovdqu(Y_HIGH_A, ymmword_ptr(r9 + rbx * 8 + Q6K_HIGH_AT as i32))?;
-    a.vmovdqu(
-        Y_HIGH_B,
-        ymmword_ptr(r9 + rbx * 8 + (Q6K_HIGH_AT + RUN_BYTES) as i32),
-    )?;
-    for n in 0..4 {
-        let run = (Q6K_NIBBLES_AT + n * RUN_BYTES) as i32;
-        a.vmovdqu(Y_NIBBLES, ymmword_ptr(r9 + rbx * 8 + run))?;
-        for (chunk, high, x) in [
-            (Y_A, Y_HIGH_A, TILE_CHUNK * n as i32),
-            (Y_B, Y_HIGH_B, TILE_CHUNK * (n + 4) as i32),
-        ] {
-            // Field n (bits 2n..2n+1) to bits 4..5 of its byte: 16-bit
-            // shifts move other bits across bytes, which the mask drops.
-            let field = match n {
-                0 => a.vpsllw(chunk, high, 4).map(|_| chunk)?,
-                1 => a.vpsllw(chunk, high, 2).map(|_| chunk)?,
-                2 => high,
-                _ => a.vpsrlw(chunk, high, 2).map(|_| chunk)?,
-            };
-            a.vpand(chunk, field, Y_TOP_BITS)?;
-            a.vpand(Y_TEMP, Y_NIBBLES, Y_LOW_NIBBLES)?;
-            a.vpor(chunk, chunk, Y_TEMP)?;
-            a.vpsrlw(Y_NIBBLES, Y_NIBBLES, 4)?;
-            a.vpbroadcastd(Y_X, dword_ptr(r10 + x))?;
-            a.vpmaddubsw(chunk, chunk, Y_X)?;
-            a.vpmaddwd(chunk, chunk, Y_ONES)?;
-        }
-        a.vpaddd(Y_FIRST, Y_FIRST, Y_A)?;
-        a.vpaddd(Y_SECOND, Y_SECOND, Y_B)?;
-    }
-    a.vpmovsxbd(Y_A, qword_ptr(r9 + rbx * 2))?;
-    a.vcvtdq2ps(Y_A, Y_A)?;
-    a.vmulps(Y_A, Y_A, Y_D)?;
-    a.vpmovsxbd(Y_B, qword_ptr(r9 + rbx * 2 + ROWS as i32))?;
-    a.vcvtdq2ps(Y_B, Y_B)?;
-    a.vmulps(Y_B, Y_B, Y_D)?;
-    a.vcvtdq2ps(Y_FIRST, Y_FIRST)?;
-    a.vcvtdq2ps(Y_SECOND, Y_SECOND)?;
-    a.vmulps(Y_FIRST, Y_FIRST, Y_A)?;
-    a.vfmadd231ps(Y_FIRST, Y_SECOND, Y_B)?;
-    a.vbroadcastss(Y_X, dword_ptr(r10 + TILE_SCALES_AT as i32))?;
-    a.vfmadd231ps(Y_SUM, Y_FIRST, Y_X)
-}
-
-/// The AVX2 kernel. Its own block loop keeps the block's weights in r15
-/// and outputs in r14, stepped per block (rdi the block's bytes, rdx
-/// free), so that rbx (4 x the half), rax (the token) and rdx (the units
-/// left in a super-block) serve the passes.
-fn emit_avx2(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
-    let q = p.q;
-    let (header, _, units, _) = geometry(q);
-    let mut ops = new_asm();
-    save_callee_saved(&mut ops);
-    let done = ops.new_dynamic_label();
-    token_call_frame(&mut ops, q, TILE_GROUP_BYTES, done);
-    iced(&mut ops, |a| {
-        for (reg, bits) in [
-            (Y_LOW_NIBBLES, 0x0F0F_0F0F),
-            (Y_TOP_BITS, 0x3030_3030),
-            (Y_ONES, 0x0001_0001),
-        ] {
-            a.mov(eax, bits)?;
-            a.vmovd(xmm15, eax)?;
-            a.vpbroadcastd(reg, xmm15)?;
-        }
-        Ok(())
-    });
-    dynasm!(ops
-        ; .arch x64
-        ; mov r15, rcx
-        ; imul r15, rbp
-        ; add r15, rdi
-        ; lea r14, [rdx + rcx * 4]
-        ; mov rdi, rbp
-        ; shl rdi, 4
-    );
-    let block = ops.new_dynamic_label();
-    let pass = ops.new_dynamic_label();
-    let super_block = ops.new_dynamic_label();
-    let unit = ops.new_dynamic_label();
-    let skip = ops.new_dynamic_label();
-    let block_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>block
-        ; xor eax, eax
-        ; xor ebx, ebx
-    );
-    let pass_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>pass
-        ; mov r9, r15
-        ; lea r10, [rsi + rax * 4]
-    );
-    iced(&mut ops, |a| a.vxorps(Y_SUM, Y_SUM, Y_SUM));
-    let super_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>super_block);
-    iced(&mut ops, |a| {
-        a.vcvtph2ps(Y_D, xmmword_ptr(r9 + rbx * 4))?;
-        if q == QuantType::Q4Kx16 {
-            a.vcvtph2ps(Y_DMIN, xmmword_ptr(r9 + rbx * 4 + Q4K_DMIN_AT as i32))?;
-        }
-        Ok(())
-    });
-    dynasm!(ops
-        ; .arch x64
-        ; add r9, header
-        ; mov edx, units
-    );
-    let unit_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>unit);
-    iced(&mut ops, |a| {
-        prefetch_unit(a, p)?;
-        match q {
-            QuantType::Q4Kx16 => q4_k_pair_avx2(a),
-            _ => q6_k_group_avx2(a),
-        }
-    });
-    next_unit(
-        &mut ops,
-        q,
-        reg::RDX,
-        (unit, unit_top),
-        (super_block, super_top),
-    );
-    // Store the half's rows that exist (r8 - rcx - 8 x half, up to 8) at
-    // y + token·ldy + 4·(rcx + 8 x half): lane_index takes rax, so the
-    // token waits in r9.
-    dynasm!(ops
-        ; .arch x64
-        ; mov r9, rax
-        ; mov r10, r8
-        ; sub r10, rcx
-        ; lea rdx, [rbx * 2]
-        ; sub r10, rdx
-        ; test r10, r10
-        ; jle =>skip
-    );
-    lane_index(&mut ops, 14);
-    count_mask(&mut ops, 15, 14, reg::R10);
-    dynasm!(ops
-        ; .arch x64
-        ; mov rax, r9
-        ; imul r9, r12
-        ; add r9, r14
-    );
-    iced(&mut ops, |a| {
-        a.vmaskmovps(ymmword_ptr(r9 + rbx * 8), Y_MASK, Y_SUM)
-    });
-    dynasm!(ops
-        ; .arch x64
-        ; =>skip
-        ; add ebx, 4
-        ; cmp ebx, 8
-    );
-    jback!(ops, jb, pass, pass_top);
-    dynasm!(ops
-        ; .arch x64
-        ; xor ebx, ebx
-        ; inc rax
-        ; cmp rax, r13
-    );
-    jback!(ops, jb, pass, pass_top);
-    dynasm!(ops
-        ; .arch x64
-        ; add r15, rdi
-        ; add r14, BYTE (ROWS * 4) as i8
-        ; add rcx, BYTE ROWS as i8
-        ; cmp rcx, r8
-    );
-    jback!(ops, jb, block, block_top);
-    dynasm!(ops ; .arch x64 ; =>done);
-    restore_callee_saved_and_return(&mut ops);
-    finish(ops, name)
 }

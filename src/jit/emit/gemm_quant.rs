@@ -104,8 +104,8 @@ pub fn vnni_group_start(sum: i32) -> i32 {
 
 /// Stack offsets of the 7th and 8th arguments after the 6 callee-saved
 /// pushes and the return address.
-const LDY_AT: i32 = 56;
-const NTOK_AT: i32 = 64;
+pub(super) const LDY_AT: i32 = 56;
+pub(super) const NTOK_AT: i32 = 64;
 
 /// Bytes of one token tile for rows of `k` values.
 pub fn tile_bytes(k: usize) -> usize {

@@ -13,6 +13,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemm_kquant;
+pub mod gemm_kquant_avx2;
 pub mod gemm_q8_0x16;
 pub mod gemm_q8_0x16_avx2;
 pub mod gemm_quant;

@@ -18,12 +18,13 @@ pub struct QuantLayouts {
     /// 4-row pairs otherwise (AVX2's GEMV, and panels unpacked for its
     /// GEMM).
     pub q5_0: QuantType,
-    /// Q4_K and Q6_K at the file's bits (`emit::gemm_kquant`) rather than
-    /// converted to Q5_0 with offsets and Q8_0: with VNNI. Under AVX2 the
-    /// kernel's passes of one token over 8 rows were slower than the
-    /// converted path (prefill at half its speed, decode slower though it
-    /// reads about a quarter fewer bytes), so there they stay converted
-    /// unless `PULSAR_K_QUANTS=native` asks.
+    /// Q4_K and Q6_K at the file's bits (`emit::gemm_kquant`, with VNNI,
+    /// and `emit::gemm_kquant_avx2`) rather than converted to Q5_0 with
+    /// offsets and Q8_0, wherever the JIT runs: under AVX2 too since its
+    /// passes of 4 tokens and its L2 prefetches (a 4B Q4_K_M file decodes
+    /// about a third faster there, reading 27% fewer bytes, and
+    /// prefills as fast; see docs/performance.md).
+    /// `PULSAR_K_QUANTS=convert` asks for the conversion.
     pub k_quants_native: bool,
 }
 
@@ -43,7 +44,7 @@ impl QuantLayouts {
             } else {
                 QuantType::Q5_0
             },
-            k_quants_native: vnni,
+            k_quants_native: isa.is_some(),
         }
     }
 

@@ -32,8 +32,9 @@ use crate::model::quant_blocks::QuantType;
 /// GEMM always (measured, see `GemvQuantParams::prefetch`).
 pub const QUANT_PREFETCH_BYTES: usize = 8 << 10;
 
-/// Bytes ahead the VNNI GEMM's passes over several tokens also prefetch
-/// into L2 (see `emit::gemm_q8_0x16`).
+/// Bytes ahead the VNNI GEMM's passes over several tokens, and the
+/// K-quant GEMM's every pass, also prefetch into L2 (see
+/// `emit::gemm_q8_0x16`, `emit::gemm_kquant`).
 pub const GEMM_L2_PREFETCH_BYTES: usize = 32 << 10;
 
 /// Total machine-code bytes allowed for one model's kernels.
