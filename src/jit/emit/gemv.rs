@@ -60,6 +60,9 @@ pub struct GemvParams {
     pub k: usize,
     /// 8-column groups per loop iteration: 1, 2 or 4.
     pub unroll: usize,
+    /// The AVX-512 form on zmm registers (`emit::gemv_wide`) instead of
+    /// the AVX2 one.
+    pub zmm: bool,
 }
 
 pub const ROWS: usize = row_blocks::BLOCK_ROWS;
@@ -141,6 +144,9 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         matches!(p.unroll, 1 | 2 | 4),
         "{name}: unroll must be 1, 2 or 4"
     );
+    if p.zmm {
+        return super::gemv_wide::emit(p, name);
+    }
     let groups = p.k / LANES;
     let tail = p.k % LANES;
     let looped = groups / p.unroll * p.unroll;
