@@ -272,6 +272,8 @@ const ALLOWED: &[Mnemonic] = {
         Vpunpcklwd,
         Vpunpckhwd,
         Vextractf64x4,
+        // BF16's ymm GEMV: the input's halves broadcast to both lanes.
+        Vbroadcastf128,
     ]
 };
 
