@@ -236,12 +236,14 @@ fn sixteen_bit_gemm_forms_match_the_reference_engine() {
         };
         let format = FastEngine::weight_format_for(&src, &opts).unwrap();
         let bf16 = format == WeightFormat::BF16;
-        // (form, max ISA, dot products allowed, tolerance)
-        let mut forms = vec![("avx2", Isa::Avx2, true, 1e-4f32)];
+        // (form, max ISA, dot products allowed, zmm GEMV, tolerance)
+        let mut forms = vec![("avx2", Isa::Avx2, true, false, 1e-4f32)];
         if caps.has_avx512() {
-            forms.push(("avx512 fma", Isa::Avx512, false, 1e-4));
+            forms.push(("avx512 fma", Isa::Avx512, false, false, 1e-4));
+            // The GEMV on zmm (decode and the exact tokens), with the FMA GEMM.
+            forms.push(("avx512 fma, zmm gemv", Isa::Avx512, false, true, 1e-4));
             if bf16 && caps.avx512_bf16 {
-                forms.push(("avx512 bf16 dot", Isa::Avx512, true, 1e-2));
+                forms.push(("avx512 bf16 dot", Isa::Avx512, true, false, 1e-2));
             } else {
                 println!(
                     "{fixture}: no BF16 dot products on this CPU or weights; FMA form checked"
@@ -250,10 +252,11 @@ fn sixteen_bit_gemm_forms_match_the_reference_engine() {
         } else {
             println!("{fixture}: this CPU has no AVX-512; the AVX2 form is checked");
         }
-        for (form, max_isa, bf16_dot, tolerance) in forms {
+        for (form, max_isa, bf16_dot, zmm_gemv, tolerance) in forms {
             let plan = PlanOptions {
                 max_isa,
                 bf16_dot,
+                zmm_gemv,
                 ..plan_options(&src.config, &WeightFormats::uniform(format), 2)
             };
             let kernels = JitKernels::with_options(&src.config, plan)
@@ -267,6 +270,11 @@ fn sixteen_bit_gemm_forms_match_the_reference_engine() {
             };
             assert!(
                 max_isa == Isa::Avx2 && !name.contains("gemm") || name.contains(wanted_gemm),
+                "{fixture} {form}: kernels {name}"
+            );
+            assert_eq!(
+                name.contains("16-bit GEMV"),
+                zmm_gemv,
                 "{fixture} {form}: kernels {name}"
             );
             let mut engine = FastEngine::load(&src, Box::new(kernels), &opts).expect("loads");

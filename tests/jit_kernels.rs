@@ -82,52 +82,101 @@ fn close_to_sum(got: f32, terms: &[f64], k: usize, what: &str) {
     close(got, terms.iter().sum(), magnitude, k, what);
 }
 
+/// K values of the GEMV sweeps: tails of every length, unrolled loops
+/// with and without whole groups left over.
+const GEMV_KS: [usize; 12] = [8, 9, 13, 16, 17, 31, 33, 40, 63, 100, 640, 1001];
+
 #[test]
 fn gemv_matches_reference() {
     let mut rng = Rng(0x1234_5678);
-    let ks = [8usize, 9, 13, 16, 17, 31, 33, 40, 63, 100, 640, 1001];
     for wt in [WeightType::F16, WeightType::Bf16] {
         for unroll in [1usize, 2, 4] {
-            let kinds: Vec<KernelKind> = ks
+            let kinds: Vec<KernelKind> = GEMV_KS
                 .iter()
-                .map(|&k| KernelKind::Gemv(GemvParams { wt, k, unroll }))
+                .map(|&k| {
+                    KernelKind::Gemv(GemvParams {
+                        wt,
+                        k,
+                        unroll,
+                        zmm: false,
+                    })
+                })
                 .collect();
-            let s = set(&kinds);
-            for &k in &ks {
-                let g = s.get::<Gemv>((wt, k)).expect("kernel present");
-                for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
-                    // One extra element in front makes pointers misaligned.
-                    for misalign in [0usize, 1] {
-                        let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
-                        let wbuf = blocked(&w, rows, k, misalign);
-                        let xbuf = rng.vec(k + misalign, 2.0);
-                        let x = &xbuf[misalign..];
-                        // Ranges start on 4-row blocks.
-                        for range in [0..rows, ((rows / 2) & !3)..rows, 0..(rows - rows / 3)] {
-                            let mut ybuf = vec![f32::NAN; rows + misalign];
-                            let y = &mut ybuf[misalign..];
-                            g.run(&wbuf[misalign..], x, y, range.clone())
-                                .expect("shape ok");
-                            for r in 0..rows {
-                                if !range.contains(&r) {
-                                    assert!(y[r].is_nan(), "row {r} outside {range:?} was written");
-                                    continue;
-                                }
-                                let (mut exact, mut mag) = (0f64, 0f64);
-                                for i in 0..k {
-                                    let p = from_u16(wt, w[r * k + i]) * x[i] as f64;
-                                    exact += p;
-                                    mag += p.abs();
-                                }
-                                close(
-                                    y[r],
-                                    exact,
-                                    mag,
-                                    k,
-                                    &format!("{} rows {rows} r {r} mis {misalign}", g.name),
-                                );
-                            }
+            check_gemv(&set(&kinds), wt, &mut rng);
+        }
+    }
+}
+
+/// The GEMV on zmm registers (`emit::gemv_wide`), F16 and BF16, against
+/// the same f64 reference and bound as the ymm form: only the order of
+/// the f32 sums differs. Under AVX2 the verifier refuses it; on a CPU
+/// without AVX-512 it is refused under either ISA.
+#[test]
+fn zmm_gemv_matches_reference() {
+    let c = caps();
+    let mut rng = Rng(0x2718_2818);
+    for wt in [WeightType::F16, WeightType::Bf16] {
+        for unroll in [1usize, 2, 4] {
+            let kinds: Vec<KernelKind> = GEMV_KS
+                .iter()
+                .map(|&k| {
+                    KernelKind::Gemv(GemvParams {
+                        wt,
+                        k,
+                        unroll,
+                        zmm: true,
+                    })
+                })
+                .collect();
+            assert!(KernelSet::from_kinds(&kinds, &c, Isa::Avx2).is_err());
+            if !c.has_avx512() {
+                assert!(KernelSet::from_kinds(&kinds, &c, Isa::Avx512).is_err());
+                println!("{wt:?} u{unroll}: this CPU lacks AVX-512; refused by the verifier");
+                continue;
+            }
+            let s = KernelSet::from_kinds(&kinds, &c, Isa::Avx512).expect("emit + verify");
+            check_gemv(&s, wt, &mut rng);
+        }
+    }
+}
+
+/// Every GEMV of `s` (one per K of `GEMV_KS`) over 1-17 rows, misaligned
+/// and aligned, on ranges that start on 4-row blocks: rows outside the
+/// range untouched, the rest within the n*eps bound of the f64 sums.
+fn check_gemv(s: &KernelSet, wt: WeightType, rng: &mut Rng) {
+    for &k in &GEMV_KS {
+        let g = s.get::<Gemv>((wt, k)).expect("kernel present");
+        for rows in [1usize, 2, 3, 4, 5, 7, 9, 17] {
+            // One extra element in front makes pointers misaligned.
+            for misalign in [0usize, 1] {
+                let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
+                let wbuf = blocked(&w, rows, k, misalign);
+                let xbuf = rng.vec(k + misalign, 2.0);
+                let x = &xbuf[misalign..];
+                // Ranges start on 4-row blocks.
+                for range in [0..rows, ((rows / 2) & !3)..rows, 0..(rows - rows / 3)] {
+                    let mut ybuf = vec![f32::NAN; rows + misalign];
+                    let y = &mut ybuf[misalign..];
+                    g.run(&wbuf[misalign..], x, y, range.clone())
+                        .expect("shape ok");
+                    for r in 0..rows {
+                        if !range.contains(&r) {
+                            assert!(y[r].is_nan(), "row {r} outside {range:?} was written");
+                            continue;
                         }
+                        let (mut exact, mut mag) = (0f64, 0f64);
+                        for i in 0..k {
+                            let p = from_u16(wt, w[r * k + i]) * x[i] as f64;
+                            exact += p;
+                            mag += p.abs();
+                        }
+                        close(
+                            y[r],
+                            exact,
+                            mag,
+                            k,
+                            &format!("{} rows {rows} r {r} mis {misalign}", g.name),
+                        );
                     }
                 }
             }
@@ -139,7 +188,12 @@ fn gemv_matches_reference() {
 fn gemv_rows_split_across_threads_match_one_call() {
     use pulsar::jit::plan::split_rows;
     let (wt, k, rows) = (WeightType::Bf16, 203usize, 61usize);
-    let s = set(&[KernelKind::Gemv(GemvParams { wt, k, unroll: 2 })]);
+    let s = set(&[KernelKind::Gemv(GemvParams {
+        wt,
+        k,
+        unroll: 2,
+        zmm: false,
+    })]);
     let g = s.get::<Gemv>((wt, k)).unwrap();
     let mut rng = Rng(4242);
     let w: Vec<u16> = (0..rows * k).map(|_| to_u16(wt, rng.f())).collect();
@@ -170,6 +224,7 @@ fn gemv_rejects_bad_shapes() {
         wt: WeightType::F16,
         k: 16,
         unroll: 1,
+        zmm: false,
     })]);
     let g = s.get::<Gemv>((WeightType::F16, 16)).unwrap();
     let w = vec![0u16; 16 * 4];
@@ -192,6 +247,7 @@ fn kernels_are_found_by_key_and_bound_by_id() {
             wt: WeightType::F16,
             k: 16,
             unroll: 1,
+            zmm: false,
         }),
         KernelKind::Softmax,
     ];

@@ -280,10 +280,16 @@ impl JitKernels {
             ops: OpKernels::resolve(&kernels, config, plan.avx512_attention)?,
             set: kernels,
             // What the kernels use, as a report names it: AVX2, plus the
-            // AVX-512 forms of the integer and 16-bit GEMMs where planned.
+            // AVX-512 forms of the integer and 16-bit GEMMs and of the
+            // 16-bit GEMV where planned.
             description: {
+                use crate::jit::emit::gemv::GemvParams;
+                use crate::jit::plan::KernelKind;
+                let zmm_gemv = |k: &crate::jit::plan::KernelSpec| {
+                    matches!(k.kind, KernelKind::Gemv(GemvParams { zmm: true, .. }))
+                };
                 let wide = |k: &crate::jit::plan::KernelSpec| {
-                    matches!(k.kind, crate::jit::plan::KernelKind::GemmWide(_))
+                    matches!(k.kind, KernelKind::GemmWide(_)) || zmm_gemv(k)
                 };
                 let mut text = "jit avx2".to_string();
                 if plan
@@ -293,8 +299,15 @@ impl JitKernels {
                 {
                     text += " + avx512-vnni";
                 }
-                if let Some(k) = plan.kernels.iter().find(|k| wide(k)) {
+                if let Some(k) = plan
+                    .kernels
+                    .iter()
+                    .find(|k| matches!(k.kind, KernelKind::GemmWide(_)))
+                {
                     text += &format!(" + avx512 {}", k.name);
+                }
+                if plan.kernels.iter().any(zmm_gemv) {
+                    text += " + avx512 16-bit GEMV";
                 }
                 text
             },

@@ -267,6 +267,13 @@ const ALLOWED: &[Mnemonic] = {
         Vdpbf16ps,
         Vbroadcastf64x4,
         Vshuff32x4,
+        // The 16-bit GEMV on zmm: BF16 rows widened by interleaving with
+        // zeros, the two 256-bit halves of its sums taken apart.
+        Vpunpcklwd,
+        Vpunpckhwd,
+        Vextractf64x4,
+        // BF16's ymm GEMV: the input's halves broadcast to both lanes.
+        Vbroadcastf128,
     ]
 };
 

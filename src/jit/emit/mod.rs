@@ -20,6 +20,7 @@ pub mod gemm_quant;
 pub mod gemm_wide;
 pub mod gemv;
 pub mod gemv_quant;
+pub mod gemv_wide;
 pub mod unpack_quant;
 
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};

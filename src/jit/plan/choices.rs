@@ -98,7 +98,7 @@ impl<'a> QuantChoices<'a> {
     pub fn matrix_use(
         &self,
         (tensor, rows, k): (&'static str, usize, usize),
-        gemv_unroll: usize,
+        (gemv_unroll, gemv_zmm): (usize, bool),
         two_block_gemv: bool,
         wide_gemm: Option<GemmWideParams>,
     ) -> MatrixUse {
@@ -121,6 +121,7 @@ impl<'a> QuantChoices<'a> {
                     wt: self.opts.weights,
                     k,
                     unroll: gemv_unroll,
+                    zmm: gemv_zmm,
                 }),
                 match wide_gemm {
                     Some(p) => KernelKind::GemmWide(p),
@@ -202,9 +203,9 @@ impl<'a> QuantChoices<'a> {
     }
 }
 
-/// The 16-bit matrix kernels (a GEMV per K in `wide_ks`; a GEMM per K in
-/// `gemm_ks`, or the one wide GEMM for all of them), the RMSNorms, and
-/// those of the optional ops still in `optional`.
+/// The 16-bit matrix kernels (a GEMV per K in `wide_ks`, on zmm where
+/// `gemv_zmm`; a GEMM per K in `gemm_ks`, or the one wide GEMM for all of
+/// them), the RMSNorms, and those of the optional ops still in `optional`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn build_kinds(
     dims: &ModelDims,
@@ -212,7 +213,7 @@ pub(super) fn build_kinds(
     gemm_ks: &[usize],
     wt: WeightType,
     wide_gemm: Option<GemmWideParams>,
-    gemv_unroll: usize,
+    (gemv_unroll, gemv_zmm): (usize, bool),
     norm_unroll: usize,
     optional: &[&str],
 ) -> Vec<(KernelKind, Vec<String>)> {
@@ -236,6 +237,7 @@ pub(super) fn build_kinds(
                 wt,
                 k,
                 unroll: gemv_unroll,
+                zmm: gemv_zmm,
             }),
             uses_of_k(k),
         ));

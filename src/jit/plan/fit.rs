@@ -12,7 +12,7 @@ use crate::jit::emit::LANES;
 use crate::jit::emit::gemm;
 use crate::jit::emit::gemm_quant::GemmQuantParams;
 use crate::jit::emit::gemm_wide::{GemmWideParams, WideProducts};
-use crate::jit::emit::gemv::WeightType;
+use crate::jit::emit::gemv::{GemvParams, WeightType};
 use crate::jit::emit::gemv_quant::{self, GemvQuantParams};
 use anyhow::{Result, bail};
 
@@ -125,6 +125,13 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
         ));
     }
 
+    // The 16-bit GEMV on zmm registers only where the options ask for it:
+    // on Zen 4 it streams from memory no faster than the ymm form (see
+    // `emit::gemv_wide`).
+    let gemv_zmm = allowed_isa == Isa::Avx512 && opts.zmm_gemv;
+    if gemv_zmm && !wide_ks.is_empty() {
+        notes.push("AVX-512: the 16-bit GEMV is on zmm registers".into());
+    }
     // Candidate unroll levels, most aggressive first.
     let mut gemv_unroll = 4usize;
     // Q5_0's and Q4_0's GEMV over two row blocks per pass: 738 bytes
@@ -157,7 +164,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
             &gemm_ks,
             opts.weights,
             wide_gemm,
-            gemv_unroll,
+            (gemv_unroll, gemv_zmm),
             norm_unroll,
             &optional,
         );
@@ -179,7 +186,8 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                     isa: match kind {
                         KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. })
                         | KernelKind::GemvQuant(GemvQuantParams { vnni: true, .. })
-                        | KernelKind::GemmWide(_) => Isa::Avx512,
+                        | KernelKind::GemmWide(_)
+                        | KernelKind::Gemv(GemvParams { zmm: true, .. }) => Isa::Avx512,
                         _ => isa,
                     },
                     kind,
@@ -188,7 +196,7 @@ pub fn plan(dims: &ModelDims, caps: &CpuCaps, opts: &PlanOptions) -> Result<Plan
                 .collect();
             let matrices = mats
                 .iter()
-                .map(|&m| quant.matrix_use(m, gemv_unroll, two_block_gemv, wide_gemm))
+                .map(|&m| quant.matrix_use(m, (gemv_unroll, gemv_zmm), two_block_gemv, wide_gemm))
                 .collect();
             let smallest = smallest_layer_matrix(&mats, opts);
             let (blocking, blocking_reasons) = Blocking::analytic(caps, dims, threads, smallest);
@@ -497,6 +505,47 @@ mod tests {
             ..bf16
         };
         assert_eq!(gemms(&zen4, &avx2).len(), 3, "one AVX2 GEMM per K");
+    }
+
+    /// The 16-bit GEMV on zmm only where the options ask for it and the
+    /// ISA allows AVX-512; then every 16-bit GEMV is the zmm form, marked
+    /// AVX-512, and every Gemma shape still fits the budget.
+    #[test]
+    fn zmm_gemv_follows_the_options_and_the_isa() {
+        let caps = CpuCaps::zen4_like();
+        let zmm = |p: &Plan| -> Vec<bool> {
+            p.kernels
+                .iter()
+                .filter_map(|k| match k.kind {
+                    KernelKind::Gemv(g) => Some(g.zmm && k.isa == Isa::Avx512),
+                    _ => None,
+                })
+                .collect()
+        };
+        for weights in [WeightType::F16, WeightType::Bf16] {
+            for dims in [ModelDims::GEMMA3_270M, gemma2b()] {
+                let base = PlanOptions {
+                    weights,
+                    ..PlanOptions::default()
+                };
+                let default = plan(&dims, &caps, &base).unwrap();
+                assert!(zmm(&default).iter().all(|&z| !z));
+                let opts = PlanOptions {
+                    zmm_gemv: true,
+                    ..base.clone()
+                };
+                let p = plan(&dims, &caps, &opts).unwrap();
+                assert!(p.total_bytes() <= BUDGET_BYTES, "{}", p.total_bytes());
+                assert!(!zmm(&p).is_empty() && zmm(&p).iter().all(|&z| z));
+                assert!(p.matrices.iter().all(|m| m.gemv.ends_with("_zmm")));
+                assert!(p.isa_description().contains("16-bit GEMV"));
+                let avx2 = PlanOptions {
+                    max_isa: Isa::Avx2,
+                    ..opts
+                };
+                assert!(zmm(&plan(&dims, &caps, &avx2).unwrap()).iter().all(|&z| !z));
+            }
+        }
     }
 
     /// With AVX-512 the engine computes attention's scores and weighted

@@ -61,11 +61,12 @@ impl KernelKind {
         match self {
             KernelKind::Gemv(p) => {
                 format!(
-                    "gemv_{}_r{}_u{}_k{}",
+                    "gemv_{}_r{}_u{}_k{}{}",
                     p.wt.name(),
                     gemv::ROWS,
                     p.unroll,
-                    p.k
+                    p.k,
+                    if p.zmm { "_zmm" } else { "" }
                 )
             }
             KernelKind::GemvQuant(p) => {
@@ -134,13 +135,13 @@ impl KernelKind {
     }
 
     /// The widest vectors the kernel uses: 512 bits for the VNNI integer
-    /// GEMM and the wide 16-bit GEMM, 256 for every other kernel (the
-    /// verifier holds each to its width).
+    /// GEMM and the 16-bit GEMM and GEMV on zmm, 256 for every other
+    /// kernel (the verifier holds each to its width).
     pub fn vector_bits(&self) -> usize {
         match self {
-            KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. }) | KernelKind::GemmWide(_) => {
-                512
-            }
+            KernelKind::GemmQuant(GemmQuantParams { vnni: true, .. })
+            | KernelKind::GemmWide(_)
+            | KernelKind::Gemv(GemvParams { zmm: true, .. }) => 512,
             _ => 256,
         }
     }

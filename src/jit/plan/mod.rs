@@ -25,7 +25,7 @@ pub use split::{k_chunk, split_rows};
 use super::blocking::{Blocking, Reason};
 use super::cpu::Isa;
 use super::emit::gemm_wide::{GemmWideParams, WideProducts};
-use super::emit::gemv::WeightType;
+use super::emit::gemv::{GemvParams, WeightType};
 use crate::model::quant_blocks::QuantType;
 
 /// Bytes ahead the quantized GEMVs prefetch by default, and the integer
@@ -65,6 +65,10 @@ pub struct PlanOptions {
     /// BF16 weights' GEMM with AVX-512 BF16's `vdpbf16ps` (inputs rounded
     /// to bf16) where the CPU has it; false keeps f32 inputs (the FMA form).
     pub bf16_dot: bool,
+    /// The 16-bit GEMV on zmm registers (`emit::gemv_wide`) where the CPU
+    /// has AVX-512; false (the default) keeps the ymm form, which streams
+    /// from memory at least as fast on Zen 4.
+    pub zmm_gemv: bool,
     pub budget: usize,
 }
 
@@ -80,6 +84,7 @@ impl Default for PlanOptions {
             one_token: Vec::new(),
             quant_prefetch: QUANT_PREFETCH_BYTES,
             bf16_dot: true,
+            zmm_gemv: false,
             budget: BUDGET_BYTES,
         }
     }
@@ -151,12 +156,17 @@ impl Plan {
     pub fn isa_description(&self) -> String {
         let mut text = self.isa.name().to_string();
         let wide = |k: &KernelSpec| matches!(k.kind, KernelKind::GemmWide(_));
+        let zmm_gemv =
+            |k: &KernelSpec| matches!(k.kind, KernelKind::Gemv(GemvParams { zmm: true, .. }));
         if self
             .kernels
             .iter()
-            .any(|k| k.isa == Isa::Avx512 && !wide(k))
+            .any(|k| k.isa == Isa::Avx512 && !wide(k) && !zmm_gemv(k))
         {
             text += " + avx512-vnni (integer products)";
+        }
+        if self.kernels.iter().any(zmm_gemv) {
+            text += " + avx512 (16-bit GEMV)";
         }
         if let Some(k) = self.kernels.iter().find(|k| wide(k)) {
             text += match k.kind {
