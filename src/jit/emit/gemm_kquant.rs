@@ -43,8 +43,9 @@
 //! the super-block, rbx the chunk's offset.
 
 use super::gemm_quant::{
-    GemmQuantParams, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT,
-    TOKENS, block_and_pass_top, iced, token_call_frame,
+    GemmQuantParams, SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT,
+    SINGLE_SCALED_SUM_AT, TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT,
+    TILE_SCALES_AT, TOKENS, block_and_pass_top, iced, token_call_frame,
 };
 use super::{Asm, cmp_imm8, count_mask, lane_index, new_asm, next_block_and_return, reg};
 use super::{finish, restore_callee_saved_and_return, save_callee_saved};
@@ -79,6 +80,78 @@ const TOP_BITS: AsmRegisterZmm = zmm28;
 const HIGH_A: AsmRegisterZmm = zmm29;
 const HIGH_B: AsmRegisterZmm = zmm30;
 const SPARE: AsmRegisterZmm = zmm31;
+/// Q4_K: the super-block's 16 rows' `d` and `dmin` as f32 (Q6_K's
+/// registers of high bits, which Q4_K does not use); Q6_K's `d`.
+const D: AsmRegisterZmm = HIGH_A;
+const DMIN: AsmRegisterZmm = HIGH_B;
+const Q6K_D: AsmRegisterZmm = SPARE;
+
+/// Where the parts of a group of the input are for a call of `tokens`
+/// (1 or 8) (see `gemm_quant`'s tiles): the bytes of a group, of a chunk,
+/// the offsets of the token's scale, scaled sum and Q6_K half starts, and
+/// the bytes between the two half starts.
+struct TileGeometry {
+    group: i32,
+    chunk: i32,
+    scale: i32,
+    scaled_sum: i32,
+    half_starts: i32,
+    half_step: i32,
+}
+
+fn tile_geometry(tokens: usize) -> TileGeometry {
+    if tokens == 1 {
+        TileGeometry {
+            group: SINGLE_GROUP_BYTES as i32,
+            chunk: CHUNK_BYTES as i32,
+            scale: SINGLE_SCALE_AT as i32,
+            scaled_sum: SINGLE_SCALED_SUM_AT as i32,
+            half_starts: SINGLE_HALF_STARTS_AT as i32,
+            half_step: 4,
+        }
+    } else {
+        TileGeometry {
+            group: TGB,
+            chunk: TILE_CHUNK,
+            scale: TILE_SCALES_AT as i32,
+            scaled_sum: TILE_SCALED_SUMS_AT as i32,
+            half_starts: TILE_HALF_STARTS_AT as i32,
+            half_step: (4 * TOKENS) as i32,
+        }
+    }
+}
+
+/// The run loop's index and steps: the 8-token form indexes both the
+/// weights' runs (rbx · 8) and the tile's chunks (rbx · 4) by rbx, 8 a
+/// run; the one-token tile's chunks are 4 bytes apart, which no index
+/// scale reaches, so that form steps r10 itself, `chains` chunks an
+/// iteration, and returns how far it went (taken back at the unit's end).
+fn step_chunks(a: &mut CodeAssembler, tokens: usize, chains: usize) -> Result<(), IcedError> {
+    if tokens == 1 {
+        a.add(r10, (chains * CHUNK_BYTES) as i32)?;
+    }
+    Ok(())
+}
+
+/// The tile's chunk `c` (of the iteration) for the run loop's operands.
+fn chunk_at(g: &TileGeometry, tokens: usize, c: usize) -> AsmMemoryOperand {
+    if tokens == 1 {
+        r10 + g.chunk * c as i32
+    } else {
+        r10 + rbx * 4 + g.chunk * c as i32
+    }
+}
+
+/// Where the one-token form's r10 must end a unit of `groups` groups,
+/// having gone `went` bytes through its chunks: `next_unit` steps r10 by
+/// the 8-token tile's groups, the one-token tile's are 64 bytes.
+fn unit_r10_fixup(tokens: usize, groups: i32, went: i32) -> i32 {
+    if tokens == 1 {
+        went + groups * (TGB - SINGLE_GROUP_BYTES as i32)
+    } else {
+        0
+    }
+}
 
 /// Bytes of a super-block's header (the rows' f16 scales) and of one
 /// unit of the loop over it (a pair of groups or a group), and the units.
@@ -160,6 +233,7 @@ fn join_chains(ops: &mut Asm, chains: usize) {
 fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     let run = ops.new_dynamic_label();
     let chains = chains(tokens);
+    let g = tile_geometry(tokens);
     iced(ops, |a| {
         for t in 0..tokens.max(chains) {
             a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
@@ -171,60 +245,62 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     dynasm!(ops ; .arch x64 ; =>run);
     iced(ops, |a| {
         for c in 0..chains {
-            let (w, x) = ((c * RUN_BYTES) as i32, c as i32 * TILE_CHUNK);
+            let w = (c * RUN_BYTES) as i32;
             a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q4K_RUNS_AT as i32 + w))?;
             a.vpandd(CHUNK_A, NIBBLES, LOW_NIBBLES)?;
             a.vpsrlw(NIBBLES, NIBBLES, 4)?;
             a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
             for t in 0..tokens {
                 let (first, second) = (FIRST[t + c], SECOND[t + c]);
-                let x = x + 4 * t as i32;
-                a.vpdpbusd(first, CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
-                a.vpdpbusd(second, NIBBLES, dword_bcst(r10 + rbx * 4 + TGB + x))?;
+                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
+                a.vpdpbusd(first, CHUNK_A, dword_bcst(x))?;
+                a.vpdpbusd(second, NIBBLES, dword_bcst(x + g.group))?;
             }
         }
+        step_chunks(a, tokens, chains)?;
         a.add(ebx, 8 * chains as i32)?;
         a.cmp(ebx, 8 * 8)
     });
     jback!(ops, jb, run, top);
     join_chains(ops, chains);
+    // The one-token form's r10 went through the first group's 8 chunks.
+    let went = if tokens == 1 { g.chunk * 8 } else { 0 };
     // The two groups' scaling is one copy of the code, run twice: the
     // second group's sums moved into the first's registers, r9 and r10
     // stepped to its scales and its tile group (back after the pair).
     let group = ops.new_dynamic_label();
-    iced(ops, |a| a.mov(ebx, 2));
+    iced(ops, |a| {
+        if went != 0 {
+            a.sub(r10, went)?;
+        }
+        a.mov(ebx, 2)
+    });
     let group_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>group);
     iced(ops, |a| {
         let (scales, mins) = (CHUNK_A, NIBBLES);
         a.vpmovzxbd(scales, xmmword_ptr(r9))?;
         a.vcvtdq2ps(scales, scales)?;
-        a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax))?;
-        a.vmulps(scales, scales, CHUNK_B)?;
+        a.vmulps(scales, scales, D)?;
         a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32))?;
         a.vcvtdq2ps(mins, mins)?;
-        a.vcvtph2ps(CHUNK_B, ymmword_ptr(rax + Q4K_DMIN_AT as i32))?;
-        a.vmulps(mins, mins, CHUNK_B)?;
+        a.vmulps(mins, mins, DMIN)?;
         for t in 0..tokens {
             let x = 4 * t as i32;
             a.vcvtdq2ps(FIRST[t], FIRST[t])?;
-            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + TILE_SCALES_AT as i32 + x))?;
+            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + g.scale + x))?;
             a.vfmadd231ps(F32_SUMS[t], FIRST[t], CHUNK_B)?;
-            a.vfnmadd231ps(
-                F32_SUMS[t],
-                mins,
-                dword_bcst(r10 + TILE_SCALED_SUMS_AT as i32 + x),
-            )?;
+            a.vfnmadd231ps(F32_SUMS[t], mins, dword_bcst(r10 + g.scaled_sum + x))?;
             a.vmovdqa32(FIRST[t], SECOND[t])?;
         }
         a.add(r9, ROWS as i32)?;
-        a.add(r10, TGB)?;
+        a.add(r10, g.group)?;
         a.dec(ebx)
     });
     jback!(ops, jne, group, group_top);
     iced(ops, |a| {
         a.sub(r9, 2 * ROWS as i32)?;
-        a.sub(r10, 2 * TGB)
+        a.sub(r10, 2 * g.group + unit_r10_fixup(tokens, 2, 0))
     });
 }
 
@@ -234,14 +310,12 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
 fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     let run = ops.new_dynamic_label();
     let chains = chains(tokens);
+    let g = tile_geometry(tokens);
     iced(ops, |a| {
         for t in 0..tokens {
             let x = 4 * t as i32;
-            a.vpbroadcastd(FIRST[t], dword_ptr(r10 + TILE_HALF_STARTS_AT as i32 + x))?;
-            a.vpbroadcastd(
-                SECOND[t],
-                dword_ptr(r10 + (TILE_HALF_STARTS_AT + 4 * TOKENS) as i32 + x),
-            )?;
+            a.vpbroadcastd(FIRST[t], dword_ptr(r10 + g.half_starts + x))?;
+            a.vpbroadcastd(SECOND[t], dword_ptr(r10 + g.half_starts + g.half_step + x))?;
         }
         for c in tokens..chains {
             a.vpxord(FIRST[c], FIRST[c], FIRST[c])?;
@@ -261,7 +335,7 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     dynasm!(ops ; .arch x64 ; =>run);
     iced(ops, |a| {
         for c in 0..chains {
-            let (w, x) = ((c * RUN_BYTES) as i32, c as i32 * TILE_CHUNK);
+            let w = (c * RUN_BYTES) as i32;
             a.vmovdqu32(
                 NIBBLES,
                 zmmword_ptr(r9 + rbx * 8 + Q6K_NIBBLES_AT as i32 + w),
@@ -272,25 +346,23 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
             a.vpandd(CHUNK_B, HIGH_B, TOP_BITS)?;
             a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
             for t in 0..tokens {
-                let x = x + 4 * t as i32;
-                a.vpdpbusd(FIRST[t + c], CHUNK_A, dword_bcst(r10 + rbx * 4 + x))?;
-                a.vpdpbusd(
-                    SECOND[t + c],
-                    CHUNK_B,
-                    dword_bcst(r10 + rbx * 4 + 4 * TILE_CHUNK + x),
-                )?;
+                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
+                a.vpdpbusd(FIRST[t + c], CHUNK_A, dword_bcst(x))?;
+                a.vpdpbusd(SECOND[t + c], CHUNK_B, dword_bcst(x + 4 * g.chunk))?;
             }
             a.vprord(HIGH_A, HIGH_A, 2)?;
             a.vprord(HIGH_B, HIGH_B, 2)?;
         }
+        step_chunks(a, tokens, chains)?;
         a.add(ebx, 8 * chains as i32)?;
         a.cmp(ebx, 4 * 8)
     });
     jback!(ops, jb, run, top);
     join_chains(ops, chains);
+    // The one-token form's r10 went through the group's first 4 chunks.
+    let went = if tokens == 1 { g.chunk * 4 } else { 0 };
     iced(ops, |a| {
-        let (d, first_scales, second_scales) = (HIGH_A, HIGH_B, SPARE);
-        a.vcvtph2ps(d, ymmword_ptr(rax))?;
+        let (d, first_scales, second_scales) = (Q6K_D, CHUNK_A, CHUNK_B);
         a.vpmovsxbd(first_scales, xmmword_ptr(r9))?;
         a.vcvtdq2ps(first_scales, first_scales)?;
         a.vmulps(first_scales, first_scales, d)?;
@@ -303,11 +375,11 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
             a.vcvtdq2ps(SECOND[t], SECOND[t])?;
             a.vmulps(FIRST[t], FIRST[t], first_scales)?;
             a.vfmadd231ps(FIRST[t], SECOND[t], second_scales)?;
-            a.vfmadd231ps(
-                F32_SUMS[t],
-                FIRST[t],
-                dword_bcst(r10 + TILE_SCALES_AT as i32 + x),
-            )?;
+            a.vfmadd231ps(F32_SUMS[t], FIRST[t], dword_bcst(r10 + g.scale - went + x))?;
+        }
+        let fixup = unit_r10_fixup(tokens, 1, went);
+        if fixup != 0 {
+            a.sub(r10, fixup)?;
         }
         Ok(())
     });
@@ -324,10 +396,17 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     let one_token = ops.new_dynamic_label();
     let unit_done = ops.new_dynamic_label();
     let super_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>super_block);
+    // Once a super-block, for every group's scales (and Q4_K's mins).
+    iced(ops, |a| match p.q {
+        QuantType::Q4Kx16 => {
+            a.vcvtph2ps(D, ymmword_ptr(r9))?;
+            a.vcvtph2ps(DMIN, ymmword_ptr(r9 + Q4K_DMIN_AT as i32))
+        }
+        _ => a.vcvtph2ps(Q6K_D, ymmword_ptr(r9)),
+    });
     dynasm!(ops
         ; .arch x64
-        ; =>super_block
-        ; mov rax, r9
         ; add r9, header
         ; mov r15d, units
     );
@@ -387,6 +466,16 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let block = ops.new_dynamic_label();
     let pass = ops.new_dynamic_label();
     token_call_frame(&mut ops, p.q, TILE_GROUP_BYTES, done);
+    // One token: the input is the one-token tile, whose groups end at
+    // x + K / 32 · 64 (r9 holds K still).
+    let eight = ops.new_dynamic_label();
+    cmp_imm8(&mut ops, reg::R13, 1);
+    dynasm!(ops
+        ; .arch x64
+        ; jne BYTE =>eight
+        ; lea r11, [rsi + r9 * 2]
+        ; =>eight
+    );
     iced(&mut ops, |a| {
         a.mov(r10d, 0x0F0F_0F0F)?;
         a.vpbroadcastd(LOW_NIBBLES, r10d)?;
