@@ -31,16 +31,22 @@
 //!
 //! With VNNI a call takes one of two forms by its token count: one token
 //! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute
-//! on the tile's zeros and are not stored). Under AVX2 a pass is one token
+//! on the tile's zeros and are not stored). The one-token form reads the
+//! one-token tile (`gemm_quant::SINGLE_GROUP_BYTES`, a line a group: the
+//! 8-token tile did not fit L1 beside the stream), keeps Q4_K's high
+//! nibbles at 16 times and does no software prefetching: the hardware's
+//! prefetchers follow a single stream read in address order, which is
+//! what bounds a decode step. Under AVX2 a pass is one token
 //! over 8 rows, the weights of the block read again (from L1 or L2) for
 //! each token and half.
 //!
 //! Registers (VNNI): zmm0..7 the tokens' sums of a pair's first group (or
 //! of a group's first half), zmm16..23 of the second, zmm8..15 their f32
 //! results (stored by `gemm_q8_0x16::store_pass`), zmm24..31 the
-//! unpacking and scaling. General registers as `gemm_quant`'s frame, plus
-//! rax the super-block's scales, r15 the units (pairs or groups) left in
-//! the super-block, rbx the chunk's offset.
+//! unpacking and scaling (among them the super-block's `d`, and Q4_K's
+//! `dmin`, as f32). General registers as `gemm_quant`'s frame, plus r15
+//! the units (pairs or groups) left in the super-block, rbx the chunk's
+//! offset.
 
 use super::gemm_quant::{
     GemmQuantParams, SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT,
@@ -409,9 +415,9 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
 }
 
 /// The VNNI kernel's loop over the row block, super-block by super-block
-/// (rax its scales), unit by unit (r15 counting), each unit in the form
-/// of the call's token count: one (a decode step) or a pass of 8. The
-/// forms share the prefetches and the loop.
+/// (its scales converted once), unit by unit (r15 counting), each unit in
+/// the form of the call's token count: one (a decode step) or a pass of
+/// 8, which alone prefetches. The forms share the loop.
 fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     let (header, _, units, _) = geometry(p.q);
     let super_block = ops.new_dynamic_label();
