@@ -123,14 +123,15 @@ fn the_jit_k_quant_gemm_equals_the_portable_product_bit_for_bit() {
                 let mid = Some((rows / 2).next_multiple_of(16))
                     .filter(|&m| m < rows)
                     .unwrap_or(0);
-                for tokens in [1, 2, 3, 4, 5, 6, 7, 8, 11] {
+                // 1 and 9: a tile of one token (the one-token tile with VNNI).
+                for tokens in [1, 2, 3, 4, 5, 6, 7, 8, 9, 11] {
                     let x = inputs(tokens, k);
                     let xq = Q8Input::quantize(&x, k);
                     let want = portable(&w, &xq);
                     let ldy = rows + 3;
                     let mut got = vec![f32::NAN; tokens * ldy];
                     for i in 0..xq.tile_count() {
-                        let (tile, ntok) = xq.tile(i);
+                        let (tile, ntok) = xq.tile_for(i, gemm.single_token_layout);
                         let y = &mut got[i * 8 * ldy..];
                         gemm.run(w.raw(), tile, ntok, y, ldy, 0..mid).unwrap();
                         gemm.run(w.raw(), tile, ntok, y, ldy, mid..rows).unwrap();
@@ -159,6 +160,20 @@ fn the_jit_k_quant_gemm_equals_the_portable_product_bit_for_bit() {
                 }
                 let short = &w.raw()[..w.raw().len() - 1];
                 assert!(gemm.run(short, tile, 2, &mut y, rows, 0..rows).is_err());
+                // A call of one token takes the one-token tile with VNNI
+                // (the 8-token tile of the same token is refused), the
+                // 8-token tile under AVX2.
+                let xq = Q8Input::quantize(&inputs(1, k), k);
+                let (eight, _) = xq.tile(0);
+                let (single, _) = xq.tile_for(0, true);
+                let (right, wrong) = if vnni {
+                    (single, eight)
+                } else {
+                    (eight, single)
+                };
+                assert_eq!(gemm.single_token_layout, vnni);
+                assert!(gemm.run(w.raw(), right, 1, &mut y, rows, 0..rows).is_ok());
+                assert!(gemm.run(w.raw(), wrong, 1, &mut y, rows, 0..rows).is_err());
             }
         }
     }

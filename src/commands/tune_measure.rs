@@ -293,10 +293,17 @@ fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Res
         .map(|i| (i % 13) as f32 * 0.1 - 0.6)
         .collect();
     let xq = Q8Input::quantize(&x, k);
-    let (tile, _) = xq.tile(0);
+    // A call of one token takes its own tile where the kernel asks for it
+    // (`GemmQuant::single_token_layout`).
+    let xq1 = Q8Input::quantize(&x[..k], k);
+    let tile_of = |ntok: usize| match ntok {
+        1 => xq1.tile_for(0, gemm.single_token_layout).0,
+        _ => xq.tile(0).0,
+    };
     let mut y = vec![0f32; TOKENS * rows];
     let mut one_token = None;
     for ntok in [1usize, 2, 4, 8] {
+        let tile = tile_of(ntok);
         let mut err = None;
         let secs = best_of(|| {
             if let Err(e) = gemm.run(&w, tile, ntok, &mut y, rows, 0..rows) {
@@ -322,6 +329,7 @@ fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Res
         let parts = crate::jit::plan::split_rows(rows, plan.threads, q.block_rows());
         let mut one_token = None;
         for ntok in [1, TOKENS] {
+            let tile = tile_of(ntok);
             let secs = time_own_outputs(&parts, TOKENS * rows, |y, r| {
                 gemm.run(&w, tile, ntok, y, rows, r)
             })?;

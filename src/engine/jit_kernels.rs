@@ -453,17 +453,22 @@ impl MatKernels for JitKernels {
         );
         // Every tile passes over a panel of rows while it stays in L2 (the
         // plan's `widened_panel_bytes`, at Q8_0's bytes per row), so the rows are
-        // read from memory once, and unpacked once.
+        // read from memory once, and unpacked once. A single tile read
+        // straight from the matrix takes all the rows in one call: one
+        // stream the prefetchers follow.
         let q8_row_bytes = QuantType::Q8_0.file_block_bytes() * (w.cols / quant_blocks::GROUP_COLS);
-        let panel_rows = self
-            .blocking
-            .rows_within(self.blocking.widened_panel_bytes, q8_row_bytes);
+        let panel_rows = if x.tile_count() == 1 && unpack.is_none() {
+            rows.len().max(1)
+        } else {
+            self.blocking
+                .rows_within(self.blocking.widened_panel_bytes, q8_row_bytes)
+        };
         let mut r0 = rows.start;
         while r0 < rows.end {
             let r1 = rows.end.min(r0 + panel_rows);
             let run_tiles = |panel: &[u8], first_row: usize| {
                 for i in 0..x.tile_count() {
-                    let (tile, ntok) = x.tile(i);
+                    let (tile, ntok) = x.tile_for(i, k.single_token_layout);
                     // SAFETY: `panel` holds the 16-row blocks of rows
                     // first_row..r1 - r0 + first_row (the whole matrix's, or
                     // the unpacked panel's), the tile is whole, y holds every

@@ -32,8 +32,9 @@
 //! worth a second, unsafe write path.
 
 use crate::jit::emit::gemm_quant::{
+    SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT, SINGLE_SCALED_SUM_AT,
     TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
-    TILE_VNNI_STARTS_AT, TOKENS, tile_bytes, vnni_group_start,
+    TILE_VNNI_STARTS_AT, TOKENS, single_tile_bytes, tile_bytes, vnni_group_start,
 };
 use crate::model::quant_blocks::GROUP_COLS;
 
@@ -41,6 +42,9 @@ pub struct Q8Input {
     bytes: Vec<u8>,
     /// The token tiles.
     tiles: Vec<u8>,
+    /// The last tile's token in the one-token layout, where that tile
+    /// holds one token (`gemm_quant::SINGLE_GROUP_BYTES`); else empty.
+    single: Vec<u8>,
     k: usize,
     tokens: usize,
 }
@@ -142,19 +146,50 @@ fn quantize_group(
     cell[TILE_SUMS_AT + lane..][..4].copy_from_slice(&total.to_le_bytes());
     let start = vnni_group_start(total);
     cell[TILE_VNNI_STARTS_AT + lane..][..4].copy_from_slice(&start.to_le_bytes());
-    let scaled_sum = d * total as f32;
+    let (scaled_sum, half_starts) = k_quant_terms(quants, d, total);
     cell[TILE_SCALED_SUMS_AT + lane..][..4].copy_from_slice(&scaled_sum.to_le_bytes());
-    let first_half: i32 = quants[..GROUP_COLS / 2]
-        .iter()
-        .map(|&q| i32::from(q as i8))
-        .sum();
-    for (half, sum) in [first_half, total - first_half].into_iter().enumerate() {
+    for (half, start) in half_starts.into_iter().enumerate() {
         let at = TILE_HALF_STARTS_AT + half * 4 * TOKENS + lane;
-        cell[at..][..4].copy_from_slice(&(-32 * sum).to_le_bytes());
+        cell[at..][..4].copy_from_slice(&start.to_le_bytes());
     }
     token[k + g * 4..][..4].copy_from_slice(&d.to_le_bytes());
     token[k + groups * 4 + g * 4..][..4].copy_from_slice(&total.to_le_bytes());
     d
+}
+
+/// What the K-quant kernels take of a group of 32 quants besides them
+/// (see `gemm_kquant`): its scaled sum `d · sum` (Q4_K's mins multiply
+/// it) and the starts of its halves' Q6_K sums, `-32 ·` each half's sum.
+fn k_quant_terms(quants: &[u8], d: f32, total: i32) -> (f32, [i32; 2]) {
+    let first_half: i32 = quants[..GROUP_COLS / 2]
+        .iter()
+        .map(|&q| i32::from(q as i8))
+        .sum();
+    (
+        d * total as f32,
+        [-32 * first_half, -32 * (total - first_half)],
+    )
+}
+
+/// Token `token` (its quants, scales and sums as [`Q8Input::token`]
+/// lays them out) in the one-token tile's layout.
+fn single_tile(token: &[u8], k: usize) -> Vec<u8> {
+    let groups = k / GROUP_COLS;
+    let word = |at: usize| [token[at], token[at + 1], token[at + 2], token[at + 3]];
+    let mut out = vec![0u8; single_tile_bytes(k)];
+    for (g, cell) in out.chunks_exact_mut(SINGLE_GROUP_BYTES).enumerate() {
+        let quants = &token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
+        let d = f32::from_le_bytes(word(k + 4 * g));
+        let total = i32::from_le_bytes(word(k + 4 * groups + 4 * g));
+        let (scaled_sum, half_starts) = k_quant_terms(quants, d, total);
+        cell[..GROUP_COLS].copy_from_slice(quants);
+        cell[SINGLE_SCALE_AT..][..4].copy_from_slice(&d.to_le_bytes());
+        cell[SINGLE_SCALED_SUM_AT..][..4].copy_from_slice(&scaled_sum.to_le_bytes());
+        for (half, start) in half_starts.into_iter().enumerate() {
+            cell[SINGLE_HALF_STARTS_AT + 4 * half..][..4].copy_from_slice(&start.to_le_bytes());
+        }
+    }
+    out
 }
 
 /// One block of 32 values: writes its quants and returns its scale and
@@ -313,9 +348,16 @@ impl Q8Input {
         } else {
             quantize_rows(x, k, levels, &mut bytes, &mut tiles);
         }
+        let stride = Self::token_bytes(k);
+        let single = if tokens % TOKENS == 1 {
+            single_tile(&bytes[(tokens - 1) * stride..], k)
+        } else {
+            Vec::new()
+        };
         Q8Input {
             bytes,
             tiles,
+            single,
             k,
             tokens,
         }
@@ -333,6 +375,18 @@ impl Q8Input {
         assert!(i < self.tile_count(), "tile {i} of {}", self.tile_count());
         let ntok = (self.tokens - i * TOKENS).min(TOKENS);
         (&self.tiles[i * bytes..(i + 1) * bytes], ntok)
+    }
+
+    /// Tile `i` as a kernel takes it: a tile of one token in the
+    /// one-token layout when `single_token_layout` (the kernel's
+    /// `GemmQuantParams::single_token_layout`), else as [`Q8Input::tile`].
+    pub fn tile_for(&self, i: usize, single_token_layout: bool) -> (&[u8], usize) {
+        let (tile, ntok) = self.tile(i);
+        if ntok == 1 && single_token_layout {
+            (&self.single, 1)
+        } else {
+            (tile, ntok)
+        }
     }
 
     pub fn k(&self) -> usize {
@@ -400,6 +454,41 @@ mod tests {
                 for (&b, &v) in quants.iter().zip(block) {
                     let back = d * f32::from(b as i8);
                     assert!((back - v).abs() <= d * 0.5 + 1e-6, "{v} -> {back}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_one_token_tile_holds_what_the_tile_holds_for_its_token() {
+        let k = 96;
+        for tokens in [1, 9, 2] {
+            let x: Vec<f32> = (0..tokens * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+                .collect();
+            let q = Q8Input::quantize(&x, k);
+            let last = q.tile_count() - 1;
+            let (tile, ntok) = q.tile(last);
+            let (single, n) = q.tile_for(last, true);
+            assert_eq!(n, ntok);
+            if ntok > 1 {
+                assert_eq!(single, tile, "{tokens} tokens: the 8-token tile");
+                continue;
+            }
+            assert_eq!(single.len(), single_tile_bytes(k));
+            for g in 0..k / GROUP_COLS {
+                let cell = &tile[g * TILE_GROUP_BYTES..][..TILE_GROUP_BYTES];
+                let one = &single[g * SINGLE_GROUP_BYTES..][..SINGLE_GROUP_BYTES];
+                for c in 0..GROUP_COLS / 4 {
+                    assert_eq!(one[4 * c..][..4], cell[4 * TOKENS * c..][..4]);
+                }
+                for (at, tile_at) in [
+                    (SINGLE_SCALE_AT, TILE_SCALES_AT),
+                    (SINGLE_SCALED_SUM_AT, TILE_SCALED_SUMS_AT),
+                    (SINGLE_HALF_STARTS_AT, TILE_HALF_STARTS_AT),
+                    (SINGLE_HALF_STARTS_AT + 4, TILE_HALF_STARTS_AT + 4 * TOKENS),
+                ] {
+                    assert_eq!(one[at..][..4], cell[tile_at..][..4], "group {g} at {at}");
                 }
             }
         }

@@ -257,11 +257,13 @@ const ALLOWED: &[Mnemonic] = {
         Vpblendmb,
         Vpternlogd,
         // The GEMM over Q4_K and Q6_K in 16-row blocks: nibbles masked,
-        // Q6_K's 2-bit fields rotated into place.
+        // Q6_K's 2-bit fields rotated into place, a decode step's Q4_K sums
+        // of high nibbles kept at 16 times (shifted back once a pair).
         Vpandd,
         Vprold,
         Vprord,
         Vmovdqa32,
+        Vpsrad,
         // The 16-bit GEMM on zmm: BF16 dot products, inputs broadcast to
         // both 256-bit halves, a row's halves added.
         Vdpbf16ps,

@@ -64,6 +64,15 @@ pub struct GemmQuantParams {
     pub l2_prefetch: usize,
 }
 
+impl GemmQuantParams {
+    /// Whether the kernel's one-token form reads a one-token tile
+    /// ([`SINGLE_GROUP_BYTES`] per group) rather than the 8-token tile:
+    /// the K-quant kernels with VNNI.
+    pub fn single_token_layout(&self) -> bool {
+        self.vnni && self.q.is_k_quant()
+    }
+}
+
 /// Rows per block of every form: Q8_0x16's.
 pub const ROWS: usize = 16;
 /// Tokens per call: a tile's slots.
@@ -82,6 +91,24 @@ pub const TILE_SCALED_SUMS_AT: usize = TILE_VNNI_STARTS_AT + TOKENS * 4;
 /// values are stored plus 32 and its scales change every 16 columns).
 pub const TILE_HALF_STARTS_AT: usize = TILE_SCALED_SUMS_AT + TOKENS * 4;
 pub const TILE_GROUP_BYTES: usize = TILE_HALF_STARTS_AT + 2 * TOKENS * 4;
+
+/// A tile of one token in the one-token layout, which a kernel whose
+/// one-token form asks for it ([`GemmQuantParams::single_token_layout`])
+/// takes instead of the 8-token tile when `ntok` is 1: per group of 32
+/// columns one 64-byte line, the token's 32 quants (chunk c at 4c), then
+/// its scale, its scaled sum and its two Q6_K half starts, the values the
+/// 8-token tile holds. (The 8-token tile of K 2,560 is 35 KiB, more than
+/// L1d, and one token reads 4 bytes in 32 of 6 of its 7 lines per group:
+/// a decode step read the whole tile from L2 again for every 16 rows.)
+pub const SINGLE_GROUP_BYTES: usize = 64;
+pub const SINGLE_SCALE_AT: usize = GROUP_COLS;
+pub const SINGLE_SCALED_SUM_AT: usize = SINGLE_SCALE_AT + 4;
+pub const SINGLE_HALF_STARTS_AT: usize = SINGLE_SCALED_SUM_AT + 4;
+
+/// Bytes of a one-token tile for rows of `k` values.
+pub fn single_tile_bytes(k: usize) -> usize {
+    k / GROUP_COLS * SINGLE_GROUP_BYTES
+}
 
 /// 1.5 * 2^23 as f32 bits. Every integer i with |i| < 2^22 added to these
 /// bits gives the float 1.5 * 2^23 + i exactly, so subtracting 1.5 * 2^23

@@ -262,6 +262,9 @@ pub struct GemmQuant<'a> {
     pub name: &'a str,
     pub q: QuantType,
     pub k: usize,
+    /// A call of one token takes the one-token tile (see
+    /// `GemmQuantParams::single_token_layout`).
+    pub single_token_layout: bool,
 }
 
 impl GemmQuant<'_> {
@@ -270,10 +273,20 @@ impl GemmQuant<'_> {
         gemm_quant::tile_bytes(self.k)
     }
 
+    /// Bytes of the tile a call of `ntok` tokens takes.
+    fn tile_bytes_for(&self, ntok: usize) -> usize {
+        if ntok == 1 && self.single_token_layout {
+            gemm_quant::single_tile_bytes(self.k)
+        } else {
+            self.tile_bytes()
+        }
+    }
+
     /// `y[t*ldy + r] = W[r, :] · x_t` for r in `rows` and the `ntok` (1..=8)
     /// tokens of one tile, W in Q8_0x16's 16-row blocks (a Q8_0 matrix, or
     /// a panel unpacked into them with the offset `q` names), `rows`
-    /// starting on a block.
+    /// starting on a block. One token's tile is the one-token tile where
+    /// `single_token_layout` (`Q8Input::tile_for` gives the right one).
     pub fn run(
         &self,
         w: &[u8],
@@ -286,7 +299,7 @@ impl GemmQuant<'_> {
         let input = TokensInput {
             what: "a tile",
             bytes: tile.len(),
-            want: self.tile_bytes(),
+            want: self.tile_bytes_for(ntok),
             ntok,
             max_tokens: gemm_quant::TOKENS,
         };
@@ -307,7 +320,8 @@ impl GemmQuant<'_> {
     ///
     /// # Safety
     /// `w` must hold the row blocks up to `rows.end` (`rows.start` on a
-    /// block), `tile` a whole tile for K, `ntok` in 1..=8, and `Y[t*ldy +
+    /// block), `tile` a whole tile for K and `ntok` (as `run`'s), `ntok`
+    /// in 1..=8, and `Y[t*ldy +
     /// r]` must be writable for t < ntok, r in `rows`, with no other thread
     /// touching those elements.
     pub unsafe fn run_unchecked(
@@ -335,11 +349,15 @@ impl<'a> Kernel<'a> for GemmQuant<'a> {
         // SAFETY: the caller passes verified integer GEMM code (see
         // emit::gemm_quant).
         let f = unsafe { std::mem::transmute::<*const u8, GemmQuantFn>(entry) };
+        let KernelKind::GemmQuant(params) = c.spec.kind else {
+            unreachable!("serves() checked the kind")
+        };
         GemmQuant {
             f,
             name: &c.spec.name,
             q,
             k,
+            single_token_layout: params.single_token_layout(),
         }
     }
 }
