@@ -2,7 +2,7 @@
 //! Vector widths are baked in; tails use AVX2 masked loads/stores (f32 lanes)
 //! or, where the output cannot alias the input, an overlapping last vector.
 
-use super::{ExpRegs, LANES, add_rax, exp_ps, finish, hsum, lane_mask, new_asm};
+use super::{ExpRegs, LANES, add_rax, exp_ps, hsum, lane_mask, new_asm, return_at};
 use crate::jback;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
 
@@ -116,13 +116,7 @@ pub fn emit_rmsnorm(dim: usize, unroll: usize, name: &str) -> anyhow::Result<Vec
         ; dec rcx
     );
     jback!(ops, jnz, row, row_top);
-    dynasm!(ops
-        ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
-    );
-    finish(ops, name)
+    return_at(ops, done, name)
 }
 
 /// `extern "sysv64" fn(gate, up, out, rows)`: out = gelu_tanh(gate) * up over
@@ -193,11 +187,5 @@ pub fn emit_geglu(width: usize, name: &str) -> anyhow::Result<Vec<u8>> {
         ; mov r9, r8
     );
     jback!(ops, jmp, body, top);
-    dynasm!(ops
-        ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
-    );
-    finish(ops, name)
+    return_at(ops, done, name)
 }

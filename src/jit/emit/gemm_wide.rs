@@ -137,8 +137,8 @@ fn row_order(p: &GemmWideParams) -> [u8; 16] {
     idx
 }
 
-/// `dst = [a0+a1, a2+a3, b0+b1, b2+b3]` in every 128-bit lane.
-fn pair_sums(
+/// `dst = [x0+x1, x2+x3, y0+y1, y2+y3]` in every 128-bit lane.
+pub(super) fn pair_sums(
     a: &mut CodeAssembler,
     dst: AsmRegisterZmm,
     x: AsmRegisterZmm,

@@ -27,11 +27,12 @@
 
 use super::gemm_quant::iced;
 use super::{
-    Asm, LANES, add_rax, finish, lane_index, lane_mask, new_asm, reduce4, store_rows_and_next_block,
+    Asm, LANES, add_rax, lane_index, lane_mask, new_asm, reduce4, return_at,
+    store_rows_and_next_block,
 };
 use crate::jback;
 use crate::model::row_blocks;
-use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
+use dynasmrt::{AssemblyOffset, DynamicLabel, DynasmApi, DynasmLabelApi, dynasm};
 use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
@@ -209,18 +210,13 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         lane_mask(&mut ops, MASK, 0, tail);
     }
     lane_index(&mut ops, IDX);
-    dynasm!(ops
-        ; .arch x64
-        ; lea r11, [rsi + (looped * LANES * 4) as i32]
-        ; cmp rcx, r8
-        ; jae =>done
-    );
-    let block_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>block
-        ; imul r9, rcx, per_row
-        ; lea r9, [rdi + r9 + (looped * GROUP_BYTES) as i32]
+    let block_top = open_block_loop(
+        &mut ops,
+        (looped * LANES * 4) as i32,
+        (looped * GROUP_BYTES) as i32,
+        per_row,
+        block,
+        done,
     );
     for a in 0..(ROWS * accs_per_row) as u8 {
         dynasm!(ops ; .arch x64 ; vxorps Ry(a), Ry(a), Ry(a));
@@ -256,13 +252,7 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
             bf16_reduce(a, accs_per_row)
         });
         store_rows_and_next_block(&mut ops, IDX, block, block_top);
-        dynasm!(ops
-            ; .arch x64
-            ; =>done
-            ; vzeroupper
-            ; ret
-        );
-        return finish(ops, name);
+        return return_at(ops, done, name);
     }
     // Whole groups left after the unrolled loop, then the padded one.
     for v in 0..rest + usize::from(tail > 0) {
@@ -281,11 +271,33 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
     }
     reduce4(&mut ops, [0, 1, 2, 3], 8);
     store_rows_and_next_block(&mut ops, IDX, block, block_top);
+    return_at(ops, done, name)
+}
+
+/// The head of the loop over row blocks both GEMV forms share: r11 = x
+/// past the unrolled groups (`x_skip` bytes), nothing to do when r1 <= r,
+/// then at the returned offset (`block`) r9 = the block's weights past
+/// them (`w_skip` bytes), `per_row` bytes a row of the block.
+pub(super) fn open_block_loop(
+    ops: &mut Asm,
+    x_skip: i32,
+    w_skip: i32,
+    per_row: i32,
+    block: DynamicLabel,
+    done: DynamicLabel,
+) -> AssemblyOffset {
     dynasm!(ops
         ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
+        ; lea r11, [rsi + x_skip]
+        ; cmp rcx, r8
+        ; jae =>done
     );
-    finish(ops, name)
+    let block_top = ops.offset();
+    dynasm!(ops
+        ; .arch x64
+        ; =>block
+        ; imul r9, rcx, per_row
+        ; lea r9, [rdi + r9 + w_skip]
+    );
+    block_top
 }

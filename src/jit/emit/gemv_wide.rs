@@ -30,8 +30,9 @@
 //! input, k1 the tail's lanes, k2 the rows stored.
 
 use super::gemm_quant::iced;
-use super::gemv::{GemvParams, ROWS, WeightType};
-use super::{LANES, finish, new_asm};
+use super::gemm_wide::pair_sums;
+use super::gemv::{GemvParams, ROWS, WeightType, open_block_loop};
+use super::{LANES, new_asm, return_at};
 use crate::jback;
 use crate::model::row_blocks;
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -149,19 +150,6 @@ fn products(
     a.vfmadd231ps(HI[s], w1, x1)
 }
 
-/// `dst = [x0+x1, x2+x3, y0+y1, y2+y3]` in every 128-bit lane.
-fn pair_sums(
-    a: &mut CodeAssembler,
-    dst: AsmRegisterZmm,
-    x: AsmRegisterZmm,
-    y: AsmRegisterZmm,
-    tmp: AsmRegisterZmm,
-) -> Result<(), IcedError> {
-    a.vshufps(tmp, x, y, 0x88)?;
-    a.vshufps(dst, x, y, 0xDD)?;
-    a.vaddps(dst, dst, tmp)
-}
-
 /// The slots' accumulators reduced to the 4 rows' sums in zmm8's first
 /// 4 elements, in order.
 fn reduce(a: &mut CodeAssembler, wt: WeightType, slots: usize) -> Result<(), IcedError> {
@@ -211,18 +199,13 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         a.vpmovzxbd(ORDER, xmm8)?;
         a.vpxord(ZERO, ZERO, ZERO)
     });
-    dynasm!(ops
-        ; .arch x64
-        ; lea r11, [rsi + looped as i32 * X_BYTES]
-        ; cmp rcx, r8
-        ; jae =>done
-    );
-    let block_top = ops.offset();
-    dynasm!(ops
-        ; .arch x64
-        ; =>block
-        ; imul r9, rcx, per_row
-        ; lea r9, [rdi + r9 + looped as i32 * GROUP_BYTES]
+    let block_top = open_block_loop(
+        &mut ops,
+        looped as i32 * X_BYTES,
+        looped as i32 * GROUP_BYTES,
+        per_row,
+        block,
+        done,
     );
     iced(&mut ops, |a| {
         // VEX xmm forms clear the whole register, in 4 bytes.
@@ -267,11 +250,5 @@ pub fn emit(p: &GemvParams, name: &str) -> anyhow::Result<Vec<u8>> {
         a.cmp(rcx, r8)
     });
     jback!(ops, jb, block, block_top);
-    dynasm!(ops
-        ; .arch x64
-        ; =>done
-        ; vzeroupper
-        ; ret
-    );
-    finish(ops, name)
+    return_at(ops, done, name)
 }

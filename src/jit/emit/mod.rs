@@ -42,6 +42,23 @@ pub fn finish(ops: Asm, name: &str) -> anyhow::Result<Vec<u8>> {
     })
 }
 
+/// Places `done` and returns from the kernel there (the vector registers'
+/// upper halves cleared first, as every kernel leaves them), then
+/// finishes it.
+pub fn return_at(
+    mut ops: Asm,
+    done: dynasmrt::DynamicLabel,
+    name: &str,
+) -> anyhow::Result<Vec<u8>> {
+    dynasm!(ops
+        ; .arch x64
+        ; =>done
+        ; vzeroupper
+        ; ret
+    );
+    finish(ops, name)
+}
+
 /// f32 elements in one AVX2 vector.
 pub const LANES: usize = 8;
 
