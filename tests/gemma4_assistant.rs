@@ -261,14 +261,28 @@ fn reference_drafts_of_the_gguf_assistant_use_the_full_head() {
     );
 }
 
+/// Case `case`'s context but its last token run on the fast engine, then a
+/// round of 8 drafts from that token: the drafted ids and their logits.
+fn draft_round(engine: &mut pulsar::engine::fast::FastEngine, case: &str) -> (Vec<u32>, Vec<f32>) {
+    use pulsar::engine::{Engine, LogitsWanted};
+    let ids = case_ids(case);
+    engine.truncate(0);
+    engine
+        .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
+        .unwrap();
+    let mut logits = Vec::new();
+    let tokens = engine
+        .draft(ids[ids.len() - 1], 8, Some(&mut logits))
+        .unwrap();
+    (tokens, logits)
+}
+
 /// The fast engine's rounds (the JIT's kernels with what the CPU has and
 /// held to AVX2, the portable ones; one and two threads, so the attention
 /// over the target's cache is split) against the f32 chain, within what
 /// FP16 weights allow (see tests/draft_logits.rs).
 #[test]
 fn fast_drafts_match_the_reference_on_every_kernel_set() {
-    use pulsar::engine::Engine;
-    use pulsar::engine::LogitsWanted;
     use pulsar::engine::fast::{FastEngine, FastOptions, assistant_format, plan_assistant};
     use pulsar::engine::jit_kernels::{JitKernels, plan_options};
     use pulsar::engine::kernels::{MatKernels, PortableKernels};
@@ -317,18 +331,10 @@ fn fast_drafts_match_the_reference_on_every_kernel_set() {
         for (name, kernels) in sets {
             let mut engine = FastEngine::load(&target, kernels, &opts).expect("loads");
             engine
-                .load_assistant(&assistant, &target.path, formats.wide)
+                .load_assistant(&assistant, &target.path, format)
                 .expect("the assistant loads");
             for case in ["a", "b"] {
-                let ids = case_ids(case);
-                engine.truncate(0);
-                engine
-                    .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
-                    .unwrap();
-                let mut logits = Vec::new();
-                let tokens = engine
-                    .draft(ids[ids.len() - 1], 8, Some(&mut logits))
-                    .unwrap();
+                let (tokens, logits) = draft_round(&mut engine, case);
                 assert_eq!(
                     tokens,
                     chain_tokens(case, "centroid_f32"),
@@ -351,8 +357,6 @@ fn fast_drafts_match_the_reference_on_every_kernel_set() {
 /// stay near the f32 chain, as the target's own Q8_0 logits do.
 #[test]
 fn beside_a_q8_0_target_the_assistant_drafts_on_the_targets_kernels() {
-    use pulsar::engine::Engine;
-    use pulsar::engine::LogitsWanted;
     use pulsar::engine::fast::{FastEngine, FastOptions, assistant_format, plan_assistant};
     use pulsar::engine::jit_kernels::{JitKernels, plan_options};
     use pulsar::engine::packed::WeightFormat;
@@ -391,15 +395,7 @@ fn beside_a_q8_0_target_the_assistant_drafts_on_the_targets_kernels() {
         .load_assistant(&assistant, &target.path, format)
         .expect("the assistant loads");
     for case in ["a", "b"] {
-        let ids = case_ids(case);
-        engine.truncate(0);
-        engine
-            .forward(&ids[..ids.len() - 1], LogitsWanted::Last)
-            .unwrap();
-        let mut logits = Vec::new();
-        let tokens = engine
-            .draft(ids[ids.len() - 1], 8, Some(&mut logits))
-            .unwrap();
+        let (tokens, logits) = draft_round(&mut engine, case);
         // Rounding to 8 bits moves near ties: of the cluster scores (a
         // different cluster kept changes its rows' logits wholesale) and
         // of the tokens (the rounds after a different draft continue a

@@ -2,12 +2,10 @@
 //! bandwidth over the same number of bytes measured in the same run, so a
 //! decode rate is always stated against the ceiling it is chasing.
 
-use super::{EngineArgs, jit_kernels, open_fast_engine, print_notes, resolve_model};
+use super::{EngineArgs, open_fast_engine, print_notes, resolve_model};
 use crate::engine::fast::{DraftSource, FastEngine, OpenReport, assistant_format, plan_assistant};
 use crate::engine::jit_kernels::{JitKernels, plan_options};
-use crate::engine::kernels::MatKernels;
 use crate::engine::membench::read_bandwidth;
-use crate::engine::packed::WeightFormat;
 use crate::engine::synthetic;
 use crate::engine::{Engine, LogitsWanted};
 use crate::model::presets;
@@ -143,21 +141,20 @@ pub fn run(
     // reports the freed pages to the host) that slowed a prefill timed
     // right after it: pp512 on 2 threads, two ABBA x3 rounds, median 594.4
     // and 624.7 tok/s with the read first, 644.1 and 641.5 with it last.
-    let drafting_on = args.draft.is_some() && engine.can_draft();
-    let m_curve = if args.m_curve || drafting_on {
+    let m_curve = if args.m_curve || args.draft.is_some() {
         step_costs(engine, vocab, args.m_curve_context)?
     } else {
         Vec::new()
     };
     let drafting = match &args.draft {
-        Some(draft) if drafting_on => Some(draft_cost(
+        Some(draft) => Some(draft_cost(
             engine,
             draft,
             vocab,
             args.m_curve_context,
             &m_curve,
         )?),
-        _ => None,
+        None => None,
     };
     // At most 1 GiB, far past any L3 here: a 26B-A4B reads 2 GB a token,
     // and a buffer that large beside its 18 GB of weights would not fit.
@@ -278,32 +275,24 @@ pub fn run_command(
             let opts = dtype.fast_options(threads, context, engine_args.in_place);
             let formats = dtype.shape_formats(&config);
             let weights = synthetic::random_weights(&config, &formats, 1);
-            let assistant = args.draft.as_ref().map(draft_source).transpose()?;
-            let draft_format = assistant
-                .as_ref()
-                .map(|a| assistant_format(&formats, a.config()));
-            let kernels = match (&assistant, draft_format) {
-                (Some(a), Some(format)) => {
-                    let mut plan = plan_options(&config, &formats, threads);
-                    plan_assistant(&mut plan, a.config(), format);
-                    match JitKernels::with_options(&config, plan)? {
-                        Some(k) => Box::new(k) as Box<dyn MatKernels>,
-                        None => bail!("this CPU cannot run the JIT kernels"),
-                    }
+            let mut plan = plan_options(&config, &formats, threads);
+            let assistant = match args.draft.as_ref().map(draft_source).transpose()? {
+                Some(DraftSource::Random { config: a, name }) => {
+                    let format = assistant_format(&formats, &a);
+                    plan_assistant(&mut plan, &a, format);
+                    Some((a, name, format))
                 }
-                _ => jit_kernels(&config, formats, threads)?,
-            };
-            let mut engine = FastEngine::new(config, weights, kernels, &opts)?;
-            match &assistant {
-                Some(DraftSource::Random { config, name }) => engine.attach_random_assistant(
-                    (**config).clone(),
-                    name,
-                    draft_format.unwrap_or(WeightFormat::F16),
-                )?,
                 Some(DraftSource::File(_)) => {
                     bail!("--draft FILE needs -m MODEL; with --shape give --draft-shape")
                 }
-                None => {}
+                None => None,
+            };
+            let Some(kernels) = JitKernels::with_options(&config, plan)? else {
+                bail!("this CPU cannot run the JIT kernels (AVX2, F16C and FMA are needed)");
+            };
+            let mut engine = FastEngine::new(config, weights, Box::new(kernels), &opts)?;
+            if let Some((a, name, format)) = assistant {
+                engine.attach_random_assistant(*a, &name, format)?;
             }
             let input_precision = engine_args.flags.input_precision;
             engine.set_input_precision(input_precision);
