@@ -347,3 +347,60 @@ fn convert_keeps_the_files_own_types_by_default() {
         assert_eq!(warned, name == "plain", "{stderr}");
     }
 }
+
+/// Gemma 4 (dense and MoE) and Gemma 3n keep their GGUF's keys and tensor
+/// list, every matrix in the kernels' row blocks, expert and AltUp stacks
+/// included: the converted file computes, in place or copied, the very
+/// logits loading the GGUF in the same formats does.
+#[test]
+fn gemma4_and_gemma3n_convert_to_files_used_in_place() {
+    let gemma4 = oracle_dir().join("gemma4");
+    let gemma3n = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gemma3n");
+    let tokens = [2u32, 10, 20, 30, 40, 50, 60, 70];
+    for (input, stack) in [
+        (
+            gemma4.join("tiny-gemma4-moe-f32.gguf"),
+            Some("blk.0.ffn_down_exps.weight"),
+        ),
+        (gemma4.join("tiny-gemma4-dense-f32.gguf"), None),
+        (
+            gemma3n.join("tiny-gemma3n-llamacpp-f32.gguf"),
+            Some("altup_proj.weight"),
+        ),
+    ] {
+        let original = Arc::new(ModelSource::open(&input).unwrap());
+        for (dtype, format) in [("q8_0", Some(WeightFormat::Q8_0)), ("native", None)] {
+            let name = format!("{}-{dtype}", input.file_stem().unwrap().to_string_lossy());
+            let out = convert(&input, &name, &["--dtype", dtype]);
+            let converted = Arc::new(ModelSource::open(&out).unwrap());
+            let file = GgufFile::open(&out).unwrap();
+            assert_eq!(
+                file.tensors().len(),
+                original.gguf().unwrap().tensors().len(),
+                "{name}: every tensor of the source"
+            );
+            if let Some(stack) = stack {
+                let t = file.tensor_info(stack).expect("the stack is kept");
+                assert!(t.dtype.is_row_blocked(), "{name}: {stack} is {}", t.dtype);
+                assert_eq!(t.shape.len(), 3, "{name}: {stack} stays one tensor");
+            }
+            let at_load = FastOptions {
+                threads: 2,
+                context: 32,
+                format,
+                prefill_chunk: 64,
+                in_place: false,
+                native: format.is_none(),
+            };
+            let want = jit_engine(&original, &at_load)
+                .forward(&tokens, LogitsWanted::All)
+                .unwrap();
+            let native = FastOptions {
+                format: None,
+                native: true,
+                ..at_load
+            };
+            assert_computes_in_place_and_copied(&converted, native, &tokens, &want, &name, 0);
+        }
+    }
+}

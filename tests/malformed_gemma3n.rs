@@ -303,11 +303,12 @@ fn hf_a_non_zero_active_stream_is_refused() {
     );
 }
 
-/// `convert` refuses a Gemma 3n model in one line that names the file and
-/// says why and what to do instead, and writes nothing.
+/// `convert` writes a Gemma 3n model from its GGUF only: the HF folder is
+/// refused in one line that names it and says what to do instead, and
+/// nothing is written.
 #[test]
-fn convert_refuses_in_one_line() {
-    let model = fixture(GGUF);
+fn convert_refuses_the_hf_folder_in_one_line() {
+    let model = fixture("tiny-gemma3n-f32");
     let out = common::ScratchFile::new("pulsar-convert-gemma3n-", "out.gguf");
     let run = Command::new(env!("CARGO_BIN_EXE_pulsar"))
         .arg("convert")
@@ -320,10 +321,10 @@ fn convert_refuses_in_one_line() {
     assert_eq!(run.status.code(), Some(1), "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     for needle in [
-        GGUF,
-        "does not write Gemma 3n",
-        "AltUp",
-        "run the GGUF file",
+        "tiny-gemma3n-f32",
+        "from its GGUF file only",
+        "convert_hf_to_gguf.py",
+        "run the folder directly",
     ] {
         assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
     }

@@ -14,6 +14,11 @@
 //! refuse the file rather than misread it. Metadata GGUF has no key for
 //! (query_pre_attn_scalar, the local RoPE base, which layers are global)
 //! goes under `pulsar.*` keys.
+//!
+//! Gemma 4 and Gemma 3n keep the source GGUF's keys and tensor list
+//! instead, their matrices in the same row blocks
+//! (`convert_same_tensors`): their layers differ from one another in ways
+//! only that description carries.
 
 use crate::engine::fast::{FastEngine, FastOptions, WeightFormats};
 use crate::engine::packed::{PackedMatrix, WeightFormat};
@@ -31,7 +36,7 @@ use std::path::Path;
 
 /// Data alignment of converted files: a cache line, so kernels may assume
 /// every matrix starts on one.
-const ALIGNMENT: u32 = 64;
+pub(super) const ALIGNMENT: u32 = 64;
 
 /// One tensor to write: its role, shape and whether it is a norm (f32).
 struct Planned {
@@ -162,26 +167,6 @@ pub enum Target {
 pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let target = target.unwrap_or(Target::Native);
     let src = ModelSource::open(input)?;
-    // The converted layout is Gemma 1-3's: one MLP width, K and V in every
-    // layer, a tensor per matrix. What these families add has no place in
-    // it yet, so the file would not load back.
-    let unwritten = match src.config.family {
-        Family::Gemma4 => Some((
-            "Gemma 4",
-            "per-layer head sizes and MLP widths, KV sharing, the per-layer token table and the experts",
-        )),
-        Family::Gemma3n => Some((
-            "Gemma 3n",
-            "per-layer MLP widths and sparsity, KV sharing, the per-layer token table and the stacked AltUp projections",
-        )),
-        _ => None,
-    };
-    if let Some((name, what)) = unwritten {
-        bail!(
-            "{}: `pulsar convert` does not write {name} models yet (its layout has no place for their {what}); run the GGUF file or HF folder directly, with `--dtype` to choose the weight format at load",
-            input.display()
-        );
-    }
     let c = src.config.clone();
     // Each matrix's format, as `--dtype` gives them at load: Q8_0 in the
     // layout this CPU's kernels read (16-row blocks with VNNI), so that
@@ -209,6 +194,22 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
         }
         Target::Format(format) => uniform(format),
     };
+    if output.exists() && output.canonicalize().ok() == input.canonicalize().ok() {
+        bail!("{}: the output would overwrite the input", output.display());
+    }
+    if matches!(c.family, Family::Gemma4 | Family::Gemma3n) {
+        let (total, packed) = super::convert_same_tensors::write(&src, input, output, &formats)?;
+        return report(
+            output,
+            total,
+            &formats,
+            target,
+            format,
+            &format!(
+                "{packed} matrices in the kernels' row blocks, the other tensors as the source has them"
+            ),
+        );
+    }
     let mut w = GgufWriter::new();
     w.set_alignment(ALIGNMENT);
     write_config(&mut w, &c, format);
@@ -260,14 +261,8 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let offsets: Vec<u64> = w.tensors.iter().map(|t| t.offset.unwrap_or(0)).collect();
     let header = w.header_bytes(&offsets);
 
-    if output.exists() && output.canonicalize().ok() == input.canonicalize().ok() {
-        bail!("{}: the output would overwrite the input", output.display());
-    }
     crate::cancel::install_ctrl_c_flag()?;
-    let mut out = Output {
-        file: AtomicFile::create(output)?,
-        written: 0,
-    };
+    let mut out = Output::new(AtomicFile::create(output)?);
     out.write(&header)?;
     let bar = ProgressBar::new(offset).with_style(
         ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
@@ -296,17 +291,35 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let total = header.len() as u64 + offset.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
     out.pad_to(total)?;
     crate::cancel::check()?;
-    out.file.commit()?;
+    out.commit()?;
     bar.finish_and_clear();
+    report(
+        output,
+        total,
+        &formats,
+        target,
+        format,
+        &format!("{} tensors", planned.len()),
+    )
+}
+
+/// What `convert` says once the file is written.
+fn report(
+    output: &Path,
+    total: u64,
+    formats: &WeightFormats,
+    target: Target,
+    format: WeightFormat,
+    tensors: &str,
+) -> Result<()> {
     let weights = match target {
         Target::Native => formats.describe(),
         _ => format!("{} weights", format.name()),
     };
     eprintln!(
-        "convert: wrote {} ({:.1} MB, {weights}, {} tensors)",
+        "convert: wrote {} ({:.1} MB, {weights}, {tensors})",
         output.display(),
         total as f64 / 1e6,
-        planned.len()
     );
     // Said after the write, so that a failed one stays a single line.
     if let Some(note) = formats.conversion_note() {
@@ -334,7 +347,7 @@ fn stays_in_file_type(format: WeightFormat, dtype: DType) -> bool {
 
 /// The converted file as it is written: in order, in chunks between which
 /// Ctrl-C is checked (the embedding alone is hundreds of MB).
-struct Output {
+pub(super) struct Output {
     file: AtomicFile,
     written: u64,
 }
@@ -342,7 +355,16 @@ struct Output {
 impl Output {
     const CHUNK: usize = 1 << 20;
 
-    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+    pub(super) fn new(file: AtomicFile) -> Output {
+        Output { file, written: 0 }
+    }
+
+    /// Renames the finished file into place.
+    pub(super) fn commit(self) -> Result<()> {
+        self.file.commit()
+    }
+
+    pub(super) fn write(&mut self, bytes: &[u8]) -> Result<()> {
         for chunk in bytes.chunks(Self::CHUNK) {
             crate::cancel::check()?;
             self.file
@@ -354,7 +376,7 @@ impl Output {
     }
 
     /// Zeros up to `at`: the alignment padding between tensors.
-    fn pad_to(&mut self, at: u64) -> Result<()> {
+    pub(super) fn pad_to(&mut self, at: u64) -> Result<()> {
         let gap = at.checked_sub(self.written).with_context(|| {
             format!(
                 "{}: tensor data overlaps (at {at}, {} written); this is a bug in convert",

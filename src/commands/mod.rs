@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod chat;
 pub mod convert;
+mod convert_same_tensors;
 pub mod dump;
 pub mod embed;
 pub mod logits;

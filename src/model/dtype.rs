@@ -121,6 +121,16 @@ impl DType {
         )
     }
 
+    /// Rows per block of a row-block layout; `None` for types stored row
+    /// after row.
+    pub fn rows_per_block(self) -> Option<usize> {
+        match self {
+            DType::F16RowBlocks | DType::BF16RowBlocks => Some(row_blocks::BLOCK_ROWS),
+            DType::QuantRowBlocks(q) => Some(q.block_rows()),
+            _ => None,
+        }
+    }
+
     /// Bytes of a `rows x cols` matrix in a row-block layout, padding
     /// included; `None` for types stored row after row or on overflow.
     pub fn row_blocked_len(self, rows: usize, cols: usize) -> Option<usize> {

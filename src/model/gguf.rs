@@ -312,10 +312,16 @@ impl GgufFile {
                 .try_fold(1usize, |acc, &d| acc.checked_mul(d))
                 .ok_or_else(|| tfail(format!("element count of shape {shape:?} overflows")))?;
             let row = *shape.last().unwrap_or(&1);
-            if dtype.is_row_blocked() && shape.len() != 2 {
-                return Err(tfail(format!(
-                    "a {dtype} tensor must be a matrix, not of shape {shape:?}"
-                )));
+            // A row-blocked tensor is a matrix, or a stack of them (experts,
+            // AltUp's projections) each of whole row blocks, so that one
+            // matrix's rows are one run of bytes.
+            if let Some(block_rows) = dtype.rows_per_block() {
+                let stacked_whole = shape.len() == 3 && shape[1] % block_rows == 0;
+                if shape.len() != 2 && !stacked_whole {
+                    return Err(tfail(format!(
+                        "a {dtype} tensor must be a matrix or a stack of matrices of whole {block_rows}-row blocks, not of shape {shape:?}"
+                    )));
+                }
             }
             let row_bytes = dtype.row_bytes(row).ok_or_else(|| {
                 tfail(format!(

@@ -2,7 +2,7 @@
 //! tensors under format-neutral roles.
 
 use super::config::{Family, LayerAttention, ModelConfig};
-use super::dtype::TensorView;
+use super::dtype::{DType, TensorView};
 use super::gguf::GgufFile;
 use super::safetensors::SafetensorsFile;
 use anyhow::{Context, Result, bail};
@@ -365,17 +365,58 @@ impl ModelSource {
         let (view, file) = self.locate(role, expect)?;
         let cols = view.shape.last().copied().unwrap_or(1);
         if let Some((block, scale)) = view.dtype.first_bad_scale(view.bytes, cols) {
-            let per_row = cols / view.dtype.block_elems();
-            bail!(
-                "{}: tensor {:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
-                 fetch or convert the file again",
-                file.display(),
-                self.tensor_name(role),
-                view.dtype,
-                block / per_row.max(1)
-            );
+            return Err(self.damaged(file, role, view.dtype, cols, block, scale));
         }
         Ok(view)
+    }
+
+    /// [`ModelSource::tensor`] for a table a token reads one row of (the
+    /// per-layer token table, about 2 GB in Gemma 4 E2B): scanned a few
+    /// MiB of rows at a time, each run's pages dropped once scanned, so
+    /// the check does not make the whole table resident at once.
+    pub fn row_table(&self, role: Role, expect: &[usize]) -> Result<TensorView<'_>> {
+        let (view, file) = self.locate(role, expect)?;
+        let cols = view.shape.last().copied().unwrap_or(1);
+        let rows = view.elems() / cols.max(1);
+        if view.dtype.is_row_blocked() || rows == 0 {
+            return self.tensor(role, expect);
+        }
+        let row_bytes = view.bytes.len() / rows;
+        let blocks_per_row = cols / view.dtype.block_elems().max(1);
+        let run_rows = ((32usize << 20) / row_bytes.max(1)).max(1);
+        for first in (0..rows).step_by(run_rows) {
+            let end = (first + run_rows).min(rows);
+            let run = TensorView {
+                bytes: &view.bytes[first * row_bytes..end * row_bytes],
+                ..view
+            };
+            if let Some((block, scale)) = run.dtype.first_bad_scale(run.bytes, cols) {
+                let block = first * blocks_per_row + block;
+                return Err(self.damaged(file, role, view.dtype, cols, block, scale));
+            }
+            run.release_pages();
+        }
+        Ok(view)
+    }
+
+    fn damaged(
+        &self,
+        file: &Path,
+        role: Role,
+        dtype: DType,
+        cols: usize,
+        block: usize,
+        scale: f32,
+    ) -> anyhow::Error {
+        let per_row = cols / dtype.block_elems();
+        anyhow::anyhow!(
+            "{}: tensor {:?} is damaged: {} block {block} (row {}) has the scale {scale}; \
+             fetch or convert the file again",
+            file.display(),
+            self.tensor_name(role),
+            dtype,
+            block / per_row.max(1)
+        )
     }
 
     /// Like [`ModelSource::tensor`] without reading the blocks' scales:

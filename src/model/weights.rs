@@ -682,7 +682,7 @@ impl<M> ModelWeights<M> {
             let rows = Role::PerLayerEmbedding;
             let projection = Role::PerLayerModelProjection;
             Some(PerLayerInputTable {
-                embedding: table(src.tensor(rows, &matrix_shape(rows, c))?)?,
+                embedding: table(src.row_table(rows, &matrix_shape(rows, c))?)?,
                 model_projection: matrix(
                     projection,
                     src.tensor(projection, &matrix_shape(projection, c))?,
