@@ -261,14 +261,7 @@ pub fn run(input: &Path, output: &Path, target: Option<Target>) -> Result<()> {
     let offsets: Vec<u64> = w.tensors.iter().map(|t| t.offset.unwrap_or(0)).collect();
     let header = w.header_bytes(&offsets);
 
-    crate::cancel::install_ctrl_c_flag()?;
-    let mut out = Output::new(AtomicFile::create(output)?);
-    out.write(&header)?;
-    let bar = ProgressBar::new(offset).with_style(
-        ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let (mut out, bar) = Output::begin(output, &header, offset)?;
     for (p, &at) in planned.iter().zip(&offsets) {
         crate::cancel::check()?;
         let name = gguf_name(p.role);
@@ -355,8 +348,21 @@ pub(super) struct Output {
 impl Output {
     const CHUNK: usize = 1 << 20;
 
-    pub(super) fn new(file: AtomicFile) -> Output {
-        Output { file, written: 0 }
+    /// The file at `output` with `header` written, and a progress bar
+    /// over the `data` bytes to follow; Ctrl-C stops the write from here.
+    pub(super) fn begin(output: &Path, header: &[u8], data: u64) -> Result<(Output, ProgressBar)> {
+        crate::cancel::install_ctrl_c_flag()?;
+        let mut out = Output {
+            file: AtomicFile::create(output)?,
+            written: 0,
+        };
+        out.write(header)?;
+        let bar = ProgressBar::new(data).with_style(
+            ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        Ok((out, bar))
     }
 
     /// Renames the finished file into place.

@@ -18,14 +18,12 @@
 use super::convert::{ALIGNMENT, Output};
 use crate::engine::fast::WeightFormats;
 use crate::engine::packed::{PackedMatrix, WeightFormat};
-use crate::fs_atomic::AtomicFile;
 use crate::model::dtype::{DType, TensorView};
 use crate::model::gguf::GgufFile;
 use crate::model::gguf_write::{GgufWriter, RawTensor};
 use crate::model::source::{ModelSource, Role};
 use crate::model::weights::model_matrices;
 use anyhow::{Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::Path;
 
 /// A matrix the engine packs, and where its bytes sit in its tensor.
@@ -109,14 +107,7 @@ pub(super) fn write(
     }
     let header = w.header_bytes(&offsets);
 
-    crate::cancel::install_ctrl_c_flag()?;
-    let mut out = Output::new(AtomicFile::create(output)?);
-    out.write(&header)?;
-    let bar = ProgressBar::new(offset).with_style(
-        ProgressStyle::with_template("convert [{bar:40}] {bytes}/{total_bytes} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let (mut out, bar) = Output::begin(output, &header, offset)?;
     let mut packed = 0;
     for (&i, &at) in order.iter().zip(&offsets) {
         crate::cancel::check()?;
