@@ -7,7 +7,7 @@ use super::kernels::{GroupAttention, MatKernels, MatrixKernels, PortableKernels,
 use super::packed::{PackedMatrix, WeightFormat};
 use super::q8_input::Q8Input;
 use super::wide_input::WideInput;
-use super::{attn_scores, decode_wsum};
+use super::{attn_scores, decode_wsum, ops};
 use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
@@ -151,12 +151,16 @@ struct OpKernels {
     attention: Vec<AttentionKernels>,
 }
 
-/// The softmax (always the JIT's) and what computes the scores and the
-/// weighted sums of more than a token's query heads.
+/// The softmax and what computes the scores and the weighted sums of more
+/// than a token's query heads. The softmax is the JIT's unless the plan
+/// dropped it for its code budget (Gemma 4 E2B's plan is its three GEMM
+/// families and norms): then the Rust one, so the products stay on
+/// AVX-512 rather than the whole head falling back to the portable loop
+/// (which took 14% of E2B's 512-token prefill).
 #[derive(Clone, Copy)]
 struct AttentionKernels {
     head_dim: usize,
-    softmax: KernelId,
+    softmax: Option<KernelId>,
     products: AttentionProducts,
 }
 
@@ -218,7 +222,11 @@ impl OpKernels {
                     _ => None,
                 }
             };
-            if let (Some(softmax), Some(products)) = (set.resolve::<Softmax>(()), products) {
+            let softmax = set.resolve::<Softmax>(());
+            // The JIT's products come with the JIT's softmax; AVX-512's
+            // stand without it.
+            let usable = matches!(products, Some(AttentionProducts::Avx512)) || softmax.is_some();
+            if let (true, Some(products)) = (usable, products) {
                 attention.push(AttentionKernels {
                     head_dim: hd,
                     softmax,
@@ -617,7 +625,7 @@ impl MatKernels for JitKernels {
             return PortableKernels.attend(a, scratch, out, log_sums);
         };
         let hd = kernels.head_dim;
-        let softmax: Softmax = self.set.bind(kernels.softmax, ());
+        let softmax: Option<Softmax> = kernels.softmax.map(|id| self.set.bind(id, ()));
         // One GEMM for the whole block's scores, then each row masked and
         // normalised, then one pass over V shared by every row.
         let n_keys = a.n_keys();
@@ -641,7 +649,10 @@ impl MatKernels for JitKernels {
         }
         for (i, row) in scratch.chunks_exact_mut(n_keys).enumerate() {
             let log_sum = log_sums.as_deref_mut().map(|l| &mut l[i]);
-            a.probabilities(i, row, |p| softmax.run(p), log_sum);
+            match &softmax {
+                Some(jit) => a.probabilities(i, row, |p| jit.run(p), log_sum),
+                None => a.probabilities(i, row, ops::softmax, log_sum),
+            }
         }
         let rows = a.n_queries();
         let out = &mut out[..rows * hd];
@@ -660,5 +671,83 @@ impl MatKernels for JitKernels {
                 .run(scratch, n_keys, a.values, out)
                 .expect("attention sum sized by the engine"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jit::plan::KernelKind;
+
+    /// A plan that leaves the softmax to Rust (as Gemma 4 E2B's does, for
+    /// its budget) keeps attention's products on AVX-512 where the plan
+    /// chose them, and computes what the portable code does; without
+    /// AVX-512 the JIT's products need the JIT's softmax, so the head
+    /// falls back to the portable code.
+    #[test]
+    fn a_plan_without_the_jit_softmax_keeps_its_attention_products() {
+        let config = crate::model::presets::shape("gemma4-e2b").expect("a known shape");
+        let formats =
+            WeightFormats::for_shape(&config, WeightFormat::Q8_0).with_layouts(&quant_layouts());
+        let opts = plan_options(&config, &formats, 2);
+        let Backend::Jit { mut plan, .. } =
+            select_backend(&ModelDims::from(&config), &CpuCaps::detect(), &opts).unwrap()
+        else {
+            panic!("this CPU plans JIT kernels");
+        };
+        let keep: Vec<bool> = plan
+            .kernels
+            .iter()
+            .map(|k| !matches!(k.kind, KernelKind::Softmax))
+            .collect();
+        let mut kept = keep.iter();
+        plan.kernels
+            .retain(|_| *kept.next().expect("a flag a kernel"));
+        let mut kept = keep.iter();
+        plan.kernel_bytes
+            .retain(|_| *kept.next().expect("a flag a kernel"));
+        let kernels = JitKernels::from_plan(&config, &plan, opts.max_isa).unwrap();
+        let hd = config.head_dim;
+        let has_products = kernels.ops.attention.iter().any(|k| k.head_dim == hd);
+        assert_eq!(
+            has_products, plan.avx512_attention,
+            "heads of {hd}: AVX-512 products are kept without the JIT softmax, the JIT's are not"
+        );
+
+        let mut seed = 7u32;
+        let mut rand = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        // 6 tokens of 8 query heads each, at positions 20..26, over keys 0..26.
+        let (tokens, heads, keys_n) = (6, 8, 26);
+        let queries: Vec<f32> = (0..tokens * heads * hd).map(|_| rand()).collect();
+        let keys: Vec<f32> = (0..keys_n * hd).map(|_| rand()).collect();
+        let values: Vec<f32> = (0..keys_n * hd).map(|_| rand()).collect();
+        let a = GroupAttention {
+            queries: &queries,
+            head_dim: hd,
+            rows_per_token: heads,
+            first_query: keys_n - tokens,
+            keys: &keys,
+            values: &values,
+            first_key: 0,
+            window: Some(16),
+            softcap: None,
+        };
+        let mut scratch = Vec::new();
+        let mut want = vec![0.0; queries.len()];
+        PortableKernels.attend(&a, &mut scratch, &mut want, None);
+        let mut got = vec![0.0; queries.len()];
+        kernels.attend(&a, &mut scratch, &mut got, None);
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "attention differs from the portable code by {worst}"
+        );
     }
 }
