@@ -168,6 +168,9 @@ struct AttentionKernels {
 enum AttentionProducts {
     /// The JIT's ymm kernels.
     Jit { scores: KernelId, wsum: KernelId },
+    /// `attn_scores::scores_ymm` and `decode_wsum::weighted_sum_by_rows`,
+    /// where an AVX2 plan left the JIT's out of its code budget.
+    Ymm,
     /// `attn_scores` and `decode_wsum::weighted_sum_tiled` on zmm, as the
     /// plan decided (`Plan::avx512_attention`).
     Avx512,
@@ -217,16 +220,21 @@ impl OpKernels {
                 }
                 Some(AttentionProducts::Avx512)
             } else {
-                match (set.resolve::<AttnScores>(hd), set.resolve::<AttnWsum>(hd)) {
-                    (Some(scores), Some(wsum)) => Some(AttentionProducts::Jit { scores, wsum }),
+                let softmax = set.resolve::<Softmax>(());
+                match (
+                    set.resolve::<AttnScores>(hd),
+                    set.resolve::<AttnWsum>(hd),
+                    softmax,
+                ) {
+                    (Some(scores), Some(wsum), Some(_)) => {
+                        Some(AttentionProducts::Jit { scores, wsum })
+                    }
+                    _ if attn_scores::ymm_available(hd) => Some(AttentionProducts::Ymm),
                     _ => None,
                 }
             };
             let softmax = set.resolve::<Softmax>(());
-            // The JIT's products come with the JIT's softmax; AVX-512's
-            // stand without it.
-            let usable = matches!(products, Some(AttentionProducts::Avx512)) || softmax.is_some();
-            if let (true, Some(products)) = (usable, products) {
+            if let Some(products) = products {
                 attention.push(AttentionKernels {
                     head_dim: hd,
                     softmax,
@@ -641,6 +649,7 @@ impl MatKernels for JitKernels {
         scratch.resize(a.n_queries() * n_keys, 0.0);
         match kernels.products {
             AttentionProducts::Avx512 => attn_scores::scores(a.keys, a.queries, hd, scratch),
+            AttentionProducts::Ymm => attn_scores::scores_ymm(a.keys, a.queries, hd, scratch),
             AttentionProducts::Jit { scores, .. } => self
                 .set
                 .bind::<AttnScores>(scores, hd)
@@ -662,6 +671,9 @@ impl MatKernels for JitKernels {
             _ if rows <= decode_wsum::MAX_QUERIES => {
                 decode_wsum::weighted_sum_by_rows(scratch, n_keys, a.values, hd, out)
             }
+            AttentionProducts::Ymm => {
+                decode_wsum::weighted_sum_by_rows(scratch, n_keys, a.values, hd, out)
+            }
             AttentionProducts::Avx512 => {
                 decode_wsum::weighted_sum_tiled(scratch, n_keys, a.values, hd, out)
             }
@@ -681,15 +693,28 @@ mod tests {
 
     /// A plan that leaves the softmax to Rust (as Gemma 4 E2B's does, for
     /// its budget) keeps attention's products on AVX-512 where the plan
-    /// chose them, and computes what the portable code does; without
-    /// AVX-512 the JIT's products need the JIT's softmax, so the head
-    /// falls back to the portable code.
+    /// chose them, and under AVX2 takes the ymm ones in Rust rather than
+    /// the portable loop; both compute what the portable code does.
     #[test]
-    fn a_plan_without_the_jit_softmax_keeps_its_attention_products() {
+    fn a_plan_without_the_jit_softmax_keeps_vector_attention() {
+        let caps = CpuCaps::detect();
+        let isas = [Isa::Avx2, Isa::Avx512];
+        for isa in isas
+            .into_iter()
+            .filter(|&i| caps.effective_isa(i) == Some(i))
+        {
+            attention_without_the_jit_softmax(isa);
+        }
+    }
+
+    fn attention_without_the_jit_softmax(isa: Isa) {
         let config = crate::model::presets::shape("gemma4-e2b").expect("a known shape");
-        let formats =
-            WeightFormats::for_shape(&config, WeightFormat::Q8_0).with_layouts(&quant_layouts());
-        let opts = plan_options(&config, &formats, 2);
+        let layouts = crate::jit::plan::QuantLayouts::for_cpu(&CpuCaps::detect(), isa);
+        let formats = WeightFormats::for_shape(&config, WeightFormat::Q8_0).with_layouts(&layouts);
+        let opts = PlanOptions {
+            max_isa: isa,
+            ..plan_options(&config, &formats, 2)
+        };
         let Backend::Jit { mut plan, .. } =
             select_backend(&ModelDims::from(&config), &CpuCaps::detect(), &opts).unwrap()
         else {
@@ -706,12 +731,25 @@ mod tests {
         let mut kept = keep.iter();
         plan.kernel_bytes
             .retain(|_| *kept.next().expect("a flag a kernel"));
-        let kernels = JitKernels::from_plan(&config, &plan, opts.max_isa).unwrap();
+        let kernels = JitKernels::from_plan(&config, &plan, isa).unwrap();
         let hd = config.head_dim;
-        let has_products = kernels.ops.attention.iter().any(|k| k.head_dim == hd);
-        assert_eq!(
-            has_products, plan.avx512_attention,
-            "heads of {hd}: AVX-512 products are kept without the JIT softmax, the JIT's are not"
+        let products = kernels
+            .ops
+            .attention
+            .iter()
+            .find(|k| k.head_dim == hd)
+            .map(|k| k.products);
+        let expected = if plan.avx512_attention {
+            "AVX-512"
+        } else {
+            "ymm"
+        };
+        assert!(
+            matches!(
+                (products, plan.avx512_attention),
+                (Some(AttentionProducts::Avx512), true) | (Some(AttentionProducts::Ymm), false)
+            ),
+            "{isa:?}, heads of {hd}: the {expected} products are kept without the JIT softmax"
         );
 
         let mut seed = 7u32;
