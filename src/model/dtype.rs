@@ -56,7 +56,7 @@ const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
 /// Q5_0 in 16-row blocks with its high bits as masks: likewise.
 const Q5_0X16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x80;
-/// Q4_K and Q6_K in 16-row blocks (`model::k_quant_x16`): the base plus
+/// Q4_K, Q5_K and Q6_K in 16-row blocks (`model::k_quant_x16`): the base plus
 /// the block type's id, their only layout.
 const Q4_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 12;
 const Q6_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 14;

@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K in 16-row blocks at the file's own bits, for the integer
+//! Q4_K, Q5_K and Q6_K in 16-row blocks at the file's own bits, for the integer
 //! GEMM whose vector lanes are rows (`jit::emit::gemm_kquant`).
 //!
 //! A K-quant row is a run of 256-value super-blocks. Here a block of 16

@@ -1,5 +1,6 @@
-//! The integer GEMM (and GEMV) for Q4_K and Q6_K in 16-row blocks at the
-//! file's bits ([`QuantType::Q4Kx16`], [`QuantType::Q6Kx16`], laid out by
+//! The integer GEMM (and GEMV) for Q4_K, Q5_K and Q6_K in 16-row blocks at
+//! the file's bits ([`QuantType::Q4Kx16`], [`QuantType::Q5Kx16`],
+//! [`QuantType::Q6Kx16`], laid out by
 //! `model::k_quant_x16`): `y[t, r] = W[r, :] · x[t, :]` for r in `r0..r1`
 //! and t < `ntok` (1..=8), with `gemm_quant`'s call and token tiles.
 //!
@@ -7,10 +8,11 @@
 //! the layout is one chunk of 4 columns of 16 rows, and a token's 4 bytes
 //! broadcast from the tile multiply it (`vpdpbusd` with AVX-512 VNNI on 16
 //! rows; `vpmaddubsw` + `vpmaddwd` under AVX2 on 8). The quants are
-//! unsigned (Q4_K 0..15, Q6_K 0..63) and the input's bytes signed, so no
+//! unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and the input's bytes
+//! signed, so no
 //! sign trick is needed. Per row, token and group of 32 columns the group
 //! sum is an exact integer; its scaling is:
-//! - Q4_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
+//! - Q4_K and Q5_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
 //!   (d_x · Σx)` (the tile's scaled sum), two FMAs;
 //! - Q6_K: the sums of the group's two halves (scales change every 16
 //!   columns) start from the tile's `−32 · Σx` of their half, which takes
@@ -27,7 +29,11 @@
 //! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
 //! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
 //! whole run by 2 per chunk, `vprord`; AVX2 shifts 16-bit words, which
-//! the mask 0x30 makes exact), masked and OR-ed onto the nibble.
+//! the mask 0x30 makes exact), masked and OR-ed onto the nibble. Q5_K's
+//! runs are Q4_K's; its fifth bits come from two runs per pair, those of
+//! chunk 4h + i at bits i and 4 + i of run h: shifted right by i (one
+//! shift a chunk, the second run loaded at chunk 4), masked by 0x10 at
+//! bit 4 for the second group and after a shift left by 4 for the first.
 //!
 //! With VNNI a call takes one of two forms by its token count: one token
 //! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute

@@ -19,7 +19,9 @@
 //! make 16-bit pair sums that add up over a group's 8 chunks (8 x 2 x 15 x
 //! 127 < 2^15), widened once per group. Q6_K's (0..63) allow two chunks
 //! in 16 bits (2 x 2 x 63 x 127 < 2^15): each run pair is widened into
-//! 32-bit sums that start from the tile's `-32 · Σx`.
+//! 32-bit sums that start from the tile's `-32 · Σx`. Q5_K's (0..31) are
+//! widened every chunk, its fifth bits shifted into place with 16-bit
+//! shifts (`q5_k_pair`).
 //!
 //! Q6_K's top bits: chunk 2j's and 2j + 1's 2-bit fields sit at bits
 //! 4j..4j + 3 of the high-bit run; shifted left by 4 - 4j they are at bits
