@@ -153,4 +153,7 @@ fn a_k_quant_model_runs_at_its_own_bits_and_follows_the_reference() {
         assert!(dot / norms > 0.9995, "step {i}: cosine {}", dot / norms);
         assert!(diff < 0.01 * scale, "step {i}: {diff} against {scale}");
     }
+    // The kernels' one-token and 8-token forms give the same bits: runs of
+    // tokens against the same tokens one at a time, all three K-quants.
+    common::assert_short_steps_equal_one_token_steps(&file, None, (500, 400));
 }
