@@ -126,7 +126,7 @@ impl From<ConvertDtypeArg> for commands::convert::Target {
 /// `--dtype` of the commands that run a model.
 #[derive(Clone, Copy, ValueEnum)]
 enum RunDtypeArg {
-    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0, Q4_K and Q6_K); otherwise Q4_K and Q5_K as Q5_0 with an offset per 32 values, Q6_K requantized to Q8_0, Q5_0 beside both K-quants widened to Q8_0 (said on stderr); 16-bit matrices as FP16.
+    /// The file's own types where an integer kernel reads them (Q8_0, Q5_0, Q4_0, Q4_K, Q5_K and Q6_K); otherwise Q4_K and Q5_K as Q5_0 with an offset per 32 values, Q6_K requantized to Q8_0, Q5_0 beside both K-quants widened to Q8_0 (said on stderr); 16-bit matrices as FP16.
     Native,
     /// Every matrix widened to FP16.
     F16,

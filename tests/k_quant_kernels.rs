@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K read at the file's own bits (`model::k_quant_x16`,
+//! Q4_K, Q5_K and Q6_K read at the file's own bits (`model::k_quant_x16`,
 //! `jit::emit::gemm_kquant`): the JIT's GEMM, AVX2 and VNNI, against the
 //! plain-Rust product of the same arithmetic bit for bit, and that product
 //! against the exact one within the bound of the input's 8-bit rounding.
@@ -13,7 +13,7 @@ use pulsar::jit::cpu::{CpuCaps, Isa};
 use pulsar::jit::emit::gemm_quant::GemmQuantParams;
 use pulsar::jit::kernels::{GemmQuant, KernelSet};
 use pulsar::jit::plan::KernelKind;
-use pulsar::model::dtype::{DType, TensorView};
+use pulsar::model::dtype::TensorView;
 use pulsar::model::quant_blocks::QuantType;
 
 fn inputs(tokens: usize, k: usize) -> Vec<f32> {
@@ -24,11 +24,7 @@ fn inputs(tokens: usize, k: usize) -> Vec<f32> {
 
 fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
     let shape = [rows, cols];
-    let dtype = if q == QuantType::Q4Kx16 {
-        DType::Q4K
-    } else {
-        DType::Q6K
-    };
+    let dtype = q.file_dtype();
     PackedMatrix::convert(
         &TensorView {
             dtype,
@@ -49,22 +45,25 @@ fn portable(w: &PackedMatrix, xq: &Q8Input) -> Vec<f32> {
 
 #[test]
 fn the_k_quant_layouts_keep_the_files_bits() {
-    for (q, file_bytes, layout_bytes) in
-        [(QuantType::Q4Kx16, 144, 148), (QuantType::Q6Kx16, 210, 210)]
-    {
+    for (q, file_bytes, layout_bytes) in [
+        (QuantType::Q4Kx16, 144, 148),
+        (QuantType::Q5Kx16, 176, 180),
+        (QuantType::Q6Kx16, 210, 210),
+    ] {
         let (rows, k) = (37, 768);
         let file = k_quant_file(q, rows, k, 5);
         assert_eq!(file.len(), rows * k / 256 * file_bytes);
         let w = packed(q, rows, k, &file);
-        // 16-row blocks: the padding rows of the last block, and Q4_K's 4
-        // bytes per super-block of unpacked scales (2.8%).
+        // 16-row blocks: the padding rows of the last block, and Q4_K's
+        // and Q5_K's 4 bytes per super-block of unpacked scales (2.8%,
+        // 2.3%).
         assert_eq!(w.bytes(), 48 * k / 256 * layout_bytes, "{}", q.name());
     }
 }
 
 #[test]
 fn the_portable_product_stays_within_the_input_rounding_bound() {
-    for q in [QuantType::Q4Kx16, QuantType::Q6Kx16] {
+    for q in [QuantType::Q4Kx16, QuantType::Q5Kx16, QuantType::Q6Kx16] {
         let (rows, k, tokens) = (21, 512, 3);
         let file = k_quant_file(q, rows, k, 77);
         let w = packed(q, rows, k, &file);
@@ -106,7 +105,7 @@ fn the_jit_k_quant_gemm_equals_the_portable_product_bit_for_bit() {
     } else {
         println!("this CPU has no AVX-512 VNNI: only the AVX2 form is checked");
     }
-    for q in [QuantType::Q4Kx16, QuantType::Q6Kx16] {
+    for q in [QuantType::Q4Kx16, QuantType::Q5Kx16, QuantType::Q6Kx16] {
         for &vnni in &forms {
             for (rows, k) in [(37, 768), (16, 256), (13, 512), (64, 2560), (3, 256)] {
                 let file = k_quant_file(q, rows, k, (rows * k) as u32 + 3);

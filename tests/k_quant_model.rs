@@ -1,4 +1,4 @@
-//! A Gemma 3 model of random Q4_K and Q6_K weights through the fast
+//! A Gemma 3 model of random Q4_K, Q5_K and Q6_K weights through the fast
 //! engine at the file's bits, against the reference engine. Its own test
 //! binary: it sets `PULSAR_K_QUANTS=native` so that the kernels run
 //! whatever the default choice, and no other test shares its process.
@@ -12,8 +12,8 @@ use pulsar::model::quant_blocks::QuantType;
 
 /// A Gemma 3 model of random K-quant weights whose every K is a multiple of
 /// 256 (hidden 256, 4 heads of 64, FFN 512, 2 layers, vocab 512): the Q/K/V
-/// and gate/up matrices Q4_K, attn_output and ffn_down Q6_K, the tied
-/// embedding Q6_K, as a Q4_K_M file mixes them.
+/// matrices Q4_K, gate/up Q5_K, attn_output and ffn_down Q6_K, the tied
+/// embedding Q6_K, as Q4_K_M and Q5_K_M files mix them.
 fn k_quant_model() -> common::ScratchFile {
     use pulsar::model::gguf_write::{GgufWriter, f32_bytes};
     let (hidden, heads, head_dim, ffn, layers, vocab) = (256, 4, 64, 512, 2, 512);
@@ -37,11 +37,7 @@ fn k_quant_model() -> common::ScratchFile {
     let mut seed = 1u32;
     let mut matrix = |w: &mut GgufWriter, name: &str, q: QuantType, rows: usize, cols: usize| {
         seed += 1;
-        let dtype = if q == QuantType::Q4Kx16 {
-            DType::Q4K
-        } else {
-            DType::Q6K
-        };
+        let dtype = q.file_dtype();
         w.add_tensor(
             name,
             &[rows, cols],
@@ -69,8 +65,8 @@ fn k_quant_model() -> common::ScratchFile {
             ("attn_k", QuantType::Q4Kx16, head_dim, hidden),
             ("attn_v", QuantType::Q4Kx16, head_dim, hidden),
             ("attn_output", QuantType::Q6Kx16, hidden, heads * head_dim),
-            ("ffn_gate", QuantType::Q4Kx16, ffn, hidden),
-            ("ffn_up", QuantType::Q4Kx16, ffn, hidden),
+            ("ffn_gate", QuantType::Q5Kx16, ffn, hidden),
+            ("ffn_up", QuantType::Q5Kx16, ffn, hidden),
             ("ffn_down", QuantType::Q6Kx16, hidden, ffn),
         ] {
             matrix(&mut w, &b(name), q, rows, cols);
@@ -157,4 +153,7 @@ fn a_k_quant_model_runs_at_its_own_bits_and_follows_the_reference() {
         assert!(dot / norms > 0.9995, "step {i}: cosine {}", dot / norms);
         assert!(diff < 0.01 * scale, "step {i}: {diff} against {scale}");
     }
+    // The kernels' one-token and 8-token forms give the same bits: runs of
+    // tokens against the same tokens one at a time, all three K-quants.
+    common::assert_short_steps_equal_one_token_steps(&file, None, (500, 400));
 }

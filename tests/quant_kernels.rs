@@ -81,6 +81,7 @@ fn packed(q: QuantType, rows: usize, cols: usize, file: &[u8]) -> PackedMatrix {
         QuantType::Q5_0x16 => (DType::Q5_0, WeightFormat::Q5_0x16),
         QuantType::Q4Kx16 => (DType::Q4K, WeightFormat::Q4Kx16),
         QuantType::Q6Kx16 => (DType::Q6K, WeightFormat::Q6Kx16),
+        QuantType::Q5Kx16 => (DType::Q5K, WeightFormat::Q5Kx16),
     };
     PackedMatrix::convert(
         &TensorView {

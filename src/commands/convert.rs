@@ -106,8 +106,9 @@ fn write_config(w: &mut GgufWriter, c: &ModelConfig, format: WeightFormat) {
         WeightFormat::Q8_0 | WeightFormat::Q8_0x16 => 7,
         WeightFormat::Q5_0 | WeightFormat::Q5_0x16 => 8,
         WeightFormat::BF16 => 32,
-        // MOSTLY_Q4_K_M and MOSTLY_Q6_K.
+        // MOSTLY_Q4_K_M, MOSTLY_Q5_K_M and MOSTLY_Q6_K.
         WeightFormat::Q4Kx16 => 15,
+        WeightFormat::Q5Kx16 => 17,
         WeightFormat::Q6Kx16 => 18,
     };
     w.add_u32("general.file_type", file_type);

@@ -259,6 +259,7 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         QuantType::Q8_0x16,
         QuantType::Q5_0x16,
         QuantType::Q4Kx16,
+        QuantType::Q5Kx16,
         QuantType::Q6Kx16,
     ] {
         measure_rows_as_lanes_gemm(plan, &set, q)?;

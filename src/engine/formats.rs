@@ -6,7 +6,7 @@
 //! else: opening an engine, `pulsar convert` and `pulsar dump` all ask it,
 //! so the formats a listing shows are the formats a run loads. It is also
 //! the one reader of `PULSAR_K_QUANTS`, the documented override of whether
-//! Q4_K and Q6_K keep kernels of their own.
+//! Q4_K, Q5_K and Q6_K keep kernels of their own.
 
 use super::fast::{FastEngine, FastOptions};
 use super::jit_kernels::{kernels_fit, quant_layouts};
@@ -51,10 +51,10 @@ pub struct Conversion {
     pub experts: bool,
 }
 
-/// The format a quantized type becomes where no kernel family reads it
-/// (Q5_K), or where its family does not fit the plan's code budget beside
-/// the model's other types (Q4_K and Q6_K, `jit::emit::gemm_kquant`, on
-/// the default model; Q5_0 beside both of them). Q4_K and Q5_K: Q5_0 with an offset per 32 values,
+/// The format a quantized type becomes where its family does not fit the
+/// plan's code budget beside the model's other types (Q4_K, Q5_K and
+/// Q6_K, `jit::emit::gemm_kquant`, on the default model; Q5_0 beside
+/// them), or where the CPU or `PULSAR_K_QUANTS` asks for it. Q4_K and Q5_K: Q5_0 with an offset per 32 values,
 /// which moves a value by at most q times FP16's rounding of its scale
 /// (`model::k_quant_as_q5_0`). Q6_K, whose scales change every 16
 /// values: Q8_0, whose 8-bit grid holds its values to within half a step
@@ -84,7 +84,7 @@ impl FastEngine {
     /// The packed format of each matrix, decided once: with `native`, a
     /// matrix the file stores in a type a kernel family reads stays in it;
     /// every other one gets the 16-bit format of
-    /// [`FastEngine::weight_format_for`]. Q4_K and Q6_K keep kernels of
+    /// [`FastEngine::weight_format_for`]. Q4_K, Q5_K and Q6_K keep kernels of
     /// their own where this CPU's kernels favour it (or `PULSAR_K_QUANTS`
     /// says so) and those kernels fit the plan's code budget beside the
     /// model's other types; otherwise they are converted.
@@ -218,32 +218,46 @@ impl FastEngine {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct FamiliesKept {
     q4_k: bool,
+    q5_k: bool,
     q6_k: bool,
     q5_0: bool,
 }
 
 impl FamiliesKept {
-    const ALL: FamiliesKept = FamiliesKept::new(true, true, true);
-    const NO_K_QUANTS: FamiliesKept = FamiliesKept::new(false, false, true);
+    const ALL: FamiliesKept = FamiliesKept::new(true, true, true, true);
+    const NO_K_QUANTS: FamiliesKept = FamiliesKept::new(false, false, false, true);
     /// The choices tried when every family does not fit, `NO_K_QUANTS`
-    /// also being the one left when none fits. (Q4_K converted needs
-    /// Q5_0's family, so it is never left out with Q5_0.)
-    const FALLBACKS: [FamiliesKept; 5] = [
-        FamiliesKept::new(true, true, false),
-        FamiliesKept::new(true, false, true),
-        FamiliesKept::new(false, true, true),
-        FamiliesKept::new(true, false, false),
-        FamiliesKept::NO_K_QUANTS,
-    ];
+    /// also being the one left when none fits: every other subset of the
+    /// four families. (Q4_K or Q5_K converted needs Q5_0's family, so a
+    /// choice that leaves out Q5_0 and one of them costs what keeping
+    /// Q5_0 does; the cheapest that fits wins.)
+    const FALLBACKS: [FamiliesKept; 15] = {
+        let mut out = [FamiliesKept::NO_K_QUANTS; 15];
+        let mut i = 0;
+        while i < 15 {
+            // The families kept as bits (Q4_K 8, Q5_K 4, Q6_K 2, Q5_0
+            // 1), the subsets that leave out the fewest first.
+            let kept = [7u8, 11, 13, 14, 3, 5, 6, 9, 10, 12, 1, 2, 4, 8, 0][i];
+            out[i] = FamiliesKept::new(kept & 8 != 0, kept & 4 != 0, kept & 2 != 0, kept & 1 != 0);
+            i += 1;
+        }
+        out
+    };
 
-    const fn new(q4_k: bool, q6_k: bool, q5_0: bool) -> FamiliesKept {
-        FamiliesKept { q4_k, q6_k, q5_0 }
+    const fn new(q4_k: bool, q5_k: bool, q6_k: bool, q5_0: bool) -> FamiliesKept {
+        FamiliesKept {
+            q4_k,
+            q5_k,
+            q6_k,
+            q5_0,
+        }
     }
 
     /// Whether a matrix of file type `dtype` keeps its type.
     fn keeps(self, dtype: DType) -> bool {
         match dtype {
             DType::Q4K => self.q4_k,
+            DType::Q5K => self.q5_k,
             DType::Q6K => self.q6_k,
             DType::Q5_0 => self.q5_0,
             _ => true,
@@ -251,7 +265,7 @@ impl FamiliesKept {
     }
 }
 
-/// `PULSAR_K_QUANTS=native|convert`: whether Q4_K and Q6_K keep kernels of
+/// `PULSAR_K_QUANTS=native|convert`: whether Q4_K, Q5_K and Q6_K keep kernels of
 /// their own, overriding the CPU's choice (to measure one against the
 /// other, or run the AVX2 kernel); `None` when unset or unreadable (said
 /// on stderr).
@@ -351,7 +365,7 @@ impl WeightFormats {
         let over_budget = self
             .converted
             .iter()
-            .any(|c| matches!(c.from, DType::Q4K | DType::Q6K | DType::Q5_0));
+            .any(|c| matches!(c.from, DType::Q4K | DType::Q5K | DType::Q6K | DType::Q5_0));
         let why = if over_budget {
             "this model's types need more kernel families than the JIT's code budget holds"
         } else {

@@ -10,7 +10,7 @@ use crate::jit::blocking::Blocking;
 use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::kernels::KernelId;
 use crate::model::k_quant_x16;
-use crate::model::quant_blocks::{self, QuantType};
+use crate::model::quant_blocks;
 use std::ops::Range;
 
 /// A row-major `[tokens, stride]` f32 output that several threads write
@@ -497,7 +497,7 @@ pub unsafe fn gemm_kquant_portable(
                     (dot, xs.iter().map(|&x| i32::from(x as i8)).sum())
                 };
                 let ((dot_a, sum_a), (dot_b, sum_b)) = (half(0), half(1));
-                if q == QuantType::Q4Kx16 {
+                if q.has_k_mins() {
                     let scale = k.scales[0] as f32 * k.d;
                     let min = k.min as f32 * k.dmin;
                     let scaled_sum = dx * (sum_a + sum_b) as f32;

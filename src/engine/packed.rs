@@ -44,6 +44,9 @@ pub enum WeightFormat {
     /// GGUF's Q6_K in 16-row blocks at its own bits (see
     /// [`QuantType::Q6Kx16`]).
     Q6Kx16,
+    /// GGUF's Q5_K in 16-row blocks at its own bits (see
+    /// [`QuantType::Q5Kx16`]).
+    Q5Kx16,
 }
 
 impl WeightFormat {
@@ -58,6 +61,7 @@ impl WeightFormat {
             WeightFormat::Q5_0x16 => "q5_0x16k",
             WeightFormat::Q4Kx16 => "q4_k",
             WeightFormat::Q6Kx16 => "q6_k",
+            WeightFormat::Q5Kx16 => "q5_k",
         }
     }
 
@@ -70,6 +74,7 @@ impl WeightFormat {
             WeightFormat::Q4_0 => DType::Q4_0,
             WeightFormat::Q4Kx16 => DType::Q4K,
             WeightFormat::Q6Kx16 => DType::Q6K,
+            WeightFormat::Q5Kx16 => DType::Q5K,
         }
     }
 
@@ -83,6 +88,7 @@ impl WeightFormat {
             WeightFormat::Q5_0x16 => Some(QuantType::Q5_0x16),
             WeightFormat::Q4Kx16 => Some(QuantType::Q4Kx16),
             WeightFormat::Q6Kx16 => Some(QuantType::Q6Kx16),
+            WeightFormat::Q5Kx16 => Some(QuantType::Q5Kx16),
             _ => None,
         }
     }
@@ -98,6 +104,7 @@ impl WeightFormat {
             DType::Q4_0 | DType::QuantRowBlocks(QuantType::Q4_0) => Some(WeightFormat::Q4_0),
             DType::Q4K | DType::QuantRowBlocks(QuantType::Q4Kx16) => Some(WeightFormat::Q4Kx16),
             DType::Q6K | DType::QuantRowBlocks(QuantType::Q6Kx16) => Some(WeightFormat::Q6Kx16),
+            DType::Q5K | DType::QuantRowBlocks(QuantType::Q5Kx16) => Some(WeightFormat::Q5Kx16),
             _ => None,
         }
     }
@@ -112,6 +119,7 @@ impl WeightFormat {
             QuantType::Q5_0x16 => WeightFormat::Q5_0x16,
             QuantType::Q4Kx16 => WeightFormat::Q4Kx16,
             QuantType::Q6Kx16 => WeightFormat::Q6Kx16,
+            QuantType::Q5Kx16 => WeightFormat::Q5Kx16,
         }
     }
 
@@ -146,7 +154,8 @@ impl WeightFormat {
             | WeightFormat::Q8_0x16
             | WeightFormat::Q5_0x16
             | WeightFormat::Q4Kx16
-            | WeightFormat::Q6Kx16 => {
+            | WeightFormat::Q6Kx16
+            | WeightFormat::Q5Kx16 => {
                 DType::QuantRowBlocks(self.quant().expect("a quantized format"))
             }
         }
@@ -614,7 +623,7 @@ fn fill_quant_rows(
         QuantType::Q8_0 | QuantType::Q8_0x16 => Some(q8_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q4_0 => Some(q4_0_bytes as fn(&[f32]) -> Vec<u8>),
         QuantType::Q5_0 | QuantType::Q5_0x16 => panic!("a {} tensor cannot become q5_0", t.dtype),
-        QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+        QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16 => {
             panic!("a {} tensor cannot become {}", t.dtype, q.name())
         }
     };

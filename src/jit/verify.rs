@@ -256,7 +256,7 @@ const ALLOWED: &[Mnemonic] = {
         Kmovq,
         Vpblendmb,
         Vpternlogd,
-        // The GEMM over Q4_K and Q6_K in 16-row blocks: nibbles masked,
+        // The GEMM over Q4_K, Q5_K and Q6_K in 16-row blocks: nibbles masked,
         // Q6_K's 2-bit fields rotated into place, a decode step's Q4_K sums
         // of high nibbles kept at 16 times (shifted back once a pair).
         Vpandd,

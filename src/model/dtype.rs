@@ -56,10 +56,11 @@ const Q4_0_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 2;
 const Q8_0X16_ROW_BLOCKS_ID: u32 = Q8_0_ROW_BLOCKS_ID + 0x80;
 /// Q5_0 in 16-row blocks with its high bits as masks: likewise.
 const Q5_0X16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 6 + 0x80;
-/// Q4_K and Q6_K in 16-row blocks (`model::k_quant_x16`): the base plus
+/// Q4_K, Q5_K and Q6_K in 16-row blocks (`model::k_quant_x16`): the base plus
 /// the block type's id, their only layout.
 const Q4_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 12;
 const Q6_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 14;
+const Q5_KX16_ROW_BLOCKS_ID: u32 = QUANT_ROW_BLOCKS_BASE + 13;
 
 impl DType {
     /// The GGML type id used in GGUF tensor infos, or `None` for ids we do not read.
@@ -85,6 +86,7 @@ impl DType {
             Q5_0X16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5_0x16),
             Q4_KX16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q4Kx16),
             Q6_KX16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q6Kx16),
+            Q5_KX16_ROW_BLOCKS_ID => DType::QuantRowBlocks(QuantType::Q5Kx16),
             _ => return None,
         })
     }
@@ -207,7 +209,7 @@ impl DType {
                 &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
             }
             // A super-block's 16 d, then 16 dmin.
-            DType::QuantRowBlocks(QuantType::Q4Kx16) => &[
+            DType::QuantRowBlocks(QuantType::Q4Kx16 | QuantType::Q5Kx16) => &[
                 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
                 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
             ],
@@ -319,6 +321,7 @@ impl fmt::Display for DType {
             DType::QuantRowBlocks(QuantType::Q5_0x16) => "Q5_0_R16K",
             DType::QuantRowBlocks(QuantType::Q4Kx16) => "Q4_K_R16",
             DType::QuantRowBlocks(QuantType::Q6Kx16) => "Q6_K_R16",
+            DType::QuantRowBlocks(QuantType::Q5Kx16) => "Q5_K_R16",
         };
         f.write_str(name)
     }

@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K in 16-row blocks at the file's own bits, for the integer
+//! Q4_K, Q5_K and Q6_K in 16-row blocks at the file's own bits, for the integer
 //! GEMM whose vector lanes are rows (`jit::emit::gemm_kquant`).
 //!
 //! A K-quant row is a run of 256-value super-blocks. Here a block of 16
@@ -27,6 +27,15 @@
 //! high bits (run h: byte j of row r holds at bits 2i..2i+1 the top 2 bits
 //! of column 16h + 4i + j). A value is `d·sc·(q − 32)`.
 //!
+//! **Q5Kx16**, 2,880 bytes per super-block (16 x 180; the file's 176 and
+//! Q4Kx16's 4 bytes of unpacked scales and mins, 2.3% more): Q4Kx16's
+//! header and pairs, each pair (704 bytes) with 2 runs of fifth bits
+//! between its mins and its 8 nibble runs. In run h byte j of row r holds
+//! at bit i the fifth bit of group 2p's column 16h + 4i + j, at bit 4 + i
+//! group 2p + 1's: chunk n = 4h + i's bits after a shift right by i sit at
+//! bit 0 (group 2p) and bit 4 (group 2p + 1) of each byte, which the
+//! kernels OR onto the nibbles. A value is `d·sc·q − dmin·m`, q in 0..31.
+//!
 //! Repacking is exact: each value dequantizes to the very f32 the file's
 //! super-block gives (`dequant`'s formulas in the same order).
 
@@ -53,6 +62,15 @@ pub const Q4K_PAIR_BYTES: usize = 4 * ROWS + 8 * RUN_BYTES;
 pub const Q4K_MINS_AT: usize = 2 * ROWS;
 pub const Q4K_RUNS_AT: usize = 4 * ROWS;
 
+/// Q5Kx16: the header (`d`, then `dmin` at [`Q4K_DMIN_AT`]) and a
+/// pair's scales and mins sit as Q4Kx16's; the pair's fifth-bit runs and
+/// nibble runs start here from the pair's start.
+pub const Q5K_HIGH_AT: usize = 4 * ROWS;
+pub const Q5K_RUNS_AT: usize = Q5K_HIGH_AT + 2 * RUN_BYTES;
+/// Q5Kx16: bytes of a pair of groups (scales, mins, 2 fifth-bit runs, 8
+/// nibble runs).
+pub const Q5K_PAIR_BYTES: usize = Q5K_RUNS_AT + 8 * RUN_BYTES;
+
 /// Q6Kx16: where the first group starts in a super-block.
 pub const Q6K_GROUPS_AT: usize = ROWS * 2;
 /// Q6Kx16: bytes of a group (scales, 4 nibble runs, 2 high-bit runs).
@@ -66,6 +84,7 @@ pub const Q6K_HIGH_AT: usize = Q6K_NIBBLES_AT + 4 * RUN_BYTES;
 pub fn row_super_bytes(q: QuantType) -> usize {
     match q {
         QuantType::Q4Kx16 => 144,
+        QuantType::Q5Kx16 => 176,
         QuantType::Q6Kx16 => 210,
         other => panic!("{other:?} is not a K-quant layout"),
     }
@@ -76,6 +95,7 @@ pub fn row_super_bytes(q: QuantType) -> usize {
 pub fn layout_row_super_bytes(q: QuantType) -> usize {
     match q {
         QuantType::Q4Kx16 => 148,
+        QuantType::Q5Kx16 => 180,
         _ => row_super_bytes(q),
     }
 }
@@ -166,6 +186,35 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
                     }
                 }
             }
+            QuantType::Q5Kx16 => {
+                sb[2 * lane..2 * lane + 2].copy_from_slice(&block[0..2]);
+                sb[Q4K_DMIN_AT + 2 * lane..][..2].copy_from_slice(&block[2..4]);
+                let qh = &block[16..48];
+                for p in 0..SUPER_GROUPS / 2 {
+                    let pair = &mut sb[Q4K_PAIRS_AT + p * Q5K_PAIR_BYTES..][..Q5K_PAIR_BYTES];
+                    for half in 0..2 {
+                        let (sc, m) = k_scale_min(&block[4..16], 2 * p + half);
+                        pair[half * ROWS + lane] = sc as u8;
+                        pair[Q4K_MINS_AT + half * ROWS + lane] = m as u8;
+                    }
+                    let nibbles = &block[48 + 32 * p..48 + 32 * p + 32];
+                    for (n, four) in nibbles.chunks_exact(CHUNK_BYTES).enumerate() {
+                        let run = Q5K_RUNS_AT + n * RUN_BYTES + CHUNK_BYTES * lane;
+                        pair[run..run + CHUNK_BYTES].copy_from_slice(four);
+                    }
+                    for h in 0..2 {
+                        for j in 0..CHUNK_BYTES {
+                            let bits = (0..4).fold(0u8, |b, i| {
+                                let col = 16 * h + 4 * i + j;
+                                let low = (qh[col] >> (2 * p)) & 1;
+                                let high = (qh[col] >> (2 * p + 1)) & 1;
+                                b | low << i | high << (4 + i)
+                            });
+                            pair[Q5K_HIGH_AT + h * RUN_BYTES + CHUNK_BYTES * lane + j] = bits;
+                        }
+                    }
+                }
+            }
             QuantType::Q6Kx16 => {
                 let (quants, scales, d) = q6_k_parts(block);
                 sb[2 * lane..2 * lane + 2].copy_from_slice(&d);
@@ -197,9 +246,9 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
 }
 
 /// Row `r`'s group `g` of a matrix in the layout, in the terms the kernels
-/// compute with: the 32 quants (Q4_K 0..15, Q6_K 0..63), `d`, the
-/// sub-block scales (Q4_K: one, twice; Q6_K: values 0..15 and 16..31),
-/// and Q4_K's `dmin` and min.
+/// compute with: the 32 quants (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63),
+/// `d`, the sub-block scales (Q4_K and Q5_K: one, twice; Q6_K: values
+/// 0..15 and 16..31), and Q4_K's and Q5_K's `dmin` and min.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KGroup {
     pub quants: [u8; GROUP_COLS],
@@ -224,6 +273,25 @@ pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> KGro
                 for (v, &b) in four.iter_mut().zip(&pair[run..run + CHUNK_BYTES]) {
                     *v = if half == 0 { b & 0x0f } else { b >> 4 };
                 }
+            }
+            let sc = i32::from(pair[half * ROWS + lane]);
+            KGroup {
+                quants,
+                d: f16_at(2 * lane),
+                scales: [sc, sc],
+                dmin: f16_at(Q4K_DMIN_AT + 2 * lane),
+                min: i32::from(pair[Q4K_MINS_AT + half * ROWS + lane]),
+            }
+        }
+        QuantType::Q5Kx16 => {
+            let pair = &sb[Q4K_PAIRS_AT + j / 2 * Q5K_PAIR_BYTES..][..Q5K_PAIR_BYTES];
+            let half = j % 2;
+            for (col, v) in quants.iter_mut().enumerate() {
+                let (n, jj) = (col / CHUNK_BYTES, col % CHUNK_BYTES);
+                let nib = pair[Q5K_RUNS_AT + n * RUN_BYTES + CHUNK_BYTES * lane + jj];
+                let low = if half == 0 { nib & 0x0f } else { nib >> 4 };
+                let high = pair[Q5K_HIGH_AT + n / 4 * RUN_BYTES + CHUNK_BYTES * lane + jj];
+                *v = low | ((high >> (n % 4 + 4 * half)) & 1) << 4;
             }
             let sc = i32::from(pair[half * ROWS + lane]);
             KGroup {
@@ -266,7 +334,9 @@ pub fn dequant_row(q: QuantType, data: &[u8], r: usize, cols: usize, out: &mut [
         for (i, (o, &v)) in part.iter_mut().zip(&k.quants).enumerate() {
             let sc = k.scales[i / 16] as f32;
             *o = match q {
-                QuantType::Q4Kx16 => k.d * sc * f32::from(v) - k.dmin * k.min as f32,
+                QuantType::Q4Kx16 | QuantType::Q5Kx16 => {
+                    k.d * sc * f32::from(v) - k.dmin * k.min as f32
+                }
                 _ => k.d * sc * (i32::from(v) - 32) as f32,
             };
         }
@@ -292,6 +362,24 @@ pub fn file_row(q: QuantType, data: &[u8], r: usize, cols: usize) -> Vec<u8> {
                 for p in 0..SUPER_GROUPS / 2 {
                     let (low, high) = (&groups[2 * p].quants, &groups[2 * p + 1].quants);
                     out.extend(low.iter().zip(high).map(|(&l, &h)| l | h << 4));
+                }
+            }
+            QuantType::Q5Kx16 => {
+                out.extend_from_slice(&d);
+                out.extend_from_slice(&data[at + Q4K_DMIN_AT + 2 * lane..][..2]);
+                let sc = std::array::from_fn(|j| groups[j].scales[0] as u8);
+                let m = std::array::from_fn(|j| groups[j].min as u8);
+                out.extend_from_slice(&q4_k_packed_scales(&sc, &m));
+                out.extend((0..GROUP_COLS).map(|l| {
+                    (0..SUPER_GROUPS).fold(0u8, |b, j| b | (groups[j].quants[l] >> 4) << j)
+                }));
+                for p in 0..SUPER_GROUPS / 2 {
+                    let (low, high) = (&groups[2 * p].quants, &groups[2 * p + 1].quants);
+                    out.extend(
+                        low.iter()
+                            .zip(high)
+                            .map(|(&l, &h)| l & 0x0f | (h & 0x0f) << 4),
+                    );
                 }
             }
             _ => {
@@ -325,9 +413,9 @@ mod tests {
         for block in out.chunks_exact_mut(bytes) {
             block.iter_mut().for_each(|b| *b = next() as u8);
             let scale = |r: u64| f16::from_f32((r % 1000) as f32 * 1e-5 + 1e-6).to_le_bytes();
-            let at = if q == QuantType::Q4Kx16 { 0 } else { 208 };
+            let at = if q.has_k_mins() { 0 } else { 208 };
             block[at..at + 2].copy_from_slice(&scale(next()));
-            if q == QuantType::Q4Kx16 {
+            if q.has_k_mins() {
                 block[2..4].copy_from_slice(&scale(next()));
             }
         }
@@ -338,6 +426,7 @@ mod tests {
     fn repacking_keeps_the_file_bits_and_dequantizes_bit_for_bit() {
         for (q, dtype) in [
             (QuantType::Q4Kx16, DType::Q4K),
+            (QuantType::Q5Kx16, DType::Q5K),
             (QuantType::Q6Kx16, DType::Q6K),
         ] {
             for (rows, cols) in [(16, 256), (5, 512), (33, 768)] {
@@ -373,11 +462,12 @@ mod tests {
 
     /// The bytes as the kernels read them: Q4Kx16's run n of a pair is
     /// chunk n of both groups, Q6Kx16's high-bit run h holds chunk 4h + i
-    /// at bits 2i..2i+1.
+    /// at bits 2i..2i+1, Q5Kx16's fifth-bit run h chunk 4h + i at bit i
+    /// (the pair's first group) and 4 + i (its second).
     #[test]
     fn chunks_sit_where_the_kernels_load_them() {
         let cols = 256;
-        for q in [QuantType::Q4Kx16, QuantType::Q6Kx16] {
+        for q in [QuantType::Q4Kx16, QuantType::Q5Kx16, QuantType::Q6Kx16] {
             let file = random_rows(q, 16, cols, 99);
             let row_bytes = row_super_bytes(q);
             let mut packed = vec![0u8; q.matrix_bytes(16, cols)];
@@ -390,7 +480,15 @@ mod tests {
                     for c in 0..8 {
                         for j in 0..4 {
                             let v = want[4 * c + j];
-                            let got = if q == QuantType::Q4Kx16 {
+                            let got = if q == QuantType::Q5Kx16 {
+                                let pair = Q4K_PAIRS_AT + g / 2 * Q5K_PAIR_BYTES;
+                                let run = pair + Q5K_RUNS_AT + c * RUN_BYTES;
+                                let b = packed[run + 4 * r + j];
+                                let nib = if g % 2 == 0 { b & 15 } else { b >> 4 };
+                                let high = pair + Q5K_HIGH_AT + c / 4 * RUN_BYTES;
+                                let bits = packed[high + 4 * r + j] >> (c % 4);
+                                nib | (bits >> (4 * (g % 2)) & 1) << 4
+                            } else if q == QuantType::Q4Kx16 {
                                 let run = Q4K_PAIRS_AT
                                     + g / 2 * Q4K_PAIR_BYTES
                                     + Q4K_RUNS_AT

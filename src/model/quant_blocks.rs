@@ -90,6 +90,9 @@ pub enum QuantType {
     /// Q6_K's super-blocks in blocks of 16 rows, the file's bytes
     /// regrouped (`model::k_quant_x16`).
     Q6Kx16,
+    /// Q5_K's super-blocks in blocks of 16 rows: Q4Kx16's layout plus
+    /// runs of the fifth bits (`model::k_quant_x16`).
+    Q5Kx16,
 }
 
 impl QuantType {
@@ -102,13 +105,23 @@ impl QuantType {
             QuantType::Q5_0x16 => "q5_0x16k",
             QuantType::Q4Kx16 => "q4_kx16",
             QuantType::Q6Kx16 => "q6_kx16",
+            QuantType::Q5Kx16 => "q5_kx16",
         }
     }
 
     /// Whether this is a K-quant layout (256-value super-blocks, see
     /// `model::k_quant_x16`), whose GEMM is `jit::emit::gemm_kquant`.
     pub fn is_k_quant(self) -> bool {
-        matches!(self, QuantType::Q4Kx16 | QuantType::Q6Kx16)
+        matches!(
+            self,
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16
+        )
+    }
+
+    /// Whether this K-quant's values carry a min (`d·sc·q − dmin·m`, Q4_K
+    /// and Q5_K) rather than an offset of 32 (Q6_K).
+    pub fn has_k_mins(self) -> bool {
+        matches!(self, QuantType::Q4Kx16 | QuantType::Q5Kx16)
     }
 
     /// Columns of one unit of a row's bytes: a 32-value block, or a
@@ -135,9 +148,11 @@ impl QuantType {
     #[inline]
     pub fn block_rows(self) -> usize {
         match self {
-            QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
-                MAX_BLOCK_ROWS
-            }
+            QuantType::Q8_0x16
+            | QuantType::Q5_0x16
+            | QuantType::Q4Kx16
+            | QuantType::Q5Kx16
+            | QuantType::Q6Kx16 => MAX_BLOCK_ROWS,
             _ => BLOCK_ROWS,
         }
     }
@@ -174,7 +189,7 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 7,
             QuantType::Q5_0 | QuantType::Q5_0x16 => 4,
             QuantType::Q4_0 => 3,
-            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16 => {
                 panic!("{self:?} stores no offset of its own")
             }
         }
@@ -187,7 +202,7 @@ impl QuantType {
             QuantType::Q8_0 | QuantType::Q8_0x16 => 32,
             QuantType::Q5_0 | QuantType::Q5_0x16 => 20,
             QuantType::Q4_0 => 16,
-            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16 => {
                 panic!("{self:?} has super-blocks, not 32-value blocks")
             }
         }
@@ -202,6 +217,7 @@ impl QuantType {
             QuantType::Q4_0 => DType::Q4_0,
             QuantType::Q4Kx16 => DType::Q4K,
             QuantType::Q6Kx16 => DType::Q6K,
+            QuantType::Q5Kx16 => DType::Q5K,
         }
     }
 
@@ -242,7 +258,9 @@ impl QuantType {
             // (`scatter_row`); the row's own payload keeps the file's
             // order.
             QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q5_0x16 => out.copy_from_slice(file),
-            QuantType::Q4Kx16 | QuantType::Q6Kx16 => unreachable!("k_quant_x16 scatters them"),
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16 => {
+                unreachable!("k_quant_x16 scatters them")
+            }
         }
     }
 
@@ -280,7 +298,7 @@ impl QuantType {
                     *v = nibble as i8 - 8;
                 }
             }
-            QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16 => {
                 panic!("{self:?} has super-blocks, not 32-value blocks")
             }
         }

@@ -152,12 +152,16 @@ pub fn k_quant_file(
         s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
         s >> 8
     };
-    let bytes = if q == QuantType::Q4Kx16 { 144 } else { 210 };
+    let bytes = match q {
+        QuantType::Q4Kx16 => 144,
+        QuantType::Q5Kx16 => 176,
+        _ => 210,
+    };
     let mut out = vec![0u8; rows * cols / 256 * bytes];
     for block in out.chunks_exact_mut(bytes) {
         block.iter_mut().for_each(|b| *b = next() as u8);
         let mut scale = || half::f16::from_f32((next() % 1000) as f32 * 2e-6 + 1e-5).to_le_bytes();
-        if q == QuantType::Q4Kx16 {
+        if q.has_k_mins() {
             block[0..2].copy_from_slice(&scale());
             block[2..4].copy_from_slice(&scale());
         } else {

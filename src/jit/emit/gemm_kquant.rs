@@ -1,5 +1,6 @@
-//! The integer GEMM (and GEMV) for Q4_K and Q6_K in 16-row blocks at the
-//! file's bits ([`QuantType::Q4Kx16`], [`QuantType::Q6Kx16`], laid out by
+//! The integer GEMM (and GEMV) for Q4_K, Q5_K and Q6_K in 16-row blocks at
+//! the file's bits ([`QuantType::Q4Kx16`], [`QuantType::Q5Kx16`],
+//! [`QuantType::Q6Kx16`], laid out by
 //! `model::k_quant_x16`): `y[t, r] = W[r, :] · x[t, :]` for r in `r0..r1`
 //! and t < `ntok` (1..=8), with `gemm_quant`'s call and token tiles.
 //!
@@ -7,10 +8,11 @@
 //! the layout is one chunk of 4 columns of 16 rows, and a token's 4 bytes
 //! broadcast from the tile multiply it (`vpdpbusd` with AVX-512 VNNI on 16
 //! rows; `vpmaddubsw` + `vpmaddwd` under AVX2 on 8). The quants are
-//! unsigned (Q4_K 0..15, Q6_K 0..63) and the input's bytes signed, so no
+//! unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and the input's bytes
+//! signed, so no
 //! sign trick is needed. Per row, token and group of 32 columns the group
 //! sum is an exact integer; its scaling is:
-//! - Q4_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
+//! - Q4_K and Q5_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
 //!   (d_x · Σx)` (the tile's scaled sum), two FMAs;
 //! - Q6_K: the sums of the group's two halves (scales change every 16
 //!   columns) start from the tile's `−32 · Σx` of their half, which takes
@@ -27,7 +29,11 @@
 //! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
 //! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
 //! whole run by 2 per chunk, `vprord`; AVX2 shifts 16-bit words, which
-//! the mask 0x30 makes exact), masked and OR-ed onto the nibble.
+//! the mask 0x30 makes exact), masked and OR-ed onto the nibble. Q5_K's
+//! runs are Q4_K's; its fifth bits come from two runs per pair, those of
+//! chunk 4h + i at bits i and 4 + i of run h: shifted right by i (one
+//! shift a chunk, the second run loaded at chunk 4), masked by 0x10 at
+//! bit 4 for the second group and after a shift left by 4 for the first.
 //!
 //! With VNNI a call takes one of two forms by its token count: one token
 //! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute
@@ -55,8 +61,9 @@ use super::gemm_quant::{
 use super::{Asm, cmp_imm8, new_asm, next_block_and_return, reg, save_callee_saved};
 use crate::jback;
 use crate::model::k_quant_x16::{
-    Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_PAIR_BYTES, Q4K_PAIRS_AT, Q4K_RUNS_AT, Q6K_GROUP_BYTES,
-    Q6K_GROUPS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT, RUN_BYTES, SUPER_GROUPS,
+    Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_PAIR_BYTES, Q4K_PAIRS_AT, Q4K_RUNS_AT, Q5K_HIGH_AT,
+    Q5K_PAIR_BYTES, Q5K_RUNS_AT, Q6K_GROUP_BYTES, Q6K_GROUPS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT,
+    RUN_BYTES, SUPER_GROUPS,
 };
 use crate::model::quant_blocks::{CHUNK_BYTES, QuantType};
 use dynasmrt::{AssemblyOffset, DynamicLabel, DynasmApi, DynasmLabelApi, dynasm};
@@ -90,6 +97,9 @@ const SPARE: AsmRegisterZmm = zmm31;
 const D: AsmRegisterZmm = HIGH_A;
 const DMIN: AsmRegisterZmm = HIGH_B;
 const Q6K_D: AsmRegisterZmm = SPARE;
+/// Q5_K: the fifth bits of the pair's current run, shifted right by one a
+/// chunk (Q5_K's `d` and `dmin` are Q4_K's registers).
+const Q5K_HIGH: AsmRegisterZmm = SPARE;
 
 /// Where the parts of a group of the input are for a call of `tokens`
 /// (1 or 8) (see `gemm_quant`'s tiles): the bytes of a group, of a chunk,
@@ -168,6 +178,12 @@ pub(super) fn geometry(q: QuantType) -> (i32, i32, i32, usize) {
             (SUPER_GROUPS / 2) as i32,
             2,
         ),
+        QuantType::Q5Kx16 => (
+            Q4K_PAIRS_AT as i32,
+            Q5K_PAIR_BYTES as i32,
+            (SUPER_GROUPS / 2) as i32,
+            2,
+        ),
         _ => (
             Q6K_GROUPS_AT as i32,
             Q6K_GROUP_BYTES as i32,
@@ -182,7 +198,7 @@ pub(super) fn geometry(q: QuantType) -> (i32, i32, i32, usize) {
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(
         p.q.is_k_quant(),
-        "kernel {name}: the K-quant GEMM reads Q4Kx16 or Q6Kx16"
+        "kernel {name}: the K-quant GEMM reads Q4Kx16, Q5Kx16 or Q6Kx16"
     );
     if p.vnni {
         emit_vnni(p, name)
@@ -285,6 +301,106 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     // The two groups' scaling is one copy of the code, run twice: the
     // second group's sums moved into the first's registers, r9 and r10
     // stepped to its scales and its tile group (back after the pair).
+    let group = ops.new_dynamic_label();
+    iced(ops, |a| {
+        if went != 0 {
+            a.sub(r10, went)?;
+        }
+        a.mov(ebx, 2)
+    });
+    let group_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>group);
+    iced(ops, |a| {
+        let (scales, mins) = (CHUNK_A, NIBBLES);
+        a.vpmovzxbd(scales, xmmword_ptr(r9))?;
+        a.vcvtdq2ps(scales, scales)?;
+        a.vmulps(scales, scales, D)?;
+        a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32))?;
+        a.vcvtdq2ps(mins, mins)?;
+        a.vmulps(mins, mins, DMIN)?;
+        for t in 0..tokens {
+            let x = 4 * t as i32;
+            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
+            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + g.scale + x))?;
+            a.vfmadd231ps(F32_SUMS[t], FIRST[t], CHUNK_B)?;
+            a.vfnmadd231ps(F32_SUMS[t], mins, dword_bcst(r10 + g.scaled_sum + x))?;
+            a.vmovdqa32(FIRST[t], SECOND[t])?;
+        }
+        a.add(r9, ROWS as i32)?;
+        a.add(r10, g.group)?;
+        a.dec(ebx)
+    });
+    jback!(ops, jne, group, group_top);
+    iced(ops, |a| {
+        a.sub(r9, 2 * ROWS as i32)?;
+        a.sub(r10, 2 * g.group + unit_r10_fixup(tokens, 2, 0))
+    });
+}
+
+/// Q5_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
+/// a loop over the 8 nibble runs (rbx 8 per run), each chunk's fifth bits
+/// ORed on at bit 4 (`model::k_quant_x16`: after i shifts right, chunk
+/// 4h + i's bits of run h sit at bit 0 for the first group, shifted left
+/// by 4 to bit 4, and at bit 4 for the second), the second run loaded at
+/// chunk 4; then each group's scaling into the f32 sums, as Q4_K's.
+fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
+    let run = ops.new_dynamic_label();
+    let same_run = ops.new_dynamic_label();
+    let chains = chains(tokens);
+    let g = tile_geometry(tokens);
+    iced(ops, |a| {
+        for t in 0..tokens.max(chains) {
+            a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
+            a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
+        }
+        a.vmovdqu32(Q5K_HIGH, zmmword_ptr(r9 + Q5K_HIGH_AT as i32))?;
+        a.xor(ebx, ebx)
+    });
+    let top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>run);
+    // Chunk 4 (rbx 32 in either form) starts the second run of fifth bits.
+    cmp_imm8(ops, reg::RBX, 4 * 8);
+    dynasm!(ops ; .arch x64 ; jne BYTE =>same_run);
+    iced(ops, |a| {
+        a.vmovdqu32(Q5K_HIGH, zmmword_ptr(r9 + (Q5K_HIGH_AT + RUN_BYTES) as i32))
+    });
+    dynasm!(ops ; .arch x64 ; =>same_run);
+    iced(ops, |a| {
+        for c in 0..chains {
+            let w = (c * RUN_BYTES) as i32;
+            a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q5K_RUNS_AT as i32 + w))?;
+            a.vpslld(CHUNK_A, Q5K_HIGH, 4)?;
+            a.vpandd(CHUNK_A, CHUNK_A, TOP_BITS)?;
+            a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
+            a.vpsrlw(NIBBLES, NIBBLES, 4)?;
+            a.vpandd(CHUNK_B, Q5K_HIGH, TOP_BITS)?;
+            a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
+            for t in 0..tokens {
+                let (first, second) = (FIRST[t + c], SECOND[t + c]);
+                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
+                a.vpdpbusd(first, CHUNK_A, dword_bcst(x))?;
+                a.vpdpbusd(second, CHUNK_B, dword_bcst(x + g.group))?;
+            }
+            a.vpsrld(Q5K_HIGH, Q5K_HIGH, 1)?;
+        }
+        step_chunks(a, tokens, chains)?;
+        a.add(ebx, 8 * chains as i32)?;
+        a.cmp(ebx, 8 * 8)
+    });
+    jback!(ops, jb, run, top);
+    join_chains(ops, chains);
+    // The one-token form's r10 went through the first group's 8 chunks.
+    let went = if tokens == 1 { g.chunk * 8 } else { 0 };
+    scale_pair_vnni(ops, tokens, &g, went);
+}
+
+/// A pair's two groups' scaling (Q5_K's, as Q4_K's): one copy of the code,
+/// run twice, the second group's sums moved into the first's registers,
+/// r9 and r10 stepped to its scales and its tile group (back after the
+/// pair); `went`, how far the one-token form's r10 went through the
+/// chunks. `f += float(Σqx) · ((d·sc) · d_x)`, `f −= (dmin·m) · (d_x ·
+/// Σx)`.
+fn scale_pair_vnni(ops: &mut Asm, tokens: usize, g: &TileGeometry, went: i32) {
     let group = ops.new_dynamic_label();
     iced(ops, |a| {
         if went != 0 {
@@ -426,7 +542,7 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     dynasm!(ops ; .arch x64 ; =>super_block);
     // Once a super-block, for every group's scales (and Q4_K's mins).
     iced(ops, |a| match p.q {
-        QuantType::Q4Kx16 => {
+        QuantType::Q4Kx16 | QuantType::Q5Kx16 => {
             a.vcvtph2ps(D, ymmword_ptr(r9))?;
             a.vcvtph2ps(DMIN, ymmword_ptr(r9 + Q4K_DMIN_AT as i32))
         }
@@ -452,6 +568,7 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
         }
         match p.q {
             QuantType::Q4Kx16 => q4_k_pair_vnni(ops, tokens),
+            QuantType::Q5Kx16 => q5_k_pair_vnni(ops, tokens),
             _ => q6_k_group_vnni(ops, tokens),
         }
         if tokens != 1 {
@@ -510,11 +627,12 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     iced(&mut ops, |a| {
         a.mov(r10d, 0x0F0F_0F0F)?;
         a.vpbroadcastd(LOW_NIBBLES, r10d)?;
-        // Q6_K's top bits' mask; Q4_K's high nibbles' (one token).
-        let mask = if p.q == QuantType::Q4Kx16 {
-            0xF0F0_F0F0_u32 as i32
-        } else {
-            0x3030_3030
+        // Q6_K's top bits' mask; Q4_K's high nibbles' (one token);
+        // Q5_K's fifth bits'.
+        let mask = match p.q {
+            QuantType::Q4Kx16 => 0xF0F0_F0F0_u32 as i32,
+            QuantType::Q5Kx16 => 0x1010_1010,
+            _ => 0x3030_3030,
         };
         a.mov(r10d, mask)?;
         a.vpbroadcastd(TOP_BITS, r10d)

@@ -19,7 +19,9 @@
 //! make 16-bit pair sums that add up over a group's 8 chunks (8 x 2 x 15 x
 //! 127 < 2^15), widened once per group. Q6_K's (0..63) allow two chunks
 //! in 16 bits (2 x 2 x 63 x 127 < 2^15): each run pair is widened into
-//! 32-bit sums that start from the tile's `-32 · Σx`.
+//! 32-bit sums that start from the tile's `-32 · Σx`. Q5_K's (0..31) are
+//! widened every chunk, its fifth bits shifted into place with 16-bit
+//! shifts (`q5_k_pair`).
 //!
 //! Q6_K's top bits: chunk 2j's and 2j + 1's 2-bit fields sit at bits
 //! 4j..4j + 3 of the high-bit run; shifted left by 4 - 4j they are at bits
@@ -49,7 +51,8 @@ use super::{Asm, count_mask, finish, new_asm, reg, restore_callee_saved_and_retu
 use super::{cmp_imm8, save_callee_saved};
 use crate::jback;
 use crate::model::k_quant_x16::{
-    Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_RUNS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT, RUN_BYTES,
+    Q4K_DMIN_AT, Q4K_MINS_AT, Q4K_RUNS_AT, Q5K_HIGH_AT, Q5K_RUNS_AT, Q6K_HIGH_AT, Q6K_NIBBLES_AT,
+    RUN_BYTES,
 };
 use crate::model::quant_blocks::{CHUNK_BYTES, QuantType};
 use dynasmrt::{DynasmApi, DynasmLabelApi, dynasm};
@@ -76,12 +79,12 @@ const COUNTS_AT: i32 = -128;
 type Lanes = &'static [(usize, usize)];
 /// The pass of several tokens: 4 tokens over one half.
 const FOUR_TOKENS: Lanes = &[(0, 0), (1, 0), (2, 0), (3, 0)];
-/// The pass of one token: Q4_K's over both halves, each line of the block
+/// The pass of one token: Q4_K's and Q5_K's over both halves, each line of the block
 /// read once and the token's bytes broadcast once per chunk for both;
 /// Q6_K's over one half as the other form (its code over both halves did
 /// not run faster and is larger).
 fn one_token_lanes(q: QuantType) -> Lanes {
-    if q == QuantType::Q4Kx16 {
+    if q.has_k_mins() {
         &[(0, 0), (0, 1)]
     } else {
         &[(0, 0)]
@@ -188,15 +191,98 @@ fn q4_k_pair(ops: &mut Asm, lanes: Lanes) {
         a.cmp(edi, 8 * TILE_CHUNK)
     });
     jback!(ops, jb, chunk, top);
-    scale_pair(ops, lanes);
+    scale_pair(ops, lanes, true);
+}
+
+/// Q5_K: the fifth bits of a half's current run (`model::k_quant_x16`),
+/// shifted right by one a chunk: registers no lane of the pass uses (W,
+/// and the third lane's f32 sums, in a one-token pass of 2 lanes).
+fn q5_k_high(h: usize) -> AsmRegisterYmm {
+    if h == 0 { W } else { f32_sum(2) }
+}
+
+/// Q5_K, one pair of groups (r9) for `lanes`: a loop over the 8 nibble
+/// runs (rdi 32 per run, the tile's chunk offset), each chunk's fifth bits
+/// ORed on at bit 4 (after i 16-bit shifts right chunk 4h + i's sit at
+/// bit 0 of each byte for the first group, at bit 4 for the second), the
+/// second run loaded at chunk 4; the 16-bit pair sums (2 x 31 x 127 at
+/// most) widened every chunk, 8 of them overflowing 16 bits; then the
+/// scaling, as Q4_K's.
+fn q5_k_pair(ops: &mut Asm, lanes: Lanes) {
+    let chunk = ops.new_dynamic_label();
+    let same_run = ops.new_dynamic_label();
+    let hoist = hoists(lanes);
+    iced(ops, |a| {
+        for s in 0..lanes.len() {
+            for g in 0..2 {
+                a.vpxor(acc(g, s), acc(g, s), acc(g, s))?;
+            }
+        }
+        for (h, _) in halves(lanes) {
+            let at = Q5K_HIGH_AT as i32 + HALF_RUN * h as i32;
+            a.vmovdqu(q5_k_high(h), ymmword_ptr(r9 + rbx * 8 + at))?;
+        }
+        a.lea(rbp, ptr(r9 + rbx * 8 + Q5K_RUNS_AT as i32))?;
+        a.lea(r13, ptr(r10 + TGB))?;
+        a.xor(edi, edi)
+    });
+    let top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>chunk);
+    iced(ops, |a| a.cmp(edi, 4 * TILE_CHUNK));
+    dynasm!(ops ; .arch x64 ; jne BYTE =>same_run);
+    iced(ops, |a| {
+        for (h, _) in halves(lanes) {
+            let at = (Q5K_HIGH_AT + RUN_BYTES) as i32 + HALF_RUN * h as i32;
+            a.vmovdqu(q5_k_high(h), ymmword_ptr(r9 + rbx * 8 + at))?;
+        }
+        Ok(())
+    });
+    dynasm!(ops ; .arch x64 ; =>same_run);
+    iced(ops, |a| {
+        if hoist {
+            for g in 0..2 {
+                a.vpbroadcastd(hoisted(g), dword_ptr(tile_group(g) + rdi))?;
+            }
+        }
+        for (h, of) in halves(lanes) {
+            let high = q5_k_high(h);
+            a.vmovdqu(C1, ymmword_ptr(rbp + rdi * 2 + HALF_RUN * h as i32))?;
+            a.vpand(C0, C1, red_zone(LOW_NIBBLES_AT))?;
+            a.vpsrlw(C1, C1, 4)?;
+            a.vpand(C1, C1, red_zone(LOW_NIBBLES_AT))?;
+            a.vpsllw(X, high, 4)?;
+            a.vpand(X, X, red_zone(TOP_BITS_AT))?;
+            a.vpor(C0, C0, X)?;
+            a.vpand(X, high, red_zone(TOP_BITS_AT))?;
+            a.vpor(C1, C1, X)?;
+            a.vpsrlw(high, high, 1)?;
+            for &(s, t) in &of {
+                for (g, quants) in [(0, C0), (1, C1)] {
+                    if hoist {
+                        a.vpmaddubsw(X, quants, hoisted(g))?;
+                    } else {
+                        let x = 4 * t as i32;
+                        a.vpbroadcastd(X, dword_ptr(tile_group(g) + rdi + x))?;
+                        a.vpmaddubsw(X, quants, X)?;
+                    }
+                    a.vpmaddwd(X, X, red_zone(ONES_AT))?;
+                    a.vpaddd(acc(g, s), acc(g, s), X)?;
+                }
+            }
+        }
+        a.add(edi, TILE_CHUNK)?;
+        a.cmp(edi, 8 * TILE_CHUNK)
+    });
+    jback!(ops, jb, chunk, top);
+    scale_pair(ops, lanes, false);
 }
 
 /// The scaling of a pair's two groups, one copy of the code run twice: the
 /// second group's sums moved into the first's registers, r9 and r10
 /// stepped to its scales and its tile group (back after the pair). Per
 /// lane `f += float(Σqx) · ((d·sc) · d_x)`, then `f -= (dmin·m) · (d_x ·
-/// Σx)`.
-fn scale_pair(ops: &mut Asm, lanes: Lanes) {
+/// Σx)`. `widen`: the sums are 16-bit pair sums (Q4_K's), not 32-bit.
+fn scale_pair(ops: &mut Asm, lanes: Lanes, widen: bool) {
     let group = ops.new_dynamic_label();
     iced(ops, |a| a.mov(edi, 2));
     let top = ops.offset();
@@ -218,7 +304,9 @@ fn scale_pair(ops: &mut Asm, lanes: Lanes) {
             a.vmulps(mins, mins, x)?;
             for &(s, t) in &of {
                 let (sums, t4) = (acc(0, s), 4 * t as i32);
-                a.vpmaddwd(sums, sums, red_zone(ONES_AT))?;
+                if widen {
+                    a.vpmaddwd(sums, sums, red_zone(ONES_AT))?;
+                }
                 a.vcvtdq2ps(sums, sums)?;
                 a.vbroadcastss(x, dword_ptr(r13 + t4))?;
                 a.vmulps(x, x, scales)?;
@@ -349,6 +437,7 @@ fn q6_k_group(ops: &mut Asm, lanes: Lanes) {
 fn unit_body(ops: &mut Asm, q: QuantType, lanes: Lanes) {
     match q {
         QuantType::Q4Kx16 => q4_k_pair(ops, lanes),
+        QuantType::Q5Kx16 => q5_k_pair(ops, lanes),
         _ => q6_k_group(ops, lanes),
     }
 }
@@ -421,7 +510,7 @@ fn store_lanes(ops: &mut Asm, lanes: Lanes, dynamic_half: bool) {
 }
 
 /// Emits the kernel `extern "sysv64" fn(w, x_tile, y, r0, r1, k, ldy,
-/// ntok)` (see `gemm_quant`) for Q4Kx16 or Q6Kx16.
+/// ntok)` (see `gemm_quant`) for Q4Kx16, Q5Kx16 or Q6Kx16.
 pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     let q = p.q;
     let (header, _, units, _) = geometry(q);
@@ -431,8 +520,10 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     token_call_frame(&mut ops, q, TILE_GROUP_BYTES, done);
     iced(&mut ops, |a| {
         let mut constants = vec![(LOW_NIBBLES_AT, 0x0F0F_0F0F), (ONES_AT, 0x0001_0001)];
-        if q == QuantType::Q6Kx16 {
-            constants.push((TOP_BITS_AT, 0x3030_3030));
+        match q {
+            QuantType::Q6Kx16 => constants.push((TOP_BITS_AT, 0x3030_3030)),
+            QuantType::Q5Kx16 => constants.push((TOP_BITS_AT, 0x1010_1010)),
+            _ => {}
         }
         for (at, bits) in constants {
             a.mov(eax, bits)?;

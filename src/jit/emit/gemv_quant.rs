@@ -230,7 +230,11 @@ fn row_products(ops: &mut Asm, p: &GemvQuantParams, dst: u8, at: i8) {
             vpdpbusd(ops, dst, TEMP, 5);
             return;
         }
-        QuantType::Q8_0x16 | QuantType::Q5_0x16 | QuantType::Q4Kx16 | QuantType::Q6Kx16 => {
+        QuantType::Q8_0x16
+        | QuantType::Q5_0x16
+        | QuantType::Q4Kx16
+        | QuantType::Q5Kx16
+        | QuantType::Q6Kx16 => {
             unreachable!("emit refuses 16-row layouts")
         }
         QuantType::Q8_0 => dynasm!(ops

@@ -18,7 +18,7 @@ pub struct QuantLayouts {
     /// 4-row pairs otherwise (AVX2's GEMV, and panels unpacked for its
     /// GEMM).
     pub q5_0: QuantType,
-    /// Q4_K and Q6_K at the file's bits (`emit::gemm_kquant`, with VNNI,
+    /// Q4_K, Q5_K and Q6_K at the file's bits (`emit::gemm_kquant`, with VNNI,
     /// and `emit::gemm_kquant_avx2`) rather than converted to Q5_0 with
     /// offsets and Q8_0, wherever the JIT runs: under AVX2 too since its
     /// passes of 4 tokens and its L2 prefetches (a 4B Q4_K_M file decodes
@@ -55,7 +55,7 @@ impl QuantLayouts {
             QuantType::Q5_0 | QuantType::Q5_0x16 => self.q5_0,
             QuantType::Q4_0 => QuantType::Q4_0,
             // One layout each, whose kernel has AVX2 and VNNI forms.
-            k @ (QuantType::Q4Kx16 | QuantType::Q6Kx16) => k,
+            k @ (QuantType::Q4Kx16 | QuantType::Q5Kx16 | QuantType::Q6Kx16) => k,
         }
     }
 }
