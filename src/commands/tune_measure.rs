@@ -255,6 +255,13 @@ fn measure_one_quant(
 /// arithmetic.
 pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<()> {
     let set = KernelSet::build(plan, caps, max_isa)?;
+    let peak = vnni_peak(caps);
+    if let Some(gmacs) = peak {
+        println!(
+            "measure {:<28} {gmacs:>6.1} G MAC/s  ({VNNI_CHAINS} independent chains of vpdpbusd zmm, 64 MACs each, 1 thread)",
+            "vnni_peak"
+        );
+    }
     for q in [
         QuantType::Q8_0x16,
         QuantType::Q5_0x16,
@@ -262,12 +269,84 @@ pub fn measure_gemm_quant(plan: &Plan, caps: &CpuCaps, max_isa: Isa) -> Result<(
         QuantType::Q5Kx16,
         QuantType::Q6Kx16,
     ] {
-        measure_rows_as_lanes_gemm(plan, &set, q)?;
+        measure_rows_as_lanes_gemm(plan, &set, q, peak)?;
     }
     Ok(())
 }
 
-fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Result<()> {
+/// Independent `vpdpbusd` chains of the peak's loop: more than its
+/// latency times the instructions issued a cycle, so none waits.
+const VNNI_CHAINS: usize = 16;
+
+/// One thread's peak of 8-bit multiply-adds with AVX-512 VNNI (G MAC/s):
+/// a loop of [`VNNI_CHAINS`] independent `vpdpbusd zmm`s, what the integer
+/// GEMMs' share of the peak is measured against. None without VNNI.
+fn vnni_peak(caps: &CpuCaps) -> Option<f64> {
+    if !caps.avx512_vnni || !std::arch::is_x86_feature_detected!("avx512vnni") {
+        return None;
+    }
+    const ROUNDS: u64 = 4_000_000;
+    // SAFETY: the CPU has AVX-512 F and VNNI (checked above).
+    let secs = best_of(|| unsafe { vpdpbusd_chains(ROUNDS) });
+    Some((ROUNDS * VNNI_CHAINS as u64 * 64) as f64 / secs / 1e9)
+}
+
+/// `rounds` rounds of 16 `vpdpbusd zmm`, each into its own accumulator.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and VNNI.
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn vpdpbusd_chains(rounds: u64) {
+    // SAFETY: registers only (all clobbers declared), no memory, no stack.
+    unsafe {
+        std::arch::asm!(
+            "vpxord zmm0, zmm0, zmm0",
+            "2:",
+            "vpdpbusd zmm0, zmm30, zmm31",
+            "vpdpbusd zmm1, zmm30, zmm31",
+            "vpdpbusd zmm2, zmm30, zmm31",
+            "vpdpbusd zmm3, zmm30, zmm31",
+            "vpdpbusd zmm4, zmm30, zmm31",
+            "vpdpbusd zmm5, zmm30, zmm31",
+            "vpdpbusd zmm6, zmm30, zmm31",
+            "vpdpbusd zmm7, zmm30, zmm31",
+            "vpdpbusd zmm8, zmm30, zmm31",
+            "vpdpbusd zmm9, zmm30, zmm31",
+            "vpdpbusd zmm10, zmm30, zmm31",
+            "vpdpbusd zmm11, zmm30, zmm31",
+            "vpdpbusd zmm12, zmm30, zmm31",
+            "vpdpbusd zmm13, zmm30, zmm31",
+            "vpdpbusd zmm14, zmm30, zmm31",
+            "vpdpbusd zmm15, zmm30, zmm31",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) rounds => _,
+            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            out("zmm30") _, out("zmm31") _,
+            options(nostack, nomem),
+        );
+    }
+}
+
+/// A GEMM's rate in multiply-adds (the tokens' own, not the absent slots
+/// a pass computes on zeros) per thread, and its share of the VNNI peak.
+fn mac_rate(rows: usize, k: usize, ntok: usize, secs: f64, threads: usize, peak: Option<f64>) -> String {
+    let gmacs = (rows * k * ntok) as f64 / secs / 1e9 / threads as f64;
+    match peak {
+        Some(p) => format!("{gmacs:.1} G MAC/s a thread = {:.0}% of the VNNI peak", 100.0 * gmacs / p),
+        None => format!("{gmacs:.1} G MAC/s a thread"),
+    }
+}
+
+fn measure_rows_as_lanes_gemm(
+    plan: &Plan,
+    set: &KernelSet,
+    q: QuantType,
+    peak: Option<f64>,
+) -> Result<()> {
     let Some(spec) = plan
         .kernels
         .iter()
@@ -316,11 +395,12 @@ fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Res
         }
         let base = *one_token.get_or_insert(secs);
         println!(
-            "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {k}, {ntok} token(s), {:.2} ms/call = {:.2}x one token, 1 thread)",
+            "measure {:<28} {:>6.1} GB/s  ({rows} rows x K {k}, {ntok} token(s), {:.2} ms/call = {:.2}x one token, 1 thread; {})",
             spec.name,
             w.len() as f64 / secs / 1e9,
             secs * 1e3,
-            secs / base
+            secs / base,
+            mac_rate(rows, k, ntok, secs, 1, peak)
         );
     }
     if plan.threads > 1 {
@@ -336,11 +416,12 @@ fn measure_rows_as_lanes_gemm(plan: &Plan, set: &KernelSet, q: QuantType) -> Res
             })?;
             let base = *one_token.get_or_insert(secs);
             println!(
-                "measure {:<28} {:>6.1} GB/s  ({ntok} token(s), {:.2}x one token, {} threads)",
+                "measure {:<28} {:>6.1} GB/s  ({ntok} token(s), {:.2}x one token, {} threads; {})",
                 spec.name,
                 w.len() as f64 / secs / 1e9,
                 secs / base,
-                plan.threads
+                plan.threads,
+                mac_rate(rows, k, ntok, secs, plan.threads, peak)
             );
         }
     }

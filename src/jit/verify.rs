@@ -264,6 +264,9 @@ const ALLOWED: &[Mnemonic] = {
         Vprord,
         Vmovdqa32,
         Vpsrad,
+        // A pass of 8's Q6_K rotations in shifts and an OR (off the
+        // ports of the products).
+        Vpord,
         // The 16-bit GEMM on zmm: BF16 dot products, inputs broadcast to
         // both 256-bit halves, a row's halves added.
         Vdpbf16ps,

@@ -208,22 +208,40 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
 }
 
 /// The prefetches of one unit, `p.prefetch` (into L1) and `p.l2_prefetch`
-/// (into L2) bytes ahead of r9.
-pub(super) fn prefetch_unit(a: &mut CodeAssembler, p: &GemmQuantParams) -> Result<(), IcedError> {
+/// (into L2) bytes ahead of r9. With a `scratch` register (the VNNI pass
+/// of 8, whose rbx is free there) each set is addressed from it, set 128
+/// bytes into the set's lines, so that four of them take an 8-bit
+/// displacement: 12 to 15 bytes of code fewer a set, which the plans of
+/// the smallest models need (their budget is 5,120 bytes).
+pub(super) fn prefetch_unit(
+    a: &mut CodeAssembler,
+    p: &GemmQuantParams,
+    scratch: Option<AsmRegister64>,
+) -> Result<(), IcedError> {
     let (header, unit_bytes, units, _) = geometry(p.q);
     // The units' lines and the super-block header's share: a header
     // line no unit's prefetches cover is a miss to memory once per
     // super-block (Q4_K's units are whole lines, so its 64-byte header
     // was exactly that).
     let lines = (unit_bytes + (header + units - 1) / units + 63) / 64;
-    if p.prefetch > 0 {
-        for line in 0..lines {
-            a.prefetcht0(byte_ptr(r9 + p.prefetch as i32 + 64 * line))?;
+    for (ahead, into_l1) in [(p.prefetch, true), (p.l2_prefetch, false)] {
+        if ahead == 0 {
+            continue;
         }
-    }
-    if p.l2_prefetch > 0 {
+        let (base, first) = match scratch {
+            Some(reg) => {
+                a.lea(reg, ptr(r9 + ahead as i32 + 128))?;
+                (reg, -128)
+            }
+            None => (r9, ahead as i32),
+        };
         for line in 0..lines {
-            a.prefetcht1(byte_ptr(r9 + p.l2_prefetch as i32 + 64 * line))?;
+            let at = byte_ptr(base + first + 64 * line);
+            if into_l1 {
+                a.prefetcht0(at)?;
+            } else {
+                a.prefetcht1(at)?;
+            }
         }
     }
     Ok(())
@@ -493,8 +511,20 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
                 a.vpdpbusd(FIRST[t + c], CHUNK_A, dword_bcst(x))?;
                 a.vpdpbusd(SECOND[t + c], CHUNK_B, dword_bcst(x + 4 * g.chunk))?;
             }
-            a.vprord(HIGH_A, HIGH_A, 2)?;
-            a.vprord(HIGH_B, HIGH_B, 2)?;
+            if tokens == 1 {
+                a.vprord(HIGH_A, HIGH_A, 2)?;
+                a.vprord(HIGH_B, HIGH_B, 2)?;
+            } else {
+                // The same rotations in shifts: a rotate shares the
+                // `vpdpbusd`s' two ports on Zen 4 (a pass of 8 is bound
+                // by them), shifts and ORs go to the other two. The
+                // chunks are free again once their products are issued.
+                for (high, spare) in [(HIGH_A, CHUNK_A), (HIGH_B, CHUNK_B)] {
+                    a.vpslld(spare, high, 30)?;
+                    a.vpsrld(high, high, 2)?;
+                    a.vpord(high, high, spare)?;
+                }
+            }
         }
         step_chunks(a, tokens, chains)?;
         a.add(ebx, 8 * chains as i32)?;
@@ -561,7 +591,7 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     // reached 22-23 GB/s a thread with them and 25-34 without (the
     // hardware's prefetchers follow it alone; prefetching 0.5-4 KiB ahead
     // into L1 gained nothing either).
-    iced(ops, |a| prefetch_unit(a, p));
+    iced(ops, |a| prefetch_unit(a, p, Some(rbx)));
     for tokens in [TOKENS, 1] {
         if tokens == 1 {
             dynasm!(ops ; .arch x64 ; =>one_token);

@@ -582,7 +582,7 @@ pub fn emit(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     );
     let unit_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>unit);
-    iced(&mut ops, |a| prefetch_unit(a, p));
+    iced(&mut ops, |a| prefetch_unit(a, p, None));
     if_one_token(&mut ops, one_unit);
     unit_body(&mut ops, q, FOUR_TOKENS);
     dynasm!(ops ; .arch x64 ; jmp =>unit_done ; =>one_unit);
