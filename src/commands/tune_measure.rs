@@ -333,10 +333,20 @@ unsafe fn vpdpbusd_chains(rounds: u64) {
 
 /// A GEMM's rate in multiply-adds (the tokens' own, not the absent slots
 /// a pass computes on zeros) per thread, and its share of the VNNI peak.
-fn mac_rate(rows: usize, k: usize, ntok: usize, secs: f64, threads: usize, peak: Option<f64>) -> String {
+fn mac_rate(
+    rows: usize,
+    k: usize,
+    ntok: usize,
+    secs: f64,
+    threads: usize,
+    peak: Option<f64>,
+) -> String {
     let gmacs = (rows * k * ntok) as f64 / secs / 1e9 / threads as f64;
     match peak {
-        Some(p) => format!("{gmacs:.1} G MAC/s a thread = {:.0}% of the VNNI peak", 100.0 * gmacs / p),
+        Some(p) => format!(
+            "{gmacs:.1} G MAC/s a thread = {:.0}% of the VNNI peak",
+            100.0 * gmacs / p
+        ),
         None => format!("{gmacs:.1} G MAC/s a thread"),
     }
 }
