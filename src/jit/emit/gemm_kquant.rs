@@ -28,8 +28,11 @@
 //! holds chunk n (low) and n + 4 (high) of a group; their top 2 bits come
 //! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
 //! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
-//! whole run by 2 per chunk, `vprord`; AVX2 shifts 16-bit words, which
-//! the mask 0x30 makes exact), masked and OR-ed onto the nibble. Q5_K's
+//! whole run by 2 per chunk: `vprord` in the one-token form, two shifts
+//! and an OR in a pass of 8, which its products bound: on Zen 4 a rotate
+//! takes one of the two ports the `vpdpbusd`s issue on, shifts and ORs
+//! go to the other two; AVX2 shifts 16-bit words, which the mask 0x30
+//! makes exact), masked and OR-ed onto the nibble. Q5_K's
 //! runs are Q4_K's; its fifth bits come from two runs per pair, those of
 //! chunk 4h + i at bits i and 4 + i of run h: shifted right by i (one
 //! shift a chunk, the second run loaded at chunk 4), masked by 0x10 at
