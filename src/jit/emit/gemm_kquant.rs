@@ -319,43 +319,7 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     }
     // The one-token form's r10 went through the first group's 8 chunks.
     let went = if tokens == 1 { g.chunk * 8 } else { 0 };
-    // The two groups' scaling is one copy of the code, run twice: the
-    // second group's sums moved into the first's registers, r9 and r10
-    // stepped to its scales and its tile group (back after the pair).
-    let group = ops.new_dynamic_label();
-    iced(ops, |a| {
-        if went != 0 {
-            a.sub(r10, went)?;
-        }
-        a.mov(ebx, 2)
-    });
-    let group_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>group);
-    iced(ops, |a| {
-        let (scales, mins) = (CHUNK_A, NIBBLES);
-        a.vpmovzxbd(scales, xmmword_ptr(r9))?;
-        a.vcvtdq2ps(scales, scales)?;
-        a.vmulps(scales, scales, D)?;
-        a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32))?;
-        a.vcvtdq2ps(mins, mins)?;
-        a.vmulps(mins, mins, DMIN)?;
-        for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
-            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + g.scale + x))?;
-            a.vfmadd231ps(F32_SUMS[t], FIRST[t], CHUNK_B)?;
-            a.vfnmadd231ps(F32_SUMS[t], mins, dword_bcst(r10 + g.scaled_sum + x))?;
-            a.vmovdqa32(FIRST[t], SECOND[t])?;
-        }
-        a.add(r9, ROWS as i32)?;
-        a.add(r10, g.group)?;
-        a.dec(ebx)
-    });
-    jback!(ops, jne, group, group_top);
-    iced(ops, |a| {
-        a.sub(r9, 2 * ROWS as i32)?;
-        a.sub(r10, 2 * g.group + unit_r10_fixup(tokens, 2, 0))
-    });
+    scale_pair_vnni(ops, tokens, &g, went);
 }
 
 /// Q5_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
@@ -415,7 +379,7 @@ fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     scale_pair_vnni(ops, tokens, &g, went);
 }
 
-/// A pair's two groups' scaling (Q5_K's, as Q4_K's): one copy of the code,
+/// A pair's two groups' scaling (Q4_K's and Q5_K's): one copy of the code,
 /// run twice, the second group's sums moved into the first's registers,
 /// r9 and r10 stepped to its scales and its tile group (back after the
 /// pair); `went`, how far the one-token form's r10 went through the
