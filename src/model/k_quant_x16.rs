@@ -162,6 +162,28 @@ fn q4_k_packed_scales(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
     s
 }
 
+/// Row `lane`'s part of pair `p` of a Q4_K or Q5_K super-block: its two
+/// groups' scales and mins (from the file's 12 packed bytes) and its 8
+/// nibble runs, the first at `runs_at` in the pair.
+fn scatter_pair(
+    pair: &mut [u8],
+    packed_scales: &[u8],
+    p: usize,
+    lane: usize,
+    nibbles: &[u8],
+    runs_at: usize,
+) {
+    for half in 0..2 {
+        let (sc, m) = k_scale_min(packed_scales, 2 * p + half);
+        pair[half * ROWS + lane] = sc as u8;
+        pair[Q4K_MINS_AT + half * ROWS + lane] = m as u8;
+    }
+    for (n, four) in nibbles.chunks_exact(CHUNK_BYTES).enumerate() {
+        let run = runs_at + n * RUN_BYTES + CHUNK_BYTES * lane;
+        pair[run..run + CHUNK_BYTES].copy_from_slice(four);
+    }
+}
+
 /// Copies one GGUF row of `q`'s file type (whole super-blocks) into row
 /// `r` of a matrix in the layout. Nothing is requantized.
 pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_row: &[u8]) {
@@ -174,16 +196,8 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
                 sb[Q4K_DMIN_AT + 2 * lane..][..2].copy_from_slice(&block[2..4]);
                 for p in 0..SUPER_GROUPS / 2 {
                     let pair = &mut sb[Q4K_PAIRS_AT + p * Q4K_PAIR_BYTES..][..Q4K_PAIR_BYTES];
-                    for half in 0..2 {
-                        let (sc, m) = k_scale_min(&block[4..16], 2 * p + half);
-                        pair[half * ROWS + lane] = sc as u8;
-                        pair[Q4K_MINS_AT + half * ROWS + lane] = m as u8;
-                    }
                     let nibbles = &block[16 + 32 * p..16 + 32 * p + 32];
-                    for (n, four) in nibbles.chunks_exact(CHUNK_BYTES).enumerate() {
-                        let run = Q4K_RUNS_AT + n * RUN_BYTES + CHUNK_BYTES * lane;
-                        pair[run..run + CHUNK_BYTES].copy_from_slice(four);
-                    }
+                    scatter_pair(pair, &block[4..16], p, lane, nibbles, Q4K_RUNS_AT);
                 }
             }
             QuantType::Q5Kx16 => {
@@ -192,16 +206,8 @@ pub fn scatter_row(q: QuantType, data: &mut [u8], r: usize, cols: usize, file_ro
                 let qh = &block[16..48];
                 for p in 0..SUPER_GROUPS / 2 {
                     let pair = &mut sb[Q4K_PAIRS_AT + p * Q5K_PAIR_BYTES..][..Q5K_PAIR_BYTES];
-                    for half in 0..2 {
-                        let (sc, m) = k_scale_min(&block[4..16], 2 * p + half);
-                        pair[half * ROWS + lane] = sc as u8;
-                        pair[Q4K_MINS_AT + half * ROWS + lane] = m as u8;
-                    }
                     let nibbles = &block[48 + 32 * p..48 + 32 * p + 32];
-                    for (n, four) in nibbles.chunks_exact(CHUNK_BYTES).enumerate() {
-                        let run = Q5K_RUNS_AT + n * RUN_BYTES + CHUNK_BYTES * lane;
-                        pair[run..run + CHUNK_BYTES].copy_from_slice(four);
-                    }
+                    scatter_pair(pair, &block[4..16], p, lane, nibbles, Q5K_RUNS_AT);
                     for h in 0..2 {
                         for j in 0..CHUNK_BYTES {
                             let bits = (0..4).fold(0u8, |b, i| {
