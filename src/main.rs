@@ -697,9 +697,9 @@ enum Command {
         #[arg(long)]
         measure: bool,
     },
-    /// Write a model in the fast engine's layout (GGUF; FP16, BF16, Q8_0 or Q4_0), loadable zero-copy.
+    /// Write a model in the fast engine's layout (GGUF; the file's own types by default, or FP16, BF16, Q8_0 or Q4_0), loadable zero-copy with --mmap.
     Convert {
-        /// The model to convert: a .gguf file or a Hugging Face folder.
+        /// The model to convert: a .gguf file or a Hugging Face folder (Gemma 4 and 3n: a .gguf file, whose keys and tensor list are kept).
         input: PathBuf,
         /// The file to write.
         #[arg(short, long)]
