@@ -269,6 +269,17 @@ pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> KGro
     let (at, lane) = super_at(q, r, s, cols);
     let sb = &data[at..at + super_block_bytes(q)];
     let f16_at = |i: usize| f16::from_le_bytes([sb[i], sb[i + 1]]).to_f32();
+    // Q4_K's and Q5_K's group: one scale for its 32 values, and a min.
+    let with_mins = |quants, pair: &[u8], half: usize| {
+        let sc = i32::from(pair[half * ROWS + lane]);
+        KGroup {
+            quants,
+            d: f16_at(2 * lane),
+            scales: [sc, sc],
+            dmin: f16_at(Q4K_DMIN_AT + 2 * lane),
+            min: i32::from(pair[Q4K_MINS_AT + half * ROWS + lane]),
+        }
+    };
     let mut quants = [0u8; GROUP_COLS];
     match q {
         QuantType::Q4Kx16 => {
@@ -280,14 +291,7 @@ pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> KGro
                     *v = if half == 0 { b & 0x0f } else { b >> 4 };
                 }
             }
-            let sc = i32::from(pair[half * ROWS + lane]);
-            KGroup {
-                quants,
-                d: f16_at(2 * lane),
-                scales: [sc, sc],
-                dmin: f16_at(Q4K_DMIN_AT + 2 * lane),
-                min: i32::from(pair[Q4K_MINS_AT + half * ROWS + lane]),
-            }
+            with_mins(quants, pair, half)
         }
         QuantType::Q5Kx16 => {
             let pair = &sb[Q4K_PAIRS_AT + j / 2 * Q5K_PAIR_BYTES..][..Q5K_PAIR_BYTES];
@@ -299,14 +303,7 @@ pub fn group(q: QuantType, data: &[u8], r: usize, g: usize, cols: usize) -> KGro
                 let high = pair[Q5K_HIGH_AT + n / 4 * RUN_BYTES + CHUNK_BYTES * lane + jj];
                 *v = low | ((high >> (n % 4 + 4 * half)) & 1) << 4;
             }
-            let sc = i32::from(pair[half * ROWS + lane]);
-            KGroup {
-                quants,
-                d: f16_at(2 * lane),
-                scales: [sc, sc],
-                dmin: f16_at(Q4K_DMIN_AT + 2 * lane),
-                min: i32::from(pair[Q4K_MINS_AT + half * ROWS + lane]),
-            }
+            with_mins(quants, pair, half)
         }
         QuantType::Q6Kx16 => {
             let group = &sb[Q6K_GROUPS_AT + j * Q6K_GROUP_BYTES..][..Q6K_GROUP_BYTES];
