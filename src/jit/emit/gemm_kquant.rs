@@ -277,10 +277,7 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     let chains = chains(tokens);
     let g = tile_geometry(tokens);
     iced(ops, |a| {
-        for t in 0..tokens.max(chains) {
-            a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
-            a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
-        }
+        clear_pair_sums(a, tokens, chains)?;
         a.xor(ebx, ebx)
     });
     let top = ops.offset();
@@ -300,12 +297,7 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
                 a.vpsrlw(NIBBLES, NIBBLES, 4)?;
                 a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
             }
-            for t in 0..tokens {
-                let (first, second) = (FIRST[t + c], SECOND[t + c]);
-                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
-                a.vpdpbusd(first, CHUNK_A, dword_bcst(x))?;
-                a.vpdpbusd(second, NIBBLES, dword_bcst(x + g.group))?;
-            }
+            pair_products(a, &g, tokens, c, (CHUNK_A, NIBBLES))?;
         }
         step_chunks(a, tokens, chains)?;
         a.add(ebx, 8 * chains as i32)?;
@@ -317,9 +309,7 @@ fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
         // Exact: every product of the sum was a multiple of 16.
         iced(ops, |a| a.vpsrad(SECOND[0], SECOND[0], 4));
     }
-    // The one-token form's r10 went through the first group's 8 chunks.
-    let went = if tokens == 1 { g.chunk * 8 } else { 0 };
-    scale_pair_vnni(ops, tokens, &g, went);
+    scale_pair_vnni(ops, tokens, &g);
 }
 
 /// Q5_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
@@ -334,10 +324,7 @@ fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     let chains = chains(tokens);
     let g = tile_geometry(tokens);
     iced(ops, |a| {
-        for t in 0..tokens.max(chains) {
-            a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
-            a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
-        }
+        clear_pair_sums(a, tokens, chains)?;
         a.vmovdqu32(Q5K_HIGH, zmmword_ptr(r9 + Q5K_HIGH_AT as i32))?;
         a.xor(ebx, ebx)
     });
@@ -360,12 +347,7 @@ fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
             a.vpsrlw(NIBBLES, NIBBLES, 4)?;
             a.vpandd(CHUNK_B, Q5K_HIGH, TOP_BITS)?;
             a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
-            for t in 0..tokens {
-                let (first, second) = (FIRST[t + c], SECOND[t + c]);
-                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
-                a.vpdpbusd(first, CHUNK_A, dword_bcst(x))?;
-                a.vpdpbusd(second, CHUNK_B, dword_bcst(x + g.group))?;
-            }
+            pair_products(a, &g, tokens, c, (CHUNK_A, CHUNK_B))?;
             a.vpsrld(Q5K_HIGH, Q5K_HIGH, 1)?;
         }
         step_chunks(a, tokens, chains)?;
@@ -374,18 +356,44 @@ fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
     });
     jback!(ops, jb, run, top);
     join_chains(ops, chains);
-    // The one-token form's r10 went through the first group's 8 chunks.
-    let went = if tokens == 1 { g.chunk * 8 } else { 0 };
-    scale_pair_vnni(ops, tokens, &g, went);
+    scale_pair_vnni(ops, tokens, &g);
+}
+
+/// Zeroes a pair's sums: both groups' for every token, or chain.
+fn clear_pair_sums(a: &mut CodeAssembler, tokens: usize, chains: usize) -> Result<(), IcedError> {
+    for t in 0..tokens.max(chains) {
+        a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
+        a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
+    }
+    Ok(())
+}
+
+/// Chunk `c` of a pair's run times each token's 4 bytes: `quants.0` (the
+/// first group's values) into the first sums, `quants.1` (the second's)
+/// into the second.
+fn pair_products(
+    a: &mut CodeAssembler,
+    g: &TileGeometry,
+    tokens: usize,
+    c: usize,
+    quants: (AsmRegisterZmm, AsmRegisterZmm),
+) -> Result<(), IcedError> {
+    for t in 0..tokens {
+        let x = chunk_at(g, tokens, c) + 4 * t as i32;
+        a.vpdpbusd(FIRST[t + c], quants.0, dword_bcst(x))?;
+        a.vpdpbusd(SECOND[t + c], quants.1, dword_bcst(x + g.group))?;
+    }
+    Ok(())
 }
 
 /// A pair's two groups' scaling (Q4_K's and Q5_K's): one copy of the code,
 /// run twice, the second group's sums moved into the first's registers,
 /// r9 and r10 stepped to its scales and its tile group (back after the
-/// pair); `went`, how far the one-token form's r10 went through the
-/// chunks. `f += float(Σqx) · ((d·sc) · d_x)`, `f −= (dmin·m) · (d_x ·
+/// pair). `f += float(Σqx) · ((d·sc) · d_x)`, `f −= (dmin·m) · (d_x ·
 /// Σx)`.
-fn scale_pair_vnni(ops: &mut Asm, tokens: usize, g: &TileGeometry, went: i32) {
+fn scale_pair_vnni(ops: &mut Asm, tokens: usize, g: &TileGeometry) {
+    // The one-token form's r10 went through the first group's 8 chunks.
+    let went = if tokens == 1 { g.chunk * 8 } else { 0 };
     let group = ops.new_dynamic_label();
     iced(ops, |a| {
         if went != 0 {

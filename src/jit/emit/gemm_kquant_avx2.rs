@@ -163,35 +163,61 @@ fn q4_k_pair(ops: &mut Asm, lanes: Lanes) {
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>chunk);
     iced(ops, |a| {
-        if hoist {
-            for g in 0..2 {
-                a.vpbroadcastd(hoisted(g), dword_ptr(tile_group(g) + rdi))?;
-            }
-        }
+        broadcast_hoisted(a, hoist)?;
         for (h, of) in halves(lanes) {
             // The chunk of both groups: low nibbles the pair's first.
             a.vmovdqu(C1, ymmword_ptr(rbp + rdi * 2 + HALF_RUN * h as i32))?;
             a.vpand(C0, C1, red_zone(LOW_NIBBLES_AT))?;
             a.vpsrlw(C1, C1, 4)?;
             a.vpand(C1, C1, red_zone(LOW_NIBBLES_AT))?;
-            for &(s, t) in &of {
-                for (g, quants) in [(0, C0), (1, C1)] {
-                    if hoist {
-                        a.vpmaddubsw(X, quants, hoisted(g))?;
-                    } else {
-                        let x = 4 * t as i32;
-                        a.vpbroadcastd(X, dword_ptr(tile_group(g) + rdi + x))?;
-                        a.vpmaddubsw(X, quants, X)?;
-                    }
-                    a.vpaddw(acc(g, s), acc(g, s), X)?;
-                }
-            }
+            pair_products(a, hoist, &of, false)?;
         }
         a.add(edi, TILE_CHUNK)?;
         a.cmp(edi, 8 * TILE_CHUNK)
     });
     jback!(ops, jb, chunk, top);
     scale_pair(ops, lanes, true);
+}
+
+/// A chunk's inputs broadcast once for every lane, where the pass's lanes
+/// share one token (`hoists`).
+fn broadcast_hoisted(a: &mut CodeAssembler, hoist: bool) -> Result<(), IcedError> {
+    if hoist {
+        for g in 0..2 {
+            a.vpbroadcastd(hoisted(g), dword_ptr(tile_group(g) + rdi))?;
+        }
+    }
+    Ok(())
+}
+
+/// The chunk's quants of both groups (C0, C1) times each lane's token
+/// bytes, into the lanes' sums: 16-bit pair sums (Q4_K's), or with
+/// `widen` widened to 32 bits every chunk (Q5_K's, whose 8 chunks would
+/// overflow 16 bits).
+fn pair_products(
+    a: &mut CodeAssembler,
+    hoist: bool,
+    lanes_of_half: &[(usize, usize)],
+    widen: bool,
+) -> Result<(), IcedError> {
+    for &(s, t) in lanes_of_half {
+        for (g, quants) in [(0, C0), (1, C1)] {
+            if hoist {
+                a.vpmaddubsw(X, quants, hoisted(g))?;
+            } else {
+                let x = 4 * t as i32;
+                a.vpbroadcastd(X, dword_ptr(tile_group(g) + rdi + x))?;
+                a.vpmaddubsw(X, quants, X)?;
+            }
+            if widen {
+                a.vpmaddwd(X, X, red_zone(ONES_AT))?;
+                a.vpaddd(acc(g, s), acc(g, s), X)?;
+            } else {
+                a.vpaddw(acc(g, s), acc(g, s), X)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Q5_K: the fifth bits of a half's current run (`model::k_quant_x16`),
@@ -239,11 +265,7 @@ fn q5_k_pair(ops: &mut Asm, lanes: Lanes) {
     });
     dynasm!(ops ; .arch x64 ; =>same_run);
     iced(ops, |a| {
-        if hoist {
-            for g in 0..2 {
-                a.vpbroadcastd(hoisted(g), dword_ptr(tile_group(g) + rdi))?;
-            }
-        }
+        broadcast_hoisted(a, hoist)?;
         for (h, of) in halves(lanes) {
             let high = q5_k_high(h);
             a.vmovdqu(C1, ymmword_ptr(rbp + rdi * 2 + HALF_RUN * h as i32))?;
@@ -256,19 +278,7 @@ fn q5_k_pair(ops: &mut Asm, lanes: Lanes) {
             a.vpand(X, high, red_zone(TOP_BITS_AT))?;
             a.vpor(C1, C1, X)?;
             a.vpsrlw(high, high, 1)?;
-            for &(s, t) in &of {
-                for (g, quants) in [(0, C0), (1, C1)] {
-                    if hoist {
-                        a.vpmaddubsw(X, quants, hoisted(g))?;
-                    } else {
-                        let x = 4 * t as i32;
-                        a.vpbroadcastd(X, dword_ptr(tile_group(g) + rdi + x))?;
-                        a.vpmaddubsw(X, quants, X)?;
-                    }
-                    a.vpmaddwd(X, X, red_zone(ONES_AT))?;
-                    a.vpaddd(acc(g, s), acc(g, s), X)?;
-                }
-            }
+            pair_products(a, hoist, &of, true)?;
         }
         a.add(edi, TILE_CHUNK)?;
         a.cmp(edi, 8 * TILE_CHUNK)
