@@ -126,6 +126,19 @@ fn jit_engine(src: &Arc<ModelSource>, opts: &FastOptions) -> FastEngine {
     FastEngine::load(src, kernels, opts).unwrap()
 }
 
+/// A small engine's options with the weights copied, in `format` (`None`:
+/// the file's own types, `--dtype native`).
+fn loaded_as(format: Option<WeightFormat>) -> FastOptions {
+    FastOptions {
+        threads: 2,
+        context: 32,
+        format,
+        prefill_chunk: 64,
+        in_place: false,
+        native: format.is_none(),
+    }
+}
+
 /// The type a file stores layer 0's attn_q in.
 fn attn_q_dtype(src: &ModelSource) -> DType {
     let c = &src.config;
@@ -204,14 +217,7 @@ fn quantized_conversion_computes_what_quantizing_at_load_does() {
             .unwrap();
         assert_eq!(head.dtype, DType::QuantRowBlocks(q), "{name}: token_embd");
 
-        let at_load = FastOptions {
-            threads: 2,
-            context: 32,
-            format: Some(format),
-            prefill_chunk: 64,
-            in_place: false,
-            native: false,
-        };
+        let at_load = loaded_as(Some(format));
         let want = jit_engine(&original, &at_load)
             .forward(&tokens, LogitsWanted::All)
             .unwrap();
@@ -288,14 +294,7 @@ fn native_conversion_of_the_default_model_computes_what_loading_it_does() {
         DType::QuantRowBlocks(pulsar::engine::jit_kernels::quant_layouts().q5_0)
     );
     let tokens = [2u32, 818, 5279, 529, 7001, 563];
-    let opts = FastOptions {
-        threads: 2,
-        context: 32,
-        format: None,
-        prefill_chunk: 64,
-        in_place: false,
-        native: true,
-    };
+    let opts = loaded_as(None);
     let want = jit_engine(&original, &opts)
         .forward(&tokens, LogitsWanted::All)
         .unwrap();
@@ -384,14 +383,7 @@ fn gemma4_and_gemma3n_convert_to_files_used_in_place() {
                 assert!(t.dtype.is_row_blocked(), "{name}: {stack} is {}", t.dtype);
                 assert_eq!(t.shape.len(), 3, "{name}: {stack} stays one tensor");
             }
-            let at_load = FastOptions {
-                threads: 2,
-                context: 32,
-                format,
-                prefill_chunk: 64,
-                in_place: false,
-                native: format.is_none(),
-            };
+            let at_load = loaded_as(format);
             let want = jit_engine(&original, &at_load)
                 .forward(&tokens, LogitsWanted::All)
                 .unwrap();

@@ -86,22 +86,20 @@ fn close_to_sum(got: f32, terms: &[f64], k: usize, what: &str) {
 /// with and without whole groups left over.
 const GEMV_KS: [usize; 12] = [8, 9, 13, 16, 17, 31, 33, 40, 63, 100, 640, 1001];
 
+/// The GEMV kernels of every K in `GEMV_KS`.
+fn gemv_kinds(wt: WeightType, unroll: usize, zmm: bool) -> Vec<KernelKind> {
+    GEMV_KS
+        .iter()
+        .map(|&k| KernelKind::Gemv(GemvParams { wt, k, unroll, zmm }))
+        .collect()
+}
+
 #[test]
 fn gemv_matches_reference() {
     let mut rng = Rng(0x1234_5678);
     for wt in [WeightType::F16, WeightType::Bf16] {
         for unroll in [1usize, 2, 4] {
-            let kinds: Vec<KernelKind> = GEMV_KS
-                .iter()
-                .map(|&k| {
-                    KernelKind::Gemv(GemvParams {
-                        wt,
-                        k,
-                        unroll,
-                        zmm: false,
-                    })
-                })
-                .collect();
+            let kinds = gemv_kinds(wt, unroll, false);
             check_gemv(&set(&kinds), wt, &mut rng);
         }
     }
@@ -117,17 +115,7 @@ fn zmm_gemv_matches_reference() {
     let mut rng = Rng(0x2718_2818);
     for wt in [WeightType::F16, WeightType::Bf16] {
         for unroll in [1usize, 2, 4] {
-            let kinds: Vec<KernelKind> = GEMV_KS
-                .iter()
-                .map(|&k| {
-                    KernelKind::Gemv(GemvParams {
-                        wt,
-                        k,
-                        unroll,
-                        zmm: true,
-                    })
-                })
-                .collect();
+            let kinds = gemv_kinds(wt, unroll, true);
             assert!(KernelSet::from_kinds(&kinds, &c, Isa::Avx2).is_err());
             if !c.has_avx512() {
                 assert!(KernelSet::from_kinds(&kinds, &c, Isa::Avx512).is_err());
