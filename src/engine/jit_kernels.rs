@@ -207,6 +207,8 @@ impl OpKernels {
             .collect();
         head_dims.sort_unstable();
         head_dims.dedup();
+        // The plan's softmax, if its budget kept one (any head size).
+        let softmax = set.resolve::<Softmax>(());
         let mut attention = Vec::new();
         for hd in head_dims {
             let products = if avx512_attention {
@@ -220,7 +222,6 @@ impl OpKernels {
                 }
                 Some(AttentionProducts::Avx512)
             } else {
-                let softmax = set.resolve::<Softmax>(());
                 match (
                     set.resolve::<AttnScores>(hd),
                     set.resolve::<AttnWsum>(hd),
@@ -233,7 +234,6 @@ impl OpKernels {
                     _ => None,
                 }
             };
-            let softmax = set.resolve::<Softmax>(());
             if let Some(products) = products {
                 attention.push(AttentionKernels {
                     head_dim: hd,
