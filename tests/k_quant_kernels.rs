@@ -8,9 +8,9 @@ mod common;
 use common::k_quant_file;
 use pulsar::engine::kernels::{SharedOut, gemm_kquant_portable};
 use pulsar::engine::packed::{PackedMatrix, WeightFormat};
-use pulsar::engine::q8_input::Q8Input;
+use pulsar::engine::q8_input::{InputPrecision, Q8Input};
 use pulsar::jit::cpu::{CpuCaps, Isa};
-use pulsar::jit::emit::gemm_quant::GemmQuantParams;
+use pulsar::jit::emit::gemm_quant::{GemmQuantParams, ScaleSpan};
 use pulsar::jit::kernels::{GemmQuant, KernelSet};
 use pulsar::jit::plan::KernelKind;
 use pulsar::model::dtype::TensorView;
@@ -61,24 +61,31 @@ fn the_k_quant_layouts_keep_the_files_bits() {
     }
 }
 
+/// Both ways of scaling the input: a scale per group of 32 (AVX2) and per
+/// super-block of 256 (VNNI, whose Q4_K and Q5_K sums are scaled in
+/// integers).
 #[test]
 fn the_portable_product_stays_within_the_input_rounding_bound() {
-    for q in [QuantType::Q4Kx16, QuantType::Q5Kx16, QuantType::Q6Kx16] {
+    let forms = [QuantType::Q4Kx16, QuantType::Q5Kx16, QuantType::Q6Kx16]
+        .into_iter()
+        .flat_map(|q| [(q, ScaleSpan::Group), (q, ScaleSpan::SuperBlock)]);
+    for (q, span) in forms {
         let (rows, k, tokens) = (21, 512, 3);
         let file = k_quant_file(q, rows, k, 77);
         let w = packed(q, rows, k, &file);
         let x = inputs(tokens, k);
-        let got = portable(&w, &Q8Input::quantize(&x, k));
+        let xq = Q8Input::quantize_with(&x, k, InputPrecision::Bits8, span);
+        let got = portable(&w, &xq);
         let mut row = vec![0.0f32; k];
         for r in 0..rows {
             w.row_f32(r, &mut row);
             for t in 0..tokens {
                 let xt = &x[t * k..(t + 1) * k];
                 let exact: f64 = row.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
-                // Each input value moves by at most half its block's step.
+                // Each input value moves by at most half its span's step.
                 let bound: f64 = row
-                    .chunks(32)
-                    .zip(xt.chunks(32))
+                    .chunks(span.values())
+                    .zip(xt.chunks(span.values()))
                     .map(|(wb, xb)| {
                         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
                         amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
@@ -88,7 +95,7 @@ fn the_portable_product_stays_within_the_input_rounding_bound() {
                 let slack = 1e-5 * exact.abs().max(1e-3);
                 assert!(
                     (g - exact).abs() <= bound + slack,
-                    "{} row {r} token {t}: {g} against {exact} (bound {bound})",
+                    "{} {span:?} row {r} token {t}: {g} against {exact} (bound {bound})",
                     q.name()
                 );
             }
@@ -125,7 +132,15 @@ fn the_jit_k_quant_gemm_equals_the_portable_product_bit_for_bit() {
                 // 1 and 9: a tile of one token (the one-token tile with VNNI).
                 for tokens in [1, 2, 3, 4, 5, 6, 7, 8, 9, 11] {
                     let x = inputs(tokens, k);
-                    let xq = Q8Input::quantize(&x, k);
+                    // Two levels as well: the integer sums' range is the
+                    // same, the second level's scale far smaller.
+                    let precision = if tokens % 2 == 0 {
+                        InputPrecision::TwoLevels
+                    } else {
+                        InputPrecision::Bits8
+                    };
+                    let x = &x[..x.len() / precision.levels()];
+                    let xq = Q8Input::quantize_with(x, k, precision, gemm.input_span);
                     let want = portable(&w, &xq);
                     let ldy = rows + 3;
                     let mut got = vec![f32::NAN; tokens * ldy];
@@ -171,6 +186,7 @@ fn the_jit_k_quant_gemm_equals_the_portable_product_bit_for_bit() {
                     (eight, single)
                 };
                 assert_eq!(gemm.single_token_layout, vnni);
+                assert_eq!(gemm.input_span == ScaleSpan::SuperBlock, vnni);
                 assert!(gemm.run(w.raw(), right, 1, &mut y, rows, 0..rows).is_ok());
                 assert!(gemm.run(w.raw(), wrong, 1, &mut y, rows, 0..rows).is_err());
             }

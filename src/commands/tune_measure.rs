@@ -4,7 +4,7 @@
 //! be shared), next to a plain Rust read of the same bytes, on as many
 //! threads, as the bandwidth reference.
 
-use crate::engine::q8_input::Q8Input;
+use crate::engine::q8_input::{InputPrecision, Q8Input};
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::emit::gemm_quant::TOKENS;
 use crate::jit::emit::gemv;
@@ -382,10 +382,11 @@ fn measure_rows_as_lanes_gemm(
     let x: Vec<f32> = (0..TOKENS * k)
         .map(|i| (i % 13) as f32 * 0.1 - 0.6)
         .collect();
-    let xq = Q8Input::quantize(&x, k);
+    let span = gemm.input_span;
+    let xq = Q8Input::quantize_with(&x, k, InputPrecision::Bits8, span);
     // A call of one token takes its own tile where the kernel asks for it
     // (`GemmQuant::single_token_layout`).
-    let xq1 = Q8Input::quantize(&x[..k], k);
+    let xq1 = Q8Input::quantize_with(&x[..k], k, InputPrecision::Bits8, span);
     let tile_of = |ntok: usize| match ntok {
         1 => xq1.tile_for(0, gemm.single_token_layout).0,
         _ => xq.tile(0).0,

@@ -12,7 +12,7 @@ use crate::jit::backend::{Backend, select_backend};
 use crate::jit::blocking::Blocking;
 use crate::jit::cpu::{CpuCaps, Isa};
 use crate::jit::dims::ModelDims;
-use crate::jit::emit::gemm_quant::TOKENS as TILE_TOKENS;
+use crate::jit::emit::gemm_quant::{ScaleSpan, TOKENS as TILE_TOKENS};
 use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::kernels::{
@@ -462,6 +462,14 @@ impl MatKernels for JitKernels {
         );
         let gemm_q = unpack.map_or(q, |u| u.into);
         let k: GemmQuant = self.set.bind(tokens_kernel(w), (gemm_q, w.cols));
+        // A kernel that sums a super-block's groups in integers reads one
+        // input scale per super-block: any other input would be misread.
+        assert_eq!(
+            x.span(),
+            k.input_span,
+            "{}: input quantized for another kernel",
+            k.name
+        );
         assert!(rows.end <= w.rows && rows.end <= y.stride && y.rows() >= x.tokens());
         assert!(
             rows.start
@@ -553,11 +561,20 @@ impl MatKernels for JitKernels {
                 (self.set.resolve::<Gemv>(key), gemm)
             }
         };
+        let input_span = match (w.format.quant(), tokens) {
+            (Some(q), Some(id)) => {
+                let gemm_q =
+                    unpack.map_or(q, |u| self.set.bind::<UnpackQuant>(u, (q, w.cols)).into);
+                self.set.bind::<GemmQuant>(id, (gemm_q, w.cols)).input_span
+            }
+            _ => ScaleSpan::Group,
+        };
         match (one_token, tokens) {
             (Some(_), Some(_)) => Ok(MatrixKernels {
                 one_token,
                 tokens,
                 unpack,
+                input_span,
             }),
             (None, _) => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
             (_, None) => Err(format!("no GEMM for {} at K {}", w.format.name(), w.cols)),
@@ -573,6 +590,7 @@ impl MatKernels for JitKernels {
                 one_token: Some(one_token),
                 tokens: None,
                 unpack: None,
+                input_span: ScaleSpan::Group,
             }),
             None => Err(format!("no GEMV for {} at K {}", w.format.name(), w.cols)),
         }

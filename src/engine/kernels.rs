@@ -7,6 +7,7 @@ use super::packed::{OFFSET_BLOCK_ROWS, PackedMatrix};
 use super::q8_input::{Q8Input, dot_i8};
 use super::wide_input::WideInput;
 use crate::jit::blocking::Blocking;
+use crate::jit::emit::gemm_quant::ScaleSpan;
 use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::kernels::KernelId;
 use crate::model::k_quant_x16;
@@ -198,6 +199,9 @@ pub struct MatrixKernels {
     /// Q5_0 and Q4_0: what unpacks panels of rows into 16-row blocks for
     /// that GEMM.
     pub unpack: Option<KernelId>,
+    /// How many values of a quantized matrix's input share a scale, as its
+    /// integer kernels read them.
+    pub input_span: ScaleSpan,
 }
 
 pub trait MatKernels: Sync {
@@ -461,10 +465,13 @@ pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>
     }
 }
 
-/// The product of Q4_K or Q6_K weights in 16-row blocks
+/// The product of Q4_K, Q5_K or Q6_K weights in 16-row blocks
 /// (`model::k_quant_x16`) and 8-bit inputs in plain Rust: the very f32
 /// operations of the JIT's kernel (`jit::emit::gemm_kquant`), group after
-/// group, so the same bits.
+/// group, so the same bits. With a scale per super-block of input
+/// ([`ScaleSpan::SuperBlock`], the VNNI kernels') Q4_K's and Q5_K's group
+/// sums are scaled in integers and converted once per super-block; with a
+/// scale per group each group's sum is scaled in f32.
 ///
 /// # Safety
 /// No other thread may touch columns `rows` of `y` meanwhile.
@@ -477,9 +484,12 @@ pub unsafe fn gemm_kquant_portable(
     let data = w.raw();
     let q = w.format.quant().expect("a K-quant matrix");
     let groups = w.cols / quant_blocks::GROUP_COLS;
+    let super_groups = k_quant_x16::SUPER_GROUPS;
+    let integer_scales = q.has_k_mins() && x.span() == ScaleSpan::SuperBlock;
     // Each row's groups unpacked once for every token; each token's sum
     // goes group after group, as the kernel's does.
     let mut sums = vec![0.0f32; x.tokens()];
+    let mut scaled = vec![0i32; x.tokens()];
     for r in rows {
         sums.fill(0.0);
         for g in 0..groups {
@@ -497,7 +507,16 @@ pub unsafe fn gemm_kquant_portable(
                     (dot, xs.iter().map(|&x| i32::from(x as i8)).sum())
                 };
                 let ((dot_a, sum_a), (dot_b, sum_b)) = (half(0), half(1));
-                if q.has_k_mins() {
+                if integer_scales {
+                    // Exact: |sum| < 2^31 over a super-block (see the kernel).
+                    scaled[t] += k.scales[0] * (dot_a + dot_b);
+                    let scaled_sum = dx * (sum_a + sum_b) as f32;
+                    *f = (-(k.min as f32 * k.dmin)).mul_add(scaled_sum, *f);
+                    if g % super_groups == super_groups - 1 {
+                        *f = (scaled[t] as f32).mul_add(k.d * dx, *f);
+                        scaled[t] = 0;
+                    }
+                } else if q.has_k_mins() {
                     let scale = k.scales[0] as f32 * k.d;
                     let min = k.min as f32 * k.dmin;
                     let scaled_sum = dx * (sum_a + sum_b) as f32;

@@ -1,7 +1,10 @@
 //! Matrix-product inputs quantized to 8 bits for the integer kernels: each
 //! token's activations in blocks of 32, an f32 scale per block (llama.cpp's
 //! Q8_0 rule, `d = max|x| / 127`, `q = round(x / d)`, with the scale kept
-//! in f32 rather than f16).
+//! in f32 rather than f16). For the K-quant kernels with VNNI the maximum
+//! is taken over a super-block of 256 values and its 8 blocks share the
+//! scale (llama.cpp's Q8_K; [`ScaleSpan::SuperBlock`]): the layout stays
+//! the same, each block holding its copy of the scale.
 //!
 //! Quantized once per product, before its rows are split across threads:
 //! every thread's chunk of rows reads the same quantized input.
@@ -32,7 +35,7 @@
 //! worth a second, unsafe write path.
 
 use crate::jit::emit::gemm_quant::{
-    SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT, SINGLE_SCALED_SUM_AT,
+    SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT, SINGLE_SCALED_SUM_AT, ScaleSpan,
     TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
     TILE_VNNI_STARTS_AT, TOKENS, single_tile_bytes, tile_bytes, vnni_group_start,
 };
@@ -47,6 +50,7 @@ pub struct Q8Input {
     single: Vec<u8>,
     k: usize,
     tokens: usize,
+    span: ScaleSpan,
 }
 
 /// How finely a product's input is quantized for the integer kernels.
@@ -82,12 +86,19 @@ impl InputPrecision {
 /// first holds the row, the second (if any) what the first's rounding
 /// left out.
 #[inline(always)]
-fn quantize_rows(x: &[f32], k: usize, levels: usize, bytes: &mut [u8], tiles: &mut [u8]) {
-    quantize_rows_with(x, k, levels, bytes, tiles, quantize_block);
+fn quantize_rows(
+    x: &[f32],
+    k: usize,
+    (levels, span): (usize, ScaleSpan),
+    bytes: &mut [u8],
+    tiles: &mut [u8],
+) {
+    quantize_rows_with(x, k, (levels, span), bytes, tiles, quantize_block);
 }
 
-/// [`quantize_rows`] with `block` quantizing each group: it writes the 32
-/// quants and returns the scale and the quants' sum. Each group goes to
+/// [`quantize_rows`] with `block` quantizing each group to the maximum
+/// `|x|` of its span: it writes the 32 quants and returns the scale and
+/// the quants' sum. Each group goes to
 /// the per-token layout (`bytes`) and to its token's tile (`tiles`) as it
 /// is made: built in a second pass over the tokens' bytes, the tiles took
 /// a third of `Q8Input::quantize`'s time at 512 tokens.
@@ -95,47 +106,61 @@ fn quantize_rows(x: &[f32], k: usize, levels: usize, bytes: &mut [u8], tiles: &m
 fn quantize_rows_with(
     x: &[f32],
     k: usize,
-    levels: usize,
+    (levels, span): (usize, ScaleSpan),
     bytes: &mut [u8],
     tiles: &mut [u8],
-    block: impl Fn(&[f32], &mut [u8]) -> (f32, i32),
+    block: impl Fn(&[f32], f32, &mut [u8]) -> (f32, i32),
 ) {
     let stride = Q8Input::token_bytes(k);
+    let groups_per_span = span.values() / GROUP_COLS;
     for (r, (row, out)) in x
         .chunks_exact(k)
         .zip(bytes.chunks_exact_mut(levels * stride))
         .enumerate()
     {
         let (first, second) = out.split_at_mut(stride);
-        for (g, values) in row.chunks_exact(GROUP_COLS).enumerate() {
-            let d = quantize_group(values, k, g, first, &block, (tiles, r * levels));
+        for (s, values) in row.chunks_exact(span.values()).enumerate() {
+            let first_group = s * groups_per_span;
+            let quantize_span = |values: &[f32], token: &mut [u8], t: usize, tiles: &mut [u8]| {
+                let amax = abs_max(values);
+                let mut d = 0.0;
+                for (i, group) in values.chunks_exact(GROUP_COLS).enumerate() {
+                    let g = first_group + i;
+                    d = quantize_group(group, amax, k, g, token, &block, (tiles, t));
+                }
+                d
+            };
+            let d = quantize_span(values, first, r * levels, tiles);
             if levels == 2 {
-                let quants = &first[g * GROUP_COLS..(g + 1) * GROUP_COLS];
-                let mut left_out = [0.0f32; GROUP_COLS];
+                let quants = &first[first_group * GROUP_COLS..][..values.len()];
+                let mut left_out = [0.0f32; 8 * GROUP_COLS];
+                let left_out = &mut left_out[..values.len()];
                 for ((l, &v), &q) in left_out.iter_mut().zip(values).zip(quants) {
                     *l = v - d * f32::from(q as i8);
                 }
-                quantize_group(&left_out, k, g, second, &block, (tiles, r * levels + 1));
+                quantize_span(left_out, second, r * levels + 1, tiles);
             }
         }
     }
 }
 
 /// Quantizes `values` as group `g` of one token's bytes (`k` values)
-/// with `block`: its 32 quants, its scale and the sum of its quants, in
-/// `token` and in token `t`'s tile. Returns the scale.
+/// with `block` to the maximum `amax` of its span: its 32 quants, its
+/// scale and the sum of its quants, in `token` and in token `t`'s tile.
+/// Returns the scale.
 #[inline(always)]
 fn quantize_group(
     values: &[f32],
+    amax: f32,
     k: usize,
     g: usize,
     token: &mut [u8],
-    block: impl Fn(&[f32], &mut [u8]) -> (f32, i32),
+    block: impl Fn(&[f32], f32, &mut [u8]) -> (f32, i32),
     (tiles, t): (&mut [u8], usize),
 ) -> f32 {
     let groups = k / GROUP_COLS;
     let quants = &mut token[g * GROUP_COLS..(g + 1) * GROUP_COLS];
-    let (d, total) = block(values, quants);
+    let (d, total) = block(values, amax, quants);
     let at = t / TOKENS * tile_bytes(k) + g * TILE_GROUP_BYTES;
     let cell = &mut tiles[at..at + TILE_GROUP_BYTES];
     let lane = 4 * (t % TOKENS);
@@ -192,11 +217,10 @@ fn single_tile(token: &[u8], k: usize) -> Vec<u8> {
     out
 }
 
-/// One block of 32 values: writes its quants and returns its scale and
-/// the quants' sum.
+/// One block of 32 values whose span's maximum `|x|` is `amax`: writes
+/// its quants and returns its scale and the quants' sum.
 #[inline(always)]
-fn quantize_block(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
-    let amax = abs_max(block);
+fn quantize_block(block: &[f32], amax: f32, quants: &mut [u8]) -> (f32, i32) {
     let d = amax / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     // The quants' sum, in 8 lanes of whole numbers (exact: 32 values of
@@ -228,7 +252,7 @@ fn quantize_block(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
 /// # Safety
 /// The CPU must have AVX2; `block` holds 32 values and `quants` 32 bytes.
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
+unsafe fn quantize_block_avx2(block: &[f32], amax: f32, quants: &mut [u8]) -> (f32, i32) {
     use std::arch::x86_64::*;
     assert!(block.len() == GROUP_COLS && quants.len() == GROUP_COLS);
     // SAFETY: 32 values and 32 bytes, asserted above; AVX2 per this
@@ -236,13 +260,6 @@ unsafe fn quantize_block_avx2(block: &[f32], quants: &mut [u8]) -> (f32, i32) {
     unsafe {
         let at = block.as_ptr();
         let v = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(at.add(i)));
-        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-        let a = v.map(|x| _mm256_and_ps(x, abs));
-        // max(x, m) keeps m where x is NaN, as `abs_max` ignores one.
-        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-        let m = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-        let m = _mm_max_ps(_mm_movehl_ps(m, m), m);
-        let amax = _mm_cvtss_f32(_mm_max_ss(_mm_movehdup_ps(m), m));
         let d = amax / 127.0;
         let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
         // Half away from zero as `f32::round` compiles: truncate x plus
@@ -306,15 +323,20 @@ fn abs_max(block: &[f32]) -> f32 {
 unsafe fn quantize_rows_avx2(
     x: &[f32],
     k: usize,
-    levels: usize,
+    levels_and_span: (usize, ScaleSpan),
     bytes: &mut [u8],
     tiles: &mut [u8],
 ) {
     // SAFETY: AVX2 per this function's contract; every block the rows
     // are cut into holds 32 values and 32 quants.
-    quantize_rows_with(x, k, levels, bytes, tiles, |block, quants| unsafe {
-        quantize_block_avx2(block, quants)
-    });
+    quantize_rows_with(
+        x,
+        k,
+        levels_and_span,
+        bytes,
+        tiles,
+        |block, amax, quants| unsafe { quantize_block_avx2(block, amax, quants) },
+    );
 }
 
 impl Q8Input {
@@ -325,17 +347,24 @@ impl Q8Input {
 
     /// Quantizes `x` (`[tokens, k]`, row-major); `k` must be a multiple of 32.
     pub fn quantize(x: &[f32], k: usize) -> Q8Input {
-        Q8Input::quantize_with(x, k, InputPrecision::Bits8)
+        Q8Input::quantize_with(x, k, InputPrecision::Bits8, ScaleSpan::Group)
     }
 
     /// Quantizes `x` at `precision`: with two levels, row `t` of `x`
     /// becomes tokens `2t` (the row) and `2t + 1` (what its rounding left
     /// out), and a product's rows `2t` and `2t + 1` add up to row `t`'s.
-    pub fn quantize_with(x: &[f32], k: usize, precision: InputPrecision) -> Q8Input {
+    /// One scale covers `span`'s values (K must hold whole spans).
+    pub fn quantize_with(
+        x: &[f32],
+        k: usize,
+        precision: InputPrecision,
+        span: ScaleSpan,
+    ) -> Q8Input {
         assert!(
-            k > 0 && k.is_multiple_of(GROUP_COLS) && x.len().is_multiple_of(k),
-            "Q8 input of {} values with K {k}",
-            x.len()
+            k > 0 && k.is_multiple_of(span.values()) && x.len().is_multiple_of(k),
+            "Q8 input of {} values with K {k} in spans of {}",
+            x.len(),
+            span.values()
         );
         let levels = precision.levels();
         let tokens = x.len() / k * levels;
@@ -344,9 +373,9 @@ impl Q8Input {
         let mut tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(k)];
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
-            unsafe { quantize_rows_avx2(x, k, levels, &mut bytes, &mut tiles) };
+            unsafe { quantize_rows_avx2(x, k, (levels, span), &mut bytes, &mut tiles) };
         } else {
-            quantize_rows(x, k, levels, &mut bytes, &mut tiles);
+            quantize_rows(x, k, (levels, span), &mut bytes, &mut tiles);
         }
         let stride = Self::token_bytes(k);
         let single = if tokens % TOKENS == 1 {
@@ -360,7 +389,13 @@ impl Q8Input {
             single,
             k,
             tokens,
+            span,
         }
+    }
+
+    /// How many values share a scale.
+    pub fn span(&self) -> ScaleSpan {
+        self.span
     }
 
     /// Tiles of 8 tokens (a single token has one too, for the GEMMs that
@@ -515,7 +550,7 @@ mod tests {
         }
         let mut portable = vec![0u8; Q8Input::token_bytes(32)];
         let mut tile = vec![0u8; tile_bytes(32)];
-        quantize_rows(&block, 32, 1, &mut portable, &mut tile);
+        quantize_rows(&block, 32, (1, ScaleSpan::Group), &mut portable, &mut tile);
         let quants: Vec<i8> = portable[..cases.len()].iter().map(|&b| b as i8).collect();
         let expected: Vec<i8> = cases.iter().map(|&(_, q)| q).collect();
         assert_eq!(quants, expected);
@@ -527,16 +562,21 @@ mod tests {
         let x: Vec<f32> = (0..32 * 64)
             .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / (1.0 + (i / 32) as f32))
             .collect();
-        for input in [&block[..], &x[..]] {
+        for (input, k) in [(&block[..], 32), (&x[..], 32), (&x[..], 256)] {
+            let span = if k == 256 {
+                ScaleSpan::SuperBlock
+            } else {
+                ScaleSpan::Group
+            };
             for levels in 1..=2 {
-                let tokens = input.len() / 32 * levels;
-                let mut plain = vec![0u8; tokens * Q8Input::token_bytes(32)];
+                let tokens = input.len() / k * levels;
+                let mut plain = vec![0u8; tokens * Q8Input::token_bytes(k)];
                 let mut avx2 = plain.clone();
-                let mut plain_tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(32)];
+                let mut plain_tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(k)];
                 let mut avx2_tiles = plain_tiles.clone();
-                quantize_rows(input, 32, levels, &mut plain, &mut plain_tiles);
+                quantize_rows(input, k, (levels, span), &mut plain, &mut plain_tiles);
                 // SAFETY: AVX2 is present, asserted above.
-                unsafe { quantize_rows_avx2(input, 32, levels, &mut avx2, &mut avx2_tiles) };
+                unsafe { quantize_rows_avx2(input, k, (levels, span), &mut avx2, &mut avx2_tiles) };
                 assert_eq!(plain, avx2);
                 assert_eq!(plain_tiles, avx2_tiles);
             }
@@ -599,7 +639,7 @@ mod tests {
             })
             .collect();
         let one = Q8Input::quantize(&x, k);
-        let two = Q8Input::quantize_with(&x, k, InputPrecision::TwoLevels);
+        let two = Q8Input::quantize_with(&x, k, InputPrecision::TwoLevels, ScaleSpan::Group);
         assert_eq!((one.tokens(), two.tokens()), (3, 6));
         let mut first_error = 0.0f32;
         let mut both_error = 0.0f32;
@@ -626,6 +666,42 @@ mod tests {
         // The test's blocks make the first level's rounding show.
         assert!(first_error > 0.4, "{first_error}");
         assert!(both_error < 0.0025, "{both_error}");
+    }
+
+    /// A super-block's 8 groups share the scale of its largest value, at
+    /// every level, and each value is within half a step of it.
+    #[test]
+    fn a_super_block_shares_one_scale_per_level() {
+        let k = 512;
+        let x: Vec<f32> = (0..3 * k)
+            .map(|i| {
+                let v = ((i * 7919 % 2003) as f32 - 1001.0) / 977.0;
+                if i % 293 == 0 { v * 40.0 } else { v }
+            })
+            .collect();
+        let two = Q8Input::quantize_with(&x, k, InputPrecision::TwoLevels, ScaleSpan::SuperBlock);
+        assert_eq!(two.span(), ScaleSpan::SuperBlock);
+        for t in 0..6 {
+            for s in 0..k / 256 {
+                let row = &x[t / 2 * k + s * 256..][..256];
+                let d = two.group(t, 8 * s).0;
+                if t % 2 == 0 {
+                    let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    assert_eq!(d, amax / 127.0, "token {t}, super-block {s}");
+                }
+                for g in 8 * s..8 * s + 8 {
+                    let (dg, quants) = two.group(t, g);
+                    assert_eq!(dg, d, "token {t}, group {g}");
+                    if t % 2 == 0 {
+                        let values = &x[t / 2 * k + g * GROUP_COLS..][..GROUP_COLS];
+                        for (&v, &q) in values.iter().zip(quants) {
+                            let err = (v - d * f32::from(q as i8)).abs();
+                            assert!(err <= d / 2.0 * 1.0001, "{v} in group {g}: {err}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

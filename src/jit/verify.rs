@@ -257,13 +257,14 @@ const ALLOWED: &[Mnemonic] = {
         Vpblendmb,
         Vpternlogd,
         // The GEMM over Q4_K, Q5_K and Q6_K in 16-row blocks: nibbles masked,
-        // Q6_K's 2-bit fields rotated into place, a decode step's Q4_K sums
-        // of high nibbles kept at 16 times (shifted back once a pair).
+        // Q6_K's 2-bit fields rotated into place, Q5_K's fifth bits rotated
+        // by the group's own count, Q4_K's and Q5_K's group sums times
+        // their 6-bit scales in integers.
         Vpandd,
         Vprold,
         Vprord,
-        Vmovdqa32,
-        Vpsrad,
+        Vprorvd,
+        Vpmulld,
         // A pass of 8's Q6_K rotations in shifts and an OR (off the
         // ports of the products).
         Vpord,

@@ -12,7 +12,7 @@ use crate::engine::assistant::{self, Assistant};
 use crate::engine::kernels::SharedOut;
 use crate::engine::ops;
 use crate::engine::packed::{PackedMatrix, WeightArena, WeightFormat};
-use crate::engine::q8_input::Q8Input;
+use crate::engine::q8_input::{InputPrecision, Q8Input};
 use crate::engine::synthetic;
 use crate::jit::blocking::ROW_GRANULE;
 use crate::jit::plan::{PlanOptions, QuantizedMatrix};
@@ -448,7 +448,10 @@ impl FastEngine {
         let threads = self.pool.threads();
         // A quantized head takes 8-bit inputs, quantized once for every
         // cluster (at one level: the head only ranks proposals).
-        let quantized = head.format.quant().map(|_| Q8Input::quantize(f, head.cols));
+        let quantized = head.format.quant().map(|_| {
+            let span = head.kernels().input_span;
+            Q8Input::quantize_with(f, head.cols, InputPrecision::Bits8, span)
+        });
         self.pool.run(|tid| {
             for &c in kept.iter().skip(tid).step_by(threads) {
                 let rows = c * per..(c + 1) * per;

@@ -103,14 +103,14 @@ impl FastEngine {
             let q8 = (w.format.quant().is_some() && exact > 0).then(|| {
                 let at = x.as_ptr() as usize;
                 let tokens = exact * levels;
-                match quantized
-                    .iter()
-                    .position(|(p, q)| *p == at && q.k() == w.cols && q.tokens() == tokens)
-                {
+                let span = w.kernels().input_span;
+                match quantized.iter().position(|(p, q)| {
+                    *p == at && q.k() == w.cols && q.tokens() == tokens && q.span() == span
+                }) {
                     Some(i) => i,
                     None => {
                         let x = &x[..exact * w.cols];
-                        let input = Q8Input::quantize_with(x, w.cols, self.input_precision);
+                        let input = Q8Input::quantize_with(x, w.cols, self.input_precision, span);
                         quantized.push((at, input));
                         quantized.len() - 1
                     }

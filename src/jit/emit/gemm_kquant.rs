@@ -12,19 +12,30 @@
 //! signed, so no
 //! sign trick is needed. Per row, token and group of 32 columns the group
 //! sum is an exact integer; its scaling is:
-//! - Q4_K and Q5_K: `f += float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) ·
-//!   (d_x · Σx)` (the tile's scaled sum), two FMAs;
+//! - Q4_K and Q5_K with VNNI, whose input has one scale `d_x` per
+//!   super-block of 256 (`gemm_quant::ScaleSpan::SuperBlock`, llama.cpp's
+//!   Q8_K): `s += sc · Σ q·x` in integers (`vpmulld`, exact: |s| < 2^26),
+//!   `f −= (dmin·m) · (d_x · Σx)` (the tile's scaled sum) per group, and
+//!   once per super-block `f += float(s) · (d · d_x)`. A group costs one
+//!   integer and one f32 product beside its 8 `vpdpbusd`s a token, where a
+//!   scale per group of input took three f32 products (the pass of 8 then
+//!   ran at 60-65% of the VNNI peak, 71% now; performance.md);
+//! - Q4_K and Q5_K under AVX2 (a scale per group of input): `f +=
+//!   float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) · (d_x · Σx)`;
 //! - Q6_K: the sums of the group's two halves (scales change every 16
 //!   columns) start from the tile's `−32 · Σx` of their half, which takes
 //!   the stored offset of 32 off; then `v = float(a) · (d·sc_a)`, `v +=
-//!   float(b) · (d·sc_b)`, `f += v · d_x`.
+//!   float(b) · (d·sc_b)`, `f += v · d_x`. (Its halves fill the registers
+//!   a super-block's integer sums would need.)
 //!
 //! `d·sc` and `dmin·m` are exact in f32 (an f16 times a 6- or 8-bit
 //! integer), so `engine::kernels::gemm_kquant_portable`, doing the same
 //! f32 operations in the same order, gives the same bits.
 //!
 //! Unpacking: Q4_K's run holds chunk n of a pair of groups, low and high
-//! nibbles (an AND, a shift and an AND for both). Q6_K's nibble run n
+//! nibbles; with VNNI the pair's groups go one after the other over the
+//! same runs, each shifted right by its group's count (0, then 4) and
+//! masked. Q6_K's nibble run n
 //! holds chunk n (low) and n + 4 (high) of a group; their top 2 bits come
 //! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
 //! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
@@ -36,25 +47,27 @@
 //! runs are Q4_K's; its fifth bits come from two runs per pair, those of
 //! chunk 4h + i at bits i and 4 + i of run h: shifted right by i (one
 //! shift a chunk, the second run loaded at chunk 4), masked by 0x10 at
-//! bit 4 for the second group and after a shift left by 4 for the first.
+//! bit 4 for the second group and after a shift left by 4 for the first
+//! (with VNNI: rotated left by 4, then right by the group's count).
 //!
 //! With VNNI a call takes one of two forms by its token count: one token
 //! (a decode step) or a pass of 8 (2 to 8 tokens; the absent ones compute
 //! on the tile's zeros and are not stored). The one-token form reads the
 //! one-token tile (`gemm_quant::SINGLE_GROUP_BYTES`, a line a group: the
-//! 8-token tile did not fit L1 beside the stream), keeps Q4_K's high
-//! nibbles at 16 times and does no software prefetching: the hardware's
+//! 8-token tile did not fit L1 beside the stream) and does no software
+//! prefetching: the hardware's
 //! prefetchers follow a single stream read in address order, which is
 //! what bounds a decode step. The AVX2 form is `gemm_kquant_avx2`
 //! (passes of 4 tokens over 8 rows, or of one token over 16).
 //!
-//! Registers (VNNI): zmm0..7 the tokens' sums of a pair's first group (or
-//! of a group's first half), zmm16..23 of the second, zmm8..15 their f32
-//! results (stored by `gemm_q8_0x16::store_pass`), zmm24..31 the
+//! Registers (VNNI): zmm0..7 the tokens' sums of a group (Q4_K, Q5_K) or
+//! of a group's first half (Q6_K), zmm16..23 the super-block's scaled
+//! integer sums (Q4_K, Q5_K) or the second half's (Q6_K), zmm8..15 the
+//! f32 results (stored by `gemm_q8_0x16::store_pass`), zmm24..31 the
 //! unpacking and scaling (among them the super-block's `d`, and Q4_K's
 //! `dmin`, as f32). General registers as `gemm_quant`'s frame, plus r15
 //! the units (pairs or groups) left in the super-block, rbx the chunk's
-//! offset.
+//! offset, eax (free once a pass has started) 0 or 2 for a pair's group.
 
 use super::gemm_quant::{
     GemmQuantParams, SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT,
@@ -91,7 +104,6 @@ const CHUNK_A: AsmRegisterZmm = zmm25;
 const CHUNK_B: AsmRegisterZmm = zmm26;
 const LOW_NIBBLES: AsmRegisterZmm = zmm27;
 const TOP_BITS: AsmRegisterZmm = zmm28;
-const HIGH_NIBBLES: AsmRegisterZmm = TOP_BITS;
 const HIGH_A: AsmRegisterZmm = zmm29;
 const HIGH_B: AsmRegisterZmm = zmm30;
 const SPARE: AsmRegisterZmm = zmm31;
@@ -103,6 +115,10 @@ const Q6K_D: AsmRegisterZmm = SPARE;
 /// Q5_K: the fifth bits of the pair's current run, shifted right by one a
 /// chunk (Q5_K's `d` and `dmin` are Q4_K's registers).
 const Q5K_HIGH: AsmRegisterZmm = SPARE;
+/// Q4_K and Q5_K: how far the current group's nibbles sit up each byte
+/// of a run, in every dword (0 for a pair's first group, 4 for its
+/// second).
+const HALF_SHIFT: AsmRegisterZmm = CHUNK_B;
 
 /// Where the parts of a group of the input are for a call of `tokens`
 /// (1 or 8) (see `gemm_quant`'s tiles): the bytes of a group, of a chunk,
@@ -269,164 +285,127 @@ fn join_chains(ops: &mut Asm, chains: usize) {
     }
 }
 
-/// Q4_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
-/// a loop over the 8 nibble runs (rbx 8 per run), then each group's
-/// scaling into the f32 sums.
-fn q4_k_pair_vnni(ops: &mut Asm, tokens: usize) {
-    let run = ops.new_dynamic_label();
-    let chains = chains(tokens);
-    let g = tile_geometry(tokens);
-    iced(ops, |a| {
-        clear_pair_sums(a, tokens, chains)?;
-        a.xor(ebx, ebx)
-    });
-    let top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>run);
-    iced(ops, |a| {
-        for c in 0..chains {
-            let w = (c * RUN_BYTES) as i32;
-            a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q4K_RUNS_AT as i32 + w))?;
-            a.vpandd(CHUNK_A, NIBBLES, LOW_NIBBLES)?;
-            if tokens == 1 {
-                // 16 x the high nibbles, their sums 16 x the group's
-                // (shifted back after the loop): one instruction fewer
-                // than shifting each run (the pass of 8 shifts each run
-                // rather than each of its 8 sums).
-                a.vpandd(NIBBLES, NIBBLES, HIGH_NIBBLES)?;
-            } else {
-                a.vpsrlw(NIBBLES, NIBBLES, 4)?;
-                a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
-            }
-            pair_products(a, &g, tokens, c, (CHUNK_A, NIBBLES))?;
-        }
-        step_chunks(a, tokens, chains)?;
-        a.add(ebx, 8 * chains as i32)?;
-        a.cmp(ebx, 8 * 8)
-    });
-    jback!(ops, jb, run, top);
-    join_chains(ops, chains);
-    if tokens == 1 {
-        // Exact: every product of the sum was a multiple of 16.
-        iced(ops, |a| a.vpsrad(SECOND[0], SECOND[0], 4));
-    }
-    scale_pair_vnni(ops, tokens, &g);
-}
-
-/// Q5_K, one pair of groups (r9) for `tokens` (1 or 8) of the tile (r10):
-/// a loop over the 8 nibble runs (rbx 8 per run), each chunk's fifth bits
-/// ORed on at bit 4 (`model::k_quant_x16`: after i shifts right, chunk
-/// 4h + i's bits of run h sit at bit 0 for the first group, shifted left
-/// by 4 to bit 4, and at bit 4 for the second), the second run loaded at
-/// chunk 4; then each group's scaling into the f32 sums, as Q4_K's.
-fn q5_k_pair_vnni(ops: &mut Asm, tokens: usize) {
+/// Q4_K's or Q5_K's pair of groups (r9) for `tokens` (1 or 8) of the tile
+/// (r10), one group after the other (eax 0, then 2): a loop over the 8
+/// nibble runs (rbx 8 per run), each run's low nibbles for the first
+/// group and its high ones for the second (shifted right by
+/// `HALF_SHIFT`, 0 then 4), Q5_K's fifth bits ORed on at bit 4; then the
+/// group's scaling: its integer sums times its 6-bit scale into the
+/// super-block's (`SECOND`), `f −= (dmin·m) · (d_x · Σx)` in f32.
+fn k_pair_vnni(ops: &mut Asm, q: QuantType, tokens: usize) {
+    let group = ops.new_dynamic_label();
     let run = ops.new_dynamic_label();
     let same_run = ops.new_dynamic_label();
     let chains = chains(tokens);
     let g = tile_geometry(tokens);
+    let fifth_bits = q == QuantType::Q5Kx16;
+    let runs_at = if fifth_bits { Q5K_RUNS_AT } else { Q4K_RUNS_AT } as i32;
+    dynasm!(ops ; .arch x64 ; xor eax, eax);
+    let group_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>group);
     iced(ops, |a| {
-        clear_pair_sums(a, tokens, chains)?;
-        a.vmovdqu32(Q5K_HIGH, zmmword_ptr(r9 + Q5K_HIGH_AT as i32))?;
+        for sums in &FIRST[..tokens.max(chains)] {
+            a.vpxord(*sums, *sums, *sums)?;
+        }
+        if fifth_bits {
+            load_fifth_bits(a, 0)?;
+        }
         a.xor(ebx, ebx)
     });
     let top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>run);
-    // Chunk 4 (rbx 32 in either form) starts the second run of fifth bits.
-    cmp_imm8(ops, reg::RBX, 4 * 8);
-    dynasm!(ops ; .arch x64 ; jne BYTE =>same_run);
-    iced(ops, |a| {
-        a.vmovdqu32(Q5K_HIGH, zmmword_ptr(r9 + (Q5K_HIGH_AT + RUN_BYTES) as i32))
-    });
-    dynasm!(ops ; .arch x64 ; =>same_run);
+    if fifth_bits {
+        // Chunk 4 (rbx 32 in either form) starts the second run of fifth
+        // bits.
+        cmp_imm8(ops, reg::RBX, 4 * 8);
+        dynasm!(ops ; .arch x64 ; jne BYTE =>same_run);
+        iced(ops, |a| load_fifth_bits(a, RUN_BYTES as i32));
+        dynasm!(ops ; .arch x64 ; =>same_run);
+    }
     iced(ops, |a| {
         for c in 0..chains {
             let w = (c * RUN_BYTES) as i32;
-            a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + Q5K_RUNS_AT as i32 + w))?;
-            a.vpslld(CHUNK_A, Q5K_HIGH, 4)?;
-            a.vpandd(CHUNK_A, CHUNK_A, TOP_BITS)?;
-            a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
-            a.vpsrlw(NIBBLES, NIBBLES, 4)?;
-            a.vpandd(CHUNK_B, Q5K_HIGH, TOP_BITS)?;
-            a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
-            pair_products(a, &g, tokens, c, (CHUNK_A, CHUNK_B))?;
-            a.vpsrld(Q5K_HIGH, Q5K_HIGH, 1)?;
+            a.vmovdqu32(NIBBLES, zmmword_ptr(r9 + rbx * 8 + runs_at + w))?;
+            a.vpsrlvd(NIBBLES, NIBBLES, HALF_SHIFT)?;
+            let quants = if fifth_bits {
+                a.vpandd(CHUNK_A, Q5K_HIGH, TOP_BITS)?;
+                a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
+                a.vpsrld(Q5K_HIGH, Q5K_HIGH, 1)?;
+                CHUNK_A
+            } else {
+                a.vpandd(NIBBLES, NIBBLES, LOW_NIBBLES)?;
+                NIBBLES
+            };
+            for t in 0..tokens {
+                let x = chunk_at(&g, tokens, c) + 4 * t as i32;
+                a.vpdpbusd(FIRST[t + c], quants, dword_bcst(x))?;
+            }
         }
         step_chunks(a, tokens, chains)?;
         a.add(ebx, 8 * chains as i32)?;
         a.cmp(ebx, 8 * 8)
     });
     jback!(ops, jb, run, top);
-    join_chains(ops, chains);
-    scale_pair_vnni(ops, tokens, &g);
-}
-
-/// Zeroes a pair's sums: both groups' for every token, or chain.
-fn clear_pair_sums(a: &mut CodeAssembler, tokens: usize, chains: usize) -> Result<(), IcedError> {
-    for t in 0..tokens.max(chains) {
-        a.vpxord(FIRST[t], FIRST[t], FIRST[t])?;
-        a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
-    }
-    Ok(())
-}
-
-/// Chunk `c` of a pair's run times each token's 4 bytes: `quants.0` (the
-/// first group's values) into the first sums, `quants.1` (the second's)
-/// into the second.
-fn pair_products(
-    a: &mut CodeAssembler,
-    g: &TileGeometry,
-    tokens: usize,
-    c: usize,
-    quants: (AsmRegisterZmm, AsmRegisterZmm),
-) -> Result<(), IcedError> {
-    for t in 0..tokens {
-        let x = chunk_at(g, tokens, c) + 4 * t as i32;
-        a.vpdpbusd(FIRST[t + c], quants.0, dword_bcst(x))?;
-        a.vpdpbusd(SECOND[t + c], quants.1, dword_bcst(x + g.group))?;
-    }
-    Ok(())
-}
-
-/// A pair's two groups' scaling (Q4_K's and Q5_K's): one copy of the code,
-/// run twice, the second group's sums moved into the first's registers,
-/// r9 and r10 stepped to its scales and its tile group (back after the
-/// pair). `f += float(Σqx) · ((d·sc) · d_x)`, `f −= (dmin·m) · (d_x ·
-/// Σx)`.
-fn scale_pair_vnni(ops: &mut Asm, tokens: usize, g: &TileGeometry) {
-    // The one-token form's r10 went through the first group's 8 chunks.
+    // The one-token form's r10 went through the group's 8 chunks.
     let went = if tokens == 1 { g.chunk * 8 } else { 0 };
-    let group = ops.new_dynamic_label();
     iced(ops, |a| {
-        if went != 0 {
-            a.sub(r10, went)?;
+        if chains == 2 {
+            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
         }
-        a.mov(ebx, 2)
-    });
-    let group_top = ops.offset();
-    dynasm!(ops ; .arch x64 ; =>group);
-    iced(ops, |a| {
+        // The group's 16 scales and mins, 16 bytes after the first
+        // group's (rax = 2 for the second group).
         let (scales, mins) = (CHUNK_A, NIBBLES);
-        a.vpmovzxbd(scales, xmmword_ptr(r9))?;
-        a.vcvtdq2ps(scales, scales)?;
-        a.vmulps(scales, scales, D)?;
-        a.vpmovzxbd(mins, xmmword_ptr(r9 + Q4K_MINS_AT as i32))?;
+        a.vpmovzxbd(scales, xmmword_ptr(r9 + rax * 8))?;
+        a.vpmovzxbd(mins, xmmword_ptr(r9 + rax * 8 + Q4K_MINS_AT as i32))?;
         a.vcvtdq2ps(mins, mins)?;
         a.vmulps(mins, mins, DMIN)?;
         for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
-            a.vmulps(CHUNK_B, scales, dword_bcst(r10 + g.scale + x))?;
-            a.vfmadd231ps(F32_SUMS[t], FIRST[t], CHUNK_B)?;
-            a.vfnmadd231ps(F32_SUMS[t], mins, dword_bcst(r10 + g.scaled_sum + x))?;
-            a.vmovdqa32(FIRST[t], SECOND[t])?;
+            let x = r10 - went + g.scaled_sum + 4 * t as i32;
+            a.vpmulld(FIRST[t], FIRST[t], scales)?;
+            a.vpaddd(SECOND[t], SECOND[t], FIRST[t])?;
+            a.vfnmadd231ps(F32_SUMS[t], mins, dword_bcst(x))?;
         }
-        a.add(r9, ROWS as i32)?;
-        a.add(r10, g.group)?;
-        a.dec(ebx)
+        // On to the second group: its tile group, the runs' high nibbles
+        // (the shift toggles between 0 and 4, so it is 0 again after the
+        // pair).
+        a.add(r10, g.group - went)?;
+        a.vpsrld(scales, TOP_BITS, 26)?;
+        a.vpxord(HALF_SHIFT, HALF_SHIFT, scales)?;
+        a.add(eax, 2)?;
+        a.cmp(eax, 4)
     });
-    jback!(ops, jne, group, group_top);
+    jback!(ops, jb, group, group_top);
+    // Back to the pair's start for `next_unit` (the one-token form's
+    // groups are SINGLE_GROUP_BYTES apart, which `unit_r10_fixup` takes
+    // into account the same way).
+    iced(ops, |a| a.sub(r10, 2 * TGB));
+}
+
+/// Q5_K's fifth bits for the pair's chunks from `extra` bytes into its
+/// runs of them: rotated so that the current group's bit of the first
+/// chunk sits at bit 4 of each byte (the first group's bit i goes 4 up,
+/// the second's is there already: rotated left by 4, then right by
+/// `HALF_SHIFT`).
+fn load_fifth_bits(a: &mut CodeAssembler, extra: i32) -> Result<(), IcedError> {
+    a.vprold(Q5K_HIGH, zmmword_ptr(r9 + Q5K_HIGH_AT as i32 + extra), 4)?;
+    a.vprorvd(Q5K_HIGH, Q5K_HIGH, HALF_SHIFT)
+}
+
+/// The end of a super-block for Q4_K and Q5_K: each token's integer sum
+/// `Σ sc·Σqx` converted once, `f += float(s) · (d · d_x)` with the
+/// super-block's input scale (every group's slot holds it; r10 is past
+/// the last group), the sums cleared for the next.
+fn finish_super_block(ops: &mut Asm, tokens: usize) {
+    let g = tile_geometry(tokens);
     iced(ops, |a| {
-        a.sub(r9, 2 * ROWS as i32)?;
-        a.sub(r10, 2 * g.group + unit_r10_fixup(tokens, 2, 0))
+        for t in 0..tokens {
+            let x = r10 - g.group + g.scale + 4 * t as i32;
+            a.vcvtdq2ps(SECOND[t], SECOND[t])?;
+            a.vmulps(CHUNK_A, D, dword_bcst(x))?;
+            a.vfmadd231ps(F32_SUMS[t], SECOND[t], CHUNK_A)?;
+            a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
+        }
+        Ok(())
     });
 }
 
@@ -572,8 +551,7 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
             dynasm!(ops ; .arch x64 ; =>one_token);
         }
         match p.q {
-            QuantType::Q4Kx16 => q4_k_pair_vnni(ops, tokens),
-            QuantType::Q5Kx16 => q5_k_pair_vnni(ops, tokens),
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 => k_pair_vnni(ops, p.q, tokens),
             _ => q6_k_group_vnni(ops, tokens),
         }
         if tokens != 1 {
@@ -581,13 +559,19 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
         }
     }
     dynasm!(ops ; .arch x64 ; =>unit_done);
-    next_unit(
-        ops,
-        p.q,
-        reg::R15,
-        (unit, unit_top),
-        (super_block, super_top),
-    );
+    next_unit_in_super_block(ops, p.q, reg::R15, (unit, unit_top));
+    if p.q.has_k_mins() {
+        let one_token_end = ops.new_dynamic_label();
+        let ended = ops.new_dynamic_label();
+        cmp_imm8(ops, reg::R13, 1);
+        dynasm!(ops ; .arch x64 ; je =>one_token_end);
+        finish_super_block(ops, TOKENS);
+        dynasm!(ops ; .arch x64 ; jmp =>ended ; =>one_token_end);
+        finish_super_block(ops, 1);
+        dynasm!(ops ; .arch x64 ; =>ended);
+    }
+    dynasm!(ops ; .arch x64 ; cmp r10, r11);
+    jback!(ops, jb, super_block, super_top);
 }
 
 /// The end of a unit: r9 and r10 to the next unit of the block and of the
@@ -597,8 +581,20 @@ pub(super) fn next_unit(
     ops: &mut Asm,
     q: QuantType,
     count: u8,
-    (unit, unit_top): (DynamicLabel, AssemblyOffset),
+    unit: (DynamicLabel, AssemblyOffset),
     (super_block, super_top): (DynamicLabel, AssemblyOffset),
+) {
+    next_unit_in_super_block(ops, q, count, unit);
+    dynasm!(ops ; .arch x64 ; cmp r10, r11);
+    jback!(ops, jb, super_block, super_top);
+}
+
+/// [`next_unit`] without the jump to the next super-block.
+fn next_unit_in_super_block(
+    ops: &mut Asm,
+    q: QuantType,
+    count: u8,
+    (unit, unit_top): (DynamicLabel, AssemblyOffset),
 ) {
     let (_, unit_bytes, _, unit_groups) = geometry(q);
     dynasm!(ops
@@ -608,8 +604,6 @@ pub(super) fn next_unit(
         ; dec Rd(count)
     );
     jback!(ops, jne, unit, unit_top);
-    dynasm!(ops ; .arch x64 ; cmp r10, r11);
-    jback!(ops, jb, super_block, super_top);
 }
 
 fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
@@ -632,15 +626,24 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     iced(&mut ops, |a| {
         a.mov(r10d, 0x0F0F_0F0F)?;
         a.vpbroadcastd(LOW_NIBBLES, r10d)?;
-        // Q6_K's top bits' mask; Q4_K's high nibbles' (one token);
-        // Q5_K's fifth bits'.
+        // Q6_K's top bits' mask; Q5_K's fifth bits' (Q4_K's too: the
+        // groups' shift of 4 is made from it).
         let mask = match p.q {
-            QuantType::Q4Kx16 => 0xF0F0_F0F0_u32 as i32,
-            QuantType::Q5Kx16 => 0x1010_1010,
+            QuantType::Q4Kx16 | QuantType::Q5Kx16 => 0x1010_1010,
             _ => 0x3030_3030,
         };
         a.mov(r10d, mask)?;
-        a.vpbroadcastd(TOP_BITS, r10d)
+        a.vpbroadcastd(TOP_BITS, r10d)?;
+        if p.q.has_k_mins() {
+            // The super-blocks' integer sums start at zero and
+            // `finish_super_block` leaves them so; the pairs' shift
+            // likewise.
+            for sums in SECOND {
+                a.vpxord(sums, sums, sums)?;
+            }
+            a.vpxord(HALF_SHIFT, HALF_SHIFT, HALF_SHIFT)?;
+        }
+        Ok(())
     });
     let (block_top, _) = block_and_pass_top(&mut ops, block, pass);
     iced(&mut ops, |a| {

@@ -71,6 +71,41 @@ impl GemmQuantParams {
     pub fn single_token_layout(&self) -> bool {
         self.vnni && self.q.is_k_quant()
     }
+
+    /// How many of its input's values share a scale: a super-block's 256
+    /// for the K-quant kernels with VNNI, which sum a super-block's
+    /// groups in integers (`gemm_kquant`), else a group's 32.
+    pub fn input_span(&self) -> ScaleSpan {
+        if self.vnni && self.q.is_k_quant() {
+            ScaleSpan::SuperBlock
+        } else {
+            ScaleSpan::Group
+        }
+    }
+}
+
+/// How many consecutive input values share one 8-bit scale (the tiles'
+/// layout is the same either way: each group keeps its own scale slot,
+/// equal across a super-block in [`ScaleSpan::SuperBlock`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScaleSpan {
+    /// A group's 32 values (llama.cpp's Q8_0 rule).
+    #[default]
+    Group,
+    /// A K-quant super-block's 256 values (llama.cpp's Q8_K): a kernel can
+    /// then scale a group's integer sum by the weights' 6-bit group scale
+    /// in integers and convert once per super-block.
+    SuperBlock,
+}
+
+impl ScaleSpan {
+    /// Values per scale.
+    pub fn values(self) -> usize {
+        match self {
+            ScaleSpan::Group => GROUP_COLS,
+            ScaleSpan::SuperBlock => 8 * GROUP_COLS,
+        }
+    }
 }
 
 /// Rows per block of every form: Q8_0x16's.

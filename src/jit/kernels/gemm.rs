@@ -3,6 +3,7 @@
 //! the unpacking of Q5_0 and Q4_0 panels for them.
 
 use super::{Compiled, Kernel, KernelError, blocks_fit, rows_fit, shape};
+use crate::jit::emit::gemm_quant::ScaleSpan;
 use crate::jit::emit::gemm_wide::GemmWideParams;
 use crate::jit::emit::gemv::WeightType;
 use crate::jit::emit::{gemm, gemm_quant};
@@ -265,6 +266,8 @@ pub struct GemmQuant<'a> {
     /// A call of one token takes the one-token tile (see
     /// `GemmQuantParams::single_token_layout`).
     pub single_token_layout: bool,
+    /// How many input values share a scale (`GemmQuantParams::input_span`).
+    pub input_span: ScaleSpan,
 }
 
 impl GemmQuant<'_> {
@@ -358,6 +361,7 @@ impl<'a> Kernel<'a> for GemmQuant<'a> {
             q,
             k,
             single_token_layout: params.single_token_layout(),
+            input_span: params.input_span(),
         }
     }
 }
