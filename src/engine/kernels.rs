@@ -469,9 +469,9 @@ pub unsafe fn gemm_q8_portable(w: &PackedMatrix, x: &Q8Input, rows: Range<usize>
 /// (`model::k_quant_x16`) and 8-bit inputs in plain Rust: the very f32
 /// operations of the JIT's kernel (`jit::emit::gemm_kquant`), group after
 /// group, so the same bits. With a scale per super-block of input
-/// ([`ScaleSpan::SuperBlock`], the VNNI kernels') Q4_K's and Q5_K's group
-/// sums are scaled in integers and converted once per super-block; with a
-/// scale per group each group's sum is scaled in f32.
+/// ([`ScaleSpan::SuperBlock`], the VNNI kernels') the group sums (Q6_K's
+/// half-group sums) are scaled in integers and converted once per
+/// super-block; with a scale per group each group's sum is scaled in f32.
 ///
 /// # Safety
 /// No other thread may touch columns `rows` of `y` meanwhile.
@@ -485,7 +485,7 @@ pub unsafe fn gemm_kquant_portable(
     let q = w.format.quant().expect("a K-quant matrix");
     let groups = w.cols / quant_blocks::GROUP_COLS;
     let super_groups = k_quant_x16::SUPER_GROUPS;
-    let integer_scales = q.has_k_mins() && x.span() == ScaleSpan::SuperBlock;
+    let integer_scales = x.span() == ScaleSpan::SuperBlock;
     // Each row's groups unpacked once for every token; each token's sum
     // goes group after group, as the kernel's does.
     let mut sums = vec![0.0f32; x.tokens()];
@@ -508,10 +508,15 @@ pub unsafe fn gemm_kquant_portable(
                 };
                 let ((dot_a, sum_a), (dot_b, sum_b)) = (half(0), half(1));
                 if integer_scales {
-                    // Exact: |sum| < 2^31 over a super-block (see the kernel).
-                    scaled[t] += k.scales[0] * (dot_a + dot_b);
-                    let scaled_sum = dx * (sum_a + sum_b) as f32;
-                    *f = (-(k.min as f32 * k.dmin)).mul_add(scaled_sum, *f);
+                    // Exact: |sum| < 2^27 over a super-block (see the kernel).
+                    if q.has_k_mins() {
+                        scaled[t] += k.scales[0] * (dot_a + dot_b);
+                        let scaled_sum = dx * (sum_a + sum_b) as f32;
+                        *f = (-(k.min as f32 * k.dmin)).mul_add(scaled_sum, *f);
+                    } else {
+                        scaled[t] += k.scales[0] * (dot_a - 32 * sum_a);
+                        scaled[t] += k.scales[1] * (dot_b - 32 * sum_b);
+                    }
                     if g % super_groups == super_groups - 1 {
                         *f = (scaled[t] as f32).mul_add(k.d * dx, *f);
                         scaled[t] = 0;

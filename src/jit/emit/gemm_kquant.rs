@@ -12,21 +12,22 @@
 //! signed, so no
 //! sign trick is needed. Per row, token and group of 32 columns the group
 //! sum is an exact integer; its scaling is:
-//! - Q4_K and Q5_K with VNNI, whose input has one scale `d_x` per
-//!   super-block of 256 (`gemm_quant::ScaleSpan::SuperBlock`, llama.cpp's
-//!   Q8_K): `s += sc · Σ q·x` in integers (`vpmulld`, exact: |s| < 2^26),
+//! - with VNNI, whose input has one scale `d_x` per super-block of 256
+//!   (`gemm_quant::ScaleSpan::SuperBlock`, llama.cpp's Q8_K): `s += sc ·
+//!   Σ q·x` in integers (`vpmulld`; exact, |s| < 2^27), Q4_K's and Q5_K's
 //!   `f −= (dmin·m) · (d_x · Σx)` (the tile's scaled sum) per group, and
-//!   once per super-block `f += float(s) · (d · d_x)`. A group costs one
-//!   integer and one f32 product beside its 8 `vpdpbusd`s a token, where a
-//!   scale per group of input took three f32 products (the pass of 8 then
-//!   ran at 60-65% of the VNNI peak, 71% now; performance.md);
-//! - Q4_K and Q5_K under AVX2 (a scale per group of input): `f +=
+//!   once per super-block `f += float(s) · (d · d_x)`. Q6_K's scales
+//!   change every 16 columns: its half-groups' sums start from the tile's
+//!   `−32 · Σx` of the half, which takes the stored offset of 32 off, and
+//!   are scaled alike. A Q4_K group costs one integer and one f32 product
+//!   beside its 8 `vpdpbusd`s a token, where a scale per group of input
+//!   took three f32 products (the pass of 8 went from 60-65% of the VNNI
+//!   peak to 69-71%; Q6_K's, bound by its unpacking, stayed at 53-57%;
+//!   performance.md);
+//! - under AVX2 (a scale per group of input): Q4_K and Q5_K `f +=
 //!   float(Σ q·x) · ((d·sc) · d_x)`, then `f −= (dmin·m) · (d_x · Σx)`;
-//! - Q6_K: the sums of the group's two halves (scales change every 16
-//!   columns) start from the tile's `−32 · Σx` of their half, which takes
-//!   the stored offset of 32 off; then `v = float(a) · (d·sc_a)`, `v +=
-//!   float(b) · (d·sc_b)`, `f += v · d_x`. (Its halves fill the registers
-//!   a super-block's integer sums would need.)
+//!   Q6_K `v = float(a) · (d·sc_a)`, `v += float(b) · (d·sc_b)`, `f += v ·
+//!   d_x` over the halves' sums `a` and `b`.
 //!
 //! `d·sc` and `dmin·m` are exact in f32 (an f16 times a 6- or 8-bit
 //! integer), so `engine::kernels::gemm_kquant_portable`, doing the same
@@ -35,7 +36,7 @@
 //! Unpacking: Q4_K's run holds chunk n of a pair of groups, low and high
 //! nibbles; with VNNI the pair's groups go one after the other over the
 //! same runs, each shifted right by its group's count (0, then 4) and
-//! masked. Q6_K's nibble run n
+//! masked, as do Q6_K's halves. Q6_K's nibble run n
 //! holds chunk n (low) and n + 4 (high) of a group; their top 2 bits come
 //! from two runs of 2-bit fields, chunk n's at bits 2n..2n+1 of each
 //! byte: rotated left by 4 − 2n they sit at bits 4..5 (VNNI rotates the
@@ -61,13 +62,14 @@
 //! (passes of 4 tokens over 8 rows, or of one token over 16).
 //!
 //! Registers (VNNI): zmm0..7 the tokens' sums of a group (Q4_K, Q5_K) or
-//! of a group's first half (Q6_K), zmm16..23 the super-block's scaled
-//! integer sums (Q4_K, Q5_K) or the second half's (Q6_K), zmm8..15 the
-//! f32 results (stored by `gemm_q8_0x16::store_pass`), zmm24..31 the
-//! unpacking and scaling (among them the super-block's `d`, and Q4_K's
-//! `dmin`, as f32). General registers as `gemm_quant`'s frame, plus r15
-//! the units (pairs or groups) left in the super-block, rbx the chunk's
-//! offset, eax (free once a pass has started) 0 or 2 for a pair's group.
+//! half-group (Q6_K), zmm16..23 the super-block's scaled integer sums,
+//! zmm8..15 the f32 results (stored by `gemm_q8_0x16::store_pass`),
+//! zmm24..31 the unpacking and scaling (among them the super-block's `d`,
+//! and Q4_K's `dmin`, as f32). General registers as `gemm_quant`'s frame,
+//! plus r15 the units (pairs or groups) left in the super-block, rbx the
+//! chunk's offset, eax (free once a pass has started) which group of a
+//! pair or half of a group, and for Q6_K rbp (pushed for the block) the
+//! half's offset into the tile group.
 
 use super::gemm_quant::{
     GemmQuantParams, SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT,
@@ -274,17 +276,6 @@ fn chains(tokens: usize) -> usize {
     if tokens == 1 { 2 } else { 1 }
 }
 
-/// Adds the odd chunks' chains (in the second token's registers) to the
-/// even ones'.
-fn join_chains(ops: &mut Asm, chains: usize) {
-    if chains == 2 {
-        iced(ops, |a| {
-            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
-            a.vpaddd(SECOND[0], SECOND[0], SECOND[1])
-        });
-    }
-}
-
 /// Q4_K's or Q5_K's pair of groups (r9) for `tokens` (1 or 8) of the tile
 /// (r10), one group after the other (eax 0, then 2): a loop over the 8
 /// nibble runs (rbx 8 per run), each run's low nibbles for the first
@@ -391,17 +382,17 @@ fn load_fifth_bits(a: &mut CodeAssembler, extra: i32) -> Result<(), IcedError> {
     a.vprorvd(Q5K_HIGH, Q5K_HIGH, HALF_SHIFT)
 }
 
-/// The end of a super-block for Q4_K and Q5_K: each token's integer sum
-/// `Σ sc·Σqx` converted once, `f += float(s) · (d · d_x)` with the
-/// super-block's input scale (every group's slot holds it; r10 is past
-/// the last group), the sums cleared for the next.
-fn finish_super_block(ops: &mut Asm, tokens: usize) {
+/// The end of a super-block: each token's integer sum `Σ sc·Σqx`
+/// converted once, `f += float(s) · (d · d_x)` with the super-block's `d`
+/// (in register `d`) and input scale (every group's slot holds it; r10 is
+/// past the last group), the sums cleared for the next.
+fn finish_super_block(ops: &mut Asm, tokens: usize, d: AsmRegisterZmm) {
     let g = tile_geometry(tokens);
     iced(ops, |a| {
         for t in 0..tokens {
             let x = r10 - g.group + g.scale + 4 * t as i32;
             a.vcvtdq2ps(SECOND[t], SECOND[t])?;
-            a.vmulps(CHUNK_A, D, dword_bcst(x))?;
+            a.vmulps(CHUNK_A, d, dword_bcst(x))?;
             a.vfmadd231ps(F32_SUMS[t], SECOND[t], CHUNK_A)?;
             a.vpxord(SECOND[t], SECOND[t], SECOND[t])?;
         }
@@ -409,22 +400,33 @@ fn finish_super_block(ops: &mut Asm, tokens: usize) {
     });
 }
 
-/// Q6_K, one group (r9) for `tokens` (1 or 8) of the tile (r10): a loop
-/// over the 4 nibble runs (rbx 8 per run), the high-bit runs rotated right
-/// by 2 after each, then the scaling.
+/// Q6_K, one group (r9) for `tokens` (1 or 8) of the tile (r10), one half
+/// after the other (eax 0, then 16): the half's sums start from the
+/// tile's `−32 · Σx` of the half (rbp steps to the second's), a loop over
+/// the 4 nibble runs (rbx 8 per run), their low nibbles for the first
+/// half and their high ones for the second (shifted right by
+/// `HALF_SHIFT`), the half's run of high bits rotated right by 2 after
+/// each chunk; then the half's integer sums times its 8-bit scale into
+/// the super-block's (`SECOND`).
 fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
+    let half = ops.new_dynamic_label();
     let run = ops.new_dynamic_label();
     let chains = chains(tokens);
     let g = tile_geometry(tokens);
+    // The pass of 8 steps r10 over the first half's chunks itself; the
+    // one-token form has by the end of each half.
+    let half_chunks = 4 * g.chunk;
+    dynasm!(ops ; .arch x64 ; xor eax, eax ; xor ebp, ebp);
+    iced(ops, |a| a.vpxord(HALF_SHIFT, HALF_SHIFT, HALF_SHIFT));
+    let half_top = ops.offset();
+    dynasm!(ops ; .arch x64 ; =>half);
     iced(ops, |a| {
         for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vpbroadcastd(FIRST[t], dword_ptr(r10 + g.half_starts + x))?;
-            a.vpbroadcastd(SECOND[t], dword_ptr(r10 + g.half_starts + g.half_step + x))?;
+            let x = r10 + rbp + g.half_starts + 4 * t as i32;
+            a.vpbroadcastd(FIRST[t], dword_ptr(x))?;
         }
         for c in tokens..chains {
             a.vpxord(FIRST[c], FIRST[c], FIRST[c])?;
-            a.vpxord(SECOND[c], SECOND[c], SECOND[c])?;
         }
         if tokens == 1 {
             // The high-bit runs come after the nibble runs: loaded first,
@@ -438,12 +440,7 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
         }
         // Chunk n's field at bits 2n..2n+1 of each byte goes to bits 4..5:
         // rotated left by 4 first, then right by 2 per chunk.
-        a.vprold(HIGH_A, zmmword_ptr(r9 + Q6K_HIGH_AT as i32), 4)?;
-        a.vprold(
-            HIGH_B,
-            zmmword_ptr(r9 + (Q6K_HIGH_AT + RUN_BYTES) as i32),
-            4,
-        )?;
+        a.vprold(HIGH_A, zmmword_ptr(r9 + rax * 4 + Q6K_HIGH_AT as i32), 4)?;
         a.xor(ebx, ebx)
     });
     let top = ops.offset();
@@ -455,29 +452,23 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
                 NIBBLES,
                 zmmword_ptr(r9 + rbx * 8 + Q6K_NIBBLES_AT as i32 + w),
             )?;
+            a.vpsrlvd(NIBBLES, NIBBLES, HALF_SHIFT)?;
             a.vpandd(CHUNK_A, HIGH_A, TOP_BITS)?;
             a.vpternlogd(CHUNK_A, NIBBLES, LOW_NIBBLES, OR_AND)?;
-            a.vpsrlw(NIBBLES, NIBBLES, 4)?;
-            a.vpandd(CHUNK_B, HIGH_B, TOP_BITS)?;
-            a.vpternlogd(CHUNK_B, NIBBLES, LOW_NIBBLES, OR_AND)?;
             for t in 0..tokens {
                 let x = chunk_at(&g, tokens, c) + 4 * t as i32;
                 a.vpdpbusd(FIRST[t + c], CHUNK_A, dword_bcst(x))?;
-                a.vpdpbusd(SECOND[t + c], CHUNK_B, dword_bcst(x + 4 * g.chunk))?;
             }
             if tokens == 1 {
                 a.vprord(HIGH_A, HIGH_A, 2)?;
-                a.vprord(HIGH_B, HIGH_B, 2)?;
             } else {
-                // The same rotations in shifts: a rotate shares the
+                // The same rotation in shifts: a rotate shares the
                 // `vpdpbusd`s' two ports on Zen 4 (a pass of 8 is bound
                 // by them), shifts and ORs go to the other two. The
-                // chunks are free again once their products are issued.
-                for (high, spare) in [(HIGH_A, CHUNK_A), (HIGH_B, CHUNK_B)] {
-                    a.vpslld(spare, high, 30)?;
-                    a.vpsrld(high, high, 2)?;
-                    a.vpord(high, high, spare)?;
-                }
+                // chunk is free again once its products are issued.
+                a.vpslld(CHUNK_A, HIGH_A, 30)?;
+                a.vpsrld(HIGH_A, HIGH_A, 2)?;
+                a.vpord(HIGH_A, HIGH_A, CHUNK_A)?;
             }
         }
         step_chunks(a, tokens, chains)?;
@@ -485,31 +476,34 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
         a.cmp(ebx, 4 * 8)
     });
     jback!(ops, jb, run, top);
-    join_chains(ops, chains);
-    // The one-token form's r10 went through the group's first 4 chunks.
-    let went = if tokens == 1 { g.chunk * 4 } else { 0 };
     iced(ops, |a| {
-        let (d, first_scales, second_scales) = (Q6K_D, CHUNK_A, CHUNK_B);
-        a.vpmovsxbd(first_scales, xmmword_ptr(r9))?;
-        a.vcvtdq2ps(first_scales, first_scales)?;
-        a.vmulps(first_scales, first_scales, d)?;
-        a.vpmovsxbd(second_scales, xmmword_ptr(r9 + ROWS as i32))?;
-        a.vcvtdq2ps(second_scales, second_scales)?;
-        a.vmulps(second_scales, second_scales, d)?;
+        if chains == 2 {
+            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
+        }
+        // The half's 16 signed scales, 16 bytes after the first half's.
+        a.vpmovsxbd(CHUNK_A, xmmword_ptr(r9 + rax))?;
         for t in 0..tokens {
-            let x = 4 * t as i32;
-            a.vcvtdq2ps(FIRST[t], FIRST[t])?;
-            a.vcvtdq2ps(SECOND[t], SECOND[t])?;
-            a.vmulps(FIRST[t], FIRST[t], first_scales)?;
-            a.vfmadd231ps(FIRST[t], SECOND[t], second_scales)?;
-            a.vfmadd231ps(F32_SUMS[t], FIRST[t], dword_bcst(r10 + g.scale - went + x))?;
+            a.vpmulld(FIRST[t], FIRST[t], CHUNK_A)?;
+            a.vpaddd(SECOND[t], SECOND[t], FIRST[t])?;
         }
-        let fixup = unit_r10_fixup(tokens, 1, went);
-        if fixup != 0 {
-            a.sub(r10, fixup)?;
+        if tokens != 1 {
+            a.add(r10, half_chunks)?;
         }
-        Ok(())
+        // The second half's starts are `half_step` further into the tile
+        // group, which r10 has gone 4 chunks into.
+        a.add(rbp, g.half_step - half_chunks)?;
+        a.add(eax, 16)?;
+        // Its nibbles are the runs' high ones: a shift of 4 (eax / 4).
+        a.mov(ebx, eax)?;
+        a.shr(ebx, 2)?;
+        a.vpbroadcastd(HALF_SHIFT, ebx)?;
+        a.cmp(eax, 32)
     });
+    jback!(ops, jb, half, half_top);
+    // Back to the group's start for `next_unit` (the one-token form's
+    // groups are SINGLE_GROUP_BYTES apart: `unit_r10_fixup`).
+    let fixup = 2 * half_chunks + unit_r10_fixup(tokens, 1, 0);
+    iced(ops, |a| a.sub(r10, fixup));
 }
 
 /// The VNNI kernel's loop over the row block, super-block by super-block
@@ -560,17 +554,15 @@ fn passes_vnni(ops: &mut Asm, p: &GemmQuantParams) {
     }
     dynasm!(ops ; .arch x64 ; =>unit_done);
     next_unit_in_super_block(ops, p.q, reg::R15, (unit, unit_top));
-    if p.q.has_k_mins() {
-        let one_token_end = ops.new_dynamic_label();
-        let ended = ops.new_dynamic_label();
-        cmp_imm8(ops, reg::R13, 1);
-        dynasm!(ops ; .arch x64 ; je =>one_token_end);
-        finish_super_block(ops, TOKENS);
-        dynasm!(ops ; .arch x64 ; jmp =>ended ; =>one_token_end);
-        finish_super_block(ops, 1);
-        dynasm!(ops ; .arch x64 ; =>ended);
-    }
-    dynasm!(ops ; .arch x64 ; cmp r10, r11);
+    let d = if p.q.has_k_mins() { D } else { Q6K_D };
+    let one_token_end = ops.new_dynamic_label();
+    let ended = ops.new_dynamic_label();
+    cmp_imm8(ops, reg::R13, 1);
+    dynasm!(ops ; .arch x64 ; je =>one_token_end);
+    finish_super_block(ops, TOKENS, d);
+    dynasm!(ops ; .arch x64 ; jmp =>ended ; =>one_token_end);
+    finish_super_block(ops, 1, d);
+    dynasm!(ops ; .arch x64 ; =>ended ; cmp r10, r11);
     jback!(ops, jb, super_block, super_top);
 }
 
@@ -634,18 +626,21 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
         };
         a.mov(r10d, mask)?;
         a.vpbroadcastd(TOP_BITS, r10d)?;
-        if p.q.has_k_mins() {
-            // The super-blocks' integer sums start at zero and
-            // `finish_super_block` leaves them so; the pairs' shift
-            // likewise.
-            for sums in SECOND {
-                a.vpxord(sums, sums, sums)?;
-            }
-            a.vpxord(HALF_SHIFT, HALF_SHIFT, HALF_SHIFT)?;
+        // The super-blocks' integer sums start at zero and
+        // `finish_super_block` leaves them so; Q4_K's and Q5_K's pairs
+        // leave their shift at zero likewise (Q6_K's groups clear it).
+        for sums in SECOND {
+            a.vpxord(sums, sums, sums)?;
         }
-        Ok(())
+        a.vpxord(HALF_SHIFT, HALF_SHIFT, HALF_SHIFT)
     });
     let (block_top, _) = block_and_pass_top(&mut ops, block, pass);
+    // Q6_K's halves use rbp (the super-block's bytes per row, which only
+    // the next block's start needs) for their offset into the tile.
+    let q6_k = p.q == QuantType::Q6Kx16;
+    if q6_k {
+        dynasm!(ops ; .arch x64 ; push rbp);
+    }
     iced(&mut ops, |a| {
         // VEX xmm forms clear the whole register, in 4 bytes.
         for f in F32_SUMS_LOW {
@@ -655,5 +650,8 @@ fn emit_vnni(p: &GemmQuantParams, name: &str) -> anyhow::Result<Vec<u8>> {
     });
     passes_vnni(&mut ops, p);
     super::gemm_q8_0x16::store_pass(&mut ops);
+    if q6_k {
+        dynasm!(ops ; .arch x64 ; pop rbp);
+    }
     next_block_and_return(ops, ROWS, (block, block_top), done, name)
 }
