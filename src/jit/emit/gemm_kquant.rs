@@ -421,12 +421,12 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     let half_top = ops.offset();
     dynasm!(ops ; .arch x64 ; =>half);
     iced(ops, |a| {
-        for t in 0..tokens {
+        for (t, sums) in FIRST[..tokens].iter().enumerate() {
             let x = r10 + rbp + g.half_starts + 4 * t as i32;
-            a.vpbroadcastd(FIRST[t], dword_ptr(x))?;
+            a.vpbroadcastd(*sums, dword_ptr(x))?;
         }
-        for c in tokens..chains {
-            a.vpxord(FIRST[c], FIRST[c], FIRST[c])?;
+        for sums in &FIRST[tokens.min(chains)..chains] {
+            a.vpxord(*sums, *sums, *sums)?;
         }
         if tokens == 1 {
             // The high-bit runs come after the nibble runs: loaded first,
