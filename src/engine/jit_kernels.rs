@@ -539,17 +539,21 @@ impl MatKernels for JitKernels {
             }
             _ => None,
         };
-        let (one_token, tokens) = match w.format.quant() {
+        let (one_token, tokens, input_span) = match w.format.quant() {
             Some(q) => {
-                // The GEMM for the bytes the unpacking makes.
+                // The GEMM for the bytes the unpacking makes, and the
+                // input it reads.
                 let gemm_q =
                     unpack.map_or(q, |id| self.set.bind::<UnpackQuant>(id, (q, w.cols)).into);
                 let gemm = self.set.resolve::<GemmQuant>((gemm_q, w.cols));
+                let span = gemm.map_or(ScaleSpan::Group, |id| {
+                    self.set.bind::<GemmQuant>(id, (gemm_q, w.cols)).input_span
+                });
                 if q.rows_are_lanes() {
                     // Its GEMM takes single tokens too.
-                    (gemm, gemm)
+                    (gemm, gemm, span)
                 } else {
-                    (self.set.resolve::<GemvQuant>((q, w.cols)), gemm)
+                    (self.set.resolve::<GemvQuant>((q, w.cols)), gemm, span)
                 }
             }
             None => {
@@ -558,16 +562,8 @@ impl MatKernels for JitKernels {
                     .set
                     .resolve::<GemmWide>(key)
                     .or_else(|| self.set.resolve::<Gemm>(key));
-                (self.set.resolve::<Gemv>(key), gemm)
+                (self.set.resolve::<Gemv>(key), gemm, ScaleSpan::Group)
             }
-        };
-        let input_span = match (w.format.quant(), tokens) {
-            (Some(q), Some(id)) => {
-                let gemm_q =
-                    unpack.map_or(q, |u| self.set.bind::<UnpackQuant>(u, (q, w.cols)).into);
-                self.set.bind::<GemmQuant>(id, (gemm_q, w.cols)).input_span
-            }
-            _ => ScaleSpan::Group,
         };
         match (one_token, tokens) {
             (Some(_), Some(_)) => Ok(MatrixKernels {

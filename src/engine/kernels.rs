@@ -507,12 +507,14 @@ pub unsafe fn gemm_kquant_portable(
                     (dot, xs.iter().map(|&x| i32::from(x as i8)).sum())
                 };
                 let ((dot_a, sum_a), (dot_b, sum_b)) = (half(0), half(1));
+                // Q4_K's and Q5_K's mins: `(dmin·m) · (d_x · Σx)`.
+                let min = k.min as f32 * k.dmin;
+                let scaled_sum = dx * (sum_a + sum_b) as f32;
                 if integer_scales {
                     // Exact: |sum| < 2^27 over a super-block (see the kernel).
                     if q.has_k_mins() {
                         scaled[t] += k.scales[0] * (dot_a + dot_b);
-                        let scaled_sum = dx * (sum_a + sum_b) as f32;
-                        *f = (-(k.min as f32 * k.dmin)).mul_add(scaled_sum, *f);
+                        *f = (-min).mul_add(scaled_sum, *f);
                     } else {
                         scaled[t] += k.scales[0] * (dot_a - 32 * sum_a);
                         scaled[t] += k.scales[1] * (dot_b - 32 * sum_b);
@@ -523,8 +525,6 @@ pub unsafe fn gemm_kquant_portable(
                     }
                 } else if q.has_k_mins() {
                     let scale = k.scales[0] as f32 * k.d;
-                    let min = k.min as f32 * k.dmin;
-                    let scaled_sum = dx * (sum_a + sum_b) as f32;
                     *f = ((dot_a + dot_b) as f32).mul_add(scale * dx, *f);
                     *f = (-min).mul_add(scaled_sum, *f);
                 } else {

@@ -276,6 +276,15 @@ fn chains(tokens: usize) -> usize {
     if tokens == 1 { 2 } else { 1 }
 }
 
+/// Adds the one-token form's odd chunks' chain (the second token's
+/// register) to the even one's.
+fn join_chains(a: &mut CodeAssembler, chains: usize) -> Result<(), IcedError> {
+    if chains == 2 {
+        a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
+    }
+    Ok(())
+}
+
 /// Q4_K's or Q5_K's pair of groups (r9) for `tokens` (1 or 8) of the tile
 /// (r10), one group after the other (eax 0, then 2): a loop over the 8
 /// nibble runs (rbx 8 per run), each run's low nibbles for the first
@@ -340,9 +349,7 @@ fn k_pair_vnni(ops: &mut Asm, q: QuantType, tokens: usize) {
     // The one-token form's r10 went through the group's 8 chunks.
     let went = if tokens == 1 { g.chunk * 8 } else { 0 };
     iced(ops, |a| {
-        if chains == 2 {
-            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
-        }
+        join_chains(a, chains)?;
         // The group's 16 scales and mins, 16 bytes after the first
         // group's (rax = 2 for the second group).
         let (scales, mins) = (CHUNK_A, NIBBLES);
@@ -477,9 +484,7 @@ fn q6_k_group_vnni(ops: &mut Asm, tokens: usize) {
     });
     jback!(ops, jb, run, top);
     iced(ops, |a| {
-        if chains == 2 {
-            a.vpaddd(FIRST[0], FIRST[0], FIRST[1])?;
-        }
+        join_chains(a, chains)?;
         // The half's 16 signed scales, 16 bytes after the first half's.
         a.vpmovsxbd(CHUNK_A, xmmword_ptr(r9 + rax))?;
         for t in 0..tokens {
