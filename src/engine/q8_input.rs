@@ -29,17 +29,26 @@
 //! parallel section, they made the other thread sleep on a futex: 4% of a
 //! 4-stream server's samples in waking threads.)
 //!
-//! The quantization itself is not split across threads: for a verify
-//! step's few tokens a parallel section and moving the rows between cores
-//! cost more than the work, and in prefill the gain, about 2%, was not
-//! worth a second, unsafe write path.
+//! A prompt chunk's quantization is split across the threads, whole tiles
+//! to each (`Q8Input::quantize_on`): on the main thread alone it was the
+//! larger part of a prefill's serial work, and splitting it took a Gemma 3
+//! 4B Q4_K_M's pp512 on 2 threads from 83.6 to 87.4 tok/s (medians of 3,
+//! alternating; performance.md). A verify or decode step's few tokens stay
+//! on the calling thread, where a parallel section costs more than the
+//! work.
 
+use super::pool::{ThreadPool, split_range};
 use crate::jit::emit::gemm_quant::{
     SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT, SINGLE_SCALED_SUM_AT, ScaleSpan,
     TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
     TILE_VNNI_STARTS_AT, TOKENS, single_tile_bytes, tile_bytes, vnni_group_start,
 };
 use crate::model::quant_blocks::GROUP_COLS;
+use std::sync::Mutex;
+
+/// Rows from which [`Q8Input::quantize_on`] splits the work across threads:
+/// above a verify step's 16 tokens, below a prompt chunk's.
+pub const SPLIT_MIN_ROWS: usize = 32;
 
 pub struct Q8Input {
     bytes: Vec<u8>,
@@ -360,6 +369,33 @@ impl Q8Input {
         precision: InputPrecision,
         span: ScaleSpan,
     ) -> Q8Input {
+        Q8Input::quantize_split(x, k, precision, span, None)
+    }
+
+    /// [`Q8Input::quantize_with`] with the tokens split across `pool`'s
+    /// threads when there are at least [`SPLIT_MIN_ROWS`] rows (a prompt's
+    /// chunk), whole tiles to each: the same bytes, made in about half the
+    /// time on two threads. Fewer rows (a decode or verify step) are
+    /// quantized on the calling thread, where a parallel section would
+    /// cost more than the work.
+    pub fn quantize_on(
+        pool: &ThreadPool,
+        x: &[f32],
+        k: usize,
+        precision: InputPrecision,
+        span: ScaleSpan,
+    ) -> Q8Input {
+        let split = (pool.threads() > 1 && x.len() / k.max(1) >= SPLIT_MIN_ROWS).then_some(pool);
+        Q8Input::quantize_split(x, k, precision, span, split)
+    }
+
+    fn quantize_split(
+        x: &[f32],
+        k: usize,
+        precision: InputPrecision,
+        span: ScaleSpan,
+        pool: Option<&ThreadPool>,
+    ) -> Q8Input {
         assert!(
             k > 0 && k.is_multiple_of(span.values()) && x.len().is_multiple_of(k),
             "Q8 input of {} values with K {k} in spans of {}",
@@ -368,16 +404,47 @@ impl Q8Input {
         );
         let levels = precision.levels();
         let tokens = x.len() / k * levels;
-        let mut bytes = vec![0u8; tokens * Self::token_bytes(k)];
+        let stride = Self::token_bytes(k);
+        let mut bytes = vec![0u8; tokens * stride];
         // Zeros stand for the absent tokens of the last tile.
         let mut tiles = vec![0u8; tokens.div_ceil(TOKENS) * tile_bytes(k)];
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            unsafe { quantize_rows_avx2(x, k, (levels, span), &mut bytes, &mut tiles) };
-        } else {
-            quantize_rows(x, k, (levels, span), &mut bytes, &mut tiles);
+        let quantize = |x: &[f32], bytes: &mut [u8], tiles: &mut [u8]| {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2, checked just above.
+                unsafe { quantize_rows_avx2(x, k, (levels, span), bytes, tiles) };
+            } else {
+                quantize_rows(x, k, (levels, span), bytes, tiles);
+            }
+        };
+        match pool {
+            None => quantize(x, &mut bytes, &mut tiles),
+            Some(pool) => {
+                // Each thread's rows fill whole tiles (but the last
+                // thread's), so its tokens' bytes and tiles are slices of
+                // their own; the rows' tile indices start at zero in each.
+                let threads = pool.threads();
+                let mut parts = Vec::with_capacity(threads);
+                let (mut x_left, mut bytes_left, mut tiles_left) =
+                    (x, &mut bytes[..], &mut tiles[..]);
+                let rows = x.len() / k;
+                for part in 0..threads {
+                    let (first, end) = split_range(rows, threads, part, TOKENS / levels);
+                    let part_tokens = (end - first) * levels;
+                    let (x_part, x_rest) = x_left.split_at((end - first) * k);
+                    let (bytes_part, bytes_rest) =
+                        std::mem::take(&mut bytes_left).split_at_mut(part_tokens * stride);
+                    let (tiles_part, tiles_rest) = std::mem::take(&mut tiles_left)
+                        .split_at_mut(part_tokens.div_ceil(TOKENS) * tile_bytes(k));
+                    (x_left, bytes_left, tiles_left) = (x_rest, bytes_rest, tiles_rest);
+                    parts.push(Mutex::new((x_part, bytes_part, tiles_part)));
+                }
+                pool.run(|tid| {
+                    let mut part = parts[tid].lock().unwrap_or_else(|e| e.into_inner());
+                    let (x, bytes, tiles) = &mut *part;
+                    quantize(x, bytes, tiles);
+                });
+            }
         }
-        let stride = Self::token_bytes(k);
         let single = if tokens % TOKENS == 1 {
             single_tile(&bytes[(tokens - 1) * stride..], k)
         } else {
@@ -699,6 +766,32 @@ mod tests {
                             assert!(err <= d / 2.0 * 1.0001, "{v} in group {g}: {err}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Split across two threads, every token's bytes, every tile and the
+    /// one-token tile are those made on one thread, for row counts that
+    /// do and do not fill the threads' tiles, at either precision and
+    /// scale span; below `SPLIT_MIN_ROWS` nothing is split.
+    #[test]
+    fn quantizing_on_two_threads_makes_the_same_input() {
+        let pool = ThreadPool::new(2);
+        let k = 512;
+        for rows in [1, SPLIT_MIN_ROWS, 37, 130] {
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 6151 % 4099) as f32 - 2049.0) / 613.0)
+                .collect();
+            for precision in [InputPrecision::Bits8, InputPrecision::TwoLevels] {
+                for span in [ScaleSpan::Group, ScaleSpan::SuperBlock] {
+                    let one = Q8Input::quantize_with(&x, k, precision, span);
+                    let split = Q8Input::quantize_on(&pool, &x, k, precision, span);
+                    let case = format!("{rows} rows, {precision:?}, {span:?}");
+                    assert_eq!(split.tokens(), one.tokens(), "{case}");
+                    assert_eq!(split.bytes, one.bytes, "{case}: token bytes");
+                    assert_eq!(split.tiles, one.tiles, "{case}: tiles");
+                    assert_eq!(split.single, one.single, "{case}: one-token tile");
                 }
             }
         }

@@ -110,7 +110,8 @@ impl FastEngine {
                     Some(i) => i,
                     None => {
                         let x = &x[..exact * w.cols];
-                        let input = Q8Input::quantize_with(x, w.cols, self.input_precision, span);
+                        let input =
+                            Q8Input::quantize_on(&self.pool, x, w.cols, self.input_precision, span);
                         quantized.push((at, input));
                         quantized.len() - 1
                     }
