@@ -4,28 +4,37 @@
 use super::pool::{ThreadPool, split_range};
 use std::time::Instant;
 
-/// Sums a slice with wide loads; the sum only keeps the reads alive.
-fn touch(words: &[u64]) -> u64 {
+/// Sums a slice's 8-byte words with wide loads (a tail shorter than a
+/// word is skipped); the sum only keeps the reads alive.
+fn touch(bytes: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 was just detected.
-            return unsafe { touch_avx2(words) };
+            return unsafe { touch_avx2(bytes) };
         }
     }
-    words.iter().fold(0u64, |a, &w| a.wrapping_add(w))
+    words_sum(bytes)
+}
+
+fn words_sum(bytes: &[u8]) -> u64 {
+    bytes.chunks_exact(8).fold(0u64, |a, w| {
+        a.wrapping_add(u64::from_le_bytes([
+            w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+        ]))
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn touch_avx2(words: &[u64]) -> u64 {
+fn touch_avx2(bytes: &[u8]) -> u64 {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_si256(); 4];
-    let blocks = words.len() / 16;
+    let blocks = bytes.len() / 128;
     for b in 0..blocks {
         for (l, a) in acc.iter_mut().enumerate() {
-            // SAFETY: in bounds (16 words per block); unaligned loads.
-            let v = unsafe { _mm256_loadu_si256(words.as_ptr().add(b * 16 + l * 4).cast()) };
+            // SAFETY: in bounds (128 bytes per block); unaligned loads.
+            let v = unsafe { _mm256_loadu_si256(bytes.as_ptr().add(b * 128 + l * 32).cast()) };
             *a = _mm256_add_epi64(*a, v);
         }
     }
@@ -36,9 +45,7 @@ fn touch_avx2(words: &[u64]) -> u64 {
     );
     // SAFETY: out holds 32 bytes.
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), sum) };
-    let tail: u64 = words[blocks * 16..]
-        .iter()
-        .fold(0, |a, &w| a.wrapping_add(w));
+    let tail = words_sum(&bytes[blocks * 128..]);
     out.iter().fold(tail, |a, &w| a.wrapping_add(w))
 }
 
@@ -47,24 +54,37 @@ fn touch_avx2(words: &[u64]) -> u64 {
 pub fn read_bandwidth(pool: &ThreadPool, bytes: usize, rounds: usize) -> f64 {
     // The same kind of memory the packed weights live in: anonymous,
     // advised for huge pages, filled (so every page is really there).
-    let len = bytes.div_ceil(8).max(16);
-    let mut map = memmap2::MmapMut::map_anon(len * 8).expect("memory for the read benchmark");
+    let len = bytes.max(128);
+    let mut map = memmap2::MmapMut::map_anon(len).expect("memory for the read benchmark");
     #[cfg(target_os = "linux")]
     let _ = map.advise(memmap2::Advice::HugePage);
     map.fill(1);
-    // SAFETY: the map holds len u64s, page-aligned.
-    let words: &[u64] = unsafe { std::slice::from_raw_parts(map.as_ptr().cast(), len) };
+    read_bandwidth_of(pool, &[&map[..]], rounds)
+}
+
+/// Best-of-`rounds` read bandwidth in GB/s over `parts` (the model's own
+/// weights, say), each part split across `pool`'s threads. A fresh buffer
+/// and the weights can sit in memory of different speed: on the VMs this
+/// was written on a fresh buffer read at about 35 or 60-68 GB/s from one
+/// run to the next, and the weights' own pages need not be in the same
+/// mode as the buffer's.
+pub fn read_bandwidth_of(pool: &ThreadPool, parts: &[&[u8]], rounds: usize) -> f64 {
     let threads = pool.threads();
+    let total: usize = parts.iter().map(|p| p.len()).sum();
     let sink = std::sync::atomic::AtomicU64::new(0);
     let mut best = f64::MAX;
     for _ in 0..rounds.max(1) + 1 {
         let start = Instant::now();
         pool.run(|tid| {
-            let (a, b) = split_range(words.len(), threads, tid, 16);
-            sink.fetch_add(touch(&words[a..b]), std::sync::atomic::Ordering::Relaxed);
+            let mut sum = 0u64;
+            for part in parts {
+                let (a, b) = split_range(part.len(), threads, tid, 128);
+                sum = sum.wrapping_add(touch(&part[a..b]));
+            }
+            sink.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
         });
         best = best.min(start.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink.into_inner());
-    words.len() as f64 * 8.0 / best / 1e9
+    total as f64 / best / 1e9
 }

@@ -322,6 +322,24 @@ impl FastEngine {
             })
             .sum()
     }
+
+    /// The bytes of the matrices [`FastEngine::bytes_per_token`] counts
+    /// (a mixture's experts whole), in the model's order, at most `limit`
+    /// of them: for timing a plain read of the weights' own pages.
+    pub fn streamed_weights(&self, limit: usize) -> Vec<&[u8]> {
+        let mut left = limit;
+        let mut out = Vec::new();
+        for (_, m) in self.weights.matrices() {
+            if left == 0 {
+                break;
+            }
+            let raw = m.raw();
+            let take = raw.len().min(left);
+            out.push(&raw[..take]);
+            left -= take;
+        }
+        out
+    }
 }
 
 impl Engine for FastEngine {
