@@ -31,11 +31,10 @@
 //!
 //! A prompt chunk's quantization is split across the threads, whole tiles
 //! to each (`Q8Input::quantize_on`): on the main thread alone it was the
-//! larger part of a prefill's serial work, and splitting it took a Gemma 3
-//! 4B Q4_K_M's pp512 on 2 threads from 83.6 to 87.4 tok/s (medians of 3,
-//! alternating; performance.md). A verify or decode step's few tokens stay
-//! on the calling thread, where a parallel section costs more than the
-//! work.
+//! larger part of a prefill's serial work (a Gemma 3 4B's prefill on two
+//! threads gained 2-4%, performance.md). A verify or decode step's few
+//! tokens stay on the calling thread, where a parallel section costs more
+//! than the work.
 
 use super::pool::{ThreadPool, split_range};
 use crate::jit::emit::gemm_quant::{

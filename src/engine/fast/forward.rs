@@ -9,8 +9,11 @@ use crate::engine::kernels::SharedOut;
 use crate::engine::ops;
 use crate::engine::packed::PackedMatrix;
 use crate::engine::pool::split_range;
+use crate::engine::q8_input::SPLIT_MIN_ROWS;
+use crate::jit::emit::gemm_quant::TOKENS;
 use crate::model::config::ModelConfig;
 use anyhow::{Result, bail};
+use std::sync::Mutex;
 
 /// One step's activations, row-major `[tokens, width]`. Kept by the
 /// engine and resized per step, never shrunk: sized once for a prefill
@@ -245,8 +248,7 @@ impl FastEngine {
         let kv_dim = shape.n_kv_heads * shape.head_dim;
         let q_dim = c.n_heads * shape.head_dim;
         let w = &self.weights.layers[li];
-        self.kernels
-            .rms_norm(&a.x, &w.attn_norm, &mut a.normed, c.rms_eps);
+        self.rms_norm_rows(&a.x, &w.attn_norm, &mut a.normed);
         let (q, k, v) = (
             &mut a.q[..n * q_dim],
             &mut a.k[..n * kv_dim],
@@ -335,8 +337,7 @@ impl FastEngine {
         let w = &self.weights.layers[li];
         let n = a.x.len() / c.hidden;
         let width = c.shape(li).ffn_width;
-        self.kernels
-            .rms_norm(&a.x, &w.ffn_norm, &mut a.normed, c.rms_eps);
+        self.rms_norm_rows(&a.x, &w.ffn_norm, &mut a.normed);
         self.matmuls(
             vec![
                 (&w.gate, &a.normed, &mut a.gate[..n * width]),
@@ -522,15 +523,82 @@ impl FastEngine {
         });
     }
 
-    /// x += post_norm(delta), row by row.
+    /// x += post_norm(delta), row by row (a prompt's rows split over the
+    /// pool, as [`FastEngine::rms_norm_rows`]).
     pub(super) fn residual_add(&self, x: &mut [f32], delta: &mut [f32], post_norm: Option<&[f32]>) {
-        if let Some(nw) = post_norm {
-            self.kernels
-                .rms_norm_in_place(delta, nw, self.config.rms_eps);
+        let (kern, eps) = (&*self.kernels, self.config.rms_eps);
+        let add = |x: &mut [f32], delta: &mut [f32]| {
+            if let Some(nw) = post_norm {
+                kern.rms_norm_in_place(delta, nw, eps);
+            }
+            for (a, b) in x.iter_mut().zip(delta.iter()) {
+                *a += b;
+            }
+        };
+        // A row is as wide as its post-norm where there is one: an
+        // assistant's rows are narrower than the target model's.
+        let width = post_norm.map_or(self.config.hidden, <[f32]>::len);
+        let rows = x.len() / width;
+        if rows < SPLIT_MIN_ROWS {
+            return add(x, delta);
         }
-        for (a, b) in x.iter_mut().zip(delta.iter()) {
-            *a += b;
+        let (mut x_left, mut delta_left) = (x, delta);
+        let carve = |rows: usize| {
+            let (x, x_rest) = std::mem::take(&mut x_left).split_at_mut(rows * width);
+            let (delta, delta_rest) = std::mem::take(&mut delta_left).split_at_mut(rows * width);
+            (x_left, delta_left) = (x_rest, delta_rest);
+            (x, delta)
+        };
+        self.split_rows(rows, carve, |(x, delta)| add(x, delta));
+    }
+
+    /// `out = rms_norm(x) · w` row by row (`w.len()` wide). A prompt's
+    /// rows are split over the pool as `Q8Input::quantize_on` splits them,
+    /// so the thread that quantizes a row for the next product finds it
+    /// in its own cache: made on the main thread alone, the worker's half
+    /// crossed cores, and the main thread waited on that half.
+    pub(super) fn rms_norm_rows(&self, x: &[f32], w: &[f32], out: &mut [f32]) {
+        let (kern, eps) = (&*self.kernels, self.config.rms_eps);
+        let width = w.len();
+        let (mut x_left, mut out_left) = (x, &mut out[..x.len()]);
+        let carve = |rows: usize| {
+            let (x, x_rest) = x_left.split_at(rows * width);
+            let (out, out_rest) = std::mem::take(&mut out_left).split_at_mut(rows * width);
+            (x_left, out_left) = (x_rest, out_rest);
+            (x, out)
+        };
+        self.split_rows(x.len() / width, carve, |(x, out)| {
+            kern.rms_norm(x, w, out, eps)
+        });
+    }
+
+    /// Runs `work` on `rows` token rows, each part's slices cut off the
+    /// front by `carve(rows of the part)`: on the calling thread for a
+    /// step of few tokens, else split over the pool in runs of whole
+    /// 8-token tiles (`gemm_quant::TOKENS`), the runs
+    /// `Q8Input::quantize_on` gives each thread.
+    fn split_rows<T: Send>(
+        &self,
+        rows: usize,
+        mut carve: impl FnMut(usize) -> T,
+        work: impl Fn(T) + Sync,
+    ) {
+        let threads = self.pool.threads();
+        if threads == 1 || rows < SPLIT_MIN_ROWS {
+            return work(carve(rows));
         }
+        let parts: Vec<Mutex<Option<T>>> = (0..threads)
+            .map(|part| {
+                let (first, end) = split_range(rows, threads, part, TOKENS);
+                Mutex::new(Some(carve(end - first)))
+            })
+            .collect();
+        self.pool.run(|tid| {
+            let part = parts[tid].lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(part) = part {
+                work(part);
+            }
+        });
     }
 
     /// Logits of each row; the first `exact` as decode computes them.
