@@ -135,12 +135,12 @@ pub fn run(
     let prefill_s = start.elapsed().as_secs_f64();
 
     engine.truncate(1);
-    // The weights' own read just before the decode and again just after:
-    // this host's memory changed speed (about 33 against 58 GB/s) from
-    // one few seconds to the next, so a decode is compared with a read
-    // only when the two agree. All of a dense model's matrices: their
-    // pages need not be of one speed either. A mixture's first bytes per
-    // token of them.
+    // The weights' own read just before the decode and again just after
+    // (the slices are taken again there: the decode borrows the engine
+    // mutably). This host's memory changed speed (about 33 against 58
+    // GB/s) within seconds, so a decode is compared with a read only
+    // when the two agree. All of a dense model's matrices; a mixture's
+    // first bytes per token of them.
     let weights = engine.streamed_weights(bytes);
     let weights_read_bytes = weights.iter().map(|w| w.len()).sum();
     let weights_read_before_gbs = read_bandwidth_of(engine.pool(), &weights, 3);

@@ -1,5 +1,6 @@
-//! The machine's read bandwidth over a buffer of a given size: the ceiling
-//! a decode step (which streams every weight once) is compared with.
+//! The machine's read bandwidth over a buffer of a given size, or over
+//! given memory (the weights themselves): the ceiling a decode step
+//! (which streams every weight once) is compared with.
 
 use super::pool::{ThreadPool, split_range};
 use std::time::Instant;
@@ -63,11 +64,10 @@ pub fn read_bandwidth(pool: &ThreadPool, bytes: usize, rounds: usize) -> f64 {
 }
 
 /// Best-of-`rounds` read bandwidth in GB/s over `parts` (the model's own
-/// weights, say), each part split across `pool`'s threads. A fresh buffer
-/// and the weights can sit in memory of different speed: on the VMs this
-/// was written on a fresh buffer read at about 35 or 60-68 GB/s from one
-/// run to the next, and the weights' own pages need not be in the same
-/// mode as the buffer's.
+/// weights, say), each part split across `pool`'s threads. On the VMs
+/// this was written on, the memory's speed changed within seconds (about
+/// 33 or 58-67 GB/s), so a read measures its own moment: `bench` reads
+/// the weights just before a decode and just after it.
 pub fn read_bandwidth_of(pool: &ThreadPool, parts: &[&[u8]], rounds: usize) -> f64 {
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut best = f64::MAX;

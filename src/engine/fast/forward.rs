@@ -576,7 +576,7 @@ impl FastEngine {
     /// front by `carve(rows of the part)`: on the calling thread for a
     /// step of few tokens, else split over the pool in runs of whole
     /// 8-token tiles (`gemm_quant::TOKENS`), the runs
-    /// `Q8Input::quantize_on` gives each thread.
+    /// `Q8Input::quantize_on` gives each thread at one input level.
     fn split_rows<T: Send>(
         &self,
         rows: usize,
