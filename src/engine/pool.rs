@@ -8,8 +8,8 @@
 
 use std::cell::UnsafeCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -119,6 +119,33 @@ impl ThreadPool {
         }
     }
 
+    /// Runs `work` once per thread on that thread's part of `total` items
+    /// ([`split_range`] in runs of `granule`). `carve(items)` cuts each
+    /// part's data off the front, in thread order, before the section
+    /// starts, so every thread owns its slices outright (each sits behind
+    /// a lock only its own thread takes).
+    pub fn run_parts<T: Send>(
+        &self,
+        total: usize,
+        granule: usize,
+        mut carve: impl FnMut(usize) -> T,
+        work: impl Fn(T) + Sync,
+    ) {
+        let threads = self.threads();
+        let parts: Vec<Mutex<Option<T>>> = (0..threads)
+            .map(|index| {
+                let (first, end) = split_range(total, threads, index, granule);
+                Mutex::new(Some(carve(end - first)))
+            })
+            .collect();
+        self.run(|tid| {
+            let part = parts[tid].lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(part) = part {
+                work(part);
+            }
+        });
+    }
+
     /// Mean time of an empty `run` round trip over `iterations`: the cost
     /// of waking every worker and waiting for all of them.
     pub fn wake_latency(&self, iterations: u32) -> Duration {
@@ -204,6 +231,27 @@ pub fn split_range(total: usize, threads: usize, index: usize, granule: usize) -
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    /// Every item of every carved part is worked on exactly once, with
+    /// the parts cut at the granule.
+    #[test]
+    fn run_parts_hands_each_item_to_one_thread() {
+        let pool = ThreadPool::new(3);
+        let mut items = vec![0u32; 101];
+        let mut left = &mut items[..];
+        let mut sizes = Vec::new();
+        let carve = |n: usize| {
+            sizes.push(n);
+            let (part, rest) = std::mem::take(&mut left).split_at_mut(n);
+            left = rest;
+            part
+        };
+        pool.run_parts(101, 8, carve, |part: &mut [u32]| {
+            part.iter_mut().for_each(|v| *v += 1);
+        });
+        assert_eq!(sizes, [40, 32, 29]);
+        assert!(items.iter().all(|&v| v == 1), "{items:?}");
+    }
 
     #[test]
     fn every_thread_runs_every_job() {

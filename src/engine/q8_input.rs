@@ -36,14 +36,13 @@
 //! tokens stay on the calling thread, where a parallel section costs more
 //! than the work.
 
-use super::pool::{ThreadPool, split_range};
+use super::pool::ThreadPool;
 use crate::jit::emit::gemm_quant::{
     SINGLE_GROUP_BYTES, SINGLE_HALF_STARTS_AT, SINGLE_SCALE_AT, SINGLE_SCALED_SUM_AT, ScaleSpan,
     TILE_GROUP_BYTES, TILE_HALF_STARTS_AT, TILE_SCALED_SUMS_AT, TILE_SCALES_AT, TILE_SUMS_AT,
     TILE_VNNI_STARTS_AT, TOKENS, single_tile_bytes, tile_bytes, vnni_group_start,
 };
 use crate::model::quant_blocks::GROUP_COLS;
-use std::sync::Mutex;
 
 /// Rows from which [`Q8Input::quantize_on`] splits the work across threads:
 /// above a verify step's 16 tokens, below a prompt chunk's.
@@ -421,26 +420,20 @@ impl Q8Input {
                 // Each thread's rows fill whole tiles (but the last
                 // thread's), so its tokens' bytes and tiles are slices of
                 // their own; the rows' tile indices start at zero in each.
-                let threads = pool.threads();
-                let mut parts = Vec::with_capacity(threads);
                 let (mut x_left, mut bytes_left, mut tiles_left) =
                     (x, &mut bytes[..], &mut tiles[..]);
-                let rows = x.len() / k;
-                for part in 0..threads {
-                    let (first, end) = split_range(rows, threads, part, TOKENS / levels);
-                    let part_tokens = (end - first) * levels;
-                    let (x_part, x_rest) = x_left.split_at((end - first) * k);
+                let carve = |rows: usize| {
+                    let part_tokens = rows * levels;
+                    let (x_part, x_rest) = x_left.split_at(rows * k);
                     let (bytes_part, bytes_rest) =
                         std::mem::take(&mut bytes_left).split_at_mut(part_tokens * stride);
                     let (tiles_part, tiles_rest) = std::mem::take(&mut tiles_left)
                         .split_at_mut(part_tokens.div_ceil(TOKENS) * tile_bytes(k));
                     (x_left, bytes_left, tiles_left) = (x_rest, bytes_rest, tiles_rest);
-                    parts.push(Mutex::new((x_part, bytes_part, tiles_part)));
-                }
-                pool.run(|tid| {
-                    let mut part = parts[tid].lock().unwrap_or_else(|e| e.into_inner());
-                    let (x, bytes, tiles) = &mut *part;
-                    quantize(x, bytes, tiles);
+                    (x_part, bytes_part, tiles_part)
+                };
+                pool.run_parts(x.len() / k, TOKENS / levels, carve, |(x, bytes, tiles)| {
+                    quantize(x, bytes, tiles)
                 });
             }
         }

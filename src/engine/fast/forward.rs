@@ -13,7 +13,6 @@ use crate::engine::q8_input::SPLIT_MIN_ROWS;
 use crate::jit::emit::gemm_quant::TOKENS;
 use crate::model::config::ModelConfig;
 use anyhow::{Result, bail};
-use std::sync::Mutex;
 
 /// One step's activations, row-major `[tokens, width]`. Kept by the
 /// engine and resized per step, never shrunk: sized once for a prefill
@@ -583,22 +582,10 @@ impl FastEngine {
         mut carve: impl FnMut(usize) -> T,
         work: impl Fn(T) + Sync,
     ) {
-        let threads = self.pool.threads();
-        if threads == 1 || rows < SPLIT_MIN_ROWS {
+        if self.pool.threads() == 1 || rows < SPLIT_MIN_ROWS {
             return work(carve(rows));
         }
-        let parts: Vec<Mutex<Option<T>>> = (0..threads)
-            .map(|part| {
-                let (first, end) = split_range(rows, threads, part, TOKENS);
-                Mutex::new(Some(carve(end - first)))
-            })
-            .collect();
-        self.pool.run(|tid| {
-            let part = parts[tid].lock().unwrap_or_else(|e| e.into_inner()).take();
-            if let Some(part) = part {
-                work(part);
-            }
-        });
+        self.pool.run_parts(rows, TOKENS, carve, work);
     }
 
     /// Logits of each row; the first `exact` as decode computes them.
