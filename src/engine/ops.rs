@@ -90,14 +90,20 @@ pub fn route_token(
     top_k: usize,
     eps: f32,
 ) -> Vec<(usize, f32)> {
+    let input = router_input(x, input_scale, eps);
+    let mut logits = vec![0.0; expert_scale.len()];
+    matvec(router, &input, &mut logits);
+    route_experts(&logits, top_k, expert_scale)
+}
+
+/// What Gemma 4's router multiplies: `rms(x) * input_scale`.
+pub fn router_input(x: &[f32], input_scale: &[f32], eps: f32) -> Vec<f32> {
     let mut input = x.to_vec();
     rms_normalize(&mut input, eps);
     for (v, s) in input.iter_mut().zip(input_scale) {
         *v *= s;
     }
-    let mut logits = vec![0.0; expert_scale.len()];
-    matvec(router, &input, &mut logits);
-    route_experts(&logits, top_k, expert_scale)
+    input
 }
 
 /// The experts a router sends a token to, with their weights: the

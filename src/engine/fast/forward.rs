@@ -4,6 +4,7 @@
 //! input, AltUp's streams around them, the final norm, and the logits of
 //! the rows that want them. Reads like the reference pass.
 
+use super::matmul::Product;
 use super::{FastEngine, Part};
 use crate::engine::kernels::SharedOut;
 use crate::engine::ops;
@@ -330,20 +331,31 @@ impl FastEngine {
     }
 
     /// Layer `li`'s feed-forward: norm, gate and up, GeGLU, down, with a
-    /// mixture the experts beside it, and the residual.
+    /// mixture the experts beside it, and the residual. The experts read
+    /// the residual rather than the dense MLP's output, so they are routed
+    /// first and their products join the dense MLP's two parallel
+    /// sections: a decode step of the 26B-A4B had four sections here,
+    /// each ending in a wait for its slowest thread.
     fn feed_forward_block(&self, li: usize, exact: usize, a: &mut Activations) {
         let c = &self.config;
         let w = &self.weights.layers[li];
         let n = a.x.len() / c.hidden;
         let width = c.shape(li).ffn_width;
         self.rms_norm_rows(&a.x, &w.ffn_norm, &mut a.normed);
-        self.matmuls(
-            vec![
-                (&w.gate, &a.normed, &mut a.gate[..n * width]),
-                (&w.up, &a.normed, &mut a.up[..n * width]),
-            ],
-            exact,
-        );
+        let mut mixture = match (&w.moe, c.features.moe) {
+            (Some(moe), Some(shape)) => {
+                Some(self.route_step(moe, shape, exact, &a.x, &mut a.expert_in))
+            }
+            _ => None,
+        };
+        let mut jobs: Vec<Product> = vec![
+            (&w.gate, &a.normed, &mut a.gate[..n * width], exact),
+            (&w.up, &a.normed, &mut a.up[..n * width], exact),
+        ];
+        if let Some(m) = &mut mixture {
+            jobs.extend(m.gate_up_products(&a.expert_in));
+        }
+        self.products(jobs);
         if let Some(cut) = c.shape(li).sparsity_cut {
             self.sparsity_cut(&mut a.gate[..n * width], width, cut);
         }
@@ -353,107 +365,24 @@ impl FastEngine {
             &mut a.act[..n * width],
             n,
         );
-        self.matmul(&w.down, &a.act[..n * width], &mut a.proj, exact);
-        if let Some(moe) = &w.moe {
+        let mut jobs: Vec<Product> = vec![(&w.down, &a.act[..n * width], &mut a.proj, exact)];
+        if let Some(m) = &mut mixture {
+            m.geglu(&*self.kernels);
+            jobs.extend(m.down_products());
+        }
+        self.products(jobs);
+        if let (Some(moe), Some(m)) = (&w.moe, &mixture) {
             self.kernels
                 .rms_norm_in_place(&mut a.proj, &moe.dense_post_norm, c.rms_eps);
-            self.experts_block(li, exact, a);
+            let routed = &mut a.routed[..n * c.hidden];
+            m.weighted_sum(routed);
             self.kernels
-                .rms_norm_in_place(&mut a.routed, &moe.experts_post_norm, c.rms_eps);
-            for (p, r) in a.proj.iter_mut().zip(&a.routed) {
+                .rms_norm_in_place(routed, &moe.experts_post_norm, c.rms_eps);
+            for (p, r) in a.proj.iter_mut().zip(routed.iter()) {
                 *p += r;
             }
         }
         self.residual_add(&mut a.x, &mut a.proj, w.ffn_post_norm.as_deref());
-    }
-
-    /// The mixture of layer `li` for every row of `a.x` into `a.routed`:
-    /// each token's experts chosen by the router (in Rust: a few dozen
-    /// dot products), then the tokens grouped by expert so each chosen
-    /// expert's rows are read once for the step, all experts' products in
-    /// one parallel section per stage.
-    fn experts_block(&self, li: usize, exact: usize, a: &mut Activations) {
-        let c = &self.config;
-        let (Some(moe), Some(shape)) = (&self.weights.layers[li].moe, c.features.moe) else {
-            return;
-        };
-        let (h, width) = (c.hidden, shape.width);
-        let n = a.x.len() / h;
-        self.kernels
-            .rms_norm(&a.x, &moe.norm, &mut a.expert_in, c.rms_eps);
-        // Per expert: its tokens (rows of the step, in order) and weights.
-        let mut routed_to: Vec<Vec<(usize, f32)>> = vec![Vec::new(); shape.experts];
-        for (t, x) in a.x.chunks_exact(h).enumerate() {
-            let routes = ops::route_token(
-                &moe.router.data,
-                &moe.router_input_scale,
-                &moe.expert_scale,
-                x,
-                shape.top_k,
-                c.rms_eps,
-            );
-            for (e, weight) in routes {
-                routed_to[e].push((t, weight));
-            }
-        }
-        let used: Vec<usize> = (0..shape.experts)
-            .filter(|&e| !routed_to[e].is_empty())
-            .collect();
-        // Each used expert's inputs gathered, and room for its products.
-        let gathered: Vec<Vec<f32>> = used
-            .iter()
-            .map(|&e| {
-                routed_to[e]
-                    .iter()
-                    .flat_map(|&(t, _)| a.expert_in[t * h..(t + 1) * h].iter().copied())
-                    .collect()
-            })
-            .collect();
-        let exact_of = |e: usize| routed_to[e].iter().filter(|&&(t, _)| t < exact).count();
-        let rows_of = |e: usize| routed_to[e].len();
-        let mut gates: Vec<Vec<f32>> = used
-            .iter()
-            .map(|&e| vec![0.0; rows_of(e) * width])
-            .collect();
-        let mut ups: Vec<Vec<f32>> = gates.clone();
-        // One section for every expert's gate and up. Each job's exact
-        // tokens lead its input, as `matmuls` wants; all jobs share the
-        // smallest count (tokens past it go through the GEMM, which only
-        // 16-bit weights distinguish).
-        let jobs_exact = used.iter().map(|&e| exact_of(e)).min().unwrap_or(0);
-        let mut jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = Vec::new();
-        for (((&e, x), g), u) in used.iter().zip(&gathered).zip(&mut gates).zip(&mut ups) {
-            let expert = &moe.experts[e];
-            jobs.push((&expert.gate, x, g));
-            jobs.push((&expert.up, x, u));
-        }
-        self.matmuls(jobs, jobs_exact);
-        let mut acts: Vec<Vec<f32>> = gates
-            .iter()
-            .zip(&ups)
-            .map(|(g, u)| {
-                let mut out = vec![0.0; g.len()];
-                self.kernels.geglu(g, u, &mut out);
-                out
-            })
-            .collect();
-        let mut outs: Vec<Vec<f32>> = used.iter().map(|&e| vec![0.0; rows_of(e) * h]).collect();
-        let jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])> = used
-            .iter()
-            .zip(&mut acts)
-            .zip(&mut outs)
-            .map(|((&e, x), y)| (&moe.experts[e].down, &x[..], &mut y[..]))
-            .collect();
-        self.matmuls(jobs, jobs_exact);
-        // Each token's sum in expert order, whatever else shares the step.
-        a.routed[..n * h].fill(0.0);
-        for (&e, out) in used.iter().zip(&outs) {
-            for (&(t, weight), y) in routed_to[e].iter().zip(out.chunks_exact(h)) {
-                for (r, v) in a.routed[t * h..(t + 1) * h].iter_mut().zip(y) {
-                    *r += weight * v;
-                }
-            }
-        }
     }
 
     /// The per-layer input of layer `li` (Gemma 3n and 4):

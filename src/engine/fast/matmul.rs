@@ -33,6 +33,10 @@ unsafe fn add_level_pairs(pairs: SharedOut, out: SharedOut, tokens: usize, rows:
     }
 }
 
+/// One product of a parallel section: `y = W · x` over whole token rows
+/// of `x`, the first `exact` of them as a decode step computes them.
+pub(super) type Product<'a> = (&'a PackedMatrix, &'a [f32], &'a mut [f32], usize);
+
 impl FastEngine {
     /// `y[t] = W · x[t]` for every token, rows split across the pool; the
     /// first `exact` tokens as decode computes them (see `matmuls`).
@@ -54,6 +58,13 @@ impl FastEngine {
     /// With two input levels each token is two of the integer kernels'
     /// tokens, whose rows are added in pairs (`add_level_pairs`).
     pub(super) fn matmuls(&self, jobs: Vec<(&PackedMatrix, &[f32], &mut [f32])>, exact: usize) {
+        self.products(jobs.into_iter().map(|(w, x, y)| (w, x, y, exact)).collect());
+    }
+
+    /// [`FastEngine::matmuls`] with each product's own count of exact
+    /// tokens, the fourth of its tuple: a mixture's experts each take
+    /// their own share of a step's tokens.
+    pub(super) fn products(&self, jobs: Vec<Product>) {
         struct Job<'a> {
             w: &'a PackedMatrix,
             x: &'a [f32],
@@ -74,8 +85,8 @@ impl FastEngine {
         let mut level_rows = self.level_rows.lock().unwrap_or_else(|e| e.into_inner());
         let wanted: usize = jobs
             .iter()
-            .filter(|(w, _, _)| quantized_with_levels(w))
-            .map(|(w, x, _)| levels * x.len() / w.cols * w.rows)
+            .filter(|(w, ..)| quantized_with_levels(w))
+            .map(|(w, x, ..)| levels * x.len() / w.cols * w.rows)
             .sum();
         if level_rows.len() < wanted {
             level_rows.resize(wanted, 0.0);
@@ -91,7 +102,7 @@ impl FastEngine {
         // laid out once for every thread, and once for the jobs sharing an
         // input.
         let mut tiled: Vec<(usize, WideInput)> = Vec::new();
-        for (w, x, y) in jobs {
+        for (w, x, y, exact) in jobs {
             assert_eq!(x.len() % w.cols, 0, "input is not whole rows");
             assert_eq!(y.len(), x.len() / w.cols * w.rows, "output size");
             let tokens = x.len() / w.cols;

@@ -10,13 +10,15 @@
 //! decided once, the kernel plan complete before code is generated, the
 //! weights loaded, launch tuning); `forward` runs one step's layers;
 //! `matmul` schedules the matrix products over the pool; `attention` holds
-//! prefill's and decode's attention; `gemma3n` the per-token work of
+//! prefill's and decode's attention; `experts` Gemma 4's mixture of
+//! experts; `gemma3n` the per-token work of
 //! Gemma 3n's AltUp, sparsity and per-layer inputs; `batch` the calls over
 //! several sequences at once.
 
 mod attention;
 mod batch;
 mod draft;
+mod experts;
 mod forward;
 mod gemma3n;
 mod matmul;
