@@ -376,65 +376,36 @@ fn short_steps_equal_one_token_steps_bit_for_bit() {
 #[test]
 fn mixture_sequences_sharing_a_step_get_what_they_get_alone() {
     use pulsar::engine::fast::SeqTokens;
-    let src = Arc::new(ModelSource::open(&gemma4_dir().join("tiny-gemma4-moe-f32")).unwrap());
     let walk = |n: usize, seed: u32| -> Vec<u32> {
         (0..n as u32)
             .map(|i| 3 + (i * 37 + seed * 101) % 500)
             .collect()
     };
     for format in [None, Some(WeightFormat::Q8_0)] {
-        let opts = FastOptions {
-            threads: 2,
-            context: 64,
-            format,
-            prefill_chunk: 32,
-            in_place: false,
-            native: false,
-        };
-        let formats = FastEngine::weight_formats(&src, &opts).unwrap();
-        let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
-        let mut e = FastEngine::load(&src, kernels, &opts).unwrap();
-        e.set_sequences(6).unwrap();
-        let step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
-            let batch = [SeqTokens {
-                seq,
-                tokens,
-                wanted: Some(LogitsWanted::All),
-            }];
-            e.forward_batch(&batch).unwrap().remove(0)
-        };
+        let mut e =
+            fast_engine_with_sequences(&gemma4_dir().join("tiny-gemma4-moe-f32"), format, 32, 6);
+        let step = step_alone;
         for (seq, prompt) in [walk(9, 1), walk(6, 2), walk(3, 3)].iter().enumerate() {
             step(&mut e, seq, prompt);
             step(&mut e, seq + 3, prompt);
         }
-        let (one, short, bulk) = (walk(1, 4), walk(5, 5), walk(30, 6));
-        let batch = [
-            SeqTokens {
-                seq: 0,
-                tokens: &one,
+        // A decode token, a short exact run and a prompt chunk in bulk.
+        let runs = [walk(1, 4), walk(5, 5), walk(30, 6)];
+        let batch: Vec<SeqTokens> = runs
+            .iter()
+            .enumerate()
+            .map(|(seq, tokens)| SeqTokens {
+                seq,
+                tokens,
                 wanted: Some(LogitsWanted::All),
-            },
-            SeqTokens {
-                seq: 1,
-                tokens: &short,
-                wanted: Some(LogitsWanted::All),
-            },
-            SeqTokens {
-                seq: 2,
-                tokens: &bulk,
-                wanted: Some(LogitsWanted::All),
-            },
-        ];
+            })
+            .collect();
         let together = e.forward_batch(&batch).unwrap();
-        let alone = [
-            step(&mut e, 3, &one),
-            step(&mut e, 4, &short),
-            step(&mut e, 5, &bulk),
-        ];
-        for (seq, (t, a)) in together.iter().zip(&alone).enumerate() {
+        for (seq, (run, t)) in runs.iter().zip(&together).enumerate() {
+            let a = step(&mut e, seq + 3, run);
             let differs = t
                 .iter()
-                .zip(a)
+                .zip(&a)
                 .position(|(x, y)| x.to_bits() != y.to_bits());
             assert!(
                 differs.is_none(),

@@ -177,14 +177,16 @@ pub fn k_quant_file(
 /// sequences, runs of 2, 5 and 9 tokens against the same tokens one at a
 /// time; every position's logits must have the same bits. The prompt's
 /// ids are drawn below `ids.0`, the runs' from 7 to `7 + ids.1`.
+/// A fast engine on 2 threads (JIT kernels, 64 positions, prompts in
+/// chunks of `prefill_chunk`) holding `sequences` sequences.
 #[allow(dead_code)]
-pub fn assert_short_steps_equal_one_token_steps(
+pub fn fast_engine_with_sequences(
     path: &Path,
     format: Option<pulsar::engine::packed::WeightFormat>,
-    ids: (u32, u32),
-) {
-    use pulsar::engine::LogitsWanted;
-    use pulsar::engine::fast::{FastEngine, FastOptions, SeqTokens};
+    prefill_chunk: usize,
+    sequences: usize,
+) -> pulsar::engine::fast::FastEngine {
+    use pulsar::engine::fast::{FastEngine, FastOptions};
     use pulsar::engine::jit_kernels::JitKernels;
     use pulsar::model::source::ModelSource;
     let src = std::sync::Arc::new(ModelSource::open(path).unwrap());
@@ -192,23 +194,44 @@ pub fn assert_short_steps_equal_one_token_steps(
         threads: 2,
         context: 64,
         format,
-        prefill_chunk: 16,
+        prefill_chunk,
         in_place: false,
         native: false,
     };
     let formats = FastEngine::weight_formats(&src, &opts).unwrap();
     let kernels = Box::new(JitKernels::build(&src.config, formats, 2).unwrap());
     let mut e = FastEngine::load(&src, kernels, &opts).unwrap();
-    e.set_sequences(2).unwrap();
-    let vocab = src.config.vocab_size;
-    let step = |e: &mut FastEngine, seq: usize, tokens: &[u32]| {
-        let batch = [SeqTokens {
-            seq,
-            tokens,
-            wanted: Some(LogitsWanted::All),
-        }];
-        e.forward_batch(&batch).unwrap().remove(0)
-    };
+    e.set_sequences(sequences).unwrap();
+    e
+}
+
+/// One step of `tokens` for sequence `seq` alone: every position's logits.
+#[allow(dead_code)]
+pub fn step_alone(
+    e: &mut pulsar::engine::fast::FastEngine,
+    seq: usize,
+    tokens: &[u32],
+) -> Vec<f32> {
+    use pulsar::engine::LogitsWanted;
+    use pulsar::engine::fast::SeqTokens;
+    let batch = [SeqTokens {
+        seq,
+        tokens,
+        wanted: Some(LogitsWanted::All),
+    }];
+    e.forward_batch(&batch).unwrap().remove(0)
+}
+
+#[allow(dead_code)]
+pub fn assert_short_steps_equal_one_token_steps(
+    path: &Path,
+    format: Option<pulsar::engine::packed::WeightFormat>,
+    ids: (u32, u32),
+) {
+    use pulsar::engine::Engine;
+    let mut e = fast_engine_with_sequences(path, format, 16, 2);
+    let vocab = e.config().vocab_size;
+    let step = step_alone;
     let model = path.display();
     let prompt: Vec<u32> = (0..11).map(|i| 2 + (i * 37 + 5) % ids.0).collect();
     for seq in 0..2 {
