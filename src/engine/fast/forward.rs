@@ -334,8 +334,9 @@ impl FastEngine {
     /// mixture the experts beside it, and the residual. The experts read
     /// the residual rather than the dense MLP's output, so they are routed
     /// first and their products join the dense MLP's two parallel
-    /// sections: a decode step of the 26B-A4B had four sections here,
-    /// each ending in a wait for its slowest thread.
+    /// sections: a decode step of the 26B-A4B had four sections here (now
+    /// three, the router's among them), each ending in a wait for its
+    /// slowest thread.
     fn feed_forward_block(&self, li: usize, exact: usize, a: &mut Activations) {
         let c = &self.config;
         let w = &self.weights.layers[li];
