@@ -228,7 +228,7 @@ fn measure_one_quant(
         .context("planned GEMV missing from the kernel set")?;
     let block = q.block_bytes(k);
     let rows = weight_bytes() / block * quant_blocks::BLOCK_ROWS;
-    let w = synthetic_blocks(rows / quant_blocks::BLOCK_ROWS * block);
+    let w = synthetic_blocks(rows / quant_blocks::BLOCK_ROWS * block)?;
     let x: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
     let xq = Q8Input::quantize(&x, k);
     let mut y = vec![0f32; rows];
@@ -378,7 +378,7 @@ fn measure_rows_as_lanes_gemm(
         .get::<GemmQuant>((q, k))
         .context("planned quantized GEMM missing from the kernel set")?;
     let rows = weight_bytes() / q.block_bytes(k) * q.block_rows();
-    let w = synthetic_blocks(rows / q.block_rows() * q.block_bytes(k));
+    let w = synthetic_blocks(rows / q.block_rows() * q.block_bytes(k))?;
     let x: Vec<f32> = (0..TOKENS * k)
         .map(|i| (i % 13) as f32 * 0.1 - 0.6)
         .collect();
@@ -441,15 +441,26 @@ fn measure_rows_as_lanes_gemm(
 
 /// Random quantized bytes for timing: every f16 scale (any 2 bytes) a
 /// normal number, so no subnormal slows the arithmetic.
-fn synthetic_blocks(len: usize) -> Vec<u8> {
+/// Pseudo-random weight bytes in the kind of memory the engine's packed
+/// weights live in: anonymous and advised for huge pages. On a Vec's 4 KiB
+/// pages the one-token K-quant kernels streamed about a sixth slower than
+/// on huge pages (docs/performance.md), so the figures below blamed the
+/// kernels for the pages.
+fn synthetic_blocks(len: usize) -> Result<memmap2::MmapMut> {
+    let mut map =
+        memmap2::MmapMut::map_anon(len.max(1)).context("anonymous memory for the weights")?;
+    #[cfg(target_os = "linux")]
+    {
+        // Advice only: a kernel without THP simply ignores it.
+        let _ = map.advise(memmap2::Advice::HugePage);
+    }
     let mut seed = 0x9E37_79B9u32;
-    (0..len)
-        .map(|_| {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            // Bytes in 8..56 make every f16 scale's exponent 2..13.
-            8 + (seed >> 24) as u8 % 48
-        })
-        .collect()
+    for b in map.iter_mut() {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        // Bytes in 8..56 make every f16 scale's exponent 2..13.
+        *b = 8 + (seed >> 24) as u8 % 48;
+    }
+    Ok(map)
 }
 
 /// Prefill GEMM throughput (GFLOP/s) for each planned K, at the engine's
