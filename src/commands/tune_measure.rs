@@ -439,13 +439,12 @@ fn measure_rows_as_lanes_gemm(
     Ok(())
 }
 
-/// Random quantized bytes for timing: every f16 scale (any 2 bytes) a
-/// normal number, so no subnormal slows the arithmetic.
-/// Pseudo-random weight bytes in the kind of memory the engine's packed
-/// weights live in: anonymous and advised for huge pages. On a Vec's 4 KiB
-/// pages the one-token K-quant kernels streamed about a sixth slower than
-/// on huge pages (docs/performance.md), so the figures below blamed the
-/// kernels for the pages.
+/// Random quantized bytes for timing (every f16 scale, any 2 bytes, a
+/// normal number, so no subnormal slows the arithmetic), in the kind of
+/// memory the engine's packed weights live in: anonymous and advised for
+/// huge pages. On a Vec's 4 KiB pages the one-token K-quant kernels
+/// streamed about a sixth slower (docs/performance.md), so the figures
+/// below blamed the kernels for the pages.
 fn synthetic_blocks(len: usize) -> Result<memmap2::MmapMut> {
     let mut map =
         memmap2::MmapMut::map_anon(len.max(1)).context("anonymous memory for the weights")?;
