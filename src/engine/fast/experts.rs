@@ -55,10 +55,9 @@ impl FastEngine {
         x: &[f32],
         expert_in: &mut [f32],
     ) -> ExpertsStep<'w> {
-        let (h, eps) = (self.config.hidden, self.config.rms_eps);
-        let n = x.len() / h;
-        self.kernels
-            .rms_norm(x, &moe.norm, &mut expert_in[..n * h], eps);
+        let h = self.config.hidden;
+        // A prompt's rows split over the pool, as the layer's other norms.
+        self.rms_norm_rows(x, &moe.norm, expert_in);
         let logits = self.router_logits(moe, shape.experts, x);
         let mut routed_to: Vec<Vec<(usize, f32)>> = vec![Vec::new(); shape.experts];
         for (t, row) in logits.chunks_exact(shape.experts).enumerate() {
